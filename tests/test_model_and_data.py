@@ -1,0 +1,69 @@
+"""Pooling against a hand computation, the sampler's global-batch contract, and the column
+checks that turn bad data into one clear error.
+
+Run: python -m pytest tests/test_model_and_data.py
+"""
+
+import datasets
+import pytest
+import torch
+from conftest import REPO_DIR  # noqa: F401  (puts the repository on sys.path)
+
+import train
+
+
+def test_mean_pooling_ignores_padding_by_hand():
+    token_states = torch.tensor([
+        [[1.0, 2.0], [3.0, 4.0], [100.0, 100.0]],   # row 0: two real tokens, one pad
+        [[5.0, -1.0], [7.0, 1.0], [9.0, 3.0]],      # row 1: three real tokens
+        [[-2.0, 8.0], [50.0, 50.0], [60.0, 60.0]],  # row 2: one real token
+    ])
+    mask = torch.tensor([[1, 1, 0], [1, 1, 1], [1, 0, 0]])
+    expected = torch.tensor([[(1 + 3) / 2, (2 + 4) / 2], [(5 + 7 + 9) / 3, (-1 + 1 + 3) / 3], [-2.0, 8.0]])
+    assert torch.allclose(train.pool(token_states, mask, "mean"), expected)
+    assert torch.equal(train.pool(token_states, mask, "cls"), token_states[:, 0])
+    assert torch.equal(train.pool(token_states, mask, "max"), torch.tensor([[3.0, 4.0], [9.0, 3.0], [-2.0, 8.0]]))
+    assert torch.equal(train.pool(token_states, mask, "lasttoken"), torch.tensor([[3.0, 4.0], [9.0, 3.0], [-2.0, 8.0]]))
+    left_padded = torch.tensor([[0, 1, 1], [1, 1, 1], [0, 0, 1]])
+    assert torch.equal(train.pool(token_states, left_padded, "lasttoken"), token_states[:, 2])
+
+
+@pytest.mark.parametrize("world_size,grad_accum_steps", [(1, 1), (2, 1), (1, 2), (4, 3)])
+def test_micro_batches_cut_one_global_batch_the_same_way_for_any_split(world_size, grad_accum_steps):
+    """Rank r, micro-step j gets slice r * accum + j of the step's global batch, so the rows of a
+    step depend only on (seed, epoch, step) and on the global batch size."""
+    num_rows, global_batch = 103, 12
+    per_device = global_batch // (world_size * grad_accum_steps)
+    perm = torch.randperm(num_rows, generator=torch.Generator().manual_seed(7 + 1)).tolist()
+    for step in range(num_rows // global_batch):
+        pieces = [train.micro_batch_indices(num_rows, 7, 1, step, r, j, per_device, world_size, grad_accum_steps)
+                  for r in range(world_size) for j in range(grad_accum_steps)]
+        assert all(len(p) == per_device for p in pieces)
+        assert sum(pieces, []) == perm[step * global_batch:(step + 1) * global_batch]
+    # A different epoch is a different order.
+    assert train.micro_batch_indices(num_rows, 7, 2, 0, 0, 0, 12, 1, 1) != perm[:12]
+
+
+def table(**columns):
+    return datasets.Dataset.from_dict(columns)
+
+
+def test_columns_follow_sentence_transformers_conventions():
+    ds = table(anchor=["a", "b"], positive=["c", "d"], negative=["e", "f"])
+    assert train.data_columns(ds, "mnrl") == (["anchor", "positive", "negative"], None, 0)
+    ds = table(sentence1=["a", "b"], sentence2=["c", "d"], score=[0.1, 0.9])
+    assert train.data_columns(ds, "cosent") == (["sentence1", "sentence2"], "score", 0)
+    ds = table(premise=["a", "b", "c"], hypothesis=["d", "e", "f"], label=[0, 2, 1])
+    assert train.data_columns(ds, "softmax") == (["premise", "hypothesis"], "label", 3)
+
+
+@pytest.mark.parametrize("loss,columns,message", [
+    ("cosent", dict(anchor=["a"], positive=["b"]), "needs two text columns and a target"),
+    ("mnrl", dict(sentence1=["a"], sentence2=["b"], score=[0.5]), "no target"),
+    ("softmax", dict(premise=["a"], hypothesis=["b"], label=[0.5]), "integer class labels"),
+    ("softmax", dict(premise=["a"], hypothesis=["b"], label=[-1]), "negative labels"),
+    ("cosent", dict(sentence1=["a"], sentence2=["b"], similarity=[0.5]), "not text"),
+])
+def test_bad_columns_name_the_problem(loss, columns, message):
+    with pytest.raises(ValueError, match=message):
+        train.data_columns(table(**columns), loss)

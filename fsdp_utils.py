@@ -22,20 +22,74 @@ import importlib.metadata
 import json
 import os
 import shutil
+import warnings
 
 import torch
+import torch.distributed as dist
 from safetensors.torch import save_file
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
 # ----------------------------------------------------------------------------------------------
-# Wrapping
+# Which blocks to shard: the repeated transformer layer, found in the model itself
 
 
-def wrap_model(model, strategy, device):
-    """Return the module the training loop calls: `model` itself, or DDP around it.
+def detect_layer_classes(model):
+    """Names of the classes of the model's repeated block: the element classes of the
+    `nn.ModuleList` that holds the most parameters (BertLayer, XLMRobertaLayer, MPNetLayer,
+    Qwen2DecoderLayer, ...). Works whatever `_no_split_modules` says, or when it is missing."""
+    best, best_numel = None, 0
+    for module in model.modules():
+        if isinstance(module, torch.nn.ModuleList) and len(module) > 1:
+            numel = sum(p.numel() for p in module.parameters())
+            if numel > best_numel:
+                best, best_numel = module, numel
+    if best is None:
+        raise ValueError(f"{type(model).__name__} has no repeated block (no nn.ModuleList of layers); name the classes to wrap with --fsdp-layer-cls")
+    return sorted({type(m).__name__ for m in best})
+
+
+def resolve_layer_classes(model, override=""):
+    """The classes to wrap: `override` ("NAME[,NAME]") if given, else the detected block. Fails
+    before any wrapping when a name is not a class in the model, listing the ones that are."""
+    present = {type(m).__name__: type(m) for m in model.modules()}
+    names = [n.strip() for n in override.split(",") if n.strip()] or detect_layer_classes(model)
+    missing = [n for n in names if n not in present]
+    if missing:
+        raise ValueError(
+            f"--fsdp-layer-cls {','.join(missing)}: no such layer class in this {type(model).__name__}. "
+            f"Its repeated block is {detect_layer_classes(model)}; leave --fsdp-layer-cls empty to use it "
+            f"(all classes in the model: {sorted(present)})")
+    return {present[n] for n in names}
+
+
+# ----------------------------------------------------------------------------------------------
+# Wrapping: single, DDP, FSDP1 (FullyShardedDataParallel) or FSDP2 (fully_shard)
+
+PRECISIONS = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+FSDP1_SHARDING = {"full_shard": "FULL_SHARD", "shard_grad_op": "SHARD_GRAD_OP", "hybrid_shard": "HYBRID_SHARD", "no_shard": "NO_SHARD"}
+
+
+def hybrid_mesh(device):
+    """2-D mesh (replicate across nodes, shard within a node) from torchrun's environment.
+    Without an explicit mesh, FSDP1 takes the node size from the device count, which on CPU is
+    1, and silently trains NO_SHARD with unreduced gradients (DESIGN.md, known traps)."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    world_size = dist.get_world_size()
+    procs_per_node = int(os.environ.get("LOCAL_WORLD_SIZE", world_size))
+    if world_size % procs_per_node:
+        raise ValueError(f"hybrid_shard: world size {world_size} is not a multiple of the {procs_per_node} processes per node")
+    return init_device_mesh(device.type, (world_size // procs_per_node, procs_per_node), mesh_dim_names=("replicate", "shard"))
+
+
+def wrap_model(model, strategy, device, *, sharding="full_shard", fsdp_version=1, layer_cls="", precision="fp32"):
+    """Return the module the training loop calls: `model` itself, DDP, FSDP1 or FSDP2 around it.
 
     The wrapped module must own every trainable parameter (encoder, pooling, heads), and every
-    forward must go through it: that is how DDP knows which gradients to all-reduce.
+    forward must go through it: that is where DDP hooks its all-reduce and FSDP gathers the
+    parameters of each block. Mixed precision (bf16/fp16) under FSDP: parameters are cast to
+    the low precision for compute, the fp32 master copy stays sharded, gradients are reduced in
+    fp32. Under single/DDP the training loop uses autocast instead (see `autocast`).
     """
     if strategy == "single":
         return model
@@ -44,7 +98,103 @@ def wrap_model(model, strategy, device):
         # find_unused_parameters stays False: the model is built with no unused parameters
         # (no BERT pooler), which DDP would otherwise refuse at the second step.
         return torch.nn.parallel.DistributedDataParallel(model, device_ids=device_ids)
-    raise ValueError(f"unknown strategy {strategy!r}: expected 'single' or 'ddp'")
+    if strategy != "fsdp":
+        raise ValueError(f"unknown strategy {strategy!r}: expected single, ddp or fsdp")
+    layer_classes = resolve_layer_classes(model, layer_cls)  # fails here, before any wrapping
+    low = PRECISIONS[precision]
+    if fsdp_version == 1:
+        import functools
+
+        from torch.distributed.fsdp import FullyShardedDataParallel, MixedPrecision, ShardingStrategy
+        from torch.distributed.fsdp.wrap import transformer_auto_wrap_policy
+
+        mixed = None if precision == "fp32" else MixedPrecision(param_dtype=low, reduce_dtype=torch.float32, buffer_dtype=low)
+        if sharding == "no_shard":
+            # FSDP1 marks NO_SHARD deprecated in favour of DDP (which --strategy ddp is) and warns
+            # that its state dict is the full one; both are true and harmless for an explicit
+            # choice, so they are said once here instead of on every rank at every save.
+            if dist.get_rank() == 0:
+                print("note: --sharding no_shard is DDP through FSDP1 (deprecated by torch); --strategy ddp does the same", flush=True)
+            warnings.filterwarnings("ignore", message="The `NO_SHARD` sharding strategy is deprecated", category=FutureWarning)
+            warnings.filterwarnings("ignore", message="When using ``NO_SHARD`` for ``ShardingStrategy``", category=UserWarning)
+        return FullyShardedDataParallel(
+            model,
+            auto_wrap_policy=functools.partial(transformer_auto_wrap_policy, transformer_layer_cls=layer_classes),
+            sharding_strategy=getattr(ShardingStrategy, FSDP1_SHARDING[sharding]),
+            device_mesh=hybrid_mesh(device) if sharding == "hybrid_shard" else None,
+            mixed_precision=mixed,
+            device_id=device,  # on CPU too: without it FSDP1 looks for an accelerator and fails
+            use_orig_params=True,  # named parameters keep their names: optimizer groups, clipping, state dicts
+        )
+    if fsdp_version == 2:
+        from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+        # FSDP1 strategy -> FSDP2: full_shard = reshard after forward; shard_grad_op = keep the
+        # gathered parameters until backward; hybrid_shard = a 2-D mesh; no_shard has no FSDP2
+        # form (use DDP).
+        if sharding == "no_shard":
+            raise ValueError("--sharding no_shard has no FSDP2 form; use --strategy ddp (the same thing) or --fsdp-version 1")
+        mesh = hybrid_mesh(device) if sharding == "hybrid_shard" else None
+        mixed = MixedPrecisionPolicy() if precision == "fp32" else MixedPrecisionPolicy(param_dtype=low, reduce_dtype=torch.float32)
+        options = {"mesh": mesh, "mp_policy": mixed, "reshard_after_forward": sharding != "shard_grad_op"}
+        for module in list(model.modules()):
+            if isinstance(module, tuple(layer_classes)):
+                fully_shard(module, **options)
+        fully_shard(model, **options)  # the root: embeddings, final norm, heads
+        return model
+    raise ValueError(f"--fsdp-version {fsdp_version}: expected 1 or 2")
+
+
+def is_fsdp1(model):
+    from torch.distributed.fsdp import FullyShardedDataParallel
+
+    return isinstance(model, FullyShardedDataParallel)
+
+
+def is_fsdp2(model):
+    from torch.distributed.fsdp import FSDPModule
+
+    return isinstance(model, FSDPModule)
+
+
+def gradient_sync(model, enabled):
+    """Context for one micro-step's backward: with `enabled=False`, gradients accumulate
+    locally and are reduced at the next synchronised backward (gradient accumulation)."""
+    import contextlib
+
+    if enabled or not dist.is_initialized():
+        if is_fsdp2(model):
+            model.set_requires_gradient_sync(True)
+        return contextlib.nullcontext()
+    if is_fsdp2(model):
+        model.set_requires_gradient_sync(False)
+        return contextlib.nullcontext()
+    return model.no_sync()  # DDP and FSDP1 (FSDP1 keeps unsharded gradients meanwhile: memory)
+
+
+def clip_grad_norm(model, max_norm):
+    """Clip the global gradient norm. A collective under FSDP (the norm of sharded gradients is
+    all-reduced): every rank must call it."""
+    if is_fsdp1(model):
+        return model.clip_grad_norm_(max_norm)
+    total = torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm)
+    return total.full_tensor() if hasattr(total, "full_tensor") else total  # FSDP2: a DTensor
+
+
+def grad_scaler(model, precision, device):
+    """fp16 needs loss scaling; bf16 and fp32 do not. The sharded scaler all-reduces the
+    inf/nan check, so every rank skips the same steps."""
+    if precision != "fp16":
+        return None
+    if is_fsdp1(model) or is_fsdp2(model):
+        from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler
+
+        # Under FSDP2 the scale (a 1-element tensor, the same on every rank) meets DTensor
+        # gradients, and DTensor warns that it treats it as replicated: it is, so all is well.
+        warnings.filterwarnings("ignore", message="Found a non-scalar tensor with numel=1", category=UserWarning)
+
+        return ShardedGradScaler(device.type)
+    return torch.amp.GradScaler(device.type)
 
 
 # ----------------------------------------------------------------------------------------------

@@ -30,7 +30,6 @@ during training, cross-device negatives and GradCache, resumable checkpoints.
 """
 
 import argparse
-import contextlib
 import dataclasses
 import datetime
 import inspect
@@ -88,7 +87,11 @@ class Config:
     max_grad_norm: float = arg(1.0, "clip the global gradient norm to this; 0 disables clipping")
     seed: int = arg(12, "seeds the data order and the initialisation of new heads")
     # running
-    strategy: str = arg("auto", "auto: single for one process, ddp under torchrun with several", choices=("auto", "single", "ddp"))
+    strategy: str = arg("auto", "auto: single for one process, ddp under torchrun with several; fsdp shards parameters, gradients and optimizer state", choices=("auto", "single", "ddp", "fsdp"))
+    sharding: str = arg("full_shard", "FSDP sharding: full_shard (params+grads+optimizer), shard_grad_op (grads+optimizer), hybrid_shard (full_shard within a node, replicated across nodes), no_shard (= DDP)", choices=("full_shard", "shard_grad_op", "hybrid_shard", "no_shard"))
+    fsdp_version: int = arg(1, "1: FullyShardedDataParallel with an auto-wrap policy; 2: fully_shard on each block, then the root", choices=(1, 2))
+    fsdp_layer_cls: str = arg("", "class name(s) of the block FSDP wraps, comma-separated; empty: detected (the model's repeated layer)")
+    precision: str = arg("fp32", "fp32; bf16 (bf16 compute, fp32 master weights and gradient reduction); fp16 (the same with loss scaling)", choices=("fp32", "bf16", "fp16"))
     log_steps: int = arg(10, "log the mean loss, lr and samples/s every this many steps (and at the last)")
     dist_timeout_minutes: float = arg(30.0, "how long a collective waits for the other ranks before the job fails")
 
@@ -354,13 +357,17 @@ def load_model(cfg, num_labels):
 # Optimisation
 
 
-def build_optimizer(model, lr, weight_decay):
-    """AdamW; biases and LayerNorm weights (every parameter with fewer than 2 dims) get no
-    weight decay, as in BERT and the HF Trainer. Fused where torch has it (CPU and CUDA)."""
-    decay = [p for p in model.parameters() if p.requires_grad and p.ndim >= 2]
-    no_decay = [p for p in model.parameters() if p.requires_grad and p.ndim < 2]
+def build_optimizer(model, no_decay_names, lr, weight_decay, fused=True):
+    """AdamW over the *wrapped* model's parameters (FSDP replaces or reshapes them); the names
+    in `no_decay_names` (biases and LayerNorm weights, taken from the unwrapped model, where
+    they still have their shapes) get no weight decay, as in BERT and the HF Trainer."""
+    decay, no_decay = [], []
+    for name, param in model.named_parameters():
+        # Wrappers prefix the names: DDP "module.", FSDP1 "_fsdp_wrapped_module."; FSDP2 none.
+        plain_name = name.replace("_fsdp_wrapped_module.", "").removeprefix("module.")
+        (no_decay if plain_name in no_decay_names else decay).append(param)
     groups = [{"params": decay, "weight_decay": weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
-    return torch.optim.AdamW(groups, lr=lr, fused=True)
+    return torch.optim.AdamW(groups, lr=lr, fused=fused)  # fused: ~6% faster on CPU than the loop
 
 
 def linear_schedule(warmup_steps, total_steps):
@@ -375,12 +382,13 @@ def linear_schedule(warmup_steps, total_steps):
 def compute_loss(model, features, labels, loss):
     """Every forward goes through the wrapped `model`: DDP/FSDP hook their gradient
     synchronisation (and FSDP its parameter gathering) into it."""
-    embs = [model(**f) for f in features]
+    # The losses run in fp32 even when the encoder computes in bf16/fp16.
+    embs = [model(**f).float() for f in features]
     if loss == "mnrl":
         return losses.mnrl_loss(embs[0], embs[1:])
     if loss == "cosent":
         return losses.cosent_loss(embs[0], embs[1], labels)
-    return losses.softmax_loss(embs[0], embs[1], labels, classifier=lambda x: model(head_input=x))
+    return losses.softmax_loss(embs[0], embs[1], labels, classifier=lambda x: model(head_input=x).float())
 
 
 # ----------------------------------------------------------------------------------------------
@@ -440,6 +448,8 @@ def main(cfg):
     rank, world_size, device = setup_dist(cfg.dist_timeout_minutes)
     is_rank0 = rank == 0
     strategy = cfg.strategy if cfg.strategy != "auto" else ("ddp" if world_size > 1 else "single")
+    if strategy != "single" and world_size == 1:
+        strategy = "single"  # one process: nothing to synchronise or shard
     if strategy == "single" and world_size > 1:
         raise ValueError(f"--strategy single with {world_size} processes would train {world_size} unrelated models; use --strategy ddp")
     final_dir = os.path.join(cfg.output_dir, "final")
@@ -458,11 +468,23 @@ def main(cfg):
     torch.manual_seed(cfg.seed)  # the same initial head on every rank (DDP broadcasts it anyway)
     raw_model, tokenizer, export_config, max_seq_length = load_model(cfg, num_labels)
     raw_model.to(device)
-    model = fsdp_utils.wrap_model(raw_model, strategy, device)
-    optimizer = build_optimizer(raw_model, cfg.lr, cfg.weight_decay)
+    no_decay_names = {name for name, param in raw_model.named_parameters() if param.ndim < 2}
+    # Checked before wrapping: a wrong --fsdp-layer-cls fails here, naming the real classes.
+    layer_classes = sorted(c.__name__ for c in fsdp_utils.resolve_layer_classes(raw_model, cfg.fsdp_layer_cls)) if strategy == "fsdp" else None
+    model = fsdp_utils.wrap_model(raw_model, strategy, device, sharding=cfg.sharding, fsdp_version=cfg.fsdp_version,
+                                  layer_cls=cfg.fsdp_layer_cls, precision=cfg.precision)
+    # torch 2.13's fused AdamW rejects the ShardedGradScaler's found-inf tensor (shape [1], not
+    # []): "output with shape [] doesn't match the broadcast shape [1]". fp16 + FSDP goes unfused.
+    fused = not (cfg.precision == "fp16" and strategy == "fsdp")
+    optimizer = build_optimizer(model, no_decay_names, cfg.lr, cfg.weight_decay, fused=fused)
+    scaler = fsdp_utils.grad_scaler(model, cfg.precision, device)  # fp16 only
+    # Under FSDP the low precision is FSDP's own (parameters cast per block); single and DDP
+    # keep fp32 parameters and compute under autocast.
+    use_autocast = cfg.precision != "fp32" and strategy in ("single", "ddp")
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, linear_schedule(warmup_steps, total_steps))
 
-    derived = {"world_size": world_size, "strategy": strategy, "device": str(device), "global_batch": global_batch, "train_rows": len(train_ds),
+    derived = {"world_size": world_size, "strategy": strategy,
+               "fsdp_layer_classes": layer_classes, "device": str(device), "global_batch": global_batch, "train_rows": len(train_ds),
                "steps_per_epoch": steps_per_epoch, "total_steps": total_steps, "warmup_steps": warmup_steps,
                "max_seq_length_used": max_seq_length, "pooling_used": raw_model.pooling, "normalize_used": raw_model.normalize,
                "text_columns": text_columns, "target_column": target, "num_labels": num_labels}
@@ -484,17 +506,22 @@ def main(cfg):
             indices = micro_batch_indices(order, step_in_epoch, rank, micro_step,
                                           cfg.per_device_batch_size, world_size, cfg.grad_accum_steps)
             features, labels = collate(train_ds[indices], text_columns, target, cfg.loss, tokenizer, max_seq_length, device)
-            # DDP all-reduces gradients in backward; skip that for all but the last micro-step.
-            is_last_micro = micro_step == cfg.grad_accum_steps - 1
-            sync = contextlib.nullcontext() if strategy == "single" or is_last_micro else model.no_sync()
-            with sync:
-                loss = compute_loss(model, features, labels, cfg.loss) / cfg.grad_accum_steps
-                loss.backward()
+            # DDP/FSDP reduce gradients in backward; skip that for all but the last micro-step.
+            with fsdp_utils.gradient_sync(model, enabled=micro_step == cfg.grad_accum_steps - 1):
+                with torch.autocast(device.type, dtype=fsdp_utils.PRECISIONS[cfg.precision], enabled=use_autocast):
+                    loss = compute_loss(model, features, labels, cfg.loss) / cfg.grad_accum_steps
+                (scaler.scale(loss) if scaler else loss).backward()
             loss_sum += loss.detach()
+        if scaler:
+            scaler.unscale_(optimizer)  # clip the true gradients, not the scaled ones
         if cfg.max_grad_norm > 0:
-            torch.nn.utils.clip_grad_norm_(raw_model.parameters(), cfg.max_grad_norm)
+            fsdp_utils.clip_grad_norm(model, cfg.max_grad_norm)  # all ranks: a collective under FSDP
         lr = scheduler.get_last_lr()[0]  # the rate this step uses
-        optimizer.step()
+        if scaler:
+            scaler.step(optimizer)  # skips the step if any rank saw inf/nan
+            scaler.update()
+        else:
+            optimizer.step()
         scheduler.step()
         optimizer.zero_grad(set_to_none=True)
         steps_since_log += 1

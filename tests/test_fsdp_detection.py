@@ -1,0 +1,77 @@
+"""Wrap-class detection for FSDP's auto-wrap policy, on tiny randomly initialised models of each
+architecture we support (built from a config: nothing is downloaded), and the error a wrong
+--fsdp-layer-cls gives before any wrapping.
+
+Run: python -m pytest tests/test_fsdp_detection.py
+"""
+
+import pytest
+import torch
+import transformers
+from conftest import REPO_DIR  # noqa: F401  (puts the repository on sys.path)
+
+import fsdp_utils
+
+TINY = dict(vocab_size=128, hidden_size=32, num_hidden_layers=3, num_attention_heads=2, intermediate_size=64,
+            max_position_embeddings=64)
+
+ARCHITECTURES = {  # config -> the block class FSDP must wrap
+    "bert": (transformers.BertConfig(**TINY), "BertLayer"),
+    "xlm-roberta": (transformers.XLMRobertaConfig(**TINY), "XLMRobertaLayer"),
+    "roberta": (transformers.RobertaConfig(**TINY), "RobertaLayer"),
+    "mpnet": (transformers.MPNetConfig(**TINY), "MPNetLayer"),
+    "distilbert": (transformers.DistilBertConfig(vocab_size=128, dim=32, n_layers=3, n_heads=2, hidden_dim=64), "TransformerBlock"),
+    "modernbert": (transformers.ModernBertConfig(**TINY, global_attn_every_n_layers=2, pad_token_id=0, bos_token_id=1, eos_token_id=2, cls_token_id=1, sep_token_id=2), "ModernBertEncoderLayer"),
+    "qwen2": (transformers.Qwen2Config(**TINY, num_key_value_heads=1), "Qwen2DecoderLayer"),
+    "llama": (transformers.LlamaConfig(**TINY, num_key_value_heads=1), "LlamaDecoderLayer"),
+}
+
+
+def tiny_model(name):
+    torch.manual_seed(0)
+    return transformers.AutoModel.from_config(ARCHITECTURES[name][0])
+
+
+@pytest.mark.parametrize("name", list(ARCHITECTURES))
+def test_detects_the_repeated_block(name):
+    model = tiny_model(name)
+    expected = ARCHITECTURES[name][1]
+    assert fsdp_utils.detect_layer_classes(model) == [expected]
+    assert {c.__name__ for c in fsdp_utils.resolve_layer_classes(model)} == {expected}
+    # The block holds most of the model: wrapping it is what makes sharding pay off.
+    blocks = [m for m in model.modules() if type(m).__name__ == expected]
+    assert len(blocks) == 3
+
+
+def test_detection_does_not_trust_no_split_modules():
+    """Some models list only the attention class, or nothing, in _no_split_modules."""
+    model = tiny_model("xlm-roberta")
+    for wrong in (["XLMRobertaAttention"], None, []):
+        model._no_split_modules = wrong
+        assert fsdp_utils.detect_layer_classes(model) == ["XLMRobertaLayer"]
+
+
+def test_detection_sees_through_a_wrapper_module():
+    """Our EmbeddingModel holds the encoder as `.encoder`: detection runs on the whole model."""
+    import train
+
+    wrapped = train.EmbeddingModel(tiny_model("qwen2"), pooling="lasttoken", normalize=True, num_labels=3)
+    assert fsdp_utils.detect_layer_classes(wrapped) == ["Qwen2DecoderLayer"]
+
+
+def test_explicit_override_is_used_when_present():
+    model = tiny_model("bert")
+    classes = fsdp_utils.resolve_layer_classes(model, "BertLayer, BertEmbeddings")
+    assert {c.__name__ for c in classes} == {"BertLayer", "BertEmbeddings"}
+
+
+def test_wrong_override_fails_before_wrapping_naming_the_real_classes():
+    """The BCEmbedding case: BertLayer given for an XLM-R model. No process group exists here,
+    so reaching any FSDP code would fail differently: the error must come first."""
+    model = tiny_model("xlm-roberta")
+    with pytest.raises(ValueError) as error:
+        fsdp_utils.wrap_model(model, "fsdp", torch.device("cpu"), layer_cls="BertLayer")
+    message = str(error.value)
+    assert "BertLayer" in message and "no such layer class" in message
+    assert "['XLMRobertaLayer']" in message  # the block it does contain
+    assert not any(type(m).__name__.startswith("FullySharded") for m in model.modules())

@@ -1,7 +1,11 @@
 """Wrapping, state-dict gathering and SentenceTransformer export for distributed training.
 
 This file holds what sits between a plain `nn.Module` and the distributed world:
-  - `wrap_model`: DDP around the model (or nothing, for one process);
+  - `detect_layer_classes` / `resolve_layer_classes`: the repeated transformer block that
+    FSDP wraps, found in the model itself (or named, and checked, by the user);
+  - `wrap_model`: nothing (one process), DDP, FSDP1 (`FullyShardedDataParallel` with
+    `transformer_auto_wrap_policy`) or FSDP2 (`fully_shard` per block, then the root), with
+    bf16/fp16 mixed precision; `gradient_sync`, `clip_grad_norm`, `grad_scaler` for the loop;
   - `gather_full_state_dict`: the full, unsharded weights, entered by every rank;
   - `export_sentence_transformer`: rank 0 writes a folder that `SentenceTransformer(path)`
     (sentence-transformers 2.x to 6.x) and `AutoModel.from_pretrained(path)` both load.
@@ -10,12 +14,22 @@ It imports only the standard library, torch, transformers and safetensors, never
 files of this project, so it can be copied into another pipeline alone.
 
 Usage (from train.py; every rank calls the first two, rank 0 alone the third):
-    model = fsdp_utils.wrap_model(raw_model, strategy="ddp", device=device)
+    model = fsdp_utils.wrap_model(raw_model, "fsdp", device, sharding="full_shard", fsdp_version=2)
     state = fsdp_utils.gather_full_state_dict(model)           # all ranks
     if rank == 0:
         fsdp_utils.export_sentence_transformer(out_dir, state, config, tokenizer, ...)
 
-Left out on purpose (for now): FSDP wrapping, mixed precision and resumable checkpoints.
+FSDP1 -> FSDP2, as this file shows them side by side:
+    FullyShardedDataParallel(model, auto_wrap_policy=...)   ->  fully_shard(block) for each block, fully_shard(model)
+    ShardingStrategy.FULL_SHARD / SHARD_GRAD_OP             ->  reshard_after_forward=True / False
+    ShardingStrategy.HYBRID_SHARD + device_mesh             ->  fully_shard(..., mesh=2-D mesh)
+    MixedPrecision(param_dtype, reduce_dtype)               ->  MixedPrecisionPolicy(param_dtype, reduce_dtype)
+    model.no_sync()                                         ->  model.set_requires_gradient_sync(False)
+    model.clip_grad_norm_(max_norm)                         ->  torch.nn.utils.clip_grad_norm_ (on DTensors)
+    FSDP.state_dict_type(...) + state_dict()                ->  get_model_state_dict (serves both, and DDP)
+
+Left out on purpose (for now): resumable checkpoints, CPU offload of parameters, activation
+checkpointing.
 """
 
 import importlib.metadata

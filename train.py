@@ -458,6 +458,8 @@ def main(cfg):
         strategy = "single"  # one process: nothing to synchronise or shard
     if strategy == "single" and world_size > 1:
         raise ValueError(f"--strategy single with {world_size} processes would train {world_size} unrelated models; use --strategy ddp")
+    if device.type == "cuda" and cfg.precision == "bf16" and not torch.cuda.is_bf16_supported():
+        raise ValueError("--precision bf16: this GPU has no bf16 support (it needs Ampere or newer); use --precision fp16")
     final_dir = os.path.join(cfg.output_dir, "final")
     if os.path.exists(final_dir) and not cfg.overwrite:
         raise ValueError(f"{final_dir} already holds an export; pass --overwrite to replace it, or another --output-dir")

@@ -23,7 +23,10 @@ DATA = {"mnrl": "sick-triplets-train.jsonl", "cosent": "stsb-train.jsonl", "soft
 def common_args(loss, per_device_batch_size):
     return ["--loss", loss, "--train-data", data_file(DATA[loss]), "--max-steps", 5,
             "--per-device-batch-size", per_device_batch_size, "--lr", 1e-4, "--dropout", 0,
-            "--max-seq-length", 48, "--log-steps", 1, "--seed", 3]
+            "--max-seq-length", 48, "--log-steps", 1, "--seed", 3,
+            # Gradient norms here are ~1: clip at 0.1 so clipping acts on every step, and a
+            # norm computed from one rank's shard only would show.
+            "--max-grad-norm", 0.1]
 
 
 @pytest.fixture(scope="module")

@@ -65,6 +65,15 @@ def test_bad_input_fails_fast_on_every_rank_with_one_message(tmp_path):
     assert not (tmp_path / "final").exists()
 
 
+def test_wrong_fsdp_layer_class_fails_before_wrapping_on_every_rank(tmp_path):
+    proc = run_train(["--strategy", "fsdp", "--fsdp-layer-cls", "XLMRobertaLayer", "--output-dir", tmp_path],
+                     nproc=2, check=False, timeout=120)
+    assert proc.returncode != 0
+    assert proc.stderr.count("error: --fsdp-layer-cls XLMRobertaLayer: no such layer class") == 1
+    assert "Its repeated block is ['BertLayer']" in proc.stderr
+    assert not (tmp_path / "final").exists()
+
+
 def test_readme_test_command_is_what_ci_runs():
     readme = (REPO_DIR / "README.md").read_text()
     ci = (REPO_DIR / ".ci" / "run").read_text()

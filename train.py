@@ -350,6 +350,7 @@ def load_model(cfg, num_labels):
     transformers.logging.disable_progress_bar()
     encoder = transformers.AutoModel.from_pretrained(path, subfolder=subfolder, config=train_config, **kwargs)
     transformers.logging.set_verbosity(verbosity)
+    transformers.logging.enable_progress_bar()
     export_config.architectures = [type(encoder).__name__]
     pooling = cfg.pooling or st_info["pooling"]
     normalize = st_info["normalize"] if cfg.normalize is None else cfg.normalize

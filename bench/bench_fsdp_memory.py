@@ -7,7 +7,7 @@ reports, per rank:
   - state MB: bytes of parameters + gradients + optimizer state, summed over the distinct
     storages those local tensors live in (a sharded parameter counts its local shard only),
     measured after the optimizer step, before the gradients are freed;
-  - peak RSS MB of the process (includes torch itself, ~0.5 GB, and the full model, which
+  - peak RSS MB of the process (includes torch itself and the full model, which
     every rank builds before sharding);
   - seconds per step (mean of the steps after the first).
 Target: full_shard state per rank <= 1.1 x (DDP's / world).

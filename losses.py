@@ -19,11 +19,17 @@ Usage (one process, CPU is fine):
     import losses
     loss = losses.mnrl_loss(emb_anchor_BD, [emb_positive_BD, emb_negative_BD])
 
-Left out on purpose: cross-device negatives and GradCache (they belong to the training loop
-and arrive with their own issue), similarity functions other than cosine.
+Cross-device negatives (`mnrl_loss(..., gather=True)`): under torchrun every rank's
+candidates become negatives for every rank's anchors; works on any wrapper (DDP, FSDP1, FSDP2)
+because it only sees embeddings. GradCache is not here: it re-runs the model, so it lives in
+the training loop (train.py, `cached_backward`), and serves every loss below unchanged.
+
+Left out on purpose: similarity functions other than cosine.
 """
 
 import torch
+import torch.distributed as dist
+import torch.distributed._functional_collectives as funcol
 import torch.nn.functional as F
 
 
@@ -32,7 +38,23 @@ def cosine_scores(emb_a_BD, emb_b_ND):
     return F.normalize(emb_a_BD, p=2, dim=-1) @ F.normalize(emb_b_ND, p=2, dim=-1).T
 
 
-def mnrl_loss(emb_anchor_BD, emb_candidates, scale=20.0):
+def gather_with_grad(emb_BD):
+    """Every rank's rows, in rank order -> (world * B, D), with the gradient of each row
+    flowing back to the rank that produced it. All ranks must call it, with the same B
+    (an all_gather of unequal sizes aborts one rank and hands the others garbage rows).
+
+    Backward is a reduce-scatter (sum): rank r receives the sum, over all ranks' losses, of
+    their gradients with respect to r's rows. DDP/FSDP then average over ranks, so the result
+    is exactly the gradient of the single-process loss over the global batch, with no extra
+    factor of the world size (tests/test_gradcache_gather.py checks it)."""
+    if not dist.is_initialized() or dist.get_world_size() == 1:
+        return emb_BD
+    # The autograd-aware functional collective; torch.distributed.nn.functional.all_gather
+    # does the same but is deprecated in torch 2.13.
+    return funcol.all_gather_tensor_autograd(emb_BD.contiguous(), gather_dim=0, group=dist.group.WORLD)
+
+
+def mnrl_loss(emb_anchor_BD, emb_candidates, scale=20.0, gather=False, symmetric=False):
     """MultipleNegativesRankingLoss (InfoNCE with in-batch negatives).
 
     `emb_candidates` is a list of (B, D) tensors: the positives first, then any number of
@@ -41,11 +63,32 @@ def mnrl_loss(emb_anchor_BD, emb_candidates, scale=20.0):
 
         scores_BN = scale * cos(a_i, c_j)    with c = concat(positives, negatives...)
         loss      = mean_i  -log( exp(scores[i, i]) / sum_j exp(scores[i, j]) )
+
+    gather=True (cross-device negatives): the candidates (and, for `symmetric`, the anchors)
+    of all W ranks are gathered, so N = W * B * (1 + negatives); anchors stay local and
+    row i's positive sits at rank * B + i. With the sampler's contiguous slices, rank r's
+    rows are exactly rows r*B..(r+1)*B of the single-process batch of W * B rows.
+
+    symmetric=True adds the positive -> anchors direction and averages the two
+    (sentence-transformers' MultipleNegativesSymmetricRankingLoss):
+        loss = ( CE(a_i -> all candidates) + CE(p_i -> all anchors) ) / 2
     """
+    num_rows = emb_anchor_BD.shape[0]
+    if gather:
+        emb_candidates = [gather_with_grad(emb) for emb in emb_candidates]
+        offset = dist.get_rank() * num_rows if dist.is_initialized() else 0
+    else:
+        offset = 0
+    labels_B = torch.arange(offset, offset + num_rows, device=emb_anchor_BD.device)
     emb_cand_ND = torch.cat(emb_candidates, dim=0)
     scores_BN = scale * cosine_scores(emb_anchor_BD, emb_cand_ND)
-    labels_B = torch.arange(emb_anchor_BD.shape[0], device=scores_BN.device)
-    return F.cross_entropy(scores_BN, labels_B)
+    loss = F.cross_entropy(scores_BN, labels_B)
+    if not symmetric:
+        return loss
+    emb_all_anchors_MD = gather_with_grad(emb_anchor_BD) if gather else emb_anchor_BD
+    emb_local_positive_BD = emb_candidates[0][offset : offset + num_rows]
+    scores_BM = scale * cosine_scores(emb_local_positive_BD, emb_all_anchors_MD)
+    return (loss + F.cross_entropy(scores_BM, labels_B)) / 2
 
 
 def cosent_loss(emb_a_BD, emb_b_BD, scores_B, scale=20.0):

@@ -31,8 +31,14 @@ permutation is cut into global batches of per_device_batch_size x world x grad_a
 rows, and rank r, micro-step j takes its own contiguous slice. So 2 ranks x batch B train on
 exactly the rows of 1 process x batch B x 2 accumulation steps, and give the same weights.
 
-Left out on purpose (each comes with its own issue): evaluation during training, cross-device
-negatives and GradCache, resumable checkpoints.
+Large contrastive batches: --gather-negatives shares every rank's candidates as negatives
+(world x more negatives per anchor, the exact gradient of one process with the global batch);
+--cache-chunk-size M (GradCache) embeds each micro-batch in chunks of M rows, so a batch of
+thousands fits in the memory of M rows; the two compose, e.g.
+    torchrun --nproc_per_node=4 train.py --per-device-batch-size 1024 --cache-chunk-size 64 --gather-negatives
+
+Left out on purpose (each comes with its own issue): evaluation during training, resumable
+checkpoints.
 """
 
 import argparse
@@ -91,6 +97,10 @@ class Config:
     warmup_ratio: float = arg(0.1, "fraction of the steps with linear warm-up from 0; then linear decay to 0")
     weight_decay: float = arg(0.01, "AdamW weight decay (not applied to biases and LayerNorm weights)")
     max_grad_norm: float = arg(1.0, "clip the global gradient norm to this; 0 disables clipping")
+    # large-batch contrastive training (MNRL)
+    gather_negatives: bool = arg(False, "mnrl: every rank's positives and hard negatives become negatives for every rank's anchors (world x more negatives, exact gradients)")
+    symmetric: bool = arg(False, "mnrl: also rank each positive against the anchors, and average the two losses (MultipleNegativesSymmetricRankingLoss)")
+    cache_chunk_size: int = arg(0, "GradCache: embed each micro-batch in chunks of this many rows (memory of one chunk, same gradient, ~2 forward passes); 0: off. Any loss")
     seed: int = arg(12, "seeds the data order and the initialisation of new heads")
     # running
     strategy: str = arg("auto", "auto: single for one process, ddp under torchrun with several; fsdp shards parameters, gradients and optimizer state", choices=("auto", "single", "ddp", "fsdp"))
@@ -98,7 +108,7 @@ class Config:
     fsdp_version: int = arg(1, "1: FullyShardedDataParallel with an auto-wrap policy; 2: fully_shard on each block, then the root", choices=(1, 2))
     fsdp_layer_cls: str = arg("", "class name(s) of the block FSDP wraps, comma-separated; empty: detected (the model's repeated layer)")
     precision: str = arg("fp32", "fp32; bf16 (bf16 compute, fp32 master weights and gradient reduction); fp16 (the same with loss scaling)", choices=("fp32", "bf16", "fp16"))
-    log_steps: int = arg(10, "log the mean loss, lr and samples/s every this many steps (and at the last)")
+    log_steps: int = arg(10, "log the mean loss, the gradient norm (before clipping), lr and samples/s every this many steps (and at the last)")
     dist_timeout_minutes: float = arg(30.0, "how long a collective waits for the other ranks before the job fails")
 
 
@@ -215,10 +225,12 @@ def epoch_order(num_rows, seed, epoch):
 def micro_batch_indices(order, step_in_epoch, rank, micro_step, per_device_batch_size, world_size, grad_accum_steps):
     """Row indices of one micro-batch. Step k's global batch is the k-th slice of `order` of
     per_device x world x accum rows, and rank r, micro-step j takes its contiguous sub-slice
-    r * accum + j. The tail is dropped, so every rank runs the same number of equal-sized
+    j * world + r: the ranks' micro-batches of one micro-step are consecutive rows, so with
+    --gather-negatives they form exactly the batch one process of world x per_device rows
+    would see. The tail is dropped, so every rank runs the same number of equal-sized
     batches (a rank with one batch more would hang the others in a collective)."""
     global_batch = per_device_batch_size * world_size * grad_accum_steps
-    start = step_in_epoch * global_batch + (rank * grad_accum_steps + micro_step) * per_device_batch_size
+    start = step_in_epoch * global_batch + (micro_step * world_size + rank) * per_device_batch_size
     return order[start : start + per_device_batch_size].tolist()
 
 
@@ -386,16 +398,94 @@ def linear_schedule(warmup_steps, total_steps):
     return multiplier
 
 
-def compute_loss(model, features, labels, loss):
+def embeddings_loss(model, embs, labels, loss, gather=False, symmetric=False):
+    """The loss of one micro-batch from its column embeddings (each (B, D), fp32). `model` is
+    only used for the Softmax head, which runs through the wrapped root (FSDP gathers it)."""
+    if loss == "mnrl":
+        return losses.mnrl_loss(embs[0], embs[1:], gather=gather, symmetric=symmetric)
+    if loss == "cosent":
+        return losses.cosent_loss(embs[0], embs[1], labels)
+    return losses.softmax_loss(embs[0], embs[1], labels, classifier=lambda x: model(head_input=x).float())
+
+
+def compute_loss(model, features, labels, loss, gather=False, symmetric=False):
     """Every forward goes through the wrapped `model`: DDP/FSDP hook their gradient
     synchronisation (and FSDP its parameter gathering) into it."""
     # The losses run in fp32 even when the encoder computes in bf16/fp16.
     embs = [model(**f).float() for f in features]
-    if loss == "mnrl":
-        return losses.mnrl_loss(embs[0], embs[1:])
-    if loss == "cosent":
-        return losses.cosent_loss(embs[0], embs[1], labels)
-    return losses.softmax_loss(embs[0], embs[1], labels, classifier=lambda x: model(head_input=x).float())
+    return embeddings_loss(model, embs, labels, loss, gather, symmetric)
+
+
+def get_rng_state(device):
+    return torch.get_rng_state(), (torch.cuda.get_rng_state(device) if device.type == "cuda" else None)
+
+
+def set_rng_state(device, state):
+    torch.set_rng_state(state[0])
+    if device.type == "cuda":
+        torch.cuda.set_rng_state(state[1], device)
+
+
+def chunk_tokens(tokens, start, chunk_size):
+    """Rows start..start+chunk_size of a tokenized column, without the positions that are
+    padding in every one of them (the column was padded to its longest row): the same as
+    tokenizing the chunk alone, and faster."""
+    tokens = {k: v[start : start + chunk_size] for k, v in tokens.items()}
+    keep_T = tokens["attention_mask"].any(0)
+    return {k: v[:, keep_T] for k, v in tokens.items()}
+
+
+def cached_backward(model, features, labels, loss, chunk_size, gather, symmetric, loss_divisor, scale, sync, autocast):
+    """GradCache (Gao et al., 2021): backward of the loss of the whole micro-batch while only
+    one chunk of `chunk_size` rows holds activations. Returns the (detached) loss.
+
+      1. embed every chunk of every column without a graph, noting the RNG state before each;
+      2. compute the loss on those embeddings (leaves that require grad) and backward it:
+         d loss / d embedding for every row (and the Softmax head's own gradient);
+      3. re-embed each chunk with a graph from its noted RNG state (the same dropout masks)
+         and backward the cached d loss / d embedding through the encoder.
+    Step 2 is `embeddings_loss` itself, so every loss (and --gather-negatives) works unchanged.
+    Chunks come column by column, so with chunk_size >= B the forwards (and the random numbers
+    they draw) are exactly those of compute_loss.
+
+    All ranks run the same number of chunks (equal batch sizes): each forward is a collective
+    under FSDP (and a buffer broadcast under DDP). Gradients are synchronised only in the last
+    backward of the optimizer step (sync=True on the last micro-batch)."""
+    device = features[0]["input_ids"].device
+    num_rows = len(features[0]["input_ids"])
+    chunks = [(column, start) for column in range(len(features)) for start in range(0, num_rows, chunk_size)]
+    chunk_inputs = lambda column, start: chunk_tokens(features[column], start, chunk_size)  # noqa: E731
+
+    # 1. embeddings without a graph
+    rng_states, pieces = [], [[] for _ in features]
+    with torch.no_grad(), autocast():
+        for column, start in chunks:
+            rng_states.append(get_rng_state(device))
+            pieces[column].append(model(**chunk_inputs(column, start)).float())
+    embs = [torch.cat(p).requires_grad_() for p in pieces]
+
+    # 2. the loss and its gradient with respect to every embedding (gradients stay local:
+    # under DDP/FSDP nothing is reduced before the last backward of the step)
+    with fsdp_utils.gradient_sync(model, enabled=False), autocast():
+        loss_value = embeddings_loss(model, embs, labels, loss, gather, symmetric) / loss_divisor
+    with fsdp_utils.gradient_sync(model, enabled=False):
+        scale(loss_value).backward()
+
+    # 3. re-embed each chunk with a graph and push its cached gradient through the encoder
+    for i, (column, start) in enumerate(chunks):
+        is_last = i == len(chunks) - 1
+        set_rng_state(device, rng_states[i])
+        with fsdp_utils.gradient_sync(model, enabled=sync and is_last):
+            with autocast():
+                emb_CD = model(**chunk_inputs(column, start)).float()
+            surrogate = (emb_CD * embs[column].grad[start : start + chunk_size]).sum()
+            if is_last and loss == "softmax":
+                # The head got its gradient in step 2; DDP reduces a parameter only when the
+                # synchronised backward reaches it, so touch it here with a zero (all ranks).
+                with autocast():
+                    surrogate = surrogate + 0.0 * model(head_input=emb_CD.detach()[:1].repeat(1, 3)).float().sum()
+            surrogate.backward()
+    return loss_value.detach()
 
 
 # ----------------------------------------------------------------------------------------------
@@ -461,6 +551,10 @@ def main(cfg):
         raise ValueError(f"--strategy single with {world_size} processes would train {world_size} unrelated models; use --strategy ddp")
     if device.type == "cuda" and cfg.precision == "bf16" and not torch.cuda.is_bf16_supported():
         raise ValueError("--precision bf16: this GPU has no bf16 support (it needs Ampere or newer); use --precision fp16")
+    if (cfg.gather_negatives or cfg.symmetric) and cfg.loss != "mnrl":
+        raise ValueError(f"--gather-negatives and --symmetric need candidates to rank, which only --loss mnrl has (got --loss {cfg.loss})")
+    if not 0 <= cfg.cache_chunk_size <= cfg.per_device_batch_size:
+        raise ValueError(f"--cache-chunk-size {cfg.cache_chunk_size} must be between 1 and --per-device-batch-size {cfg.per_device_batch_size} (0 turns GradCache off)")
     final_dir = os.path.join(cfg.output_dir, "final")
     if os.path.exists(final_dir) and not cfg.overwrite:
         raise ValueError(f"{final_dir} already holds an export; pass --overwrite to replace it, or another --output-dir")
@@ -490,6 +584,8 @@ def main(cfg):
     # Under FSDP the low precision is FSDP's own (parameters cast per block); single and DDP
     # keep fp32 parameters and compute under autocast.
     use_autocast = cfg.precision != "fp32" and strategy in ("single", "ddp")
+    autocast = lambda: torch.autocast(device.type, dtype=fsdp_utils.PRECISIONS[cfg.precision], enabled=use_autocast)  # noqa: E731
+    scale = scaler.scale if scaler else lambda loss: loss  # fp16: backward of the scaled loss
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, linear_schedule(warmup_steps, total_steps))
 
     derived = {"world_size": world_size, "strategy": strategy,
@@ -516,15 +612,21 @@ def main(cfg):
                                           cfg.per_device_batch_size, world_size, cfg.grad_accum_steps)
             features, labels = collate(train_ds[indices], text_columns, target, cfg.loss, tokenizer, max_seq_length, device)
             # DDP/FSDP reduce gradients in backward; skip that for all but the last micro-step.
-            with fsdp_utils.gradient_sync(model, enabled=micro_step == cfg.grad_accum_steps - 1):
-                with torch.autocast(device.type, dtype=fsdp_utils.PRECISIONS[cfg.precision], enabled=use_autocast):
-                    loss = compute_loss(model, features, labels, cfg.loss) / cfg.grad_accum_steps
-                (scaler.scale(loss) if scaler else loss).backward()
+            is_last_micro_step = micro_step == cfg.grad_accum_steps - 1
+            if cfg.cache_chunk_size:
+                loss = cached_backward(model, features, labels, cfg.loss, cfg.cache_chunk_size, cfg.gather_negatives, cfg.symmetric,
+                                       cfg.grad_accum_steps, scale, sync=is_last_micro_step, autocast=autocast)
+            else:
+                with fsdp_utils.gradient_sync(model, enabled=is_last_micro_step):
+                    with autocast():
+                        loss = compute_loss(model, features, labels, cfg.loss, cfg.gather_negatives, cfg.symmetric) / cfg.grad_accum_steps
+                    scale(loss).backward()
             loss_sum += loss.detach()
         if scaler:
             scaler.unscale_(optimizer)  # clip the true gradients, not the scaled ones
-        if cfg.max_grad_norm > 0:
-            fsdp_utils.clip_grad_norm(model, cfg.max_grad_norm)  # all ranks: a collective under FSDP
+        # All ranks: a collective under FSDP. With clipping off (inf) it only measures the norm,
+        # which is logged: the gradient's scale is visible, not just its direction.
+        grad_norm = fsdp_utils.clip_grad_norm(model, cfg.max_grad_norm if cfg.max_grad_norm > 0 else float("inf"))
         lr = scheduler.get_last_lr()[0]  # the rate this step uses
         if scaler:
             scaler.step(optimizer)  # skips the step if any rank saw inf/nan
@@ -543,7 +645,7 @@ def main(cfg):
             last_loss = loss_sum.item() / (world_size * steps_since_log)
             now = time.perf_counter()
             samples_per_s = steps_since_log * global_batch / (now - last_log_time)
-            record = {"step": step + 1, "epoch": round((step + 1) / steps_per_epoch, 4), "loss": last_loss, "lr": lr, "samples_per_s": samples_per_s}
+            record = {"step": step + 1, "epoch": round((step + 1) / steps_per_epoch, 4), "loss": last_loss, "grad_norm": grad_norm.item(), "lr": lr, "samples_per_s": samples_per_s}
             if is_rank0:
                 metrics_file.write(json.dumps(record) + "\n")
                 metrics_file.flush()

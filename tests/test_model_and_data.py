@@ -30,8 +30,9 @@ def test_mean_pooling_ignores_padding_by_hand():
 
 @pytest.mark.parametrize("world_size,grad_accum_steps", [(1, 1), (2, 1), (1, 2), (4, 3)])
 def test_micro_batches_cut_one_global_batch_the_same_way_for_any_split(world_size, grad_accum_steps):
-    """Rank r, micro-step j gets slice r * accum + j of the step's global batch, so the rows of a
-    step depend only on (seed, epoch, step) and on the global batch size."""
+    """Rank r, micro-step j gets slice j * world + r of the step's global batch, so the rows of a
+    step depend only on (seed, epoch, step) and on the global batch size, and one micro-step's
+    rows across ranks are consecutive (what --gather-negatives needs)."""
     num_rows, global_batch = 103, 12
     per_device = global_batch // (world_size * grad_accum_steps)
     order = train.epoch_order(num_rows, seed=7, epoch=1)
@@ -39,7 +40,7 @@ def test_micro_batches_cut_one_global_batch_the_same_way_for_any_split(world_siz
     assert order.tolist() == perm  # the seed alone defines it
     for step in range(num_rows // global_batch):
         pieces = [train.micro_batch_indices(order, step, r, j, per_device, world_size, grad_accum_steps)
-                  for r in range(world_size) for j in range(grad_accum_steps)]
+                  for j in range(grad_accum_steps) for r in range(world_size)]
         assert all(len(p) == per_device for p in pieces)
         assert sum(pieces, []) == perm[step * global_batch:(step + 1) * global_batch]
     assert sorted(perm) == list(range(num_rows))

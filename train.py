@@ -48,6 +48,8 @@ import inspect
 import json
 import math
 import os
+import shutil
+import signal
 import sys
 import time
 from dataclasses import dataclass
@@ -108,6 +110,11 @@ class Config:
     fsdp_version: int = arg(1, "1: FullyShardedDataParallel with an auto-wrap policy; 2: fully_shard on each block, then the root", choices=(1, 2))
     fsdp_layer_cls: str = arg("", "class name(s) of the block FSDP wraps, comma-separated; empty: detected (the model's repeated layer)")
     precision: str = arg("fp32", "fp32; bf16 (bf16 compute, fp32 master weights and gradient reduction); fp16 (the same with loss scaling)", choices=("fp32", "bf16", "fp16"))
+    # checkpoints and restarts
+    save_steps: int = arg(0, "save resumable state (model, optimizer, scheduler, RNG, data position) to OUTPUT_DIR/checkpoints/step-N every this many steps; 0: never")
+    save_total_limit: int = arg(0, "keep only the newest this many checkpoints (older ones are removed once a new one is complete); 0: keep all")
+    resume: str = arg("", "'auto': continue from the newest complete checkpoint in --output-dir, or start fresh if there is none (what `torchrun --max-restarts` needs); or a checkpoint folder")
+    trust_remote_code: bool = arg(False, "let a hub model run its own Python code (transformers' trust_remote_code); only for repositories you trust")
     log_steps: int = arg(10, "log the mean loss, the gradient norm (before clipping), lr and samples/s every this many steps (and at the last)")
     dist_timeout_minutes: float = arg(30.0, "how long a collective waits for the other ranks before the job fails")
 
@@ -161,33 +168,41 @@ def print0(*args, **kwargs):
 TARGET_COLUMNS = ("label", "score")
 
 
-def load_train_data(path, split, subset=""):
+def load_train_data(path, split, subset="", flag="--train-data"):
     """Every rank loads the same rows. All ranks may load at once: `datasets` guards its cache
     with file locks, and a rank-0-first barrier would hang the others if rank 0 failed."""
     if os.path.isfile(path):
         ext = path.rsplit(".", 1)[-1].lower()
         builder = {"jsonl": "json", "json": "json", "csv": "csv", "parquet": "parquet"}.get(ext)
         if builder is None:
-            raise ValueError(f"--train-data {path}: unknown file type .{ext}; use .jsonl, .json, .csv or .parquet")
-        return datasets.load_dataset(builder, data_files=path, split="train")
+            raise ValueError(f"{flag} {path}: unknown file type .{ext}; use .jsonl, .json, .csv or .parquet")
+        try:
+            return datasets.load_dataset(builder, data_files=path, split="train")
+        except Exception as e:  # malformed JSON/CSV, mixed types: one message with the cause
+            raise ValueError(f"{flag} {path}: cannot be read as {builder}: {str(e).splitlines()[0] if str(e) else type(e).__name__}") from e
     if os.path.isdir(path):
-        loaded = datasets.load_from_disk(path)
+        try:
+            loaded = datasets.load_from_disk(path)
+        except Exception as e:
+            raise ValueError(f"{flag} {path}: not a folder written by Dataset.save_to_disk ({e})") from e
         if isinstance(loaded, datasets.DatasetDict):
             if split not in loaded:
-                raise ValueError(f"--train-data {path} has splits {list(loaded)}; choose one with --train-split")
+                raise ValueError(f"{flag} {path} has splits {list(loaded)}; choose one with --train-split")
             loaded = loaded[split]
         return loaded
     if os.path.sep in path or path.startswith("."):
-        raise ValueError(f"--train-data {path}: no such file or folder")
+        raise ValueError(f"{flag} {path}: no such file or folder")
     try:
         return datasets.load_dataset(path, subset or None, split=split)
     except Exception as e:  # no network, unknown id, missing split: one message with the cause
-        raise ValueError(f"--train-data {path}: not a local file or folder, and loading it as a hub data set failed: {e}") from e
+        raise ValueError(f"{flag} {path}: not a local file or folder, and loading it as a hub data set failed: {e}") from e
 
 
 def data_columns(ds, loss):
     """Split the columns into text columns (in order) and the target column, and check that
     they fit the loss. Returns (text_columns, target_column or None, num_labels or 0)."""
+    if len(ds) == 0:
+        raise ValueError("the data set holds no rows")
     targets = [c for c in ds.column_names if c in TARGET_COLUMNS]
     texts = [c for c in ds.column_names if c not in TARGET_COLUMNS]
     for c in texts:
@@ -203,17 +218,35 @@ def data_columns(ds, loss):
     elif len(texts) != 2 or target is None:
         want = "sentence1, sentence2, score" if loss == "cosent" else "premise, hypothesis, label"
         raise ValueError(f"--loss {loss} needs two text columns and a target ({want}); got {ds.column_names}")
+    if loss == "cosent" and getattr(ds.features[target], "dtype", "") not in ("float16", "float32", "float64", "int32", "int64"):
+        raise ValueError(f"--loss cosent needs numeric scores in {target!r}; got {ds.features[target]}")
     if loss == "softmax":
-        feature = ds.features[target]
+        feature, labels = ds.features[target], list(ds[target])
+        if None in labels:
+            raise ValueError(f"--loss softmax: row {labels.index(None)} has no {target}; every row needs a class")
         if isinstance(feature, datasets.ClassLabel):
             num_labels = feature.num_classes
         elif getattr(feature, "dtype", "").startswith("int"):
-            num_labels = int(max(ds[target])) + 1
+            num_labels = max(labels) + 1
         else:
             raise ValueError(f"--loss softmax needs integer class labels in {target!r}; got {feature}")
-        if min(ds[target]) < 0:
-            raise ValueError(f"--loss softmax: column {target!r} holds negative labels; classes are 0..C-1")
+        if min(labels) < 0 or max(labels) >= num_labels:
+            raise ValueError(f"--loss softmax: {target!r} holds class {min(labels) if min(labels) < 0 else max(labels)}, outside 0..{num_labels - 1}; classes are numbered from 0")
     return texts, target, num_labels
+
+
+def check_rows(ds, text_columns, target, loss, flag):
+    """What the schema cannot show: null or empty texts, missing or non-finite targets. Each
+    problem is reported with the first row that has it, so it can be found and fixed."""
+    for column in text_columns:
+        for i, text in enumerate(ds[column]):
+            if text is None or not text.strip():
+                raise ValueError(f"{flag}: row {i} has {'a null' if text is None else 'an empty'} {column!r}; remove or fill such rows")
+    if target is None:
+        return
+    for i, value in enumerate(ds[target]):
+        if value is None or not math.isfinite(value):
+            raise ValueError(f"{flag}: row {i} has {target} = {value}; every row needs a finite {target}")
 
 
 def epoch_order(num_rows, seed, epoch):
@@ -345,22 +378,23 @@ def load_model(cfg, num_labels):
     path = resolve_model_path(cfg.model)
     st_info = read_sentence_transformer_folder(path) or {"subfolder": "", "pooling": "mean", "normalize": False, "max_seq_length": None}
     subfolder = st_info["subfolder"]
-    tokenizer = transformers.AutoTokenizer.from_pretrained(path, subfolder=subfolder)
-    export_config = transformers.AutoConfig.from_pretrained(path, subfolder=subfolder)
-    train_config = transformers.AutoConfig.from_pretrained(path, subfolder=subfolder)
+    remote = {"trust_remote_code": cfg.trust_remote_code}  # a hub repository's own code runs only if asked
+    tokenizer = transformers.AutoTokenizer.from_pretrained(path, subfolder=subfolder, **remote)
+    export_config = transformers.AutoConfig.from_pretrained(path, subfolder=subfolder, **remote)
+    train_config = transformers.AutoConfig.from_pretrained(path, subfolder=subfolder, **remote)
     if cfg.dropout is not None:
         for key, value in train_config.to_dict().items():
             if "dropout" in key and isinstance(value, float):
                 setattr(train_config, key, cfg.dropout)
     # BERT-like models carry a pooler that mean pooling never uses; DDP and FSDP break on
     # unused parameters (DESIGN.md, known traps), so leave it out where the class allows.
-    model_class = transformers.AutoModel._model_mapping[type(train_config)]
+    model_class = transformers.AutoModel._model_mapping.get(type(train_config), object)
     kwargs = {"add_pooling_layer": False} if "add_pooling_layer" in inspect.signature(model_class.__init__).parameters else {}
     # The pooler's weights are then "unexpected" in the checkpoint: expected, so not printed.
     verbosity = transformers.logging.get_verbosity()
     transformers.logging.set_verbosity_error()
     transformers.logging.disable_progress_bar()
-    encoder = transformers.AutoModel.from_pretrained(path, subfolder=subfolder, config=train_config, **kwargs)
+    encoder = transformers.AutoModel.from_pretrained(path, subfolder=subfolder, config=train_config, **kwargs, **remote)
     transformers.logging.set_verbosity(verbosity)
     transformers.logging.enable_progress_bar()
     export_config.architectures = [type(encoder).__name__]
@@ -370,6 +404,27 @@ def load_model(cfg, num_labels):
     model = EmbeddingModel(encoder, pooling, normalize, num_labels)
     model.train()  # from_pretrained returns eval mode: dropout would silently stay off
     return model, tokenizer, export_config, max_seq_length
+
+
+def check_model(cfg, strategy):
+    """The model checks that need no weights, in a second or two: the folder or hub id exists
+    and its config loads; under FSDP, the block class to wrap is found (in a copy built on the
+    meta device: no memory, no time). Returns the FSDP block class names, or None."""
+    path = resolve_model_path(cfg.model)
+    try:
+        subfolder = (read_sentence_transformer_folder(path) or {"subfolder": ""})["subfolder"]
+        config = transformers.AutoConfig.from_pretrained(path, subfolder=subfolder, trust_remote_code=cfg.trust_remote_code)
+    except ValueError as e:
+        raise ValueError(f"--model {cfg.model}: {e}") from e
+    except Exception as e:  # OSError, connection errors: no such folder, unknown id, no network
+        reason = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        raise ValueError(f"--model {cfg.model}: not a local model folder, and loading it from the hub failed ({reason}); "
+                         "pass a folder holding config.json, or a hub id where a hub is reachable") from e
+    if strategy != "fsdp":
+        return None
+    with torch.device("meta"):
+        encoder = transformers.AutoModel.from_config(config, trust_remote_code=cfg.trust_remote_code)
+    return sorted(c.__name__ for c in fsdp_utils.resolve_layer_classes(encoder, cfg.fsdp_layer_cls))
 
 
 # ----------------------------------------------------------------------------------------------
@@ -537,13 +592,17 @@ def export(model, raw_model, out_dir, tokenizer, export_config, max_seq_length, 
 
 
 # ----------------------------------------------------------------------------------------------
-# Training
+# Start-up checks: everything that can be checked from the flags, the data and the model config
+# is checked in the first seconds, before weights are loaded or anything is written.
+
+# Settings a resumed run may change. Every other one must equal the checkpoint's, or the resumed
+# run would not continue the same training.
+MAY_CHANGE_ON_RESUME = {"output_dir", "overwrite", "resume", "log_steps", "dist_timeout_minutes", "save_steps",
+                        "save_total_limit", "trust_remote_code"}
 
 
-def main(cfg):
-    """Train and export. Returns the trained (unwrapped) model, for tests and notebooks."""
-    rank, world_size, device = setup_dist(cfg.dist_timeout_minutes)
-    is_rank0 = rank == 0
+def check_flags(cfg, world_size, device):
+    """Settings that cannot work whatever the data. Returns the strategy to use."""
     strategy = cfg.strategy if cfg.strategy != "auto" else ("ddp" if world_size > 1 else "single")
     if strategy != "single" and world_size == 1:
         strategy = "single"  # one process: nothing to synchronise or shard
@@ -551,20 +610,131 @@ def main(cfg):
         raise ValueError(f"--strategy single with {world_size} processes would train {world_size} unrelated models; use --strategy ddp")
     if device.type == "cuda" and cfg.precision == "bf16" and not torch.cuda.is_bf16_supported():
         raise ValueError("--precision bf16: this GPU has no bf16 support (it needs Ampere or newer); use --precision fp16")
+    for name in ("per_device_batch_size", "grad_accum_steps", "log_steps"):
+        if getattr(cfg, name) < 1:
+            raise ValueError(f"--{name.replace('_', '-')} must be at least 1 (got {getattr(cfg, name)})")
+    for name in ("max_steps", "max_seq_length", "save_steps", "save_total_limit", "max_grad_norm", "weight_decay"):
+        if getattr(cfg, name) < 0:
+            raise ValueError(f"--{name.replace('_', '-')} cannot be negative (got {getattr(cfg, name)}); 0 turns it off")
+    if not cfg.lr > 0 or not 0 <= cfg.warmup_ratio <= 1:
+        raise ValueError(f"--lr must be > 0 and --warmup-ratio within 0..1 (got {cfg.lr} and {cfg.warmup_ratio})")
+    if cfg.max_steps == 0 and cfg.epochs < 1:
+        raise ValueError(f"--epochs {cfg.epochs} trains nothing; use --epochs 1 or more, or --max-steps")
     if (cfg.gather_negatives or cfg.symmetric) and cfg.loss != "mnrl":
         raise ValueError(f"--gather-negatives and --symmetric need candidates to rank, which only --loss mnrl has (got --loss {cfg.loss})")
     if not 0 <= cfg.cache_chunk_size <= cfg.per_device_batch_size:
         raise ValueError(f"--cache-chunk-size {cfg.cache_chunk_size} must be between 1 and --per-device-batch-size {cfg.per_device_batch_size} (0 turns GradCache off)")
-    final_dir = os.path.join(cfg.output_dir, "final")
-    if os.path.exists(final_dir) and not cfg.overwrite:
-        raise ValueError(f"{final_dir} already holds an export; pass --overwrite to replace it, or another --output-dir")
+    if cfg.resume and cfg.overwrite:
+        raise ValueError("--resume continues a run and --overwrite starts it over: choose one")
+    if cfg.resume not in ("", "auto") and not os.path.isfile(os.path.join(cfg.resume, "trainer_state.json")):
+        raise ValueError(f"--resume {cfg.resume}: not a complete checkpoint (no trainer_state.json); pass an OUTPUT_DIR/checkpoints/step-N folder, or --resume auto")
+    return strategy
 
+
+def checkpoint_to_resume(cfg, world_size):
+    """The checkpoint this run continues from (None: start fresh), or "finished" when
+    --output-dir already holds the finished run. Refuses to overwrite anything by accident."""
+    final_dir, checkpoints_dir = os.path.join(cfg.output_dir, "final"), os.path.join(cfg.output_dir, "checkpoints")
+    found = fsdp_utils.complete_checkpoints(checkpoints_dir)
+    if os.path.exists(final_dir) and not cfg.overwrite:
+        if cfg.resume:
+            return "finished"  # e.g. torchrun restarting a job that had already exported
+        raise ValueError(f"{final_dir} already holds a finished run's export; pass --overwrite to replace it, or another --output-dir")
+    if not cfg.resume:
+        if found and not cfg.overwrite:
+            raise ValueError(f"{checkpoints_dir} holds checkpoints of an unfinished run (newest: step {found[-1][0]}); "
+                             "pass --resume auto to continue it, or --overwrite to start over")
+        return None
+    resume_dir = cfg.resume if cfg.resume != "auto" else (found[-1][1] if found else None)
+    if resume_dir is None:
+        return None
+    with open(os.path.join(resume_dir, "trainer_state.json")) as f:
+        saved = json.load(f)
+    current = dataclasses.asdict(cfg)
+    diffs = [f"--{k.replace('_', '-')} {v!r} (this run: {current.get(k)!r})" for k, v in saved["config"].items()
+             if k not in MAY_CHANGE_ON_RESUME and current.get(k) != v]
+    if saved["world_size"] != world_size:
+        diffs.append(f"{saved['world_size']} processes (this run: {world_size}); each process holds its own shard of the state")
+    if diffs:
+        raise ValueError(f"cannot resume from {resume_dir}: it was written with " + "; ".join(diffs) +
+                         ". Resume with the same settings and number of processes, or start a fresh --output-dir")
+    return resume_dir
+
+
+def start_up_checks(cfg, world_size, device):
+    """Every check before heavy work; returns what the run needs to know. Raises ValueError."""
+    strategy = check_flags(cfg, world_size, device)
+    resume_dir = checkpoint_to_resume(cfg, world_size)
+    if resume_dir == "finished":
+        return {"finished": True}
     train_ds = load_train_data(cfg.train_data, cfg.train_split, cfg.train_subset)
-    text_columns, target, num_labels = data_columns(train_ds, cfg.loss)
+    try:
+        text_columns, target, num_labels = data_columns(train_ds, cfg.loss)
+    except ValueError as e:
+        raise ValueError(f"--train-data {cfg.train_data}: {e}") from e
+    check_rows(train_ds, text_columns, target, cfg.loss, f"--train-data {cfg.train_data}")
     global_batch = cfg.per_device_batch_size * world_size * cfg.grad_accum_steps
+    if len(train_ds) < global_batch:
+        raise ValueError(f"--train-data {cfg.train_data}: {len(train_ds)} rows make no global batch of {global_batch} "
+                         f"(= {cfg.per_device_batch_size} per device x {world_size} processes x {cfg.grad_accum_steps} accumulation); lower --per-device-batch-size")
+    layer_classes = check_model(cfg, strategy)
+    return {"finished": False, "strategy": strategy, "resume_dir": resume_dir, "train_ds": train_ds, "text_columns": text_columns,
+            "target": target, "num_labels": num_labels, "global_batch": global_batch, "layer_classes": layer_classes}
+
+
+def agree_on_error(message, rank, device):
+    """Combine every rank's verdict of the start-up checks: if any rank failed, every rank gets
+    the first failing rank's message, so no rank walks on into a collective that would hang.
+    ALL ranks must call it (two collectives). Text travels as bytes in a tensor: no pickling."""
+    if not dist.is_initialized():
+        return message
+    failed = torch.zeros(dist.get_world_size(), device=device)
+    failed[rank] = message is not None
+    dist.all_reduce(failed)  # all ranks
+    if not failed.any():
+        return None
+    source = int(failed.nonzero()[0])
+    text = torch.zeros(4096, dtype=torch.uint8, device=device)
+    if rank == source:
+        encoded = message.encode()[: len(text)]
+        text[: len(encoded)] = torch.tensor(list(encoded), dtype=torch.uint8)
+    dist.broadcast(text, src=source)  # all ranks
+    message = bytes(text[text != 0].tolist()).decode(errors="replace")
+    return message if source == 0 else f"(found by rank {source}) {message}"
+
+
+def test_kill_point(where, step, rank):
+    """For tests/test_resume.py only: FSDP_EMBED_TEST_KILL=WHERE:STEP:RANK makes that rank
+    SIGKILL itself there, on the first attempt only, as a preemption or an OOM kill would."""
+    if os.environ.get("FSDP_EMBED_TEST_KILL") == f"{where}:{step}:{rank}" and os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") == "0":
+        os.kill(os.getpid(), signal.SIGKILL)
+
+
+# ----------------------------------------------------------------------------------------------
+# Training
+
+
+def main(cfg):
+    """Train and export. Returns the trained (unwrapped) model, for tests and notebooks."""
+    rank, world_size, device = setup_dist(cfg.dist_timeout_minutes)
+    is_rank0 = rank == 0
+
+    # ---- start-up checks: all ranks check the same inputs, then agree; a failure stops every
+    # rank with one message before any weights are loaded or any file is written
+    try:
+        run, error = start_up_checks(cfg, world_size, device), None
+    except ValueError as e:
+        run, error = None, str(e)
+    error = agree_on_error(error, rank, device)  # all ranks
+    if error is not None:
+        raise ValueError(error)
+    final_dir, checkpoints_dir = os.path.join(cfg.output_dir, "final"), os.path.join(cfg.output_dir, "checkpoints")
+    if run["finished"]:
+        print0(f"{final_dir} already holds this run's export: nothing left to do")
+        return None
+    strategy, train_ds, text_columns, target, num_labels, global_batch = (
+        run[k] for k in ("strategy", "train_ds", "text_columns", "target", "num_labels", "global_batch"))
     steps_per_epoch = len(train_ds) // global_batch
-    if steps_per_epoch == 0:
-        raise ValueError(f"{len(train_ds)} training rows make no global batch of {global_batch}; lower --per-device-batch-size or --grad-accum-steps")
     total_steps = cfg.max_steps if cfg.max_steps > 0 else cfg.epochs * steps_per_epoch
     warmup_steps = math.ceil(cfg.warmup_ratio * total_steps)
 
@@ -572,8 +742,6 @@ def main(cfg):
     raw_model, tokenizer, export_config, max_seq_length = load_model(cfg, num_labels)
     raw_model.to(device)
     no_decay_names = {name for name, param in raw_model.named_parameters() if param.ndim < 2}
-    # Checked before wrapping: a wrong --fsdp-layer-cls fails here, naming the real classes.
-    layer_classes = sorted(c.__name__ for c in fsdp_utils.resolve_layer_classes(raw_model, cfg.fsdp_layer_cls)) if strategy == "fsdp" else None
     model = fsdp_utils.wrap_model(raw_model, strategy, device, sharding=cfg.sharding, fsdp_version=cfg.fsdp_version,
                                   layer_cls=cfg.fsdp_layer_cls, precision=cfg.precision)
     # torch 2.13's fused AdamW rejects the ShardedGradScaler's found-inf tensor (shape [1], not
@@ -588,25 +756,45 @@ def main(cfg):
     scale = scaler.scale if scaler else lambda loss: loss  # fp16: backward of the scaled loss
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, linear_schedule(warmup_steps, total_steps))
 
+    start_step = 0
+    if run["resume_dir"]:
+        # All ranks: loading sharded state is a collective. Restores the weights, AdamW's
+        # moments, this rank's RNG; the data position is the step (global batches first).
+        saved = fsdp_utils.load_checkpoint(model, optimizer, run["resume_dir"])
+        scheduler.load_state_dict(saved["scheduler"])
+        if scaler:
+            scaler.load_state_dict(saved["grad_scaler"])
+        start_step = saved["step"]
+        print0(f"resuming from {run['resume_dir']} (step {start_step} of {total_steps})")
+
     derived = {"world_size": world_size, "strategy": strategy,
-               "fsdp_layer_classes": layer_classes, "device": str(device), "global_batch": global_batch, "train_rows": len(train_ds),
+               "fsdp_layer_classes": run["layer_classes"], "device": str(device), "global_batch": global_batch, "train_rows": len(train_ds),
                "steps_per_epoch": steps_per_epoch, "total_steps": total_steps, "warmup_steps": warmup_steps,
                "max_seq_length_used": max_seq_length, "pooling_used": raw_model.pooling, "normalize_used": raw_model.normalize,
                "text_columns": text_columns, "target_column": target, "num_labels": num_labels}
     print0(json.dumps({**dataclasses.asdict(cfg), **derived}, indent=2))
     if is_rank0:
         os.makedirs(cfg.output_dir, exist_ok=True)
-        metrics_file = open(os.path.join(cfg.output_dir, "metrics.jsonl"), "w")
+        if cfg.overwrite:
+            shutil.rmtree(checkpoints_dir, ignore_errors=True)  # starting over: the old run's state must not be resumed
+        metrics_path = os.path.join(cfg.output_dir, "metrics.jsonl")
+        kept = []  # on resume: the rows up to the checkpoint (later ones are about to be redone)
+        if start_step and os.path.exists(metrics_path):
+            with open(metrics_path) as f:
+                kept = [line for line in f if "final_loss" not in line and json.loads(line)["step"] <= start_step]
+        metrics_file = open(metrics_path, "w")
+        metrics_file.writelines(kept)
 
-    # ---- the loop: every rank runs exactly total_steps x grad_accum_steps micro-batches
-    progress = tqdm(total=total_steps, disable=not is_rank0, desc="train", dynamic_ncols=True)
-    loss_sum = torch.zeros((), device=device)  # summed step losses since the last log (this rank)
+    # ---- the loop: every rank runs exactly (total_steps - start_step) x grad_accum_steps micro-batches
+    progress = tqdm(total=total_steps, initial=start_step, disable=not is_rank0, desc="train", dynamic_ncols=True)
+    loss_sum = 0.0  # summed step losses (mean over ranks) since the last log
     steps_since_log, last_log_time, loop_start = 0, time.perf_counter(), time.perf_counter()
     last_loss, order_epoch = float("nan"), None
-    for step in range(total_steps):
+    for step in range(start_step, total_steps):
         epoch, step_in_epoch = divmod(step, steps_per_epoch)
         if epoch != order_epoch:
             order, order_epoch = epoch_order(len(train_ds), cfg.seed, epoch), epoch
+        step_loss = torch.zeros((), device=device)
         for micro_step in range(cfg.grad_accum_steps):
             indices = micro_batch_indices(order, step_in_epoch, rank, micro_step,
                                           cfg.per_device_batch_size, world_size, cfg.grad_accum_steps)
@@ -621,7 +809,18 @@ def main(cfg):
                     with autocast():
                         loss = compute_loss(model, features, labels, cfg.loss, cfg.gather_negatives, cfg.symmetric) / cfg.grad_accum_steps
                     scale(loss).backward()
-            loss_sum += loss.detach()
+            step_loss += loss.detach()
+        # All ranks, every step: one scalar all_reduce gives the step's mean loss, and a NaN or
+        # inf on any rank reaches all of them, so all stop together, before the update.
+        if world_size > 1:
+            dist.all_reduce(step_loss)
+        step_loss_value = step_loss.item() / world_size
+        if not math.isfinite(step_loss_value):
+            newest = fsdp_utils.complete_checkpoints(checkpoints_dir)
+            raise FloatingPointError(f"the loss is {step_loss_value} at step {step + 1}; stopped before the optimizer step. "
+                                     f"Last good checkpoint: {newest[-1][1] if newest else 'none (use --save-steps)'}. "
+                                     "Lower --lr, use --precision fp32 or bf16, or check the data")
+        loss_sum += step_loss_value
         if scaler:
             scaler.unscale_(optimizer)  # clip the true gradients, not the scaled ones
         # All ranks: a collective under FSDP. With clipping off (inf) it only measures the norm,
@@ -638,11 +837,8 @@ def main(cfg):
         steps_since_log += 1
         progress.update(1)
 
-        if (step + 1) % cfg.log_steps == 0 or step + 1 == total_steps:
-            # All ranks reach this all_reduce: the log condition depends on the step alone.
-            if world_size > 1:
-                dist.all_reduce(loss_sum)
-            last_loss = loss_sum.item() / (world_size * steps_since_log)
+        if (step + 1) % cfg.log_steps == 0 or step + 1 == total_steps:  # (rank 0 only: no collective)
+            last_loss = loss_sum / steps_since_log
             now = time.perf_counter()
             samples_per_s = steps_since_log * global_batch / (now - last_log_time)
             record = {"step": step + 1, "epoch": round((step + 1) / steps_per_epoch, 4), "loss": last_loss, "grad_norm": grad_norm.item(), "lr": lr, "samples_per_s": samples_per_s}
@@ -650,11 +846,18 @@ def main(cfg):
                 metrics_file.write(json.dumps(record) + "\n")
                 metrics_file.flush()
                 progress.set_postfix(loss=f"{last_loss:.4f}", lr=f"{lr:.2e}", samples_s=f"{samples_per_s:.1f}")
-            loss_sum.zero_()
-            steps_since_log, last_log_time = 0, time.perf_counter()
+            loss_sum, steps_since_log, last_log_time = 0.0, 0, time.perf_counter()
+
+        if cfg.save_steps and (step + 1) % cfg.save_steps == 0:
+            # All ranks: every rank writes its own shard (DCP), then rank 0 makes it visible.
+            trainer_state = {"config": dataclasses.asdict(cfg), **derived, "scheduler": scheduler.state_dict(),
+                             "grad_scaler": scaler.state_dict() if scaler else None}
+            fsdp_utils.save_checkpoint(model, optimizer, checkpoints_dir, step + 1, trainer_state, keep_last=cfg.save_total_limit,
+                                       before_barrier=lambda: test_kill_point("in-save", step + 1, rank))
+            test_kill_point("after-save", step + 1, rank)
     progress.close()
     train_seconds = time.perf_counter() - loop_start
-    summary = {"final_loss": last_loss, "train_seconds": train_seconds, "samples_per_s": total_steps * global_batch / train_seconds}
+    summary = {"final_loss": last_loss, "train_seconds": train_seconds, "samples_per_s": (total_steps - start_step) * global_batch / train_seconds}
     print0(json.dumps(summary))
 
     # ---- export (all ranks gather, rank 0 writes)
@@ -671,8 +874,11 @@ if __name__ == "__main__":
     try:
         main(config)
     except ValueError as e:
-        # Bad input: every rank finds it (they all check the same things), rank 0 says it once.
+        # Bad input: all ranks agreed on it at start-up; rank 0 says it once.
         print0(f"error: {e}", file=sys.stderr)
         sys.exit(2)
+    except FloatingPointError as e:
+        print0(f"error: {e}", file=sys.stderr)
+        sys.exit(3)
     finally:
         cleanup_dist()

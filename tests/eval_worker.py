@@ -50,7 +50,10 @@ BATCH_SIZE = 16
 NUM_STS, NUM_RETRIEVAL, NUM_NLI, NUM_LOSS = 100, 150, 90, 40
 SIZES = (1, 2, 7, 1001)
 HEAD_SEED = 7  # the random Softmax head of the NLI case, the same at every world size
-TIE_CORPUS = ["a cat", "a dog", "a cat"]  # rows 0 and 2 score exactly alike for any query
+# Rows 0 and 2 score exactly alike for any query. Longest first, batch size 1, world 3: rows 3, 4,
+# 0, 1, 2 go to ranks 0, 1, 2, 0, 1, so row 2 sits on a LOWER rank than row 0, and the merge
+# must put row 0 first by its index, not by rank order.
+TIE_CORPUS = ["a cat", "a dog", "a cat", "a man is playing a guitar", "two dogs run on a beach"]
 TIE_QUERIES = ["a cat", "a dog"]
 TIE_RELEVANT = [{2}, {1}]  # query 0's relevant entry is the SECOND of two tied entries
 
@@ -164,8 +167,7 @@ def run_cases(strategies, size_strategies):
             result["state_kept"]["encode"] = bool(model.training and torch.equal(torch.get_rng_state(), rng_before))
             by_size[str(n)] = result  # str: the keys JSON gives back
         results["sizes"][strategy] = by_size
-        # Batch size 1: the duplicates are encoded alone, so their embeddings are bit-identical, and
-        # at world 3 each of the three corpus rows lives on another rank.
+        # Batch size 1: the duplicates are encoded alone, so their embeddings are bit-identical.
         results["ties"][strategy] = eval_dist.evaluate_retrieval(model, tokenizer, TIE_QUERIES, TIE_CORPUS, TIE_RELEVANT,
                                                                  batch_size=1, max_seq_length=MAX_SEQ_LENGTH)
     return results

@@ -181,7 +181,7 @@ def test_1_2_7_and_1001_rows_at_world_3(runs, strategy):
 def test_exact_ties_rank_the_lower_corpus_index_first(runs):
     # Query 0 ("a cat") scores corpus rows 0 and 2 (both "a cat") exactly alike; its relevant row
     # is 2, so with "lower index first" it is the second hit: MRR 1/2, Recall@1 0, NDCG 1/log2(3).
-    # Query 1 ("a dog") finds its relevant row 1 first. At world 3 the three rows lie on three ranks.
+    # Query 1 ("a dog") finds its relevant row 1 first. At world 3, row 2 lies on rank 1, row 0 on 2.
     want = {"mrr@10": 0.75, "ndcg@10": (1 / math.log2(3) + 1) / 2, "recall@1": 0.5, "recall@10": 1.0}
     for world_size, strategy in [(1, "single")] + [(3, s) for s in SIZE_STRATEGIES[3]]:
         assert_close(runs[world_size][0]["ties"][strategy], want, 1e-12, (world_size, strategy))

@@ -19,7 +19,7 @@ Use it (one process, or every rank under torchrun; gloo on CPU, NCCL on CUDA):
     import eval_dist
     metrics = eval_dist.evaluate_sts(model, tokenizer, dev["sentence1"], dev["sentence2"], dev["score"],
                                      batch_size=32, max_seq_length=128)
-    # -> {"spearman": 86.7, "pearson": 87.1} on every rank; print it from rank 0 only
+    # -> {"spearman": ..., "pearson": ...} (x 100), the same dict on every rank; print from rank 0
 
 `model` is the module the training loop calls: the DDP/FSDP1/FSDP2-wrapped one, so that FSDP can
 gather its parameters. It is called as `model(**tokens)` -> (B, D) embeddings. ALL ranks must
@@ -32,7 +32,9 @@ Two rules keep every rank in step and the numbers independent of the world size:
      padding) and cut into GLOBAL batches of `batch_size`; rank r encodes batches r, r + world,
      ... . Every rank runs ceil(num_batches / world) forwards; a rank with no batch left runs a
      one-row dummy forward (texts[0]) and drops the result. A text therefore lands in the same
-     batch, with the same padding, at any world size.
+     batch, with the same padding, at any world size (measured on CPU, one thread per process:
+     bit-identical embeddings at world 1 and 3). Strided, not contiguous slices of the sorted order: those would
+     give rank 0 all the long texts and make the others wait for it.
   2. Results are assembled by ONE `all_reduce(SUM)` of a fixed-size zero buffer in which each
      rank fills only its own rows (x + 0 + 0 = x exactly): no all_gather_object, no pickling.
 
@@ -102,7 +104,9 @@ def model_device(model):
 def encode_local(model, tokenizer, texts, batch_size=32, max_seq_length=None, device=None):
     """Embed this rank's share of `texts`. Returns (rows_R, emb_RD): the indices of the texts this
     rank encoded (ascending) and their float32 embeddings. Every rank must call it: each runs
-    ceil(ceil(N / batch_size) / world) forwards, whatever its share (rule 1 of the docstring)."""
+    ceil(ceil(N / batch_size) / world) forwards, whatever its share (rule 1 of the docstring).
+    `max_seq_length=None` truncates at the tokenizer's own limit; pass the training length to
+    embed as train.py and sentence-transformers do. `device=None`: the model's."""
     if len(texts) == 0:
         raise ValueError("nothing to encode: the list of texts is empty")
     rank, world_size = rank_and_world()

@@ -240,15 +240,15 @@ def evaluate_retrieval(model, tokenizer, queries, corpus, relevant, *, batch_siz
     # Local top k. A stable sort, not torch.topk (which breaks ties arbitrarily): rows_R is
     # ascending, so among equal scores the lower corpus index stays first.
     num_local = min(k, len(rows_R))
-    local_scores_QK, local_pos_QK = torch.sort(scores_QR, dim=1, descending=True, stable=True)
+    sorted_scores_QR, sorted_pos_QR = torch.sort(scores_QR, dim=1, descending=True, stable=True)
     # Fixed-size buffers (world, Q, k), zero except this rank's slot; a short slot is padded
     # with score -inf and index -1 ("no hit"). The sum over ranks is then every rank's offer.
     offer_scores_WQK = torch.zeros(world_size, num_queries, k, dtype=torch.float64, device=query_QD.device)
     offer_rows_WQK = torch.zeros(world_size, num_queries, k, dtype=torch.long, device=query_QD.device)
     offer_scores_WQK[rank] = float("-inf")
     offer_rows_WQK[rank] = -1
-    offer_scores_WQK[rank, :, :num_local] = local_scores_QK[:, :num_local]
-    offer_rows_WQK[rank, :, :num_local] = rows_R[local_pos_QK[:, :num_local]]
+    offer_scores_WQK[rank, :, :num_local] = sorted_scores_QR[:, :num_local]
+    offer_rows_WQK[rank, :, :num_local] = rows_R[sorted_pos_QR[:, :num_local]]
     if world_size > 1:
         # All ranks, once each per buffer: slot r holds rank r's offer, zeros elsewhere, so the
         # SUM assembles all offers exactly (-inf + 0 = -inf, -1 + 0 = -1).

@@ -1,8 +1,9 @@
 """Distributed evaluation (eval_dist.py) gives the same numbers at any world size, and the same as
 sentence-transformers' evaluators and as naive single-process loops.
 
-- world 1 (in this process) == world 2 == world 3 (torchrun, gloo), under DDP, FSDP1 full_shard
-  and FSDP2, to 1e-6: STS Spearman/Pearson, retrieval MRR/NDCG/Recall, NLI accuracy, MNRL loss;
+- world 1 (in this process) == world 2 == world 3 (torchrun, gloo) to 1e-6, under DDP and FSDP1
+  full_shard (FSDP2 full_shard at world 3 only, for time): STS Spearman/Pearson, retrieval
+  MRR/NDCG/Recall, NLI accuracy (seeded random head), MNRL validation loss;
 - every rank returns the same result, and runs the same number of forwards (the formula);
 - STS and retrieval == EmbeddingSimilarityEvaluator / InformationRetrievalEvaluator (measured:
   identical embeddings, Pearson x 100 off by 4e-7 from its float32 cosine, retrieval exact);
@@ -13,8 +14,8 @@ sentence-transformers' evaluators and as naive single-process loops.
 
 Time: one torchrun launch per world size (2 and 3) computes every case (tests/eval_worker.py);
 both run in the background while this process computes world 1 and the references, each
-process on one thread (two threads per process on two busy cores ran several times slower). Collectives
-time out after 2 minutes and each launch after 5, so a hang fails instead of stalling CI.
+process on one thread (two threads per process on two busy cores ran several times slower).
+Collectives time out after 2 minutes and each launch after 5, so a hang fails, not stalls CI.
 
 Run: python -m pytest tests/test_eval_dist.py -q
 """
@@ -57,9 +58,9 @@ def launch(world_size, out_dir):
     command = [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={world_size}", "--master_addr=127.0.0.1",
                f"--master_port={free_port()}", str(REPO_DIR / "tests" / "eval_worker.py"), str(out_dir),
                "--strategies", ",".join(STRATEGIES[world_size]), "--size-strategies", ",".join(SIZE_STRATEGIES[world_size]), "--timeout-s", "120"]
-    log = open(out_dir / "log.txt", "w")
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    return subprocess.Popen(command, cwd=REPO_DIR, stdout=log, stderr=subprocess.STDOUT, env=env), out_dir
+    with open(out_dir / "log.txt", "w") as log:  # the child keeps its own copy of the file
+        return subprocess.Popen(command, cwd=REPO_DIR, stdout=log, stderr=subprocess.STDOUT, env=env), out_dir
 
 
 def stop(process):
@@ -151,12 +152,10 @@ def test_retrieval_from_pairs():
 
 @pytest.mark.parametrize("world_size", sorted(STRATEGIES))
 def test_every_rank_returns_the_same_result(runs, world_size):
-    for result in runs[world_size]:
-        result.pop("seconds", None)  # timings differ, of course
-    rank0 = runs[world_size][0]
-    assert rank0["world_size"] == world_size
-    for rank, result in enumerate(runs[world_size][1:], start=1):
-        assert result == rank0, f"rank {rank} differs from rank 0"
+    without_timings = [{k: v for k, v in result.items() if k != "seconds"} for result in runs[world_size]]
+    assert without_timings[0]["world_size"] == world_size
+    for rank, result in enumerate(without_timings[1:], start=1):
+        assert result == without_timings[0], f"rank {rank} differs from rank 0"
 
 
 @pytest.mark.parametrize("world_size,strategy", [(w, s) for w in sorted(STRATEGIES) for s in STRATEGIES[w]])
@@ -205,7 +204,7 @@ def test_every_rank_runs_the_same_number_of_forwards(runs):
     for world_size, ranks in runs.items():
         for case in ("minilm", "sizes"):
             for strategy, by_strategy in ranks[0][case].items():
-                cases = {n: r for n, r in by_strategy.items()} if case == "sizes" else {None: by_strategy}
+                cases = dict(by_strategy) if case == "sizes" else {None: by_strategy}
                 for n, result in cases.items():
                     rows = minilm_rows if n is None else {"sts": int(n), "nli": int(n), "loss": int(n)}
                     want = expected_forwards(rows, result["num_queries"], result["num_corpus"], world_size)

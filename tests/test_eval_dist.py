@@ -92,7 +92,8 @@ def computed(tmp_path_factory):
     transformers, naive loops) here while they run, then collects the launches."""
     started = {w: launch(w, tmp_path_factory.mktemp("eval") / f"world{w}") for w in STRATEGIES}
     try:
-        with one_thread():
+        # fork_rng: the seeds set here to build models must not leak into later tests.
+        with one_thread(), torch.random.fork_rng():
             by_world = {1: [worker.run_cases(["single"], ["single"])]}
             references = {**sentence_transformers_metrics(), **naive_metrics()}
         for w, (process, out_dir) in started.items():

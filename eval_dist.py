@@ -1,0 +1,340 @@
+"""Distributed evaluation of a sentence-embedding model: every rank encodes a share of the texts,
+the shares are summed into one tensor, and every rank computes the same metrics from it.
+
+Evaluators (each returns a flat dict of python floats, identical on every rank):
+  - `evaluate_sts`        Spearman and Pearson (x 100) of cosine similarity vs gold scores
+  - `evaluate_retrieval`  MRR@10, NDCG@10, Recall@1, Recall@10 (as sentence-transformers'
+                          InformationRetrievalEvaluator), the corpus sharded across ranks
+  - `evaluate_nli`        accuracy (x 100) of a classification head over (u, v, |u - v|)
+  - `evaluate_loss`       the training loss on held-out rows, in world-size-independent batches
+and the pieces they share: `encode`, `encode_local`, `shard_bounds`, `retrieval_from_pairs`.
+
+Shape legend (suffixes on tensor names):
+    N  texts (or pairs) in the whole evaluation set      D  embedding dimension
+    R  rows this rank encoded (its shard of N)           B  rows of one batch
+    Q  queries    K  hits kept per query (k)             W  world size
+    C  candidates per query after the merge (W * K)      S  rows of this rank's slice
+
+Use it (one process, or every rank under torchrun; gloo on CPU, NCCL on CUDA):
+    import eval_dist
+    metrics = eval_dist.evaluate_sts(model, tokenizer, dev["sentence1"], dev["sentence2"], dev["score"],
+                                     batch_size=32, max_seq_length=128)
+    # -> {"spearman": ..., "pearson": ...} (x 100), the same dict on every rank; print from rank 0
+
+`model` is the module the training loop calls: the DDP/FSDP1/FSDP2-wrapped one, so that FSDP can
+gather its parameters. It is called as `model(**tokens)` -> (B, D) embeddings. ALL ranks must
+call every function here, the same number of times, in the same order: an FSDP forward is a
+collective (DESIGN.md, "Equal work"; "No collective under if rank == 0"). With no process group
+(one process), the same code runs and no collective is made.
+
+Two rules keep every rank in step and the numbers independent of the world size:
+  1. Texts are sorted longest first (as sentence-transformers does, so batches carry little
+     padding) and cut into GLOBAL batches of `batch_size`; rank r encodes batches r, r + world,
+     ... . Every rank runs ceil(num_batches / world) forwards; a rank with no batch left runs a
+     one-row dummy forward (texts[0]) and drops the result. A text therefore lands in the same
+     batch, with the same padding, at any world size (measured on CPU, one thread per process:
+     bit-identical embeddings at world 1 and 3). Strided, not contiguous slices of the sorted order: those would
+     give rank 0 all the long texts and make the others wait for it.
+  2. Results are assembled by ONE `all_reduce(SUM)` of a fixed-size zero buffer in which each
+     rank fills only its own rows (x + 0 + 0 = x exactly): no all_gather_object, no pickling.
+
+Evaluation runs in eval mode under `torch.no_grad()` and inside `torch.random.fork_rng`, and the
+model's train/eval mode is put back afterwards (also on exceptions): a run that evaluates
+trains exactly like one that does not.
+
+This file imports only the standard library and torch, never the rest of this project, so it
+can be copied alone. Left out on purpose: similarity functions other than cosine, query chunking
+for very large retrieval sets (each rank holds a queries x (corpus / world) score matrix),
+caching embeddings between evaluations, writing CSV files.
+"""
+
+import contextlib
+import math
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+
+# ----------------------------------------------------------------------------------------------
+# Distributed basics
+
+
+def rank_and_world():
+    """(rank, world_size); (0, 1) when no process group is initialised (one process)."""
+    if dist.is_available() and dist.is_initialized():
+        return dist.get_rank(), dist.get_world_size()
+    return 0, 1
+
+
+def shard_bounds(num_rows, rank, world_size):
+    """Rank `rank`'s contiguous slice [start, end) of `num_rows` rows: slices of
+    ceil(num_rows / world_size) rows, the last ones shorter or empty (7 rows, 3 ranks: 3, 3, 1;
+    1 row, 3 ranks: 1, 0, 0)."""
+    per_rank = math.ceil(num_rows / world_size)
+    start = min(rank * per_rank, num_rows)
+    return start, min(start + per_rank, num_rows)
+
+
+@contextlib.contextmanager
+def evaluating(model):
+    """Eval mode (dropout off), no autograd graph, and the RNG state forked: the caller's random
+    stream is the same after evaluation as before, even if a callback (batch_loss, classify)
+    draws random numbers. The model's previous train/eval mode comes back, also on exceptions."""
+    was_training = model.training
+    # fork_rng saves and restores the CPU generator and the listed CUDA devices' generators.
+    cuda_devices = list(range(torch.cuda.device_count())) if torch.cuda.is_initialized() else []
+    try:
+        with torch.random.fork_rng(devices=cuda_devices), torch.no_grad():
+            model.eval()
+            yield
+    finally:
+        model.train(was_training)
+
+
+def model_device(model):
+    # FSDP2 parameters are DTensors; their .device is the local shard's device, which is the one
+    # the inputs must be on.
+    return next(model.parameters()).device
+
+
+# ----------------------------------------------------------------------------------------------
+# Encoding: each rank embeds its share of global batches
+
+
+def encode_local(model, tokenizer, texts, batch_size=32, max_seq_length=None, device=None):
+    """Embed this rank's share of `texts`. Returns (rows_R, emb_RD): the indices of the texts this
+    rank encoded (ascending) and their float32 embeddings. Every rank must call it: each runs
+    ceil(ceil(N / batch_size) / world) forwards, whatever its share (rule 1 of the docstring).
+    `max_seq_length=None` truncates at the tokenizer's own limit; pass the training length to
+    embed as train.py and sentence-transformers do. `device=None`: the model's."""
+    if len(texts) == 0:
+        raise ValueError("nothing to encode: the list of texts is empty")
+    rank, world_size = rank_and_world()
+    device = device if device is not None else model_device(model)
+    texts = [t.strip() for t in texts]  # as train.collate does, so training and evaluation agree
+    # Longest first (ties keep their input order: sorted() is stable), so the batches, and with
+    # them every embedding, are a function of the texts alone, not of the world size.
+    order = sorted(range(len(texts)), key=lambda i: -len(texts[i]))
+    batches = [order[s : s + batch_size] for s in range(0, len(order), batch_size)]
+    num_steps = math.ceil(len(batches) / world_size)
+    rows, embs = [], []
+    with evaluating(model):
+        for step in range(num_steps):
+            batch_index = step * world_size + rank  # global batches r, r + world, r + 2 world, ...
+            is_dummy = batch_index >= len(batches)
+            batch_rows = [0] if is_dummy else batches[batch_index]
+            tokens = tokenizer([texts[i] for i in batch_rows], padding=True, truncation=True,
+                               max_length=max_seq_length, return_tensors="pt")
+            # All ranks run this forward num_steps times: under FSDP it all-gathers parameters, a
+            # collective that hangs if one rank skips it. A dummy's result is dropped.
+            emb_BD = model(**{k: v.to(device) for k, v in tokens.items()}).float()
+            if not is_dummy:
+                rows.extend(batch_rows)
+                embs.append(emb_BD)
+    dim = emb_BD.shape[1]  # every rank ran at least one forward (len(texts) >= 1)
+    if not rows:
+        return torch.zeros(0, dtype=torch.long, device=device), emb_BD.new_zeros(0, dim)
+    rows_R, order_R = torch.tensor(rows, device=device).sort()
+    return rows_R, torch.cat(embs)[order_R]
+
+
+def encode(model, tokenizer, texts, batch_size=32, max_seq_length=None, device=None):
+    """Embed all `texts` -> float32 (N, D), identical on every rank. Every rank must call it."""
+    rank, world_size = rank_and_world()
+    rows_R, emb_RD = encode_local(model, tokenizer, texts, batch_size, max_seq_length, device)
+    emb_ND = emb_RD.new_zeros(len(texts), emb_RD.shape[1])
+    emb_ND[rows_R] = emb_RD
+    if world_size > 1:
+        # All ranks: every row was written by exactly one rank, so the sum IS that row (x + 0).
+        dist.all_reduce(emb_ND, op=dist.ReduceOp.SUM)
+    return emb_ND
+
+
+# ----------------------------------------------------------------------------------------------
+# Correlations, in float64, from tensors that every rank holds in full
+
+
+def average_ranks(x_N):
+    """1-based ranks; tied values share the mean of the ranks they span (scipy.stats.rankdata's
+    default 'average', which scipy.stats.spearmanr uses)."""
+    sorted_N, order_N = torch.sort(x_N, stable=True)
+    starts_group_N = torch.ones_like(sorted_N, dtype=torch.bool)
+    starts_group_N[1:] = sorted_N[1:] != sorted_N[:-1]
+    group_N = torch.cumsum(starts_group_N, 0) - 1  # group id of each sorted value
+    position_N = torch.arange(1, len(x_N) + 1, dtype=torch.float64, device=x_N.device)
+    num_groups = int(group_N[-1]) + 1
+    group_sum = torch.zeros(num_groups, dtype=torch.float64, device=x_N.device).index_add_(0, group_N, position_N)
+    group_size = torch.bincount(group_N, minlength=num_groups)
+    ranks_N = torch.empty_like(position_N)
+    ranks_N[order_N] = (group_sum / group_size)[group_N]
+    return ranks_N
+
+
+def pearson(x_N, y_N):
+    """Pearson correlation of two float64 vectors (nan if either is constant, as scipy)."""
+    x_N, y_N = x_N - x_N.mean(), y_N - y_N.mean()
+    return ((x_N * y_N).sum() / torch.sqrt((x_N * x_N).sum() * (y_N * y_N).sum())).item()
+
+
+def spearman(x_N, y_N):
+    """Spearman correlation = Pearson correlation of the average ranks."""
+    return pearson(average_ranks(x_N), average_ranks(y_N))
+
+
+# ----------------------------------------------------------------------------------------------
+# Evaluators: every rank calls each one; each returns the same dict on every rank
+
+
+def evaluate_sts(model, tokenizer, sentences1, sentences2, scores, *, batch_size=32, max_seq_length=None, device=None):
+    """Semantic textual similarity: Spearman and Pearson (x 100) of cos(u_i, v_i) vs scores[i],
+    as sentence-transformers' EmbeddingSimilarityEvaluator (its "spearman_cosine" /
+    "pearson_cosine", which are not x 100)."""
+    num_pairs = len(sentences1)
+    if num_pairs != len(sentences2) or num_pairs != len(scores):
+        raise ValueError(f"evaluate_sts: {num_pairs} sentences1, {len(sentences2)} sentences2 and {len(scores)} scores; they must be equally long")
+    # One encode for both columns: one set of forwards, fuller batches.
+    emb_2ND = encode(model, tokenizer, list(sentences1) + list(sentences2), batch_size, max_seq_length, device).double()
+    u_ND, v_ND = F.normalize(emb_2ND[:num_pairs], dim=-1), F.normalize(emb_2ND[num_pairs:], dim=-1)
+    cosine_N = (u_ND * v_ND).sum(-1)
+    gold_N = torch.tensor(scores, dtype=torch.float64, device=cosine_N.device)
+    return {"spearman": 100 * spearman(cosine_N, gold_N), "pearson": 100 * pearson(cosine_N, gold_N)}
+
+
+def retrieval_from_pairs(anchors, positives):
+    """(anchor, positive) pairs -> (queries, corpus, relevant): the unique anchors are the queries,
+    the unique positives the corpus (first-seen order), and relevant[i] is the set of corpus
+    indices paired with query i; every other corpus entry is a distractor for it."""
+    if len(anchors) != len(positives):
+        raise ValueError(f"retrieval_from_pairs: {len(anchors)} anchors but {len(positives)} positives")
+    query_index, corpus_index, relevant = {}, {}, []
+    for anchor, positive in zip(anchors, positives):
+        if anchor not in query_index:
+            query_index[anchor] = len(query_index)
+            relevant.append(set())
+        if positive not in corpus_index:
+            corpus_index[positive] = len(corpus_index)
+        relevant[query_index[anchor]].add(corpus_index[positive])
+    return list(query_index), list(corpus_index), relevant
+
+
+def evaluate_retrieval(model, tokenizer, queries, corpus, relevant, *, batch_size=32, max_seq_length=None, device=None, k=10):
+    """Retrieve the top k corpus entries for each query by cosine similarity and score them:
+    mrr@k, ndcg@k, recall@1, recall@k (fractions in [0, 1]), with exactly the definitions of
+    sentence-transformers' InformationRetrievalEvaluator (binary relevance; recall = relevant
+    hits / all relevant; ideal DCG from min(#relevant, k) hits). Equal scores rank the lower
+    corpus index first, so the result does not depend on the world size.
+
+    The corpus is sharded: each rank keeps only the embeddings it encoded, scores every query
+    against them, and offers its local top k; one all_reduce merges the offers."""
+    if len(relevant) != len(queries):
+        raise ValueError(f"evaluate_retrieval: {len(queries)} queries but {len(relevant)} relevant sets; give one set per query")
+    if any(not rel for rel in relevant):
+        raise ValueError("evaluate_retrieval: a query has no relevant corpus entry; drop it (sentence-transformers skips such queries)")
+    if any(not 0 <= i < len(corpus) for rel in relevant for i in rel):
+        raise ValueError(f"evaluate_retrieval: relevant indices must lie in 0..{len(corpus) - 1}")
+    rank, world_size = rank_and_world()
+    num_queries = len(queries)
+    query_QD = F.normalize(encode(model, tokenizer, queries, batch_size, max_seq_length, device).double(), dim=-1)
+    rows_R, corpus_RD = encode_local(model, tokenizer, corpus, batch_size, max_seq_length, device)
+    scores_QR = query_QD @ F.normalize(corpus_RD.double(), dim=-1).T
+    # Local top k. A stable sort, not torch.topk (which breaks ties arbitrarily): rows_R is
+    # ascending, so among equal scores the lower corpus index stays first.
+    num_local = min(k, len(rows_R))
+    sorted_scores_QR, sorted_pos_QR = torch.sort(scores_QR, dim=1, descending=True, stable=True)
+    # Fixed-size buffers (world, Q, k), zero except this rank's slot; a short slot is padded
+    # with score -inf and index -1 ("no hit"). The sum over ranks is then every rank's offer.
+    offer_scores_WQK = torch.zeros(world_size, num_queries, k, dtype=torch.float64, device=query_QD.device)
+    offer_rows_WQK = torch.zeros(world_size, num_queries, k, dtype=torch.long, device=query_QD.device)
+    offer_scores_WQK[rank] = float("-inf")
+    offer_rows_WQK[rank] = -1
+    offer_scores_WQK[rank, :, :num_local] = sorted_scores_QR[:, :num_local]
+    offer_rows_WQK[rank, :, :num_local] = rows_R[sorted_pos_QR[:, :num_local]]
+    if world_size > 1:
+        # All ranks, once each per buffer: slot r holds rank r's offer, zeros elsewhere, so the
+        # SUM assembles all offers exactly (-inf + 0 = -inf, -1 + 0 = -1).
+        dist.all_reduce(offer_scores_WQK, op=dist.ReduceOp.SUM)
+        dist.all_reduce(offer_rows_WQK, op=dist.ReduceOp.SUM)
+    # Merge: order by score descending, then corpus index ascending. Sort by index first; the
+    # stable sort by score keeps that order among equal scores. The global top k is among the
+    # union of every rank's local top k.
+    cand_scores_QC = offer_scores_WQK.permute(1, 0, 2).reshape(num_queries, world_size * k)
+    cand_rows_QC = offer_rows_WQK.permute(1, 0, 2).reshape(num_queries, world_size * k)
+    by_row_QC = cand_rows_QC.argsort(dim=1, stable=True)
+    cand_scores_QC, cand_rows_QC = cand_scores_QC.gather(1, by_row_QC), cand_rows_QC.gather(1, by_row_QC)
+    by_score_QC = cand_scores_QC.argsort(dim=1, descending=True, stable=True)
+    hits_QK = cand_rows_QC.gather(1, by_score_QC)[:, :k].tolist()  # -1: fewer than k corpus entries
+
+    is_relevant_QK = torch.tensor([[row in relevant[q] for row in hits] for q, hits in enumerate(hits_QK)], dtype=torch.float64)
+    num_relevant_Q = torch.tensor([len(rel) for rel in relevant], dtype=torch.float64)
+    discount_K = 1.0 / torch.log2(torch.arange(k, dtype=torch.float64) + 2)  # 1 / log2(position + 1), 1-based
+    dcg_Q = (is_relevant_QK * discount_K).sum(1)
+    ideal_dcg_Q = torch.cumsum(discount_K, 0)[num_relevant_Q.clamp(max=k).long() - 1]
+    has_hit_Q = is_relevant_QK.sum(1) > 0
+    first_hit_Q = is_relevant_QK.argmax(1)  # position of the first relevant hit (when there is one)
+    reciprocal_rank_Q = torch.where(has_hit_Q, 1.0 / (first_hit_Q + 1).double(), 0.0)
+    return {
+        f"mrr@{k}": reciprocal_rank_Q.mean().item(),
+        f"ndcg@{k}": (dcg_Q / ideal_dcg_Q).mean().item(),
+        "recall@1": (is_relevant_QK[:, 0] / num_relevant_Q).mean().item(),
+        f"recall@{k}": (is_relevant_QK.sum(1) / num_relevant_Q).mean().item(),
+    }
+
+
+def evaluate_nli(model, tokenizer, premises, hypotheses, labels, classify, *, batch_size=32, max_seq_length=None, device=None):
+    """Accuracy (x 100) of a classification head: argmax classify(u, v) vs labels, with u, v the
+    embeddings of premise and hypothesis. `classify(u_BD, v_BD) -> logits_BC` is supplied by the
+    caller and must run the head through the wrapped model (train.py builds the head input with
+    losses.softmax_features and calls model(head_input=...)).
+
+    Every rank calls `classify` exactly ONCE, on its own contiguous slice of the rows (possibly
+    empty), and the correct counts are summed. Why not all rows on every rank: that is world
+    times the compute and memory for the same answer; why not in batches: under FSDP each head
+    forward all-gathers the root's parameters (with the word embeddings), one gather is enough
+    for a linear head over N / world rows."""
+    num_rows = len(premises)
+    if num_rows != len(hypotheses) or num_rows != len(labels):
+        raise ValueError(f"evaluate_nli: {num_rows} premises, {len(hypotheses)} hypotheses and {len(labels)} labels; they must be equally long")
+    rank, world_size = rank_and_world()
+    emb_2ND = encode(model, tokenizer, list(premises) + list(hypotheses), batch_size, max_seq_length, device)
+    start, end = shard_bounds(num_rows, rank, world_size)
+    with evaluating(model):
+        # All ranks, once each, even with an empty slice: under FSDP the head forward is a collective.
+        logits_SC = classify(emb_2ND[start:end], emb_2ND[num_rows + start : num_rows + end])
+    labels_S = torch.tensor(list(labels[start:end]), dtype=torch.long, device=logits_SC.device)
+    num_correct = (logits_SC.argmax(-1) == labels_S).sum().to(torch.float64)
+    if world_size > 1:
+        # All ranks: sum the correct counts of the slices; divide once.
+        dist.all_reduce(num_correct, op=dist.ReduceOp.SUM)
+    return {"accuracy": 100 * num_correct.item() / num_rows}
+
+
+def evaluate_loss(model, num_rows, batch_size, batch_loss):
+    """Validation loss: the training loss on `num_rows` held-out rows, as a row-weighted mean.
+
+    The rows are cut into GLOBAL batches of `batch_size` consecutive rows (the last one may be
+    shorter), the same at any world size, so in-batch negatives (MNRL) and CoSENT's pairs are
+    the same too; rank r takes batches r, r + world, ... . `batch_loss(indices) -> mean loss
+    (scalar tensor)` is supplied by the caller and runs the forwards through the wrapped model.
+    `model` is only put in eval mode (dropout off) and back. Returns {"loss": ...}."""
+    if num_rows <= 0:
+        raise ValueError("evaluate_loss: no rows to evaluate")
+    rank, world_size = rank_and_world()
+    batches = [list(range(s, min(s + batch_size, num_rows))) for s in range(0, num_rows, batch_size)]
+    num_steps = math.ceil(len(batches) / world_size)
+    totals = None  # [sum of loss x rows, rows] on this rank, on the loss's device
+    with evaluating(model):
+        for step in range(num_steps):
+            batch_index = step * world_size + rank
+            is_dummy = batch_index >= len(batches)
+            indices = batches[0] if is_dummy else batches[batch_index]
+            # All ranks call batch_loss num_steps times: its forwards are collectives under FSDP.
+            # A dummy (a real batch, so any loss accepts it) is computed and dropped.
+            loss = batch_loss(indices).detach().to(torch.float64)
+            if totals is None:
+                totals = torch.zeros(2, dtype=torch.float64, device=loss.device)
+            if not is_dummy:
+                totals += torch.stack([loss * len(indices), loss.new_tensor(len(indices))])
+    if world_size > 1:
+        # All ranks: sums and counts are added across ranks, divided once.
+        dist.all_reduce(totals, op=dist.ReduceOp.SUM)
+    return {"loss": (totals[0] / totals[1]).item()}

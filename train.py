@@ -37,8 +37,15 @@ Large contrastive batches: --gather-negatives shares every rank's candidates as 
 thousands fits in the memory of M rows; the two compose, e.g.
     torchrun --nproc_per_node=4 train.py --per-device-batch-size 1024 --cache-chunk-size 64 --gather-negatives
 
-Left out on purpose (each comes with its own issue): evaluation during training, resumable
-checkpoints.
+Evaluation during training runs on every rank, under FSDP too (eval_dist.py):
+    torchrun --nproc_per_node=2 train.py --loss cosent --train-data ../shared/data/stsb-train.jsonl \
+        --eval-data ../shared/data/stsb-dev.jsonl --eval-steps 100 --metric-for-best stsb-dev/spearman
+
+Resumable state every N steps, and restarts that heal themselves:
+    torchrun --nproc_per_node=4 --max-restarts=3 train.py --save-steps 500 --resume auto ...
+
+Left out on purpose: resuming at another world size (refused at start-up), CPU offload,
+activation checkpointing.
 """
 
 import argparse
@@ -61,6 +68,7 @@ import torch.nn.functional as F
 import transformers
 from tqdm import tqdm
 
+import eval_dist
 import fsdp_utils
 import losses
 
@@ -110,6 +118,12 @@ class Config:
     fsdp_version: int = arg(1, "1: FullyShardedDataParallel with an auto-wrap policy; 2: fully_shard on each block, then the root", choices=(1, 2))
     fsdp_layer_cls: str = arg("", "class name(s) of the block FSDP wraps, comma-separated; empty: detected (the model's repeated layer)")
     precision: str = arg("fp32", "fp32; bf16 (bf16 compute, fp32 master weights and gradient reduction); fp16 (the same with loss scaling)", choices=("fp32", "bf16", "fp16"))
+    # evaluation during training (all ranks take part: each encodes its shard, eval_dist.py)
+    eval_data: str = arg("", "held-out data, FILE[,FILE] (formats as --train-data), evaluated every --eval-steps and after the last step")
+    eval_type: str = arg("", "sts: (sentence1, sentence2, score) -> spearman, pearson; retrieval: (anchor, positive) -> mrr@10, ndcg@10, recall@1, recall@10; nli: (premise, hypothesis, label) -> accuracy of the Softmax head; loss: the training loss. Empty: from each file's columns", choices=("", "sts", "retrieval", "nli", "loss"))
+    eval_steps: int = arg(0, "evaluate every this many steps (and after the last); 0: after the last step only")
+    eval_batch_size: int = arg(64, "texts per forward pass when evaluating, per rank")
+    metric_for_best: str = arg("", "keep the export with the best value of this metric in OUTPUT_DIR/best/, e.g. stsb-dev/spearman (names: FILE-STEM/METRIC; for a loss lower is better)")
     # checkpoints and restarts
     save_steps: int = arg(0, "save resumable state (model, optimizer, scheduler, RNG, data position) to OUTPUT_DIR/checkpoints/step-N every this many steps; 0: never")
     save_total_limit: int = arg(0, "keep only the newest this many checkpoints (older ones are removed once a new one is complete); 0: keep all")
@@ -553,6 +567,35 @@ def cached_backward(model, features, labels, loss, chunk_size, gather, symmetric
 
 
 # ----------------------------------------------------------------------------------------------
+# Evaluation
+
+
+def evaluate(model, eval_sets, tokenizer, max_seq_length, cfg, device):
+    """Every evaluation set, every metric, the same dict on every rank. ALL ranks must call it:
+    each encodes its shard through the wrapped model (a collective under FSDP) and eval_dist
+    combines the shards with all_reduce. Dropout off, RNG and training mode left untouched."""
+    results = {}
+    for name, kind, ds, columns, target in eval_sets:
+        options = {"batch_size": cfg.eval_batch_size, "max_seq_length": max_seq_length, "device": device}
+        texts = [list(ds[c]) for c in columns]
+        if kind == "sts":
+            metrics = eval_dist.evaluate_sts(model, tokenizer, texts[0], texts[1], list(ds[target]), **options)
+        elif kind == "retrieval":
+            metrics = eval_dist.evaluate_retrieval(model, tokenizer, *eval_dist.retrieval_from_pairs(texts[0], texts[1]), **options)
+        elif kind == "nli":
+            # The head runs through the wrapped root, like in training (FSDP gathers it there).
+            classify = lambda u, v: model(head_input=losses.softmax_features(u, v)).float()  # noqa: E731
+            metrics = eval_dist.evaluate_nli(model, tokenizer, texts[0], texts[1], list(ds[target]), classify, **options)
+        else:
+            def batch_loss(indices):
+                features, labels = collate(ds[indices], columns, target, cfg.loss, tokenizer, max_seq_length, device)
+                return compute_loss(model, features, labels, cfg.loss, symmetric=cfg.symmetric)
+            metrics = eval_dist.evaluate_loss(model, len(ds), cfg.eval_batch_size, batch_loss)
+        results.update({f"{name}/{metric}": value for metric, value in metrics.items()})
+    return results
+
+
+# ----------------------------------------------------------------------------------------------
 # Export
 
 
@@ -607,7 +650,11 @@ def export(model, raw_model, out_dir, tokenizer, export_config, max_seq_length, 
 # Settings a resumed run may change. Every other one must equal the checkpoint's, or the resumed
 # run would not continue the same training.
 MAY_CHANGE_ON_RESUME = {"output_dir", "overwrite", "resume", "log_steps", "dist_timeout_minutes", "save_steps",
-                        "save_total_limit", "trust_remote_code"}
+                        "save_total_limit", "trust_remote_code", "eval_data", "eval_type", "eval_steps", "eval_batch_size", "metric_for_best"}
+# What each --eval-type reports, and the loss whose column rules its data follows.
+EVAL_METRICS = {"sts": ("spearman", "pearson"), "retrieval": ("mrr@10", "ndcg@10", "recall@1", "recall@10"),
+                "nli": ("accuracy",), "loss": ("loss",)}
+EVAL_COLUMNS_LIKE = {"sts": "cosent", "retrieval": "mnrl", "nli": "softmax"}
 
 
 def check_flags(cfg, world_size, device):
@@ -619,10 +666,10 @@ def check_flags(cfg, world_size, device):
         raise ValueError(f"--strategy single with {world_size} processes would train {world_size} unrelated models; use --strategy ddp")
     if device.type == "cuda" and cfg.precision == "bf16" and not torch.cuda.is_bf16_supported():
         raise ValueError("--precision bf16: this GPU has no bf16 support (it needs Ampere or newer); use --precision fp16")
-    for name in ("per_device_batch_size", "grad_accum_steps", "log_steps"):
+    for name in ("per_device_batch_size", "grad_accum_steps", "log_steps", "eval_batch_size"):
         if getattr(cfg, name) < 1:
             raise ValueError(f"--{name.replace('_', '-')} must be at least 1 (got {getattr(cfg, name)})")
-    for name in ("max_steps", "max_seq_length", "save_steps", "save_total_limit", "max_grad_norm", "weight_decay"):
+    for name in ("max_steps", "max_seq_length", "save_steps", "save_total_limit", "max_grad_norm", "weight_decay", "eval_steps"):
         if getattr(cfg, name) < 0:
             raise ValueError(f"--{name.replace('_', '-')} cannot be negative (got {getattr(cfg, name)}); 0 turns it off")
     if not cfg.lr > 0 or not 0 <= cfg.warmup_ratio <= 1:
@@ -670,6 +717,31 @@ def checkpoint_to_resume(cfg, world_size):
     return resume_dir
 
 
+def load_eval_sets(cfg, num_labels):
+    """[(name, type, dataset, text_columns, target)] for --eval-data, checked like the training
+    data. The name (the file's stem) prefixes its metrics: stsb-dev/spearman."""
+    eval_sets = []
+    for path in [p for p in cfg.eval_data.split(",") if p]:
+        flag = f"--eval-data {path}"
+        ds = load_train_data(path, "validation", flag=flag)
+        columns = ds.column_names
+        kind = cfg.eval_type or ("sts" if "score" in columns else "nli" if "label" in columns else "retrieval")
+        try:
+            text_columns, target, eval_labels = data_columns(ds, EVAL_COLUMNS_LIKE.get(kind, cfg.loss))
+        except ValueError as e:
+            raise ValueError(f"{flag} (--eval-type {kind}): {e}") from e
+        check_rows(ds, text_columns, target, cfg.loss, flag)
+        if kind == "nli" and (cfg.loss != "softmax" or eval_labels > num_labels):
+            raise ValueError(f"{flag}: nli accuracy needs the Softmax head trained on the same classes (--loss softmax, {num_labels} classes); "
+                             f"this run has --loss {cfg.loss} and the file {eval_labels} classes. Use --eval-type loss or sts instead")
+        name = os.path.splitext(os.path.basename(path.rstrip("/")))[0]
+        eval_sets.append((name, kind, ds, text_columns, target))
+    names = [f"{name}/{metric}" for name, kind, *_ in eval_sets for metric in EVAL_METRICS[kind]]
+    if cfg.metric_for_best and cfg.metric_for_best not in names:
+        raise ValueError(f"--metric-for-best {cfg.metric_for_best}: not among this run's metrics {names}")
+    return eval_sets
+
+
 def start_up_checks(cfg, world_size, device):
     """Every check before heavy work; returns what the run needs to know. Raises ValueError."""
     strategy = check_flags(cfg, world_size, device)
@@ -686,9 +758,14 @@ def start_up_checks(cfg, world_size, device):
     if len(train_ds) < global_batch:
         raise ValueError(f"--train-data {cfg.train_data}: {len(train_ds)} rows make no global batch of {global_batch} "
                          f"(= {cfg.per_device_batch_size} per device x {world_size} processes x {cfg.grad_accum_steps} accumulation); lower --per-device-batch-size")
+    eval_sets = load_eval_sets(cfg, num_labels)
     layer_classes = check_model(cfg, strategy)
     return {"finished": False, "strategy": strategy, "resume_dir": resume_dir, "train_ds": train_ds, "text_columns": text_columns,
-            "target": target, "num_labels": num_labels, "global_batch": global_batch, "layer_classes": layer_classes}
+            "target": target, "num_labels": num_labels, "global_batch": global_batch, "layer_classes": layer_classes, "eval_sets": eval_sets}
+
+
+class StartUpError(ValueError):
+    """Bad input that every rank found (or was told of) at start-up."""
 
 
 def agree_on_error(message, rank, device):
@@ -736,7 +813,7 @@ def main(cfg):
         run, error = None, str(e)
     error = agree_on_error(error, rank, device)  # all ranks
     if error is not None:
-        raise ValueError(error)
+        raise StartUpError(error)
     final_dir, checkpoints_dir = os.path.join(cfg.output_dir, "final"), os.path.join(cfg.output_dir, "checkpoints")
     if run["finished"]:
         print0(f"{final_dir} already holds this run's export: nothing left to do")
@@ -765,7 +842,7 @@ def main(cfg):
     scale = scaler.scale if scaler else lambda loss: loss  # fp16: backward of the scaled loss
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, linear_schedule(warmup_steps, total_steps))
 
-    start_step = 0
+    start_step, best_value, eval_sets = 0, None, run["eval_sets"]
     if run["resume_dir"]:
         # All ranks: loading sharded state is a collective. Restores the weights, AdamW's
         # moments, this rank's RNG; the data position is the step (global batches first).
@@ -773,7 +850,7 @@ def main(cfg):
         scheduler.load_state_dict(saved["scheduler"])
         if scaler:
             scaler.load_state_dict(saved["grad_scaler"])
-        start_step = saved["step"]
+        start_step, best_value = saved["step"], saved.get("best_value")
         print0(f"resuming from {run['resume_dir']} (step {start_step} of {total_steps})")
 
     derived = {"world_size": world_size, "strategy": strategy,
@@ -857,10 +934,25 @@ def main(cfg):
                 progress.set_postfix(loss=f"{last_loss:.4f}", lr=f"{lr:.2e}", samples_s=f"{samples_per_s:.1f}")
             loss_sum, steps_since_log, last_log_time = 0.0, 0, time.perf_counter()
 
+        if eval_sets and ((cfg.eval_steps and (step + 1) % cfg.eval_steps == 0) or step + 1 == total_steps):
+            # All ranks: evaluation is collective (sharded encoding, all_reduce), and so is the
+            # best export's gathering; the metrics, hence the decisions, are equal on every rank.
+            metrics = evaluate(model, eval_sets, tokenizer, max_seq_length, cfg, device)
+            if is_rank0:
+                metrics_file.write(json.dumps({"step": step + 1, "eval": metrics}) + "\n")
+                metrics_file.flush()
+                progress.write(f"step {step + 1}: " + ", ".join(f"{k} {v:.4f}" for k, v in metrics.items()))
+            if cfg.metric_for_best:
+                value, lower_is_better = metrics[cfg.metric_for_best], cfg.metric_for_best.endswith("/loss")
+                if best_value is None or (value < best_value if lower_is_better else value > best_value):
+                    best_value = value
+                    export(model, raw_model, os.path.join(cfg.output_dir, "best"), tokenizer, export_config, max_seq_length, cfg,
+                           derived, {"step": step + 1, cfg.metric_for_best: value, "final_loss": last_loss, "samples_per_s": float("nan")}, is_rank0)
+
         if cfg.save_steps and (step + 1) % cfg.save_steps == 0:
             # All ranks: every rank writes its own shard (DCP), then rank 0 makes it visible.
             trainer_state = {"config": dataclasses.asdict(cfg), **derived, "scheduler": scheduler.state_dict(),
-                             "grad_scaler": scaler.state_dict() if scaler else None}
+                             "grad_scaler": scaler.state_dict() if scaler else None, "best_value": best_value}
             fsdp_utils.save_checkpoint(model, optimizer, checkpoints_dir, step + 1, trainer_state, keep_last=cfg.save_total_limit,
                                        before_barrier=lambda: test_kill_point("in-save", step + 1, rank))
             test_kill_point("after-save", step + 1, rank)
@@ -883,8 +975,12 @@ if __name__ == "__main__":
     try:
         main(config)
     except ValueError as e:
-        # Bad input: all ranks agreed on it at start-up; rank 0 says it once.
+        # Bad input: rank 0 says it once.
         print0(f"error: {e}", file=sys.stderr)
+        if isinstance(e, StartUpError) and dist.is_initialized():
+            # All ranks agreed on this error, so all are here: wait until rank 0 has printed,
+            # because torchrun stops the other ranks as soon as one exits.
+            dist.barrier()
         sys.exit(2)
     except FloatingPointError as e:
         print0(f"error: {e}", file=sys.stderr)

@@ -35,23 +35,26 @@ def free_port():
         return s.getsockname()[1]
 
 
-def run_train(args, nproc=1, nnodes=1, cwd=None, timeout=600, check=True):
+def run_train(args, nproc=1, nnodes=1, cwd=None, timeout=600, check=True, env=None, max_restarts=0, torchrun=None):
     """Run train.py as a user would: `python train.py`, or `torchrun --nproc_per_node=N train.py`
-    (with nnodes > 1: one torchrun per "node", all on this machine, as on a real cluster).
-    Collectives get a finite timeout, so a hang fails the test instead of stalling CI.
+    (with nnodes > 1: one torchrun per "node", all on this machine, as on a real cluster;
+    `torchrun=True` forces torchrun for one process). Collectives get a finite timeout, so a
+    hang fails the test instead of stalling CI. `env` adds environment variables.
     Returns node 0's completed process."""
     script = str(REPO_DIR / "train.py")
     if "--dist-timeout-minutes" not in args:
         args = [*args, "--dist-timeout-minutes", "3"]
     args = [str(a) for a in args]
-    if nproc == 1 and nnodes == 1:
+    if nproc == 1 and nnodes == 1 and not torchrun:
         commands = [[sys.executable, script, *args]]
     else:
         port = free_port()
         commands = [[sys.executable, "-m", "torch.distributed.run", f"--nnodes={nnodes}", f"--node_rank={node}",
-                     f"--nproc_per_node={nproc}", "--master_addr=127.0.0.1", f"--master_port={port}", script, *args]
+                     f"--nproc_per_node={nproc}", "--master_addr=127.0.0.1", f"--master_port={port}",
+                     f"--max-restarts={max_restarts}", script, *args]
                     for node in range(nnodes)]
-    nodes = [subprocess.Popen(c, cwd=cwd or REPO_DIR, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for c in commands]
+    env = {**os.environ, **(env or {})}
+    nodes = [subprocess.Popen(c, cwd=cwd or REPO_DIR, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env) for c in commands]
     outputs = [n.communicate(timeout=timeout) for n in nodes]
     proc = subprocess.CompletedProcess(commands[0], nodes[0].returncode, *outputs[0])
     if check and any(n.returncode != 0 for n in nodes):

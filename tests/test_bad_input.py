@@ -1,0 +1,119 @@
+"""Every bad input is caught at start-up, at world size 2 under torchrun, before any weights are
+loaded: each case exits with code 2 within seconds, prints exactly one `error:` line (rank 0's)
+naming the problem and the fix, leaves no rank running, and writes nothing (an existing output
+folder is left exactly as it was).
+
+The cases run a few at a time (each is a real `torchrun --nproc_per_node=2 train.py ...`).
+
+Run: python -m pytest tests/test_bad_input.py
+"""
+
+import concurrent.futures
+import json
+import os
+import subprocess
+import time
+
+import pytest
+from conftest import data_file, run_train
+
+
+def write_jsonl(path, rows):
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return path
+
+
+def pairs(n):
+    return [{"anchor": f"question {i}", "positive": f"answer {i}"} for i in range(n)]
+
+
+def sts(n, **override):
+    return [{"sentence1": f"a {i}", "sentence2": f"b {i}", "score": i / n, **(override if i == 5 else {})} for i in range(n)]
+
+
+def nli(n, **override):
+    return [{"premise": f"p {i}", "hypothesis": f"h {i}", "label": i % 3, **(override if i == 7 else {})} for i in range(n)]
+
+
+def fake_checkpoint(out, world_size=2, seed=12):
+    """A complete-looking checkpoint folder (what resuming reads first: trainer_state.json)."""
+    folder = out / "checkpoints" / "step-2"
+    folder.mkdir(parents=True)
+    config = {"seed": seed, "loss": "mnrl", "per_device_batch_size": 16}
+    (folder / "trainer_state.json").write_text(json.dumps({"step": 2, "world_size": world_size, "config": config}))
+
+
+# (name, setup(tmp) -> extra args, expected words in the error line)
+CASES = [
+    ("missing file", lambda t: ["--train-data", t / "nope.jsonl"], "no such file or folder"),
+    ("unknown hub model", lambda t: ["--model", "no-such-org/no-such-model"], "--model no-such-org/no-such-model: not a local model folder"),
+    ("malformed json", lambda t: ["--train-data", (t / "bad.jsonl").write_text("{not json\n") and t / "bad.jsonl"], "cannot be read as json"),
+    ("empty data set", lambda t: ["--train-data", write_jsonl(t / "empty.jsonl", [])], ""),
+    ("too few columns", lambda t: ["--train-data", write_jsonl(t / "one.jsonl", [{"anchor": "x"}] * 40)], "--loss mnrl needs (anchor, positive"),
+    ("columns do not fit the loss", lambda t: ["--loss", "cosent", "--train-data", data_file("sick-pairs-train.jsonl")], "--loss cosent needs two text columns and a target"),
+    ("non-numeric scores", lambda t: ["--loss", "cosent", "--train-data", write_jsonl(t / "s.jsonl", [{**r, "score": "high"} for r in sts(40)])], "needs numeric scores"),
+    ("missing score", lambda t: ["--loss", "cosent", "--train-data", write_jsonl(t / "s.jsonl", sts(40, score=None))], "row 5 has score = None"),
+    ("NaN score", lambda t: ["--loss", "cosent", "--train-data", (t / "s.csv").write_text("sentence1,sentence2,score\n" + "".join(f"a {i},b {i},{'nan' if i == 5 else 0.5}\n" for i in range(40))) and t / "s.csv"], "row 5 has score = nan"),
+    ("negative label", lambda t: ["--loss", "softmax", "--train-data", write_jsonl(t / "n.jsonl", nli(40, label=-1))], "holds class -1, outside 0..2"),
+    ("non-integer label", lambda t: ["--loss", "softmax", "--train-data", write_jsonl(t / "n.jsonl", nli(40, label=0.5))], "needs integer class labels"),
+    ("null text", lambda t: ["--train-data", write_jsonl(t / "p.jsonl", [{**r, "anchor": None if i == 3 else r["anchor"]} for i, r in enumerate(pairs(40))])], "row 3 has a null 'anchor'"),
+    ("empty text", lambda t: ["--train-data", write_jsonl(t / "p.jsonl", [{**r, "positive": "  " if i == 4 else r["positive"]} for i, r in enumerate(pairs(40))])], "row 4 has an empty 'positive'"),
+    ("fewer rows than a global batch", lambda t: ["--train-data", write_jsonl(t / "p.jsonl", pairs(20))], "20 rows make no global batch of 32"),
+    ("layer class not in the model", lambda t: ["--strategy", "fsdp", "--fsdp-layer-cls", "XLMRobertaLayer"], "no such layer class"),
+    ("chunk larger than the batch", lambda t: ["--cache-chunk-size", 64], "--cache-chunk-size 64 must be between 1 and --per-device-batch-size 16"),
+    ("gather without candidates", lambda t: ["--loss", "cosent", "--train-data", data_file("stsb-dev.jsonl"), "--gather-negatives"], "only --loss mnrl has"),
+    ("zero batch size", lambda t: ["--per-device-batch-size", 0], "--per-device-batch-size must be at least 1"),
+    ("resume and overwrite", lambda t: ["--resume", "auto", "--overwrite"], "choose one"),
+    ("resume from a non-checkpoint", lambda t: ["--resume", t], "not a complete checkpoint"),
+    ("finished run in the output folder", lambda t: (t / "out" / "final").mkdir(parents=True) or [], "already holds a finished run's export; pass --overwrite"),
+    ("unfinished run in the output folder", lambda t: fake_checkpoint(t / "out") or [], "holds checkpoints of an unfinished run (newest: step 2); pass --resume auto"),
+    ("resume at another world size", lambda t: fake_checkpoint(t / "out", world_size=1) or ["--resume", "auto"], "1 processes (this run: 2)"),
+    ("resume with another seed", lambda t: fake_checkpoint(t / "out", seed=99) or ["--resume", "auto"], "--seed 99 (this run: 12)"),
+]
+
+
+def listing(folder):
+    return sorted(str(p.relative_to(folder)) for p in folder.rglob("*")) if folder.exists() else None
+
+
+def run_case(case, tmp):
+    name, setup, _ = case
+    tmp.mkdir()
+    extra = setup(tmp)
+    out = tmp / "out"
+    before = listing(out)
+    start = time.perf_counter()
+    proc = run_train([*extra, "--output-dir", out], nproc=2, check=False, timeout=180, env={"HF_HUB_OFFLINE": "1"})
+    seconds = time.perf_counter() - start
+    left_running = subprocess.run(["pgrep", "-f", str(out)], capture_output=True, text=True).stdout.split()
+    return {"proc": proc, "seconds": seconds, "before": before, "after": listing(out), "left_running": left_running}
+
+
+@pytest.fixture(scope="module")
+def results(tmp_path_factory):
+    base = tmp_path_factory.mktemp("bad")
+    # Three at a time: each case is mostly Python start-up, which the 2 cores share anyway.
+    with concurrent.futures.ThreadPoolExecutor(max_workers=3) as pool:
+        futures = {case[0]: pool.submit(run_case, case, base / f"case{i}") for i, case in enumerate(CASES)}
+        return {name: f.result() for name, f in futures.items()}
+
+
+def test_the_table_covers_at_least_fifteen_bad_inputs():
+    assert len(CASES) >= 15 and len({c[0] for c in CASES}) == len(CASES)
+
+
+@pytest.mark.parametrize("case", CASES, ids=[c[0] for c in CASES])
+def test_bad_input_stops_every_rank_at_start_up_with_one_message(results, case):
+    name, _, expected = case
+    r = results[name]
+    output = r["proc"].stdout + r["proc"].stderr
+    errors = [line for line in output.splitlines() if line.startswith("error:")]
+    assert r["proc"].returncode == 2, output[-3000:]
+    assert len(errors) == 1, output[-3000:]  # once, by rank 0, although both ranks found it
+    assert expected in errors[0], errors[0]
+    assert "Traceback" not in r["proc"].stdout  # ours is one line, not a stack
+    assert r["after"] == r["before"]  # nothing written, nothing removed
+    assert not r["left_running"]
+    # Before any weights are loaded: start-up (imports, ~10 s on 2 shared cores) plus the check.
+    # Three cases share the machine at a time, so the bound is loose; a hang would take minutes.
+    assert r["seconds"] < 60, r["seconds"]

@@ -1,0 +1,79 @@
+"""Resumable checkpoints and self-healing restarts, through train.py (real all-MiniLM-L6-v2,
+fp32, dropout ON: the RNG state is part of what must be restored).
+
+Every case trains 6 steps with a checkpoint every 2, once straight and once broken, and the two
+must give bitwise identical per-step losses, gradient norms and final weights:
+- single process: killed (SIGKILL) after the step-2 checkpoint, then `--resume auto` by hand;
+- DDP, 2 ranks: rank 1 SIGKILLs itself after the step-4 checkpoint, and
+  `torchrun --max-restarts=1 ... --resume auto` finishes the job by itself;
+- FSDP1, 2 ranks: rank 1 is killed in the middle of the step-4 save (after writing its shard,
+  before the checkpoint is made visible): the half-written checkpoint is never resumed from,
+  the step-2 one is, and the next save replaces the leftover;
+- FSDP2, 2 ranks: self-healing as for DDP, killed after the step-2 checkpoint.
+The kills come from a test-only hook (FSDP_EMBED_TEST_KILL=WHERE:STEP:RANK, first attempt only).
+
+Run: python -m pytest tests/test_resume.py
+"""
+
+import json
+
+import pytest
+import torch
+from conftest import data_file, read_metrics, run_train
+from safetensors.torch import load_file
+
+COMMON = ["--train-data", data_file("sick-triplets-train.jsonl"), "--max-steps", 6, "--save-steps", 2,
+          "--per-device-batch-size", 4, "--max-seq-length", 32, "--log-steps", 1, "--lr", 1e-4, "--seed", 5]
+
+
+def assert_bitwise_same_run(got_dir, want_dir):
+    got, want = read_metrics(got_dir), read_metrics(want_dir)
+    assert [r["step"] for r in got] == [r["step"] for r in want] == list(range(1, 7))
+    assert [(r["loss"], r["grad_norm"], r["lr"]) for r in got] == [(r["loss"], r["grad_norm"], r["lr"]) for r in want]
+    got_w, want_w = load_file(got_dir / "final" / "model.safetensors"), load_file(want_dir / "final" / "model.safetensors")
+    assert got_w.keys() == want_w.keys()
+    assert all(torch.equal(got_w[k], want_w[k]) for k in want_w)
+
+
+@pytest.mark.parametrize("name,extra,nproc,kill,max_restarts", [
+    ("single", [], 1, "after-save:2:0", 0),
+    ("ddp", ["--save-total-limit", 1], 2, "after-save:4:1", 1),
+    ("fsdp1", ["--strategy", "fsdp"], 2, "in-save:4:1", 0),
+    ("fsdp2", ["--strategy", "fsdp", "--fsdp-version", 2], 2, "after-save:2:1", 1),
+])
+def test_a_broken_run_resumes_exactly(tmp_path, name, extra, nproc, kill, max_restarts):
+    straight, broken = tmp_path / "straight", tmp_path / "broken"
+    run_train([*COMMON, *extra, "--output-dir", straight], nproc=nproc)
+    args = [*COMMON, *extra, "--output-dir", broken, "--resume", "auto"]
+    first = run_train(args, nproc=nproc, env={"FSDP_EMBED_TEST_KILL": kill}, max_restarts=max_restarts, check=max_restarts > 0)
+    checkpoints = broken / "checkpoints"
+    if max_restarts == 0:
+        # The job died; nothing was exported, and only complete checkpoints carry a step-N name.
+        assert first.returncode != 0 and not (broken / "final").exists()
+        if kill.startswith("in-save"):
+            assert sorted(p.name for p in checkpoints.iterdir()) == [".incomplete-step-4", "step-2"]
+        second = run_train(args, nproc=nproc)
+        resumed_from = "step-2"
+    else:
+        second = first  # torchrun restarted the ranks itself
+        resumed_from = f"step-{kill.split(':')[1]}"
+    assert f"resuming from {checkpoints / resumed_from}" in second.stdout + second.stderr
+    assert_bitwise_same_run(broken, straight)
+    names = sorted(p.name for p in checkpoints.iterdir())
+    assert names == (["step-6"] if "--save-total-limit" in extra else ["step-2", "step-4", "step-6"])
+    state = json.loads((checkpoints / "step-6" / "trainer_state.json").read_text())
+    assert state["step"] == 6 and state["world_size"] == nproc and state["config"]["seed"] == 5
+
+
+def test_resuming_a_finished_run_does_nothing_and_fresh_starts_refuse_to_overwrite(tmp_path):
+    """`--resume auto` on a finished run (torchrun restarting a job that had exported) exits 0
+    and rewrites nothing; the same command without --resume refuses to start."""
+    out = tmp_path / "run"
+    args = [*COMMON, "--max-steps", 2, "--output-dir", out]
+    run_train(args)
+    before = (out / "final" / "model.safetensors").stat().st_mtime_ns
+    done = run_train([*args, "--resume", "auto"])
+    assert "nothing left to do" in done.stdout
+    again = run_train(args, check=False)
+    assert again.returncode == 2 and "already holds a finished run" in again.stderr
+    assert (out / "final" / "model.safetensors").stat().st_mtime_ns == before

@@ -199,6 +199,8 @@ def load_train_data(path, split, subset="", flag="--train-data"):
         builder = {"jsonl": "json", "json": "json", "csv": "csv", "parquet": "parquet"}.get(ext)
         if builder is None:
             raise ValueError(f"{flag} {path}: unknown file type .{ext}; use .jsonl, .json, .csv or .parquet")
+        if os.path.getsize(path) == 0:
+            raise ValueError(f"{flag} {path}: the file is empty")
         try:
             return datasets.load_dataset(builder, data_files=path, split="train")
         except Exception as e:  # malformed JSON/CSV, mixed types: one message with the cause
@@ -253,8 +255,10 @@ def data_columns(ds, loss):
             num_labels = max(labels) + 1
         else:
             raise ValueError(f"--loss softmax needs integer class labels in {target!r}; got {feature}")
-        if min(labels) < 0 or max(labels) >= num_labels:
-            raise ValueError(f"--loss softmax: {target!r} holds class {min(labels) if min(labels) < 0 else max(labels)}, outside 0..{num_labels - 1}; classes are numbered from 0")
+        if min(labels) < 0:
+            raise ValueError(f"--loss softmax: {target!r} holds negative labels ({min(labels)}); classes are numbered 0..C-1")
+        if max(labels) >= num_labels:
+            raise ValueError(f"--loss softmax: {target!r} holds class {max(labels)}, but the data set declares {num_labels} classes (0..{num_labels - 1})")
     return texts, target, num_labels
 
 

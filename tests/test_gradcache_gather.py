@@ -6,7 +6,8 @@
   chunk size B against `compute_loss` itself (chunks of B are its very forwards);
 - through train.py under torchrun (a tiny random BERT, conftest.tiny_model, to keep CI short): world 2 x batch B with --gather-negatives == one process with
   batch 2B (DDP, FSDP1 full_shard, FSDP2), also at world 4 x B/2; GradCache + gather at world 2
-  == plain at world 1 x 2B; GradCache under DDP for CoSENT and Softmax == plain DDP;
+  (FSDP2) == plain at world 1 x 2B; GradCache under DDP (Softmax) and FSDP1 (CoSENT) == one
+  process without it;
 - the gradient's scale is checked, not assumed: AdamW (and clipping) would hide a gradient off
   by the world size, so every step's gradient norm (train.py logs it, before clipping) must
   equal the one-process run's too.
@@ -182,6 +183,17 @@ def assert_same_training(run_dir, reference_dir, num_steps=4):
 def test_gathered_negatives_equal_one_process_with_the_global_batch(runs, name, extra, nproc, per_device):
     reference = runs("single-16", "mnrl", 16)
     assert_same_training(runs(name, "mnrl", per_device, ["--gather-negatives", *extra], nproc=nproc), reference)
+
+
+@pytest.mark.parametrize("loss,extra", [
+    ("softmax", []),  # DDP: the head's gradient (from the loss step) must be reduced in the last backward
+    ("cosent", ["--strategy", "fsdp"]),  # FSDP1 full_shard
+])
+def test_cached_distributed_training_equals_one_process(runs, loss, extra):
+    """GradCache under DDP and FSDP1 at 2 ranks x batch 8 (chunks of 3, the last one short) ==
+    one process, batch 8, 2 accumulation steps, no cache."""
+    reference = runs(f"single-{loss}-accum2", loss, 8, ["--grad-accum-steps", 2])
+    assert_same_training(runs(f"cached-{loss}-2", loss, 8, ["--cache-chunk-size", 3, *extra], nproc=2), reference)
 
 
 def test_without_gather_the_ranks_see_fewer_negatives(runs):

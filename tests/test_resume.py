@@ -11,6 +11,9 @@ must give bitwise identical per-step losses, gradient norms and final weights:
   the step-2 one is, and the next save replaces the leftover;
 - FSDP2, 2 ranks: self-healing as for DDP, killed after the step-2 checkpoint.
 The kills come from a test-only hook (FSDP_EMBED_TEST_KILL=WHERE:STEP:RANK, first attempt only).
+The FSDP1 and FSDP2 broken runs also evaluate every 2 steps (STS and retrieval, keeping the best
+export) and the straight runs do not: equality also proves that evaluation under FSDP, mid-training,
+leaves the training untouched.
 
 Run: python -m pytest tests/test_resume.py
 """
@@ -44,7 +47,14 @@ def assert_bitwise_same_run(got_dir, want_dir):
 def test_a_broken_run_resumes_exactly(tmp_path, tiny_model, name, extra, nproc, kill, max_restarts):
     straight, broken = tmp_path / "straight", tmp_path / "broken"
     run_train([*COMMON, "--model", tiny_model, *extra, "--output-dir", straight], nproc=nproc)
-    args = [*COMMON, "--model", tiny_model, *extra, "--output-dir", broken, "--resume", "auto"]
+    evaluation = []
+    if name.startswith("fsdp"):
+        sts = tmp_path / "sts-dev.jsonl"
+        sts.write_text("".join(open(data_file("stsb-dev.jsonl")).readlines()[:40]))
+        pairs = tmp_path / "pairs-dev.jsonl"
+        pairs.write_text("".join(open(data_file("sick-pairs-train.jsonl")).readlines()[-40:]))
+        evaluation = ["--eval-data", f"{sts},{pairs}", "--eval-steps", 2, "--metric-for-best", "sts-dev/spearman"]
+    args = [*COMMON, "--model", tiny_model, *extra, *evaluation, "--output-dir", broken, "--resume", "auto"]
     first = run_train(args, nproc=nproc, env={"FSDP_EMBED_TEST_KILL": kill}, max_restarts=max_restarts, check=max_restarts > 0)
     checkpoints = broken / "checkpoints"
     if max_restarts == 0:
@@ -59,6 +69,13 @@ def test_a_broken_run_resumes_exactly(tmp_path, tiny_model, name, extra, nproc, 
         resumed_from = f"step-{kill.split(':')[1]}"
     assert f"resuming from {checkpoints / resumed_from}" in second.stdout + second.stderr
     assert_bitwise_same_run(broken, straight)
+    if evaluation:
+        rows = [json.loads(line) for line in (broken / "metrics.jsonl").read_text().splitlines()]
+        evals = [r for r in rows if "eval" in r]
+        assert [r["step"] for r in evals] == [2, 4, 6]
+        assert set(evals[0]["eval"]) == {"sts-dev/spearman", "sts-dev/pearson", "pairs-dev/mrr@10", "pairs-dev/ndcg@10",
+                                         "pairs-dev/recall@1", "pairs-dev/recall@10"}
+        assert (broken / "best" / "model.safetensors").exists()
     names = sorted(p.name for p in checkpoints.iterdir())
     assert names == (["step-6"] if "--save-total-limit" in extra else ["step-2", "step-4", "step-6"])
     state = json.loads((checkpoints / "step-6" / "trainer_state.json").read_text())

@@ -35,6 +35,7 @@ Left out on purpose (for now): CPU offload of parameters, activation checkpointi
 resuming at another world size (refused by train.py, see its README section).
 """
 
+import contextlib
 import importlib.metadata
 import json
 import os
@@ -263,6 +264,18 @@ def _tensor_state(model, optimizer):
     return tensors, hyper
 
 
+@contextlib.contextmanager
+def _quiet_checkpoint_warnings():
+    """torch's own checkpoint code warns about its own internals: FSDP1's sharded state is
+    ShardedTensor, which torch deprecates (dozens of lines per save), and one process is told
+    it is one process. Nothing a user can act on, so they are silenced here, and only here."""
+    with warnings.catch_warnings():
+        for message in ("Please use DTensor instead and we are deprecating ShardedTensor", "`_get_pg_default_device` will be deprecated",
+                        "Multiple backends are registered with this ProcessGroup", "torch.distributed is disabled"):
+            warnings.filterwarnings("ignore", message=message)
+        yield
+
+
 def _barrier():
     if dist.is_initialized():
         dist.barrier()
@@ -295,10 +308,11 @@ def save_checkpoint(model, optimizer, checkpoints_dir, step, trainer_state, keep
         os.makedirs(tmp_dir)
     _barrier()  # all ranks: nobody writes into the folder before it exists
 
-    tensors, hyper = _tensor_state(model, optimizer)  # all ranks (collective under FSDP)
-    # All ranks: each writes the tensors (or shards) it is assigned; safetensors files, so
-    # loading them back runs no pickle.
-    dcp.save(tensors, storage_writer=dcp.HuggingFaceStorageWriter(tmp_dir, save_distributed=True, enable_consolidation=False))
+    with _quiet_checkpoint_warnings():
+        tensors, hyper = _tensor_state(model, optimizer)  # all ranks (collective under FSDP)
+        # All ranks: each writes the tensors (or shards) it is assigned; safetensors files, so
+        # loading them back runs no pickle.
+        dcp.save(tensors, storage_writer=dcp.HuggingFaceStorageWriter(tmp_dir, save_distributed=True, enable_consolidation=False))
     rng = {"cpu": torch.get_rng_state()}
     if torch.cuda.is_available():
         rng["cuda"] = torch.cuda.get_rng_state()
@@ -328,12 +342,13 @@ def load_checkpoint(model, optimizer, checkpoint_dir):
     rank = dist.get_rank() if dist.is_initialized() else 0
     with open(os.path.join(checkpoint_dir, "trainer_state.json")) as f:
         trainer_state = json.load(f)
-    tensors, _ = _tensor_state(model, optimizer)  # the shapes and shards to fill (all ranks)
-    dcp.load(tensors, storage_reader=dcp.HuggingFaceStorageReader(checkpoint_dir))  # all ranks
-    model_state = {k.removeprefix("model."): v for k, v in tensors.items() if k.startswith("model.")}
-    optim_state = {k.removeprefix("optim."): v for k, v in tensors.items() if k.startswith("optim.")}
-    optim_state.update(trainer_state["optimizer_hyperparameters"])
-    set_state_dict(model, optimizer, model_state_dict=model_state, optim_state_dict=optim_state, options=CHECKPOINT_OPTIONS)
+    with _quiet_checkpoint_warnings():
+        tensors, _ = _tensor_state(model, optimizer)  # the shapes and shards to fill (all ranks)
+        dcp.load(tensors, storage_reader=dcp.HuggingFaceStorageReader(checkpoint_dir))  # all ranks
+        model_state = {k.removeprefix("model."): v for k, v in tensors.items() if k.startswith("model.")}
+        optim_state = {k.removeprefix("optim."): v for k, v in tensors.items() if k.startswith("optim.")}
+        optim_state.update(trainer_state["optimizer_hyperparameters"])
+        set_state_dict(model, optimizer, model_state_dict=model_state, optim_state_dict=optim_state, options=CHECKPOINT_OPTIONS)
     rng = load_file(os.path.join(checkpoint_dir, f"rng-rank-{rank}.safetensors"))
     torch.set_rng_state(rng["cpu"])
     if "cuda" in rng:

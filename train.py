@@ -548,9 +548,9 @@ def cached_backward(model, features, labels, loss, chunk_size, gather, symmetric
 
     # 2. the loss and its gradient with respect to every embedding (gradients stay local:
     # under DDP/FSDP nothing is reduced before the last backward of the step)
-    with fsdp_utils.gradient_sync(model, enabled=False), autocast():
-        loss_value = embeddings_loss(model, embs, labels, loss, gather, symmetric) / loss_divisor
     with fsdp_utils.gradient_sync(model, enabled=False):
+        with autocast():
+            loss_value = embeddings_loss(model, embs, labels, loss, gather, symmetric) / loss_divisor
         scale(loss_value).backward()
 
     # 3. re-embed each chunk with a graph and push its cached gradient through the encoder

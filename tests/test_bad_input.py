@@ -1,5 +1,5 @@
 """Every bad input is caught at start-up, at world size 2 under torchrun, before any weights are
-loaded (17 cases launched for real, 7 more through the same check function in-process): each case exits with code 2 (torchrun: 1) within seconds, prints exactly one `error:` line (rank 0's)
+loaded (15 cases launched for real, 9 more through the same check function in-process): each case exits with code 2 (torchrun: 1) within seconds, prints exactly one `error:` line (rank 0's)
 naming the problem and the fix, leaves no rank running, and writes nothing (an existing output
 folder is left exactly as it was).
 
@@ -55,13 +55,11 @@ CASES = [
     ("missing file", lambda t: ["--train-data", t / "nope.jsonl"], "no such file or folder"),
     ("unknown hub model", lambda t: ["--model", "no-such-org/no-such-model"], "--model no-such-org/no-such-model: not a local model folder"),
     ("malformed json", lambda t: ["--train-data", (t / "bad.jsonl").write_text("{not json\n") and t / "bad.jsonl"], "cannot be read as json"),
-    ("too few columns", lambda t: ["--train-data", write_jsonl(t / "one.jsonl", [{"anchor": "x"}] * 40)], "--loss mnrl needs (anchor, positive"),
     ("columns do not fit the loss", lambda t: ["--loss", "cosent", "--train-data", data_file("sick-pairs-train.jsonl")], "--loss cosent needs two text columns and a target"),
     ("non-numeric scores", lambda t: ["--loss", "cosent", "--train-data", write_jsonl(t / "s.jsonl", [{**r, "score": "high"} for r in sts(40)])], "needs numeric scores"),
     ("NaN score", lambda t: ["--loss", "cosent", "--train-data", write_parquet(t / "s.parquet", [{**r, "score": float("nan") if i == 5 else r["score"]} for i, r in enumerate(sts(40))])], "row 5 has score = nan"),
     ("negative label", lambda t: ["--loss", "softmax", "--train-data", write_jsonl(t / "n.jsonl", nli(40, label=-1))], "holds negative labels (-1)"),
     ("null text", lambda t: ["--train-data", write_jsonl(t / "p.jsonl", [{**r, "anchor": None if i == 3 else r["anchor"]} for i, r in enumerate(pairs(40))])], "row 3 has a null 'anchor'"),
-    ("empty text", lambda t: ["--train-data", write_jsonl(t / "p.jsonl", [{**r, "positive": "  " if i == 4 else r["positive"]} for i, r in enumerate(pairs(40))])], "row 4 has an empty 'positive'"),
     ("fewer rows than a global batch", lambda t: ["--train-data", write_jsonl(t / "p.jsonl", pairs(20))], "20 rows make no global batch of 32"),
     ("layer class not in the model", lambda t: ["--strategy", "fsdp", "--fsdp-layer-cls", "XLMRobertaLayer"], "no such layer class"),
     ("chunk larger than the batch", lambda t: ["--cache-chunk-size", 64], "--cache-chunk-size 64 must be between 1 and --per-device-batch-size 16"),
@@ -75,6 +73,8 @@ CASES = [
 # Checked in-process (train.start_up_checks at world size 2, the function every rank runs), to keep
 # CI short: the launches above already show that any start-up error stops every rank the same way.
 IN_PROCESS_CASES = [
+    ("too few columns", lambda t: ["--train-data", write_jsonl(t / "one.jsonl", [{"anchor": "x"}] * 40)], "--loss mnrl needs (anchor, positive"),
+    ("empty text", lambda t: ["--train-data", write_jsonl(t / "p.jsonl", [{**r, "positive": "  " if i == 4 else r["positive"]} for i, r in enumerate(pairs(40))])], "row 4 has an empty 'positive'"),
     ("empty data set", lambda t: ["--train-data", write_jsonl(t / "empty.jsonl", [])], "the file is empty"),
     ("missing score", lambda t: ["--loss", "cosent", "--train-data", write_jsonl(t / "s.jsonl", sts(40, score=None))], "row 5 has score = None"),
     ("non-integer label", lambda t: ["--loss", "softmax", "--train-data", write_jsonl(t / "n.jsonl", nli(40, label=0.5))], "needs integer class labels"),

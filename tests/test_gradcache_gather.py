@@ -5,7 +5,7 @@
   naive reference that embeds the same chunks with a graph (the same random numbers), and at
   chunk size B against `compute_loss` itself (chunks of B are its very forwards);
 - through train.py under torchrun (a tiny random BERT, conftest.tiny_model, to keep CI short): world 2 x batch B with --gather-negatives == one process with
-  batch 2B (DDP, FSDP1 full_shard, FSDP2), also at world 4 x B/2; GradCache + gather at world 2
+  batch 2B (DDP, FSDP1 full_shard, FSDP2), also at world 4 x B/2 (there with --symmetric); GradCache + gather at world 2
   (FSDP2) == plain at world 1 x 2B; GradCache under DDP (Softmax) and FSDP1 (CoSENT) == one
   process without it;
 - the gradient's scale is checked, not assumed: AdamW (and clipping) would hide a gradient off
@@ -178,10 +178,11 @@ def assert_same_training(run_dir, reference_dir, num_steps=4):
     ("ddp2-gather", [], 2, 8),
     ("fsdp1-2-gather", ["--strategy", "fsdp"], 2, 8),
     ("fsdp2-2-gather-cached", ["--strategy", "fsdp", "--fsdp-version", 2, "--cache-chunk-size", 3], 2, 8),
-    ("ddp4-gather", [], 4, 4),
+    ("ddp4-gather-symmetric", ["--symmetric"], 4, 4),  # the anchors are gathered too
 ])
 def test_gathered_negatives_equal_one_process_with_the_global_batch(runs, name, extra, nproc, per_device):
-    reference = runs("single-16", "mnrl", 16)
+    symmetric = ["--symmetric"] if "--symmetric" in extra else []
+    reference = runs("single-16" + "-symmetric" * bool(symmetric), "mnrl", 16, symmetric)
     assert_same_training(runs(name, "mnrl", per_device, ["--gather-negatives", *extra], nproc=nproc), reference)
 
 
@@ -196,9 +197,16 @@ def test_cached_distributed_training_equals_one_process(runs, loss, extra):
     assert_same_training(runs(f"cached-{loss}-2", loss, 8, ["--cache-chunk-size", 3, *extra], nproc=2), reference)
 
 
-def test_without_gather_the_ranks_see_fewer_negatives(runs):
-    """The control: the same world-2 run without --gather-negatives trains differently, so the
-    equalities above are the gather's doing."""
-    reference = read_metrics(runs("single-16", "mnrl", 16))
-    plain = read_metrics(runs("ddp2-plain", "mnrl", 8, nproc=2))
-    assert abs(plain[0]["loss"] - reference[0]["loss"]) > 1e-3
+def test_without_gather_two_halves_see_fewer_negatives(tiny_model):
+    """The control, in-process: on the rows of the first global batch of 16, MNRL over all 16
+    differs from the mean over two halves of 8 (what world 2 without --gather-negatives trains
+    on), so the equalities above are the gather's doing."""
+    ds = train.load_train_data(data_file(DATA["mnrl"]), "train")
+    text_columns, _, _ = train.data_columns(ds, "mnrl")
+    rows = train.epoch_order(len(ds), seed=3, epoch=0)[:16].tolist()
+    model, tokenizer, _, _ = train.load_model(train.Config(model=str(tiny_model), dropout=0.0), 0)
+    features, _ = train.collate(ds[rows], text_columns, None, "mnrl", tokenizer, 32, "cpu")
+    with torch.no_grad():
+        whole = train.compute_loss(model, features, None, "mnrl").item()
+        halves = [train.compute_loss(model, [{k: v[s:s + 8] for k, v in f.items()} for f in features], None, "mnrl").item() for s in (0, 8)]
+    assert abs(whole - sum(halves) / 2) > 1e-3, (whole, halves)

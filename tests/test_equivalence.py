@@ -3,7 +3,7 @@ through train.py itself, fp32, dropout 0, a tiny random BERT (conftest.tiny_mode
 are the model's size-independent, and 16 launches of the real all-MiniLM-L6-v2 took 5 minutes):
 
 - DDP at 2 ranks with batch B == one process with batch B and 2 accumulation steps, every loss;
-- FSDP1 full_shard, shard_grad_op, no_shard and FSDP2 at 2 ranks == the same (Softmax loss: its
+- FSDP1 full_shard and FSDP2 full_shard, shard_grad_op at 2 ranks == the same (Softmax loss: its
   head lives in the FSDP root, outside the wrapped blocks);
 - at 4 ranks: FSDP1 full_shard, and hybrid_shard on a 2 x 2 mesh (two torchrun "nodes" of 2
   processes), FSDP1 and FSDP2 == one process with 4 accumulation steps == DDP at 4 ranks.
@@ -74,7 +74,9 @@ def test_ddp_two_ranks_equals_one_process_with_accumulation(runs, loss):
     assert_same_training(runs("ddp2", loss, 8, nproc=2), reference)
 
 
-@pytest.mark.parametrize("version,sharding", [(1, "full_shard"), (1, "shard_grad_op"), (1, "no_shard"), (2, "full_shard"), (2, "shard_grad_op")])
+# FSDP1 shard_grad_op and no_shard left out to keep CI under 15 minutes (they passed in every run
+# up to 2026-11-22); shard_grad_op stays covered through FSDP2.
+@pytest.mark.parametrize("version,sharding", [(1, "full_shard"), (2, "full_shard"), (2, "shard_grad_op")])
 def test_fsdp_two_ranks_equals_ddp_and_one_process(runs, version, sharding):
     reference = runs("accum2", "softmax", 8, ["--grad-accum-steps", 2])
     fsdp = runs(f"fsdp{version}-{sharding}", "softmax", 8, ["--strategy", "fsdp", "--fsdp-version", version, "--sharding", sharding], nproc=2)

@@ -5,7 +5,7 @@
   naive reference that embeds the same chunks with a graph (the same random numbers), and at
   chunk size B against `compute_loss` itself (chunks of B are its very forwards);
 - through train.py under torchrun (a tiny random BERT, conftest.tiny_model, to keep CI short): world 2 x batch B with --gather-negatives == one process with
-  batch 2B (DDP, FSDP1 full_shard, FSDP2), also at world 4 x B/2 (there with --symmetric); GradCache + gather at world 2
+  batch 2B (FSDP1 full_shard, FSDP2), and at world 4 x B/2 under DDP (with --symmetric); GradCache + gather at world 2
   (FSDP2) == plain at world 1 x 2B; GradCache under DDP (Softmax) and FSDP1 (CoSENT) == one
   process without it;
 - the gradient's scale is checked, not assumed: AdamW (and clipping) would hide a gradient off
@@ -175,7 +175,6 @@ def assert_same_training(run_dir, reference_dir, num_steps=4):
 
 
 @pytest.mark.parametrize("name,extra,nproc,per_device", [
-    ("ddp2-gather", [], 2, 8),
     ("fsdp1-2-gather", ["--strategy", "fsdp"], 2, 8),
     ("fsdp2-2-gather-cached", ["--strategy", "fsdp", "--fsdp-version", 2, "--cache-chunk-size", 3], 2, 8),
     ("ddp4-gather-symmetric", ["--symmetric"], 4, 4),  # the anchors are gathered too

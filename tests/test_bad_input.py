@@ -10,7 +10,6 @@ Run: python -m pytest tests/test_bad_input.py
 
 import concurrent.futures
 import json
-import os
 import subprocess
 import time
 

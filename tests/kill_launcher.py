@@ -1,0 +1,61 @@
+"""Runs train.py unchanged, except that one rank SIGKILLs itself at one point of one checkpoint
+save, on the first torchrun attempt only, as a preemption or an out-of-memory kill would. The
+kill comes from outside the product: this launcher wraps two fsdp_utils functions, then runs
+train.py as __main__ (runpy), whose `import fsdp_utils` finds the wrapped module.
+
+    python tests/kill_launcher.py WHERE:STEP:RANK [train.py arguments ...]
+    torchrun --nproc_per_node=2 tests/kill_launcher.py WHERE:STEP:RANK [train.py arguments ...]
+
+WHERE is
+    after-save  rank RANK dies as soon as the checkpoint of step STEP is complete and visible;
+    in-save     rank RANK dies right after writing its own files of step STEP's checkpoint
+                (its DCP shard and its RNG file), before the checkpoint is made visible.
+"""
+
+import os
+import runpy
+import signal
+import sys
+from pathlib import Path
+
+REPO_DIR = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO_DIR))
+
+import fsdp_utils  # noqa: E402
+
+
+def die():
+    os.kill(os.getpid(), signal.SIGKILL)
+
+
+def arm(where, step, rank):
+    if os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") != "0" or os.environ.get("RANK", "0") != rank:
+        return  # a restarted attempt, or another rank: train undisturbed
+    if where == "after-save":
+        save_checkpoint = fsdp_utils.save_checkpoint
+
+        def save_then_die(*args, **kwargs):
+            path = save_checkpoint(*args, **kwargs)
+            if os.path.basename(path) == f"step-{step}":
+                die()
+            return path
+
+        fsdp_utils.save_checkpoint = save_then_die
+    elif where == "in-save":
+        save_file = fsdp_utils.save_file  # save_checkpoint writes this rank's RNG file with it, last
+
+        def write_then_die(tensors, filename, *args, **kwargs):
+            save_file(tensors, filename, *args, **kwargs)
+            if os.path.basename(os.path.dirname(filename)) == f".incomplete-step-{step}" and os.path.basename(filename).startswith("rng-rank-"):
+                die()
+
+        fsdp_utils.save_file = write_then_die
+    else:
+        raise SystemExit(f"kill_launcher: unknown kill point {where!r}; use after-save or in-save")
+
+
+if __name__ == "__main__":
+    where, step, rank = sys.argv[1].split(":")
+    arm(where, step, rank)
+    sys.argv = [str(REPO_DIR / "train.py"), *sys.argv[2:]]
+    runpy.run_path(sys.argv[0], run_name="__main__")

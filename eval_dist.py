@@ -12,7 +12,7 @@ and the pieces they share: `encode`, `encode_local`, `shard_bounds`, `retrieval_
 Shape legend (suffixes on tensor names):
     N  texts (or pairs) in the whole evaluation set      D  embedding dimension
     R  rows this rank encoded (its shard of N)           B  rows of one batch
-    Q  queries    K  hits kept per query (k)             W  world size
+    Q  queries    K  hits kept per query (k)             W  world size    U  distinct texts
     C  candidates per query after the merge (W * K)      S  rows of this rank's slice
 
 Use it (one process, or every rank under torchrun; gloo on CPU, NCCL on CUDA):
@@ -225,7 +225,10 @@ def evaluate_retrieval(model, tokenize, queries, corpus, relevant, *, batch_size
     corpus index first, so the result does not depend on the world size.
 
     The corpus is sharded: each rank keeps only the embeddings it encoded, scores every query
-    against them, and offers its local top k; one all_reduce merges the offers."""
+    against them, and offers its local top k; one all_reduce merges the offers. Each distinct
+    corpus text is encoded and scored once, and every copy of it takes that score: duplicates
+    tie exactly by construction, wherever they sit. (Two ranks, or two positions of one matrix
+    product, need not compute bitwise-equal floats for the same text; CPUs differ there.)"""
     if len(relevant) != len(queries):
         raise ValueError(f"evaluate_retrieval: {len(queries)} queries but {len(relevant)} relevant sets; give one set per query")
     if any(not rel for rel in relevant):
@@ -235,8 +238,16 @@ def evaluate_retrieval(model, tokenize, queries, corpus, relevant, *, batch_size
     rank, world_size = rank_and_world()
     num_queries = len(queries)
     query_QD = F.normalize(encode(model, tokenize, queries, batch_size, device).double(), dim=-1)
-    rows_R, corpus_RD = encode_local(model, tokenize, corpus, batch_size, device)
-    scores_QR = query_QD @ F.normalize(corpus_RD.double(), dim=-1).T
+    distinct = {}  # text -> its index among the distinct texts, in first-seen order
+    distinct_of_row_N = torch.tensor([distinct.setdefault(text, len(distinct)) for text in corpus], device=query_QD.device)
+    local_U, corpus_UD = encode_local(model, tokenize, list(distinct), batch_size, device)
+    scores_QU = query_QD @ F.normalize(corpus_UD.double(), dim=-1).T
+    # This rank's corpus rows: every copy of the distinct texts it encoded (ascending), each
+    # taking its text's column of scores.
+    column_of_distinct = torch.full((len(distinct),), -1, dtype=torch.long, device=query_QD.device)
+    column_of_distinct[local_U] = torch.arange(len(local_U), device=query_QD.device)
+    rows_R = (column_of_distinct[distinct_of_row_N] >= 0).nonzero().squeeze(1)
+    scores_QR = scores_QU[:, column_of_distinct[distinct_of_row_N[rows_R]]]
     # Local top k. A stable sort, not torch.topk (which breaks ties arbitrarily): rows_R is
     # ascending, so among equal scores the lower corpus index stays first.
     num_local = min(k, len(rows_R))

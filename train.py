@@ -526,8 +526,8 @@ def main(cfg):
     """Train and export; returns the trained, unwrapped model (None: the export was already there)."""
     rank, world_size, device = setup_dist(cfg.dist_timeout_minutes)
     is_rank0 = rank == 0
-    # All ranks check the same inputs and agree: bad input stops every rank with one message,
-    # before any weights are loaded or any file is written.
+    # All ranks check the same inputs and agree (collectives: all ranks): bad input stops every
+    # rank with one message, before any weights are loaded or any file is written.
     plan = agreed_start_up(cfg, rank, world_size, device)
     final_dir, checkpoints_dir = os.path.join(cfg.output_dir, "final"), os.path.join(cfg.output_dir, "checkpoints")
     if plan.finished:
@@ -538,6 +538,7 @@ def main(cfg):
     loaded = load_model(cfg, plan.num_labels)
     raw_model = loaded.model.to(device)
     no_decay_names = {name for name, param in raw_model.named_parameters() if param.ndim < 2}
+    # All ranks: DDP broadcasts rank 0's weights here; FSDP shards them (every rank keeps its part).
     model = fsdp_utils.wrap_model(raw_model, plan.strategy, device, sharding=cfg.sharding, fsdp_version=cfg.fsdp_version,
                                   layer_cls=cfg.fsdp_layer_cls, precision=cfg.precision)
     # torch 2.13's fused AdamW rejects the ShardedGradScaler's found-inf tensor (shape [1], not
@@ -548,10 +549,8 @@ def main(cfg):
     derived = derived_values(cfg, plan, loaded, world_size, device)
     total_steps, steps_per_epoch, global_batch = derived["total_steps"], derived["steps_per_epoch"], derived["global_batch"]
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, linear_schedule(derived["warmup_steps"], total_steps))
-    start_step, best_value = 0, None
-    if plan.resume_dir:  # all ranks: loading sharded state is a collective
-        start_step, best_value = restore_checkpoint(plan.resume_dir, model, optimizer, scheduler, scaler)
-        print0(f"resuming from {plan.resume_dir} (step {start_step} of {total_steps})")
+    # All ranks: loading sharded state is a collective. (0, None) for a fresh run.
+    start_step, best_value = restore_checkpoint(plan.resume_dir, model, optimizer, scheduler, scaler, total_steps)
     print0(json.dumps({**dataclasses.asdict(cfg), **derived}, indent=2))
     if is_rank0:
         if cfg.overwrite:
@@ -571,6 +570,7 @@ def main(cfg):
         for micro_step in range(cfg.grad_accum_steps):
             indices = micro_batch_indices(order, step_in_epoch, rank, micro_step, cfg.per_device_batch_size, world_size, cfg.grad_accum_steps)
             features, labels = collate(plan.train_ds[indices], plan.text_columns, plan.target, cfg.loss, loaded.tokenize, device)
+            # The micro-batch's loss from its column embeddings (GradCache calls it on cached ones).
             loss_of = lambda embs: embeddings_loss(model, embs, labels, cfg.loss, cfg.gather_negatives, cfg.symmetric) / cfg.grad_accum_steps  # noqa: E731
             # DDP/FSDP reduce gradients in backward; skip that for all but the last micro-step.
             is_last_micro_step = micro_step == cfg.grad_accum_steps - 1
@@ -937,14 +937,18 @@ def checkpoint_to_resume(cfg, world_size):
     return resume_dir
 
 
-def restore_checkpoint(resume_dir, model, optimizer, scheduler, scaler):
+def restore_checkpoint(resume_dir, model, optimizer, scheduler, scaler, total_steps):
     """ALL ranks (loading sharded state is a collective): the weights, AdamW's moments, this
     rank's RNG, the schedule and the loss scale. The data position is the step itself (every
-    step's rows follow from the seed). Returns (start_step, best metric value so far)."""
+    step's rows follow from the seed). Returns (start_step, best metric value so far); (0, None)
+    when there is nothing to resume (resume_dir None)."""
+    if resume_dir is None:
+        return 0, None
     saved = fsdp_utils.load_checkpoint(model, optimizer, resume_dir)
     scheduler.load_state_dict(saved["scheduler"])
     if scaler:
         scaler.load_state_dict(saved["grad_scaler"])
+    print0(f"resuming from {resume_dir} (step {saved['step']} of {total_steps})")
     return saved["step"], saved.get("best_value")
 
 

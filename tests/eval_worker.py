@@ -16,7 +16,11 @@ Cases:
     validation loss on sick-pairs;
   - "sizes": a tiny random BERT with the MiniLM tokenizer, every evaluator on 1, 2, 7 and 1001
     rows (fewer rows than ranks included), plus the raw `encode` output;
-  - "ties": exact score ties across corpus shards (duplicate corpus texts, batch size 1).
+  - "ties": duplicate corpus texts (batch size 1), which eval_dist scores once, so they tie
+    exactly by construction;
+  - "exact_ties": distinct texts whose scores tie exactly on any CPU (a stand-in model with
+    one-hot embeddings: 0/1 arithmetic is exact), placed so that the higher corpus index sits
+    on the lower rank: the cross-rank merge must order them by index.
 Each result also records how many forwards each rank ran per evaluator, and whether the RNG
 state and the training mode were left as they were.
 """
@@ -56,6 +60,23 @@ HEAD_SEED = 7  # the random Softmax head of the NLI case, the same at every worl
 TIE_CORPUS = ["a cat", "a dog", "a cat", "a man is playing a guitar", "two dogs run on a beach"]
 TIE_QUERIES = ["a cat", "a dog"]
 TIE_RELEVANT = [{2}, {1}]  # query 0's relevant entry is the SECOND of two tied entries
+# For the one-hot model: rows 0 and 2 both start with "cats" and tie exactly for a "cats" query.
+# Longest first, batch size 1, world 3: rows 3, 4, 0, 1, 2 go to ranks 0, 1, 2, 0, 1, so row 2
+# sits on a LOWER rank than row 0.
+EXACT_TIE_CORPUS = ["cats sleep", "dogs bark", "cats purr", "a man is playing a guitar", "two dogs run on a beach"]
+EXACT_TIE_QUERIES = ["cats are nice", "dogs are loud"]
+
+
+class FirstTokenOneHot(torch.nn.Module):
+    """A stand-in model with exact embeddings: the one-hot vector of each text's first word
+    piece. Its scores are 0 or 1 exactly, on every rank and CPU."""
+
+    def __init__(self, vocab_size):
+        super().__init__()
+        self.vocab_size = vocab_size
+
+    def forward(self, input_ids, attention_mask=None, token_type_ids=None):
+        return torch.nn.functional.one_hot(input_ids[:, 1], self.vocab_size).float()
 
 
 SECONDS = {}  # wall time per step, to see where a slow launch spends it (rank 0's is in the test log)
@@ -138,7 +159,7 @@ def evaluate_all(model, tokenize, sts, pairs, nli, loss_pairs, label):
 
 
 def run_cases(strategies, size_strategies):
-    results = {"minilm": {}, "sizes": {}, "ties": {}, "seconds": SECONDS}
+    results = {"minilm": {}, "sizes": {}, "ties": {}, "exact_ties": None, "seconds": SECONDS}
     sts = read_rows("stsb-dev.jsonl", max(NUM_STS, max(SIZES)))
     pairs = read_rows("sick-pairs-train.jsonl", max(NUM_RETRIEVAL, NUM_LOSS, max(SIZES)))
     nli = read_rows("sick-nli-train.jsonl", max(NUM_NLI, max(SIZES)))
@@ -169,6 +190,8 @@ def run_cases(strategies, size_strategies):
         results["sizes"][strategy] = by_size
         # Batch size 1: the duplicates are encoded alone, so their embeddings are bit-identical.
         results["ties"][strategy] = eval_dist.evaluate_retrieval(model, loaded.tokenize, TIE_QUERIES, TIE_CORPUS, TIE_RELEVANT, batch_size=1)
+    results["exact_ties"] = eval_dist.evaluate_retrieval(FirstTokenOneHot(loaded.tokenizer.vocab_size), loaded.tokenize, EXACT_TIE_QUERIES,
+                                                         EXACT_TIE_CORPUS, TIE_RELEVANT, batch_size=1, device="cpu")
     return results
 
 

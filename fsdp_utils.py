@@ -38,6 +38,7 @@ world size (train.py refuses it).
 """
 
 import contextlib
+import copy
 import importlib.metadata
 import json
 import os
@@ -438,12 +439,18 @@ def export_sentence_transformer(
     model_card="",
     training_config=None,
     extra_tensor_files=None,
+    tokenizer_files=None,
 ):
     """Write a SentenceTransformer folder at `out_dir` (rank 0 only; no collective inside).
 
     `encoder_state_dict` holds the transformer's weights with plain HF names (no "encoder."
     prefix), so the folder is also a plain HF model: config.json + model.safetensors +
-    tokenizer files. On top of that, the sentence-transformers files:
+    tokenizer files. Give it every tensor of the base checkpoint, the untrained ones too (a BERT
+    pooler), or every `from_pretrained` of the folder warns of newly initialised weights. The
+    tokenizer is saved with `model_max_length = max_seq_length`, so plain transformers truncates
+    where training did; `tokenizer_files` ({name: path}) are copied beside it unless saving wrote
+    them: the base model's slow-tokenizer files (vocab.txt, sentencepiece models), which older
+    transformers versions need. On top of that, the sentence-transformers files:
         modules.json                      Transformer (path "") -> Pooling -> [Normalize]
         sentence_bert_config.json         max_seq_length, do_lower_case (texts lowercased first)
         1_Pooling/config.json             pooling mode and dimension
@@ -464,7 +471,30 @@ def export_sentence_transformer(
     tensors = {name: t.detach().cpu().contiguous().clone() for name, t in encoder_state_dict.items()}
     save_file(tensors, os.path.join(tmp_dir, "model.safetensors"), metadata={"format": "pt"})
     encoder_config.save_pretrained(tmp_dir)
+    tokenizer = copy.deepcopy(tokenizer)  # the caller's keeps its own limit
+    tokenizer.model_max_length = max_seq_length
     tokenizer.save_pretrained(tmp_dir)
+    # Stated, not left to each transformers version's default (4.4x warns that its default will
+    # change): it only affects decoding, which then agrees everywhere.
+    tokenizer_config_path = os.path.join(tmp_dir, "tokenizer_config.json")
+    with open(tokenizer_config_path, encoding="utf8") as f:
+        tokenizer_config = json.load(f)
+    tokenizer_config.setdefault("clean_up_tokenization_spaces", bool(getattr(tokenizer, "clean_up_tokenization_spaces", False)))
+    with open(tokenizer_config_path, "w", encoding="utf8") as f:
+        json.dump(tokenizer_config, f, indent=2)
+    for name, source in (tokenizer_files or {}).items():
+        if not os.path.exists(os.path.join(tmp_dir, name)):
+            shutil.copyfile(source, os.path.join(tmp_dir, name))
+    # A WordPiece or BPE tokenizer writes its own slow files (vocab.txt; vocab.json + merges.txt)
+    # from its model, when neither saving nor the base folder gave them.
+    backend = getattr(tokenizer, "backend_tokenizer", None)
+    if backend is not None and type(backend.model).__name__ in ("WordPiece", "BPE"):
+        model_dir = os.path.join(tmp_dir, ".tokenizer-model")
+        os.makedirs(model_dir)
+        for file in backend.model.save(model_dir):
+            if not os.path.exists(os.path.join(tmp_dir, os.path.basename(file))):
+                os.rename(file, os.path.join(tmp_dir, os.path.basename(file)))
+        shutil.rmtree(model_dir)
     for filename, file_tensors in (extra_tensor_files or {}).items():
         file_tensors = {name: t.detach().cpu().contiguous().clone() for name, t in file_tensors.items()}
         save_file(file_tensors, os.path.join(tmp_dir, filename))
@@ -485,9 +515,10 @@ def export_sentence_transformer(
         "1_Pooling/config.json": pooling_config(pooling_mode, dim),
         "sentence_bert_config.json": {"max_seq_length": max_seq_length, "do_lower_case": do_lower_case},
         "config_sentence_transformers.json": {
-            # The oldest sentence-transformers version that reads this layout; a newer number
-            # would make older versions print an "update your library" warning.
-            "__version__": {"sentence_transformers": "2.0.0", "transformers": importlib.metadata.version("transformers"), "pytorch": torch.__version__},
+            # The oldest sentence-transformers version that reads this folder (lasttoken pooling
+            # came in 2.3.0); a newer number would make older versions warn "update your library".
+            "__version__": {"sentence_transformers": "2.3.0" if pooling_mode == "lasttoken" else "2.0.0",
+                            "transformers": importlib.metadata.version("transformers"), "pytorch": torch.__version__},
             "prompts": {},
             "default_prompt_name": None,
             "similarity_fn_name": "cosine",

@@ -43,9 +43,12 @@ activation checkpointing.
 """
 
 import argparse
+import contextlib
 import copy
 import dataclasses
 import datetime
+import glob
+import importlib.util
 import inspect
 import json
 import math
@@ -91,7 +94,7 @@ class Config:
     loss: str = arg("mnrl", "mnrl: (anchor, positive, [negatives]); cosent: (text, text, score); softmax: (premise, hypothesis, label)", choices=("mnrl", "cosent", "softmax"))
     output_dir: str = arg("output/example", "where metrics.jsonl and the final/ export go", resume_may_change=True)
     overwrite: bool = arg(False, "replace an earlier run's export in --output-dir instead of refusing to start", resume_may_change=True)
-    # model details
+    # model
     max_seq_length: int = arg(0, "truncate texts to this many tokens; 0: the model's own (sentence_bert_config.json, else the tokenizer's limit, at most 512)", at_least=0)
     pooling: str = arg("", "token pooling; empty: the SentenceTransformer folder's mode, else mean", choices=("", *fsdp_utils.POOLING_MODES))
     normalize: bool = arg(None, "L2-normalise embeddings; unset: as the SentenceTransformer folder does, else no", type=bool)
@@ -105,35 +108,47 @@ class Config:
     warmup_ratio: float = arg(0.1, "fraction of the steps with linear warm-up from 0; then linear decay to 0", at_least=0, at_most=1)
     weight_decay: float = arg(0.01, "AdamW weight decay (not applied to biases and LayerNorm weights)", at_least=0)
     max_grad_norm: float = arg(1.0, "clip the global gradient norm to this; 0 disables clipping", at_least=0)
-    # large-batch contrastive training (MNRL)
+    seed: int = arg(12, "seeds the data order and the initialisation of new heads")
+    # large batches (contrastive)
     gather_negatives: bool = arg(False, "mnrl: every rank's positives and hard negatives become negatives for every rank's anchors (world x more negatives, exact gradients)")
     symmetric: bool = arg(False, "mnrl: also rank each positive against the anchors, and average the two losses (MultipleNegativesSymmetricRankingLoss)")
     cache_chunk_size: int = arg(0, "GradCache: embed each micro-batch in chunks of this many rows (memory of one chunk, same gradient, ~2 forward passes); 0: off. Any loss", at_least=0)
-    seed: int = arg(12, "seeds the data order and the initialisation of new heads")
-    # running
+    # distributed
     strategy: str = arg("auto", "auto: single for one process, ddp under torchrun with several; fsdp shards parameters, gradients and optimizer state", choices=("auto", "single", "ddp", "fsdp"))
     sharding: str = arg("full_shard", "FSDP sharding: full_shard (params+grads+optimizer), shard_grad_op (grads+optimizer), hybrid_shard (full_shard within a node, replicated across nodes), no_shard (= DDP)", choices=("full_shard", "shard_grad_op", "hybrid_shard", "no_shard"))
     fsdp_version: int = arg(1, "1: FullyShardedDataParallel with an auto-wrap policy; 2: fully_shard on each block, then the root", choices=(1, 2))
     fsdp_layer_cls: str = arg("", "class name(s) of the block FSDP wraps, comma-separated; empty: detected (the model's repeated layer)")
     precision: str = arg("fp32", "fp32; bf16 (bf16 compute, fp32 master weights and gradient reduction); fp16 (the same with loss scaling)", choices=("fp32", "bf16", "fp16"))
-    # evaluation during training (all ranks take part: each encodes its shard, eval_dist.py)
+    # evaluation (all ranks take part: each encodes its shard, eval_dist.py)
     eval_data: str = arg("", "held-out data, FILE[,FILE] (formats as --train-data), evaluated every --eval-steps and after the last step", resume_may_change=True)
     eval_type: str = arg("", "sts: (sentence1, sentence2, score) -> spearman, pearson; retrieval: (anchor, positive) -> mrr@10, ndcg@10, recall@1, recall@10; nli: (premise, hypothesis, label) -> accuracy of the Softmax head; loss: the training loss. Empty: from each file's columns", choices=("", "sts", "retrieval", "nli", "loss"), resume_may_change=True)
     eval_steps: int = arg(0, "evaluate every this many steps (and after the last); 0: after the last step only", at_least=0, resume_may_change=True)
     eval_batch_size: int = arg(64, "texts per forward pass when evaluating, per rank", at_least=1, resume_may_change=True)
     metric_for_best: str = arg("", "keep the export with the best value of this metric in OUTPUT_DIR/best/, e.g. stsb-dev/spearman (names: FILE-STEM/METRIC; for a loss lower is better)", resume_may_change=True)
-    # checkpoints and restarts
+    eval_on_start: bool = arg(False, "also evaluate before the first step (step 0), so the run records its baseline", resume_may_change=True)
+    eval_only: bool = arg(False, "evaluate --model on --eval-data and stop: no training, no export; metrics go to OUTPUT_DIR/metrics.jsonl")
+    # checkpoints, logging and restarts
     save_steps: int = arg(0, "save resumable state (model, optimizer, scheduler, RNG, data position) to OUTPUT_DIR/checkpoints/step-N every this many steps; 0: never", at_least=0, resume_may_change=True)
     save_total_limit: int = arg(0, "keep only the newest this many checkpoints (older ones are removed once a new one is complete); 0: keep all", at_least=0, resume_may_change=True)
     resume: str = arg("", "'auto': continue from the newest complete checkpoint in --output-dir, or start fresh if there is none (what `torchrun --max-restarts` needs); or a checkpoint folder", resume_may_change=True)
     trust_remote_code: bool = arg(False, "let a hub model run its own Python code (transformers' trust_remote_code); only for repositories you trust", resume_may_change=True)
     log_steps: int = arg(10, "log the mean loss, the gradient norm (before clipping), lr and samples/s every this many steps (and at the last)", at_least=1, resume_may_change=True)
+    report_to: str = arg("", "tensorboard: also write every logged number (loss, lr, grad norm, samples/s, evaluation metrics) as TensorBoard scalars to OUTPUT_DIR/tensorboard (needs `pip install tensorboard`); metrics.jsonl is always written", choices=("", "tensorboard"), resume_may_change=True)
     dist_timeout_minutes: float = arg(30.0, "how long a collective waits for the other ranks before the job fails", above=0, resume_may_change=True)
+
+
+# The sections of --help (the Config's comments), each keyed by its first field: the fields
+# after it, up to the next section, belong to it.
+HELP_SECTIONS = {"model": "what to train", "max_seq_length": "model", "epochs": "optimisation", "gather_negatives": "large batches",
+                 "strategy": "distributed", "eval_data": "evaluation", "save_steps": "checkpoints, logging and restarts"}
 
 
 def parse_config(argv=None):
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    group = parser
     for field in dataclasses.fields(Config):
+        if field.name in HELP_SECTIONS:
+            group = parser.add_argument_group(HELP_SECTIONS[field.name])
         kwargs = dict(field.metadata["argparse"])
         field_type = kwargs.pop("type", type(field.default))
         if field_type is bool:
@@ -141,7 +156,7 @@ def parse_config(argv=None):
         else:
             kwargs["type"] = field_type
         help_text = f"{field.metadata['help']} (default: {field.default})"
-        parser.add_argument("--" + field.name.replace("_", "-"), default=field.default, help=help_text, **kwargs)
+        group.add_argument("--" + field.name.replace("_", "-"), default=field.default, help=help_text, **kwargs)
     return Config(**vars(parser.parse_args(argv)))
 
 
@@ -298,6 +313,10 @@ class LoadedModel:
     export_config: object  # the base model's config as it came (see load_model)
     max_seq_length: int
     lowercase: bool  # the SentenceTransformer folder's do_lower_case
+    # Exported unchanged beside the trained weights: base-checkpoint tensors no pooling mode uses
+    # (a BERT pooler), and the base's slow-tokenizer files {name: path}.
+    untrained_state: dict = dataclasses.field(default_factory=dict)
+    tokenizer_files: dict = dataclasses.field(default_factory=dict)
 
     def tokenize(self, texts):
         """The one place texts become token ids, for training and evaluation alike, so the two
@@ -336,24 +355,48 @@ def load_model(cfg, num_labels):
         for key, value in train_config.to_dict().items():
             if "dropout" in key and isinstance(value, float):
                 setattr(train_config, key, cfg.dropout)
-    # BERT-like models carry a pooler that mean pooling never uses; DDP fails on unused
-    # parameters ("Expected to have finished reduction"), so leave it out where the class allows.
-    model_class = transformers.AutoModel._model_mapping.get(type(train_config), object)
-    kwargs = {"add_pooling_layer": False} if "add_pooling_layer" in inspect.signature(model_class.__init__).parameters else {}
-    # The pooler's weights are then "unexpected" in the checkpoint: expected, so not printed.
     verbosity = transformers.logging.get_verbosity()
-    transformers.logging.set_verbosity_error()
+    transformers.logging.set_verbosity_error()  # a base without a pooler is fine: see below
     transformers.logging.disable_progress_bar()
-    encoder = transformers.AutoModel.from_pretrained(path, subfolder=subfolder, config=train_config, **kwargs, **remote)
+    encoder, loading = transformers.AutoModel.from_pretrained(path, subfolder=subfolder, config=train_config, output_loading_info=True, **remote)
     transformers.logging.set_verbosity(verbosity)
     transformers.logging.enable_progress_bar()
+    # BERT-like models carry a pooler that no pooling mode uses, and DDP fails on parameters that
+    # get no gradient ("Expected to have finished reduction"): take it out (where the class can
+    # run without one), and keep the base checkpoint's pooler tensors to export them unchanged,
+    # so loading the export reports no newly initialised weights.
+    untrained_state = {}
+    model_class = transformers.AutoModel._model_mapping.get(type(train_config), object)
+    if "add_pooling_layer" in inspect.signature(model_class.__init__).parameters and getattr(encoder, "pooler", None) is not None:
+        if not any(key.startswith("pooler.") for key in loading["missing_keys"]):  # a random pooler is not the base's
+            untrained_state = {f"pooler.{k}": v.detach().clone() for k, v in encoder.pooler.state_dict().items()}
+        encoder.pooler = None
     export_config.architectures = [type(encoder).__name__]
     pooling = cfg.pooling or st_config["pooling"]
     normalize = st_config["normalize"] if cfg.normalize is None else cfg.normalize
     max_seq_length = cfg.max_seq_length or st_config["max_seq_length"] or min(tokenizer.model_max_length, 512)
     model = EmbeddingModel(encoder, pooling, normalize, num_labels)
     model.train()  # from_pretrained returns eval mode: dropout would silently stay off
-    return LoadedModel(model, tokenizer, export_config, max_seq_length, st_config["do_lower_case"])
+    return LoadedModel(model, tokenizer, export_config, max_seq_length, st_config["do_lower_case"], untrained_state,
+                       base_tokenizer_files(path, subfolder))
+
+
+# What slow tokenizers (and transformers before 4.57) read, where the model family has them.
+SLOW_TOKENIZER_FILES = ("vocab.txt", "vocab.json", "merges.txt", "sentencepiece.bpe.model", "spiece.model", "tokenizer.model",
+                        "special_tokens_map.json", "added_tokens.json")
+
+
+def base_tokenizer_files(path, subfolder):
+    """{name: local path} of the base model's slow-tokenizer files, which the export copies."""
+    found = {}
+    for name in SLOW_TOKENIZER_FILES:
+        try:
+            file = transformers.utils.cached_file(path, name, subfolder=subfolder, _raise_exceptions_for_missing_entries=False)
+        except OSError:  # an unreachable hub: the fast tokenizer.json is still exported
+            file = None
+        if file:
+            found[name] = file
+    return found
 
 
 # ----------------------------------------------------------------------------------------------
@@ -518,6 +561,47 @@ def evaluate(model, eval_sets, loaded, cfg, device):
     return results
 
 
+def evaluate_and_log(model, loaded, plan, cfg, derived, device, step, best_value, log, last_loss=float("nan")):
+    """ALL ranks: evaluation is collective (sharded encoding, all_reduce), and so is gathering the
+    best export; the metrics, hence the decision, are the same on every rank. Rank 0 (the one
+    with a `log`) writes and prints them. When --metric-for-best improves, OUTPUT_DIR/best gets
+    this model. Returns the best value so far."""
+    metrics = evaluate(model, plan.eval_sets, loaded, cfg, device)
+    if log is not None:
+        log.write({"step": step, "eval": metrics})
+        tqdm.write(f"step {step}: " + ", ".join(f"{k} {v:.4f}" for k, v in metrics.items()))
+    if cfg.metric_for_best and not cfg.eval_only:
+        value, lower_is_better = metrics[cfg.metric_for_best], cfg.metric_for_best.endswith("/loss")
+        if best_value is None or (value < best_value if lower_is_better else value > best_value):
+            best_value = value
+            summary = {"step": step, "eval": metrics, "final_loss": last_loss, "samples_per_s": float("nan")}
+            export(model, loaded, os.path.join(cfg.output_dir, "best"), cfg, derived, summary, log is not None)
+    return best_value
+
+
+def evaluate_only(model, loaded, plan, cfg, device, is_rank0):
+    """--eval-only. ALL ranks: evaluation is collective. Rank 0 writes metrics.jsonl (step 0) and
+    prints the metrics as one JSON line."""
+    log = MetricsLog(cfg, 0) if is_rank0 else None
+    seconds = {}
+    with timed(seconds, "eval_seconds"):
+        evaluate_and_log(model, loaded, plan, cfg, {}, device, 0, None, log)
+    if is_rank0:
+        log.write({"step": 0, **seconds})
+        log.close()
+        print(json.dumps({"step": 0, **seconds}), flush=True)
+
+
+@contextlib.contextmanager
+def timed(totals, key):
+    """Adds the seconds the block takes to totals[key]."""
+    start = time.perf_counter()
+    try:
+        yield
+    finally:
+        totals[key] = totals.get(key, 0.0) + time.perf_counter() - start
+
+
 # ----------------------------------------------------------------------------------------------
 # Training
 
@@ -541,6 +625,9 @@ def main(cfg):
     # All ranks: DDP broadcasts rank 0's weights here; FSDP shards them (every rank keeps its part).
     model = fsdp_utils.wrap_model(raw_model, plan.strategy, device, sharding=cfg.sharding, fsdp_version=cfg.fsdp_version,
                                   layer_cls=cfg.fsdp_layer_cls, precision=cfg.precision)
+    if cfg.eval_only:  # all ranks: evaluation is collective
+        evaluate_only(model, loaded, plan, cfg, device, is_rank0)
+        return raw_model
     # torch 2.13's fused AdamW rejects the ShardedGradScaler's found-inf tensor (shape [1], not
     # []): "output with shape [] doesn't match the broadcast shape [1]". fp16 + FSDP goes unfused.
     fused = not (cfg.precision == "fp16" and plan.strategy == "fsdp")
@@ -553,14 +640,17 @@ def main(cfg):
     start_step, best_value = restore_checkpoint(plan.resume_dir, model, optimizer, scheduler, scaler, total_steps)
     print0(json.dumps({**dataclasses.asdict(cfg), **derived}, indent=2))
     if is_rank0:
-        if cfg.overwrite:
-            shutil.rmtree(checkpoints_dir, ignore_errors=True)  # starting over: the old run's state must not be resumed
-        metrics_file = open_metrics_file(cfg.output_dir, start_step)
+        prepare_output_dir(cfg, checkpoints_dir)
+    log = MetricsLog(cfg, start_step) if is_rank0 else None  # rank 0 writes the metrics
 
     # ---- the loop: every rank runs exactly (total_steps - start_step) x grad_accum_steps micro-batches
     progress = tqdm(total=total_steps, initial=start_step, disable=not is_rank0, desc="train", dynamic_ncols=True)
     loss_sum, steps_since_log = 0.0, 0  # summed step losses (mean over ranks) since the last log
     last_log_time = loop_start = time.perf_counter()
+    seconds, paused_at_last_log = {"eval": 0.0, "save": 0.0}, 0.0  # time outside training steps, kept out of samples/s
+    if cfg.eval_on_start and start_step == 0:  # all ranks: evaluation is collective
+        with timed(seconds, "eval"):
+            best_value = evaluate_and_log(model, loaded, plan, cfg, derived, device, 0, best_value, log)
     last_loss, order_epoch = float("nan"), None
     for step in range(start_step, total_steps):
         epoch, step_in_epoch = divmod(step, steps_per_epoch)
@@ -614,42 +704,35 @@ def main(cfg):
             # Every rank keeps the same numbers (the step loss is all-reduced); rank 0 writes them.
             # No collective here: grad_norm is already the global norm on every rank.
             last_loss = loss_sum / steps_since_log
-            samples_per_s = steps_since_log * global_batch / (time.perf_counter() - last_log_time)
+            paused = seconds["eval"] + seconds["save"] - paused_at_last_log  # evaluation and saving are not training
+            samples_per_s = steps_since_log * global_batch / (time.perf_counter() - last_log_time - paused)
             record = {"step": step + 1, "epoch": round((step + 1) / steps_per_epoch, 4), "loss": last_loss,
                       "grad_norm": grad_norm.item(), "lr": lr, "samples_per_s": samples_per_s}
             if is_rank0:
-                write_line(metrics_file, record)
+                log.write(record)
                 progress.set_postfix(loss=f"{last_loss:.4f}", lr=f"{lr:.2e}", samples_s=f"{samples_per_s:.1f}")
-            loss_sum, steps_since_log, last_log_time = 0.0, 0, time.perf_counter()
+            loss_sum, steps_since_log, last_log_time, paused_at_last_log = 0.0, 0, time.perf_counter(), seconds["eval"] + seconds["save"]
 
         if plan.eval_sets and ((cfg.eval_steps and (step + 1) % cfg.eval_steps == 0) or step + 1 == total_steps):
-            # All ranks: evaluation is collective (sharded encoding, all_reduce), and so is the
-            # best export's gathering; the metrics, hence the decisions, are equal on every rank.
-            metrics = evaluate(model, plan.eval_sets, loaded, cfg, device)
-            if is_rank0:
-                write_line(metrics_file, {"step": step + 1, "eval": metrics})
-                progress.write(f"step {step + 1}: " + ", ".join(f"{k} {v:.4f}" for k, v in metrics.items()))
-            if cfg.metric_for_best:
-                value, lower_is_better = metrics[cfg.metric_for_best], cfg.metric_for_best.endswith("/loss")
-                if best_value is None or (value < best_value if lower_is_better else value > best_value):
-                    best_value = value
-                    summary = {"step": step + 1, cfg.metric_for_best: value, "final_loss": last_loss, "samples_per_s": float("nan")}
-                    export(model, loaded, os.path.join(cfg.output_dir, "best"), cfg, derived, summary, is_rank0)
+            with timed(seconds, "eval"):  # all ranks: evaluation, and the best export's gathering, are collective
+                best_value = evaluate_and_log(model, loaded, plan, cfg, derived, device, step + 1, best_value, log, last_loss)
 
         if cfg.save_steps and (step + 1) % cfg.save_steps == 0:
             # All ranks: every rank writes its own shard (DCP), then rank 0 makes it visible.
             trainer_state = {"config": dataclasses.asdict(cfg), **derived, "scheduler": scheduler.state_dict(),
                              "grad_scaler": scaler.state_dict() if scaler else None, "best_value": best_value}
-            fsdp_utils.save_checkpoint(model, optimizer, checkpoints_dir, step + 1, trainer_state, keep_last=cfg.save_total_limit)
+            with timed(seconds, "save"):
+                fsdp_utils.save_checkpoint(model, optimizer, checkpoints_dir, step + 1, trainer_state, keep_last=cfg.save_total_limit)
     progress.close()
-    train_seconds = time.perf_counter() - loop_start
-    summary = {"final_loss": last_loss, "train_seconds": train_seconds, "samples_per_s": (total_steps - start_step) * global_batch / train_seconds}
+    train_seconds = time.perf_counter() - loop_start - seconds["eval"] - seconds["save"]
+    summary = {"final_loss": last_loss, "train_seconds": train_seconds, "samples_per_s": (total_steps - start_step) * global_batch / train_seconds,
+               "eval_seconds": seconds["eval"], "checkpoint_seconds": seconds["save"]}
+    with timed(summary, "export_seconds"):
+        export(model, loaded, final_dir, cfg, derived, summary, is_rank0)  # all ranks gather, rank 0 writes
     print0(json.dumps(summary))
-
-    export(model, loaded, final_dir, cfg, derived, summary, is_rank0)  # all ranks gather, rank 0 writes
     if is_rank0:
-        write_line(metrics_file, {"step": total_steps, **summary})
-        metrics_file.close()
+        log.write({"step": total_steps, **summary})
+        log.close()
         print0(f"exported {final_dir}")
     return raw_model
 
@@ -727,6 +810,12 @@ def check_flags(cfg, world_size, device):
         raise ValueError(f"--cache-chunk-size {cfg.cache_chunk_size} must be between 1 and --per-device-batch-size {cfg.per_device_batch_size} (0 turns GradCache off)")
     if cfg.resume and cfg.overwrite:
         raise ValueError("--resume continues a run and --overwrite starts it over: choose one")
+    if (cfg.eval_only or cfg.eval_on_start) and not cfg.eval_data:
+        raise ValueError(f"--{'eval-only' if cfg.eval_only else 'eval-on-start'} evaluates on --eval-data FILE[,FILE]; pass one")
+    if cfg.eval_only and cfg.resume:
+        raise ValueError("--eval-only evaluates --model and trains nothing, so --resume has nothing to continue: drop one")
+    if cfg.report_to == "tensorboard" and importlib.util.find_spec("tensorboard") is None:
+        raise ValueError("--report-to tensorboard needs the tensorboard package: pip install tensorboard (or leave --report-to empty)")
     if cfg.resume not in ("", "auto") and not os.path.isfile(os.path.join(cfg.resume, "trainer_state.json")):
         raise ValueError(f"--resume {cfg.resume}: not a complete checkpoint (no trainer_state.json); pass an OUTPUT_DIR/checkpoints/step-N folder, or --resume auto")
     return strategy
@@ -820,6 +909,9 @@ def load_eval_sets(cfg, num_labels):
         except ValueError as e:
             raise ValueError(f"{flag} (--eval-type {kind}): {e}") from e
         check_rows(ds, text_columns, target, flag)
+        if cfg.eval_only and (kind == "nli" or (kind == "loss" and cfg.loss == "softmax")):
+            raise ValueError(f"{flag}: --eval-only evaluates embeddings; nli accuracy and the softmax loss need a trained Softmax head, "
+                             "which a --model folder does not hold. Use --eval-type sts, retrieval, or loss with --loss mnrl or cosent")
         if kind == "nli" and (cfg.loss != "softmax" or eval_labels > num_labels):
             raise ValueError(f"{flag}: nli accuracy needs the Softmax head trained on the same classes (--loss softmax, {num_labels} classes); "
                              f"this run has --loss {cfg.loss} and the file {eval_labels} classes. Use --eval-type loss or sts instead")
@@ -834,6 +926,11 @@ def load_eval_sets(cfg, num_labels):
 def start_up_checks(cfg, world_size, device):
     """Every check before heavy work; returns the StartUp the run is planned from. Raises ValueError."""
     strategy = check_flags(cfg, world_size, device)
+    if cfg.eval_only:  # no training data, no checkpoints: the model and the evaluation data
+        metrics_path = os.path.join(cfg.output_dir, "metrics.jsonl")
+        if os.path.exists(metrics_path) and not cfg.overwrite:
+            raise ValueError(f"{metrics_path} already exists; pass --overwrite to replace it, or another --output-dir")
+        return StartUp(strategy=strategy, eval_sets=load_eval_sets(cfg, 0), layer_classes=check_model(cfg, strategy))
     resume_dir = checkpoint_to_resume(cfg, world_size)
     if resume_dir == "finished":
         return StartUp(finished=True)
@@ -956,30 +1053,82 @@ def restore_checkpoint(resume_dir, model, optimizer, scheduler, scaler, total_st
 # Export: the SentenceTransformer folder and its model card
 
 
-def model_card(cfg, derived, summary):
+def public_name(name):
+    """How the model card names a model or a data file: a hub id as it is, a local path by its
+    last component only (the training machine's folders mean nothing to a reader)."""
+    if name in ("all-MiniLM-L6-v2", "sentence-transformers/all-MiniLM-L6-v2"):
+        return "sentence-transformers/all-MiniLM-L6-v2"
+    return os.path.basename(os.path.normpath(name)) if os.path.exists(name) else name
+
+
+# Pooling by hand, for the model card's plain-transformers example: what `pool` does.
+POOLING_BY_HAND = {
+    "mean": "mask = batch[\"attention_mask\"].unsqueeze(-1).to(states.dtype)\nembeddings = (states * mask).sum(1) / mask.sum(1).clamp(min=1e-9)",
+    "cls": "embeddings = states[:, 0]",
+    "max": "mask = batch[\"attention_mask\"].unsqueeze(-1)\nembeddings = states.masked_fill(mask == 0, -1e9).max(1).values",
+    "lasttoken": "mask = batch[\"attention_mask\"]\nlast = mask.shape[1] - 1 - mask.flip(1).argmax(1)  # the last real token, left or right padding\n"
+                 "embeddings = states[torch.arange(len(last)), last]",
+}
+
+
+def last_evaluation(output_dir):
+    """The newest evaluation in OUTPUT_DIR/metrics.jsonl (rank 0 wrote it), or None."""
+    path = os.path.join(output_dir, "metrics.jsonl")
+    if not os.path.exists(path):
+        return None
+    with open(path) as f:
+        evals = [row["eval"] for row in map(json.loads, f) if "eval" in row]
+    return evals[-1] if evals else None
+
+
+def model_card(cfg, loaded, derived, summary):
+    base, pooling = public_name(cfg.model), loaded.model.pooling
+    base_is_hub = not os.path.exists(cfg.model) or base == "sentence-transformers/all-MiniLM-L6-v2"
+    settings = {**dataclasses.asdict(cfg), "model": base, "train_data": public_name(cfg.train_data), "output_dir": public_name(cfg.output_dir),
+                "eval_data": ",".join(public_name(p) for p in cfg.eval_data.split(",") if p), "resume": public_name(cfg.resume) if cfg.resume else ""}
+    evaluation = summary.get("eval") or last_evaluation(cfg.output_dir)
+    rows = "\n".join(f"| {name} | {value:.4f} |" for name, value in (evaluation or {}).items())
+    evaluation_section = f"\n## Evaluation (step {summary.get('step', derived['total_steps'])})\n| metric | value |\n|---|---|\n{rows}\n" if evaluation else ""
+    prepare = "t.strip().lower()" if loaded.lowercase else "t.strip()"
+    normalize = "\nembeddings = torch.nn.functional.normalize(embeddings, dim=-1)" if loaded.model.normalize else ""
     return f"""---
 library_name: sentence-transformers
 pipeline_tag: sentence-similarity
 tags: [sentence-transformers, feature-extraction, sentence-similarity, fsdp-embed]
+{f"base_model: {base}" if base_is_hub else ""}
 ---
 # Sentence embedding model trained with fsdp-embed
 
-- Base model: `{cfg.model}`
-- Training data: `{cfg.train_data}` ({derived['train_rows']} rows)
-- Loss: `{cfg.loss}`
+- Base model: `{base}`
+- Training data: `{settings["train_data"]}` ({derived['train_rows']} rows)
+- Loss: `{cfg.loss}`; pooling: `{pooling}`{", L2-normalised" if loaded.model.normalize else ""}; texts truncated at {loaded.max_seq_length} tokens
 - Steps: {derived['total_steps']} of global batch {derived['global_batch']} on {derived['world_size']} process(es)
-- Final training loss: {summary['final_loss']:.4f}; throughput {summary['samples_per_s']:.1f} samples/s
-
-## Use
+- Final training loss: {summary['final_loss']:.4f}
+{evaluation_section}
+## Use with sentence-transformers
 ```python
 from sentence_transformers import SentenceTransformer
 model = SentenceTransformer("path/to/this/folder")
 embeddings = model.encode(["A sentence.", "Another one."])
 ```
 
+## Use with plain transformers
+```python
+import torch
+from transformers import AutoModel, AutoTokenizer
+
+texts = ["A sentence.", "Another one."]
+tokenizer = AutoTokenizer.from_pretrained("path/to/this/folder")  # truncates at {loaded.max_seq_length} tokens
+model = AutoModel.from_pretrained("path/to/this/folder").eval()
+batch = tokenizer([{prepare} for t in texts], padding=True, truncation=True, return_tensors="pt")
+with torch.no_grad():
+    states = model(**batch).last_hidden_state
+{POOLING_BY_HAND[pooling]}{normalize}
+```
+
 ## Hyper-parameters
 ```json
-{json.dumps(dataclasses.asdict(cfg), indent=2)}
+{json.dumps(settings, indent=2)}
 ```
 """
 
@@ -989,12 +1138,12 @@ def export(model, loaded, out_dir, cfg, derived, summary, is_rank0):
     state = fsdp_utils.gather_full_state_dict(model)
     if not is_rank0:
         return
-    encoder_state = {k.removeprefix("encoder."): v for k, v in state.items() if k.startswith("encoder.")}
+    encoder_state = {**loaded.untrained_state, **{k.removeprefix("encoder."): v for k, v in state.items() if k.startswith("encoder.")}}
     head_state = {k.removeprefix("classifier."): v for k, v in state.items() if k.startswith("classifier.")}
     fsdp_utils.export_sentence_transformer(
         out_dir, encoder_state, loaded.export_config, loaded.tokenizer,
         pooling_mode=loaded.model.pooling, normalize=loaded.model.normalize, max_seq_length=loaded.max_seq_length,
-        do_lower_case=loaded.lowercase, model_card=model_card(cfg, derived, summary),
+        do_lower_case=loaded.lowercase, tokenizer_files=loaded.tokenizer_files, model_card=model_card(cfg, loaded, derived, summary),
         training_config={**dataclasses.asdict(cfg), **derived, **summary},
         # The Softmax head is not part of a SentenceTransformer; keep it beside, not lost.
         extra_tensor_files={"softmax_head.safetensors": head_state} if head_state else None,
@@ -1019,9 +1168,46 @@ def open_metrics_file(output_dir, start_step):
     return metrics_file
 
 
-def write_line(metrics_file, record):
-    metrics_file.write(json.dumps(record) + "\n")
-    metrics_file.flush()  # a crash loses no logged step
+class MetricsLog:
+    """Rank 0's record of the run: OUTPUT_DIR/metrics.jsonl, one JSON object a line, flushed at
+    once (a crash loses no logged step); with --report-to tensorboard the same numbers also go to
+    OUTPUT_DIR/tensorboard as scalars: train/loss, train/lr, ..., eval/FILE-STEM/METRIC, and the
+    run's totals as summary/train_seconds, ..."""
+
+    def __init__(self, cfg, start_step):
+        self.file = open_metrics_file(cfg.output_dir, start_step)
+        self.tensorboard = None
+        if cfg.report_to == "tensorboard":
+            from torch.utils.tensorboard import SummaryWriter  # optional; its presence is checked at start-up
+
+            # A resumed run drops what the broken one wrote after the checkpoint's step.
+            self.tensorboard = SummaryWriter(os.path.join(cfg.output_dir, "tensorboard"), purge_step=start_step + 1 if start_step else None)
+
+    def write(self, record):
+        self.file.write(json.dumps(record) + "\n")
+        self.file.flush()
+        if self.tensorboard is not None:
+            scalars = {f"eval/{k}": v for k, v in record.get("eval", {}).items()}
+            prefix = "train" if "loss" in record else "summary"  # a logged step, or the run's totals
+            scalars.update({f"{prefix}/{k}": v for k, v in record.items() if k not in ("step", "eval") and isinstance(v, (int, float))})
+            for name, value in scalars.items():
+                self.tensorboard.add_scalar(name, value, record["step"])
+            self.tensorboard.flush()
+
+    def close(self):
+        self.file.close()
+        if self.tensorboard is not None:
+            self.tensorboard.close()
+
+
+def prepare_output_dir(cfg, checkpoints_dir):
+    """Rank 0, after the start-up checks: what earlier runs left that must not be kept."""
+    if cfg.overwrite:
+        shutil.rmtree(checkpoints_dir, ignore_errors=True)  # starting over: the old run's state must not be resumed
+    # Exports are written as NAME.tmp-PID and swapped in through NAME.old-PID: a process killed
+    # in between leaves these behind, never a half-written NAME.
+    for leftover in glob.glob(os.path.join(glob.escape(cfg.output_dir), "*.tmp-*")) + glob.glob(os.path.join(glob.escape(cfg.output_dir), "*.old-*")):
+        shutil.rmtree(leftover, ignore_errors=True)
 
 
 if __name__ == "__main__":

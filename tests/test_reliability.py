@@ -1,0 +1,114 @@
+"""Faults a cluster produces, through train.py itself (the tiny BERT, conftest.tiny_model):
+
+- one run per output folder: while a run trains (torchrun, 2 ranks), a second launch into the same
+  --output-dir is refused at start-up (exit 2, one `error:` line naming the holder's host and
+  pid); the first run's lock (OUTPUT_DIR/.lock) is removed when a run ends;
+- SIGKILL of the torchrun launcher leaves no worker running (they die with their parent), and the
+  lock it leaves (its process dead on this host) is taken over by the next run, with a note;
+- a metric that cannot be computed (a correlation with constant gold scores) is written as JSON
+  null, never as bare NaN, and is never chosen as the best.
+
+Run: python -m pytest tests/test_reliability.py
+"""
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+
+from conftest import REPO_DIR, data_file, free_port, run_train
+
+import train
+
+
+def workers_of(out):
+    """Processes still running with this output folder on their command line."""
+    return subprocess.run(["pgrep", "-f", str(out)], capture_output=True, text=True).stdout.split()
+
+
+def strict_json(line):
+    def refuse(constant):
+        raise ValueError(f"{constant} is not JSON")
+
+    return json.loads(line, parse_constant=refuse)
+
+
+def test_one_run_per_output_folder_and_no_orphans(tmp_path, tiny_model):
+    out = tmp_path / "out"
+    common = ["--model", tiny_model, "--train-data", data_file("sick-pairs-train.jsonl"), "--per-device-batch-size", 4,
+              "--max-seq-length", 32, "--log-steps", 1, "--output-dir", out, "--dist-timeout-minutes", 3]
+    endless = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", "--master_addr=127.0.0.1",
+               f"--master_port={free_port()}", str(REPO_DIR / "train.py"), *map(str, common), "--max-steps", "100000"]
+    first = subprocess.Popen(endless, cwd=REPO_DIR, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
+    try:
+        deadline = time.time() + 180
+        while not ((out / "metrics.jsonl").exists() and (out / "metrics.jsonl").read_text().strip()):
+            assert first.poll() is None and time.time() < deadline, "the first run did not start training"
+            time.sleep(0.5)
+        holder = json.loads((out / ".lock").read_text())
+        assert holder["host"] == socket.gethostname() and holder["pid"] != first.pid  # rank 0 holds it, not the launcher
+
+        # A second launch into the same folder: refused before it loads anything.
+        second = run_train([*common, "--max-steps", 2], nproc=2, check=False, timeout=180)
+        errors = [line for line in (second.stdout + second.stderr).splitlines() if line.startswith("error:")]
+        assert second.returncode == 1 and "(exitcode: 2)" in second.stderr, second.stderr[-3000:]
+        assert len(errors) == 1 and "is in use by another run" in errors[0] and f"pid {holder['pid']}" in errors[0], errors
+        assert first.poll() is None  # the first run is untouched
+
+        # SIGKILL the launcher alone (as a scheduler or an OOM killer might): its workers follow.
+        os.kill(first.pid, signal.SIGKILL)
+        first.wait(timeout=30)
+        deadline = time.time() + 30
+        while workers_of(out) and time.time() < deadline:
+            time.sleep(0.5)
+        assert not workers_of(out), "workers outlived their launcher"
+    finally:
+        if first.poll() is None:
+            os.killpg(first.pid, signal.SIGKILL)
+        for pid in workers_of(out):
+            os.kill(int(pid), signal.SIGKILL)
+
+    # The dead run's lock is still there; the next run takes it over and removes it at the end.
+    assert json.loads((out / ".lock").read_text())["pid"] == holder["pid"]
+    third = run_train([*common, "--max-steps", 2], nproc=2)
+    assert f"note: {out / '.lock'} was left by a run that is no longer alive (pid {holder['pid']}" in third.stdout
+    assert (out / "final" / "model.safetensors").exists() and not (out / ".lock").exists()
+
+
+def test_a_nan_metric_is_written_as_null_and_never_chosen_as_best(tmp_path, tiny_model):
+    constant = tmp_path / "constant-dev.jsonl"
+    rows = [json.loads(line) for line in open(data_file("stsb-dev.jsonl")).readlines()[:30]]
+    constant.write_text("".join(json.dumps({**r, "score": 0.5}) + "\n" for r in rows))  # Pearson/Spearman: 0/0
+    out = tmp_path / "out"
+    args = ["--model", tiny_model, "--train-data", data_file("sick-pairs-train.jsonl"), "--max-steps", 2, "--per-device-batch-size", 4,
+            "--max-seq-length", 32, "--eval-data", constant, "--eval-steps", 1, "--metric-for-best", "constant-dev/spearman",
+            "--output-dir", out]
+    train.main(train.parse_config([str(a) for a in args]))
+    rows = [strict_json(line) for line in (out / "metrics.jsonl").read_text().splitlines()]  # valid JSON throughout
+    evals = [r["eval"] for r in rows if "eval" in r]
+    assert len(evals) == 2 and all(e == {"constant-dev/spearman": None, "constant-dev/pearson": None} for e in evals)
+    assert not (out / "best").exists()  # NaN is never the best
+    assert "| constant-dev/spearman | not computable |" in (out / "final" / "README.md").read_text()
+    assert (out / "final" / "model.safetensors").exists() and not (out / ".lock").exists()
+
+
+def test_a_lock_held_by_a_live_process_is_never_taken_over(tmp_path):
+    """In-process: a lock naming a live process on this host (here: this test's parent) refuses;
+    one naming a dead pid is taken over; one naming another host refuses (its liveness is unknowable)."""
+    out = tmp_path / "out"
+    out.mkdir()
+    lock = out / ".lock"
+    lock.write_text(json.dumps({"host": socket.gethostname(), "pid": os.getppid(), "started": "then"}))
+    assert "is in use by another run" in train.take_output_lock(str(out))
+    lock.write_text(json.dumps({"host": "another-host", "pid": 1, "started": "then"}))
+    assert "host another-host" in train.take_output_lock(str(out))
+    dead = subprocess.Popen([sys.executable, "-c", "pass"])
+    dead.wait()
+    lock.write_text(json.dumps({"host": socket.gethostname(), "pid": dead.pid, "started": "then"}))
+    assert train.take_output_lock(str(out)) is None
+    assert json.loads(lock.read_text())["pid"] == os.getpid()
+    train.release_output_lock(str(out))
+    assert not lock.exists()

@@ -383,7 +383,8 @@ def load_model(cfg, num_labels):
     export_config.architectures = [type(encoder).__name__]
     pooling = cfg.pooling or st_config["pooling"]
     normalize = st_config["normalize"] if cfg.normalize is None else cfg.normalize
-    max_seq_length = cfg.max_seq_length or st_config["max_seq_length"] or min(tokenizer.model_max_length, 512)
+    positions = getattr(train_config, "max_position_embeddings", None) or 512
+    max_seq_length = cfg.max_seq_length or st_config["max_seq_length"] or min(tokenizer.model_max_length, 512, positions)
     model = EmbeddingModel(encoder, pooling, normalize, num_labels)
     model.train()  # from_pretrained returns eval mode: dropout would silently stay off
     return LoadedModel(model, tokenizer, export_config, max_seq_length, st_config["do_lower_case"], untrained_state,
@@ -662,7 +663,7 @@ def main(cfg):
     if cfg.eval_on_start and start_step == 0:  # all ranks: evaluation is collective
         with timed(seconds, "eval"):
             best_value = evaluate_and_log(model, loaded, plan, cfg, derived, device, 0, best_value, log)
-    last_loss, order_epoch = float("nan"), None
+    last_loss, order_epoch = log.last_loss if is_rank0 else float("nan"), None
     for step in range(start_step, total_steps):
         epoch, step_in_epoch = divmod(step, steps_per_epoch)
         if epoch != order_epoch:
@@ -892,8 +893,13 @@ def check_model(cfg, strategy):
     before anything heavy); under FSDP, the block class to wrap is found (in a copy built on
     the meta device: no memory, no time). Returns the FSDP block class names, or None."""
     path = resolve_model_path(cfg.model)
+    if os.path.isdir(path) and not os.listdir(path):
+        raise ValueError(f"--model {cfg.model}: the folder is empty; pass a folder written by save_pretrained (config.json, weights, tokenizer files)")
     try:
         subfolder = fsdp_utils.read_sentence_transformer_config(path)["subfolder"]
+        if os.path.isdir(path) and not os.path.isfile(os.path.join(path, subfolder, "config.json")):
+            raise ValueError(f"the folder has no {os.path.join(subfolder, 'config.json')} (it holds {sorted(os.listdir(os.path.join(path, subfolder)))}); "
+                             "pass a folder written by save_pretrained")
         config = transformers.AutoConfig.from_pretrained(path, subfolder=subfolder, trust_remote_code=cfg.trust_remote_code)
     except ValueError as e:
         raise ValueError(f"--model {cfg.model}: {e}") from e
@@ -901,6 +907,14 @@ def check_model(cfg, strategy):
         reason = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
         raise ValueError(f"--model {cfg.model}: not a local model folder, and loading it from the hub failed ({reason}); "
                          "pass a folder holding config.json, or a hub id where a hub is reachable") from e
+    folder = os.path.join(path, subfolder)
+    if os.path.isdir(folder) and not any(os.path.isfile(os.path.join(folder, name)) for name in ("tokenizer.json", *SLOW_TOKENIZER_FILES[:6])):
+        # Without them transformers builds a tokenizer that maps every word to [UNK], and training "works".
+        raise ValueError(f"--model {cfg.model}: no tokenizer files in {folder} (tokenizer.json, vocab.txt, ...); "
+                         "save the base model's tokenizer there (tokenizer.save_pretrained)")
+    positions = getattr(config, "max_position_embeddings", None)
+    if positions and cfg.max_seq_length > positions:
+        raise ValueError(f"--max-seq-length {cfg.max_seq_length} is beyond the {positions} positions {cfg.model} has; use at most {positions}")
     if strategy != "fsdp":
         return None
     with torch.device("meta"):
@@ -929,15 +943,32 @@ def load_eval_sets(cfg, num_labels):
                              f"this run has --loss {cfg.loss} and the file {eval_labels} classes. Use --eval-type loss or sts instead")
         name = os.path.splitext(os.path.basename(path.rstrip("/")))[0]
         eval_sets.append(EvalSet(name, kind, ds, text_columns, target))
+    stems = [es.name for es in eval_sets]
+    if len(set(stems)) < len(stems):
+        twice = sorted({stem for stem in stems if stems.count(stem) > 1})
+        raise ValueError(f"--eval-data: several files are named {twice} (without folder and extension), so their metrics would "
+                         "overwrite each other; give them distinct file names")
     names = [f"{es.name}/{metric}" for es in eval_sets for metric in EVAL_METRICS[es.kind]]
     if cfg.metric_for_best and cfg.metric_for_best not in names:
         raise ValueError(f"--metric-for-best {cfg.metric_for_best}: not among this run's metrics {names}")
     return eval_sets
 
 
+def check_output_dir(output_dir):
+    """--output-dir must be a folder this process can create files in (checked without writing)."""
+    if os.path.exists(output_dir) and not os.path.isdir(output_dir):
+        raise ValueError(f"--output-dir {output_dir} is a file, not a folder; choose another --output-dir")
+    existing = os.path.abspath(output_dir)
+    while not os.path.exists(existing):
+        existing = os.path.dirname(existing)
+    if not os.path.isdir(existing) or not os.access(existing, os.W_OK | os.X_OK):
+        raise ValueError(f"--output-dir {output_dir}: cannot write in {existing}; choose a folder you can write to")
+
+
 def start_up_checks(cfg, world_size, device):
     """Every check before heavy work; returns the StartUp the run is planned from. Raises ValueError."""
     strategy = check_flags(cfg, world_size, device)
+    check_output_dir(cfg.output_dir)
     if cfg.eval_only:  # no training data, no checkpoints: the model and the evaluation data
         metrics_path = os.path.join(cfg.output_dir, "metrics.jsonl")
         if os.path.exists(metrics_path) and not cfg.overwrite:
@@ -952,6 +983,11 @@ def start_up_checks(cfg, world_size, device):
     except ValueError as e:
         raise ValueError(f"--train-data {cfg.train_data}: {e}") from e
     check_rows(train_ds, text_columns, target, f"--train-data {cfg.train_data}")
+    candidates = cfg.per_device_batch_size * (world_size if cfg.gather_negatives else 1) * (len(text_columns) - 1)
+    if cfg.loss == "mnrl" and candidates == 1:
+        raise ValueError("--loss mnrl with one row per micro-batch and no hard-negative column ranks each anchor against its own "
+                         "positive alone: the loss is 0 and nothing trains. Raise --per-device-batch-size, add a negative column, "
+                         "or use --gather-negatives")
     global_batch = cfg.per_device_batch_size * world_size * cfg.grad_accum_steps
     if len(train_ds) < global_batch:
         raise ValueError(f"--train-data {cfg.train_data}: {len(train_ds)} rows make no global batch of {global_batch} "
@@ -1081,7 +1117,11 @@ def checkpoint_to_resume(cfg, world_size):
     found = fsdp_utils.complete_checkpoints(checkpoints_dir)
     if os.path.exists(final_dir) and not cfg.overwrite:
         if cfg.resume:
-            return "finished"  # e.g. torchrun restarting a job that had already exported
+            # e.g. torchrun restarting a job that had already exported: nothing to do, provided it
+            # is the same run (another one would silently "finish" without training).
+            with open(os.path.join(final_dir, "training_config.json")) as f:
+                check_same_run(cfg, json.load(f), world_size, final_dir)
+            return "finished"
         raise ValueError(f"{final_dir} already holds a finished run's export; pass --overwrite to replace it, or another --output-dir")
     if not cfg.resume:
         if found and not cfg.overwrite:
@@ -1093,16 +1133,22 @@ def checkpoint_to_resume(cfg, world_size):
         return None
     with open(os.path.join(resume_dir, "trainer_state.json")) as f:
         saved = json.load(f)
+    check_same_run(cfg, {**saved["config"], "world_size": saved["world_size"]}, world_size, resume_dir)
+    return resume_dir
+
+
+def check_same_run(cfg, saved, world_size, where):
+    """`saved` (a checkpoint's or an export's config, with world_size) must describe this run:
+    every setting but those a resume may change, and the number of processes."""
     current = dataclasses.asdict(cfg)
     may_change = {field.name for field in dataclasses.fields(Config) if field.metadata["rules"]["resume_may_change"]}
-    diffs = [f"--{k.replace('_', '-')} {v!r} (this run: {current.get(k)!r})" for k, v in saved["config"].items()
-             if k not in may_change and current.get(k) != v]
-    if saved["world_size"] != world_size:
-        diffs.append(f"{saved['world_size']} processes (this run: {world_size}); each process holds its own shard of the state")
+    diffs = [f"--{k.replace('_', '-')} {saved[k]!r} (this run: {current[k]!r})" for k in current
+             if k in saved and k not in may_change and current[k] != saved[k]]
+    if saved.get("world_size") != world_size:
+        diffs.append(f"{saved.get('world_size')} processes (this run: {world_size}); each process holds its own shard of the state")
     if diffs:
-        raise ValueError(f"cannot resume from {resume_dir}: it was written with " + "; ".join(diffs) +
+        raise ValueError(f"cannot resume from {where}: it was written with " + "; ".join(diffs) +
                          ". Resume with the same settings and number of processes, or start a fresh --output-dir")
-    return resume_dir
 
 
 def restore_checkpoint(resume_dir, model, optimizer, scheduler, scaler, total_steps):
@@ -1226,18 +1272,12 @@ def export(model, loaded, out_dir, cfg, derived, summary, is_rank0):
 # The metrics file (rank 0)
 
 
-def open_metrics_file(output_dir, start_step):
-    """OUTPUT_DIR/metrics.jsonl, opened for writing. On resume it keeps the rows up to the
-    checkpoint's step: the later ones are about to be redone."""
-    os.makedirs(output_dir, exist_ok=True)
-    path = os.path.join(output_dir, "metrics.jsonl")
-    kept = []
-    if start_step and os.path.exists(path):
-        with open(path) as f:
-            kept = [line for line in f if "final_loss" not in line and json.loads(line)["step"] <= start_step]
-    metrics_file = open(path, "w")
-    metrics_file.writelines(kept)
-    return metrics_file
+def parse_json_line(line):
+    try:
+        row = json.loads(line)
+    except ValueError:
+        return None
+    return row if isinstance(row, dict) else None
 
 
 class MetricsLog:
@@ -1247,7 +1287,19 @@ class MetricsLog:
     run's totals as summary/train_seconds, ..."""
 
     def __init__(self, cfg, start_step):
-        self.file = open_metrics_file(cfg.output_dir, start_step)
+        # On resume the rows up to the checkpoint's step are kept (the later ones are about to be
+        # redone); a crash can tear the last line (or leave NUL bytes): such lines are dropped.
+        os.makedirs(cfg.output_dir, exist_ok=True)
+        path = os.path.join(cfg.output_dir, "metrics.jsonl")
+        kept = []
+        if start_step and os.path.exists(path):
+            with open(path, errors="replace") as f:
+                rows = [(line, parse_json_line(line)) for line in f]
+            kept = [(line, row) for line, row in rows if row is not None and "final_loss" not in row and row.get("step", 0) <= start_step]
+        self.file = open(path, "w")
+        self.file.writelines(line for line, _ in kept)
+        # The last logged loss, for the summary of a run resumed at its very last step.
+        self.last_loss = next((row["loss"] for _, row in reversed(kept) if row.get("loss") is not None), float("nan"))
         self.tensorboard = None
         if cfg.report_to == "tensorboard":
             from torch.utils.tensorboard import SummaryWriter  # optional; its presence is checked at start-up
@@ -1288,6 +1340,9 @@ def prepare_output_dir(cfg, checkpoints_dir):
     # in between leaves these behind, never a half-written NAME.
     for leftover in glob.glob(os.path.join(glob.escape(cfg.output_dir), "*.tmp-*")) + glob.glob(os.path.join(glob.escape(cfg.output_dir), "*.old-*")):
         shutil.rmtree(leftover, ignore_errors=True)
+    # Checkpoints: a save killed before its rename, or a removal killed half-way (never resumed from).
+    for leftover in glob.glob(os.path.join(glob.escape(checkpoints_dir), ".incomplete-step-*")) + glob.glob(os.path.join(glob.escape(checkpoints_dir), ".deleting-*")):
+        shutil.rmtree(leftover, ignore_errors=True)
 
 
 if __name__ == "__main__":
@@ -1303,7 +1358,7 @@ if __name__ == "__main__":
             dist.barrier()
         sys.exit(2)
     except FloatingPointError as e:
-        print0(f"error: {e}", file=sys.stderr)
+        print0(f"\nerror: {e}", file=sys.stderr)  # on a line of its own, after the progress bar
         sys.exit(3)
     finally:
         cleanup_dist()

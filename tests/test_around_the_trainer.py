@@ -7,7 +7,8 @@
   logged number as a scalar (read back with tensorboard's EventAccumulator);
 - the summary's training time and samples/s leave evaluation out (evaluation made slow on
   purpose: 2 s a call);
-- leftovers of a killed export (NAME.tmp-PID, NAME.old-PID) are removed at the next start;
+- leftovers of a killed export (NAME.tmp-PID, NAME.old-PID) and of killed checkpoint saves and
+  removals are removed at the next start;
 - `--help` shows the flags in the Config's sections, each with its default.
 
 Run: python -m pytest tests/test_around_the_trainer.py
@@ -90,7 +91,7 @@ def test_eval_on_start_tensorboard_timing_and_leftovers(tmp_path, tiny_model, ev
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
     out = tmp_path / "out"
-    for leftover in ("final.tmp-4242", "best.old-4242"):
+    for leftover in ("final.tmp-4242", "best.old-4242", "checkpoints/.incomplete-step-3", "checkpoints/.deleting-step-1"):
         (out / leftover).mkdir(parents=True)
         (out / leftover / "model.safetensors").write_text("half-written")
     evaluate = train.evaluate
@@ -106,6 +107,7 @@ def test_eval_on_start_tensorboard_timing_and_leftovers(tmp_path, tiny_model, ev
     train.main(train.parse_config([str(a) for a in args]))
 
     assert not (out / "final.tmp-4242").exists() and not (out / "best.old-4242").exists()
+    assert list((out / "checkpoints").iterdir()) == []  # a killed save's and a killed removal's leftovers
     assert (out / "final" / "model.safetensors").exists() and (out / "best" / "model.safetensors").exists()
     rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     evals = [r for r in rows if "eval" in r]

@@ -1,5 +1,5 @@
 """Every bad input is caught at start-up, at world size 2 under torchrun, before any weights are
-loaded (15 cases launched for real, 16 more through the same check function in-process): each
+loaded (15 cases launched for real, 22 more through the same check function in-process): each
 case exits with code 2 (torchrun: 1) within seconds, prints exactly one `error:` line (rank 0's)
 naming the problem and the fix, leaves no rank running, and writes nothing (an existing output
 folder is left exactly as it was). A resume names exactly the settings that differ.
@@ -90,7 +90,28 @@ IN_PROCESS_CASES = [
     ("negative dropout", lambda t: ["--dropout", -0.1], "--dropout must be at least 0 (got -0.1)"),
     ("zero collective timeout", lambda t: ["--dist-timeout-minutes", 0], "--dist-timeout-minutes must be above 0"),
     ("negative checkpoint interval", lambda t: ["--save-steps", -1], "--save-steps must be at least 0 (got -1): save resumable state"),
+    ("longer than the model's positions", lambda t: ["--max-seq-length", 1000], "--max-seq-length 1000 is beyond the 512 positions"),
+    ("empty model folder", lambda t: (t / "m").mkdir() or ["--model", t / "m"], "the folder is empty"),
+    ("model folder without config.json", lambda t: (t / "m").mkdir() or (t / "m" / "notes.txt").write_text("x") and ["--model", t / "m"], "has no config.json"),
+    ("model folder without tokenizer files", lambda t: tiny_config_only(t / "m") or ["--model", t / "m"], "no tokenizer files"),
+    ("evaluation files with one name", lambda t: ["--eval-data", two_files_named_dev(t)], "several files are named ['dev']"),
+    ("MNRL with no negative at all", lambda t: ["--per-device-batch-size", 1], "the loss is 0 and nothing trains"),
 ]
+
+
+def tiny_config_only(folder):
+    """A model folder with config.json and weights but no tokenizer file."""
+    import transformers
+
+    config = transformers.BertConfig(vocab_size=100, hidden_size=16, num_hidden_layers=1, num_attention_heads=2, intermediate_size=32)
+    transformers.BertModel(config).save_pretrained(folder)
+
+
+def two_files_named_dev(t):
+    for sub in ("a", "b"):
+        (t / sub).mkdir(exist_ok=True)
+        (t / sub / "dev.jsonl").write_text(open(data_file("stsb-dev.jsonl")).readlines()[0] * 3)
+    return f"{t / 'a' / 'dev.jsonl'},{t / 'b' / 'dev.jsonl'}"
 
 
 def listing(folder):
@@ -184,3 +205,33 @@ def test_resume_names_each_setting_that_differs_and_only_those(tmp_path):
     # ...and with the same learning rate the same checkpoint is accepted.
     cfg = train.parse_config(["--output-dir", str(out), "--resume", "auto", "--lr", "1e-3"])
     assert train.checkpoint_to_resume(cfg, 2) == str(folder)
+
+
+def test_an_output_dir_that_is_a_file_is_refused(tmp_path):
+    import torch
+
+    import train
+
+    (tmp_path / "taken").write_text("a file")
+    cfg = train.parse_config(["--output-dir", str(tmp_path / "taken")])
+    with pytest.raises(ValueError, match="is a file, not a folder"):
+        train.start_up_checks(cfg, 2, torch.device("cpu"))
+    assert (tmp_path / "taken").read_text() == "a file"
+
+
+def test_resume_auto_on_a_finished_run_checks_its_settings(tmp_path):
+    """A finished run (final/ exists) and --resume auto: nothing to do for the same run; another
+    run (here another seed) is refused, not silently "finished"."""
+    import dataclasses
+
+    import torch
+
+    import train
+
+    out = tmp_path / "out"
+    (out / "final").mkdir(parents=True)
+    saved = {**dataclasses.asdict(train.Config(output_dir=str(out))), "world_size": 2}
+    (out / "final" / "training_config.json").write_text(json.dumps(saved))
+    assert train.start_up_checks(train.parse_config(["--output-dir", str(out), "--resume", "auto"]), 2, torch.device("cpu")).finished
+    with pytest.raises(ValueError, match=r"--seed 12 \(this run: 99\)"):
+        train.start_up_checks(train.parse_config(["--output-dir", str(out), "--resume", "auto", "--seed", "99"]), 2, torch.device("cpu"))

@@ -6,7 +6,11 @@
 - SIGKILL of the torchrun launcher leaves no worker running (they die with their parent), and the
   lock it leaves (its process dead on this host) is taken over by the next run, with a note;
 - a metric that cannot be computed (a correlation with constant gold scores) is written as JSON
-  null, never as bare NaN, and is never chosen as the best.
+  null, never as bare NaN, and is never chosen as the best;
+- a torn last line of metrics.jsonl (a crash mid-write) does not stop a resume;
+- a run killed after its last checkpoint and resumed at the final step reports the final loss;
+- a non-finite loss stops with exit code 3 and an `error:` line that starts its line, after the
+  progress bar.
 
 Run: python -m pytest tests/test_reliability.py
 """
@@ -112,3 +116,37 @@ def test_a_lock_held_by_a_live_process_is_never_taken_over(tmp_path):
     assert json.loads(lock.read_text())["pid"] == os.getpid()
     train.release_output_lock(str(out))
     assert not lock.exists()
+
+
+def test_a_torn_metrics_line_is_dropped_on_resume(tmp_path):
+    out = tmp_path / "out"
+    out.mkdir()
+    rows = [{"step": 1, "loss": 0.5}, {"step": 2, "eval": {"x/spearman": 1.0}}, {"step": 2, "loss": 0.25}, {"step": 3, "loss": 0.1}]
+    (out / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows) + '{"step": 4, "lo' + "\0" * 7)
+    log = train.MetricsLog(train.Config(output_dir=str(out)), 2)
+    log.close()
+    assert [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()] == rows[:3]
+    assert log.last_loss == 0.25
+
+
+def test_resumed_at_the_last_step_the_final_loss_survives(tmp_path, tiny_model):
+    out = tmp_path / "out"
+    args = ["--model", tiny_model, "--train-data", data_file("sick-pairs-train.jsonl"), "--max-steps", 2, "--save-steps", 2,
+            "--per-device-batch-size", 4, "--max-seq-length", 32, "--log-steps", 1, "--output-dir", out, "--resume", "auto"]
+    killed = run_train(args, kill="after-save:2:0", check=False)
+    assert killed.returncode == -signal.SIGKILL and not (out / "final").exists()
+    resumed = run_train(args)
+    assert "resuming from" in resumed.stdout
+    rows = [strict_json(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    logged = [r for r in rows if "loss" in r]
+    assert [r["step"] for r in logged] == [1, 2]
+    assert rows[-1]["final_loss"] == logged[-1]["loss"]  # not NaN: the last step's loss
+
+
+def test_a_non_finite_loss_prints_its_error_on_a_line_of_its_own(tmp_path, tiny_model):
+    out = tmp_path / "out"
+    proc = run_train(["--model", tiny_model, "--train-data", data_file("sick-pairs-train.jsonl"), "--max-steps", 4, "--per-device-batch-size", 4,
+                      "--max-seq-length", 32, "--lr", 1e30, "--warmup-ratio", 0, "--max-grad-norm", 0, "--output-dir", out], check=False)
+    assert proc.returncode == 3
+    errors = [line for line in proc.stderr.splitlines() if line.startswith("error: the loss is")]
+    assert len(errors) == 1 and "at step 2" in errors[0], proc.stderr[-2000:]

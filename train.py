@@ -98,7 +98,7 @@ class Config:
     output_dir: str = arg("output/example", "where metrics.jsonl and the final/ export go", resume_may_change=True)
     overwrite: bool = arg(False, "replace an earlier run's export in --output-dir instead of refusing to start", resume_may_change=True)
     # model
-    max_seq_length: int = arg(0, "truncate texts to this many tokens; 0: the model's own (sentence_bert_config.json, else the tokenizer's limit, at most 512)", at_least=0)
+    max_seq_length: int = arg(0, "truncate texts to this many tokens; 0: the model's own (sentence_bert_config.json, else the tokenizer's limit, at most 512 and the model's positions)", at_least=0)
     pooling: str = arg("", "token pooling; empty: the SentenceTransformer folder's mode, else mean", choices=("", *fsdp_utils.POOLING_MODES))
     normalize: bool = arg(None, "L2-normalise embeddings; unset: as the SentenceTransformer folder does, else no", type=bool)
     dropout: float = arg(None, "override every dropout probability of the encoder config (0 makes runs exactly comparable)", type=float, at_least=0, at_most=1)
@@ -1099,7 +1099,7 @@ def derived_values(cfg, plan, loaded, world_size, device):
     checkpoint and export beside the config."""
     steps_per_epoch = len(plan.train_ds) // plan.global_batch
     total_steps = cfg.max_steps if cfg.max_steps > 0 else cfg.epochs * steps_per_epoch
-    return {"world_size": world_size, "strategy": plan.strategy, "fsdp_layer_classes": plan.layer_classes, "device": str(device),
+    return {"world_size": world_size, "strategy_used": plan.strategy, "fsdp_layer_classes": plan.layer_classes, "device": str(device),
             "global_batch": plan.global_batch, "train_rows": len(plan.train_ds), "steps_per_epoch": steps_per_epoch,
             "total_steps": total_steps, "warmup_steps": math.ceil(cfg.warmup_ratio * total_steps),
             "max_seq_length_used": loaded.max_seq_length, "pooling_used": loaded.model.pooling, "normalize_used": loaded.model.normalize,

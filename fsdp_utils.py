@@ -378,7 +378,10 @@ def pooling_config(pooling_mode, dim):
     """1_Pooling/config.json. Only the keys every sentence-transformers version since 2.0
     understands, plus `pooling_mode_lasttoken` when it is the mode (2.3+ knows it)."""
     config = {"word_embedding_dimension": dim, "pooling_mode_mean_sqrt_len_tokens": False}
-    config.update({key: pooling_mode == mode for mode, key in POOLING_KEYS.items() if mode != "lasttoken" or pooling_mode == mode})
+    for mode in ("mean", "cls", "max"):
+        config[POOLING_KEYS[mode]] = pooling_mode == mode
+    if pooling_mode == "lasttoken":
+        config[POOLING_KEYS["lasttoken"]] = True
     return config
 
 
@@ -410,7 +413,11 @@ def read_sentence_transformer_config(path):
             config["max_seq_length"] = bert_config.get("max_seq_length")
             config["do_lower_case"] = bool(bert_config.get("do_lower_case", False))
         elif kind == "Pooling":
-            enabled = [k for k, v in read_json(os.path.join(module["path"], "config.json")).items() if k.startswith("pooling_mode") and v]
+            pooling = read_json(os.path.join(module["path"], "config.json"))
+            if pooling is None:
+                raise ValueError(f"{path}: modules.json lists a Pooling module, but {os.path.join(module['path'], 'config.json')} is missing; "
+                                 "restore it from the original folder")
+            enabled = [k for k, v in pooling.items() if k.startswith("pooling_mode") and v]
             modes = [mode for mode, key in POOLING_KEYS.items() if [key] == enabled]
             if not modes:
                 raise ValueError(f"{path}: pooling {enabled} is not supported; one of {POOLING_MODES} is (or override with --pooling)")

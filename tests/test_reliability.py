@@ -59,7 +59,8 @@ def test_one_run_per_output_folder_and_no_orphans(tmp_path, tiny_model):
         second = run_train([*common, "--max-steps", 2], nproc=2, check=False, timeout=180)
         errors = [line for line in (second.stdout + second.stderr).splitlines() if line.startswith("error:")]
         assert second.returncode == 1 and "(exitcode: 2)" in second.stderr, second.stderr[-3000:]
-        assert len(errors) == 1 and "is in use by another run" in errors[0] and f"pid {holder['pid']}" in errors[0], errors
+        assert len(errors) == 1 and "is in use by another run" in errors[0], errors
+        assert f"host {holder['host']}, pid {holder['pid']}" in errors[0], errors
         assert first.poll() is None  # the first run is untouched
 
         # SIGKILL the launcher alone (as a scheduler or an OOM killer might): its workers follow.

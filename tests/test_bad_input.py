@@ -46,17 +46,23 @@ def fake_checkpoint(out, world_size=2, seed=12, fingerprint=None, damaged=False)
     """A complete-looking checkpoint folder: what resuming reads before loading anything (its
     manifest, then trainer_state.json). `damaged`: the manifest lists a shard cut short."""
     folder = out / "checkpoints" / "step-2"
-    folder.mkdir(parents=True)
     config = {"seed": seed, "loss": "mnrl", "per_device_batch_size": 16}
     state = {"step": 2, "world_size": world_size, "config": config}
     if fingerprint:
         state["train_data_fingerprint"] = fingerprint
-    (folder / "trainer_state.json").write_text(json.dumps(state))
-    files = {"trainer_state.json": (folder / "trainer_state.json").stat().st_size}
-    if damaged:
+    write_checkpoint(folder, state)
+    if damaged:  # a shard the manifest says had 1000 bytes, cut to 10
         (folder / "shard-00001-model-00001-of-00001.safetensors").write_bytes(b"x" * 10)
-        files["shard-00001-model-00001-of-00001.safetensors"] = 1000
-    (folder / "manifest.json").write_text(json.dumps({"files": files}))
+        manifest = json.loads((folder / "manifest.json").read_text())
+        manifest["files"]["shard-00001-model-00001-of-00001.safetensors"] = 1000
+        (folder / "manifest.json").write_text(json.dumps(manifest))
+
+
+def write_checkpoint(folder, trainer_state):
+    """trainer_state.json and the manifest that makes the folder a complete checkpoint."""
+    folder.mkdir(parents=True, exist_ok=True)
+    (folder / "trainer_state.json").write_text(json.dumps(trainer_state))
+    (folder / "manifest.json").write_text(json.dumps({"files": {"trainer_state.json": (folder / "trainer_state.json").stat().st_size}}))
 
 
 def finished_run(out, fingerprint):
@@ -306,8 +312,10 @@ def test_more_bad_input_is_refused_by_the_start_up_checks(tmp_path, case):
 def test_resume_names_each_setting_that_differs_and_only_those(tmp_path):
     """A checkpoint written with another --lr and other --eval-steps/--log-steps: the resume is
     refused for the learning rate, which changes the training, and the message names it alone
-    (fields marked resume_may_change in the Config may differ)."""
+    (fields marked resume_may_change in the Config may differ). The training data may move to
+    another path, as long as its rows are the same (its fingerprint)."""
     import dataclasses
+    import shutil
 
     import torch
 
@@ -316,18 +324,28 @@ def test_resume_names_each_setting_that_differs_and_only_those(tmp_path):
     out = tmp_path / "out"
     saved = dataclasses.asdict(train.Config(output_dir=str(out)))
     saved.update(lr=1e-3, eval_steps=7, log_steps=3, save_steps=5)
+    ds = train.load_data(saved["train_data"], "train")
+    fingerprint = train.data_fingerprint(ds, ds.column_names)
     folder = out / "checkpoints" / "step-2"
-    folder.mkdir(parents=True)
-    (folder / "trainer_state.json").write_text(json.dumps({"step": 2, "world_size": 2, "config": saved}))
+    write_checkpoint(folder, {"step": 2, "world_size": 2, "config": saved, "train_data_fingerprint": fingerprint})
     cfg = train.parse_config(["--output-dir", str(out), "--resume", "auto"])
     with pytest.raises(ValueError) as error:
         train.start_up_checks(cfg, 2, torch.device("cpu"))
     message = str(error.value)
     assert "--lr 0.001 (this run: 2e-05)" in message, message
     assert "--eval-steps" not in message and "--log-steps" not in message and "--save-steps" not in message, message
-    # ...and with the same learning rate the same checkpoint is accepted.
-    cfg = train.parse_config(["--output-dir", str(out), "--resume", "auto", "--lr", "1e-3"])
-    assert train.checkpoint_to_resume(cfg, 2) == str(folder)
+    assert "training data" not in message, message
+    # ...and with the same learning rate the same checkpoint is accepted, from data that moved.
+    moved = tmp_path / "moved.jsonl"
+    shutil.copy(saved["train_data"], moved)
+    cfg = train.parse_config(["--output-dir", str(out), "--resume", "auto", "--lr", "1e-3", "--train-data", str(moved)])
+    assert train.start_up_checks(cfg, 2, torch.device("cpu")).resume_dir == str(folder)
+    # One row edited: refused, naming both fingerprints.
+    rows = [json.loads(line) for line in moved.read_text().splitlines()]
+    rows[0]["anchor"] += " (edited)"
+    write_jsonl(moved, rows)
+    with pytest.raises(ValueError, match=rf"other training data \({fingerprint}; --train-data {moved} now: 320 rows, sha256 "):
+        train.start_up_checks(cfg, 2, torch.device("cpu"))
 
 
 def test_an_output_dir_that_is_a_file_is_refused(tmp_path):

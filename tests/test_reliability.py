@@ -23,7 +23,9 @@ import subprocess
 import sys
 import time
 
-from conftest import REPO_DIR, data_file, free_port, run_train
+import torch
+from conftest import REPO_DIR, data_file, free_port, read_metrics, run_train
+from safetensors.torch import load_file
 
 import train
 
@@ -151,3 +153,113 @@ def test_a_non_finite_loss_prints_its_error_on_a_line_of_its_own(tmp_path, tiny_
     assert proc.returncode == 3
     errors = [line for line in proc.stderr.splitlines() if line.startswith("error: the loss is")]
     assert len(errors) == 1 and "at step 2" in errors[0], proc.stderr[-2000:]
+
+
+def test_damaged_checkpoints_are_skipped_and_the_run_ends_as_an_unbroken_one(tmp_path, tiny_model):
+    """FSDP2, 2 ranks, 8 steps, a checkpoint every 2, killed after step 6's. Then step-6 loses the
+    end of its last shard (a copy cut short, a full disk) and step-4 its trainer_state.json
+    (deleted by hand): `--resume auto` names both, resumes from step-2, moves each damaged folder
+    aside when it saves that step again, and ends bitwise equal to a run that never broke."""
+    args = ["--model", tiny_model, "--train-data", data_file("sick-triplets-train.jsonl"), "--max-steps", 8, "--save-steps", 2,
+            "--per-device-batch-size", 4, "--max-seq-length", 32, "--log-steps", 1, "--lr", 1e-3, "--seed", 5,
+            "--strategy", "fsdp", "--fsdp-version", 2]
+    straight, broken = tmp_path / "straight", tmp_path / "broken"
+    run_train([*args, "--output-dir", straight], nproc=2)
+    killed = run_train([*args, "--output-dir", broken, "--resume", "auto"], nproc=2, kill="after-save:6:0", check=False)
+    assert killed.returncode != 0 and not (broken / "final").exists()
+    checkpoints = broken / "checkpoints"
+    shard = sorted((checkpoints / "step-6").glob("shard-*.safetensors"))[-1]
+    shard.write_bytes(shard.read_bytes()[: shard.stat().st_size // 2])
+    cut_size = shard.stat().st_size
+    (checkpoints / "step-4" / "trainer_state.json").unlink()
+
+    resumed = run_train([*args, "--output-dir", broken, "--resume", "auto"], nproc=2)
+    output = resumed.stdout + resumed.stderr
+    assert f"warning: not resuming from {checkpoints / 'step-6'}: {shard.name} has {cut_size} bytes where" in output, output[-3000:]
+    assert f"warning: not resuming from {checkpoints / 'step-4'}: trainer_state.json is missing" in output
+    assert f"resuming from {checkpoints / 'step-2'} (step 2 of 8)" in output
+    names = sorted(p.name for p in checkpoints.iterdir())
+    assert [n for n in names if "." not in n] == ["step-2", "step-4", "step-6", "step-8"]
+    assert sorted(n.split(".")[0] for n in names if ".replaced-" in n) == ["step-4", "step-6"], names  # moved aside, not lost
+    assert f"\nwarning: {checkpoints / 'step-4'} was in the way of this save; moved to" in output  # at the start of a line
+
+    got, want = read_metrics(broken), read_metrics(straight)
+    assert [r["step"] for r in got] == list(range(1, 9))
+    assert [(r["loss"], r["grad_norm"], r["lr"]) for r in got] == [(r["loss"], r["grad_norm"], r["lr"]) for r in want]
+    got_w, want_w = load_file(broken / "final" / "model.safetensors"), load_file(straight / "final" / "model.safetensors")
+    assert got_w.keys() == want_w.keys() and all(torch.equal(got_w[k], want_w[k]) for k in want_w)
+
+
+def test_a_diverged_run_names_the_newest_checkpoint_with_finite_weights(tmp_path, tiny_model, capsys):
+    """DDP, 2 ranks. Step 1 runs at lr 0 (warm-up); step 2 at lr 3e38 throws weights past the
+    float range, and its checkpoint holds them; step 3's loss is NaN. The exit-3 error names
+    step-1 as the checkpoint to go back to, not step-2, and `--resume auto` skips step-2 too."""
+    out = tmp_path / "out"
+    args = ["--model", tiny_model, "--train-data", data_file("sick-pairs-train.jsonl"), "--max-steps", 4, "--per-device-batch-size", 4,
+            "--max-seq-length", 32, "--lr", 3e38, "--warmup-ratio", 0.25, "--max-grad-norm", 0, "--save-steps", 1, "--log-steps", 1,
+            "--output-dir", out]
+    proc = run_train(args, nproc=2, check=False)
+    assert proc.returncode == 1 and "(exitcode: 3)" in proc.stderr, proc.stderr[-3000:]
+    errors = [line for line in proc.stderr.splitlines() if line.startswith("error:")]
+    checkpoints = out / "checkpoints"
+    assert len(errors) == 1 and "at step 3" in errors[0], errors
+    assert (f"Newest checkpoint with finite weights: {checkpoints / 'step-1'} ({checkpoints / 'step-2'}: its weights are not finite"
+            in errors[0]), errors[0]
+    states = {n: json.loads((checkpoints / n / "trainer_state.json").read_text())["weights_finite"] for n in ("step-1", "step-2")}
+    assert states == {"step-1": True, "step-2": False}
+    weights = load_file(sorted((checkpoints / "step-2").glob("shard-*.safetensors"))[0])
+    assert not all(torch.isfinite(t).all() for k, t in weights.items() if k.startswith("model."))  # the flag tells the truth
+
+    cfg = train.parse_config([str(a) for a in [*args, "--resume", "auto"]])
+    capsys.readouterr()
+    assert train.start_up_checks(cfg, 2, torch.device("cpu")).resume_dir == str(checkpoints / "step-1")
+    assert f"warning: not resuming from {checkpoints / 'step-2'}: its weights are not finite" in capsys.readouterr().out
+
+
+REMOTE_CODE = '''
+from transformers import BertConfig, BertModel
+
+
+class PooledBertConfig(BertConfig):
+    model_type = "pooled-bert"
+
+
+class PooledBertModel(BertModel):
+    """A BERT whose class always builds (and runs) its pooler: it takes no add_pooling_layer."""
+
+    config_class = PooledBertConfig
+
+    def __init__(self, config):
+        super().__init__(config, add_pooling_layer=True)
+'''
+
+
+def test_a_remote_code_model_with_a_pooler_trains_under_ddp(tmp_path, tiny_model):
+    """A model with its own code (trust_remote_code) whose pooler cannot be switched off: no pooling
+    mode uses it, so it gets no gradient, and DDP would fail waiting for one ("Expected to have
+    finished reduction"). It is kept frozen: training runs, and the export carries the base's pooler."""
+    import importlib.util
+
+    import transformers
+
+    folder = tmp_path / "pooled-bert"
+    folder.mkdir()
+    (folder / "modeling_pooled_bert.py").write_text(REMOTE_CODE)
+    spec = importlib.util.spec_from_file_location("modeling_pooled_bert", folder / "modeling_pooled_bert.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    torch.manual_seed(0)
+    config = module.PooledBertConfig(vocab_size=30522, hidden_size=64, num_hidden_layers=2, num_attention_heads=2, intermediate_size=128,
+                                     max_position_embeddings=128)
+    config.auto_map = {"AutoConfig": "modeling_pooled_bert.PooledBertConfig", "AutoModel": "modeling_pooled_bert.PooledBertModel"}
+    module.PooledBertModel(config).save_pretrained(folder)
+    transformers.AutoTokenizer.from_pretrained(str(tiny_model)).save_pretrained(folder)
+    base = load_file(folder / "model.safetensors")
+    assert any(k.startswith("pooler.") for k in base)
+
+    out = tmp_path / "out"
+    run_train(["--model", folder, "--trust-remote-code", "--train-data", data_file("sick-pairs-train.jsonl"), "--max-steps", 2,
+               "--per-device-batch-size", 4, "--max-seq-length", 32, "--lr", 1e-3, "--output-dir", out], nproc=2)
+    exported = load_file(out / "final" / "model.safetensors")
+    assert all(torch.equal(exported[k], base[k]) for k in base if k.startswith("pooler."))  # frozen: the base's
+    assert not torch.equal(exported["embeddings.word_embeddings.weight"], base["embeddings.word_embeddings.weight"])  # trained

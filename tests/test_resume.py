@@ -93,14 +93,15 @@ def test_a_broken_run_resumes_exactly(tmp_path, tiny_model, name, extra, nproc, 
 
 
 def test_a_non_finite_loss_stops_before_the_update_and_keeps_the_last_checkpoint(tmp_path, tiny_model):
-    """lr 1e30 wrecks the weights at the first update; step 2's loss is not finite. Training
-    stops there, names the step and the last good checkpoint, and writes nothing more."""
+    """lr 1e30 wrecks the weights at the first update (still finite: about 1e30); step 2's loss
+    is not finite. Training stops there, names the step and the newest checkpoint with finite
+    weights, and writes nothing more."""
     import train
 
     out = tmp_path / "run"
     cfg = train.parse_config([str(a) for a in [*COMMON, "--model", tiny_model, "--lr", 1e30, "--warmup-ratio", 0,
                                                "--max-grad-norm", 0, "--save-steps", 1, "--output-dir", out]])
-    with pytest.raises(FloatingPointError, match=r"the loss is (nan|inf) at step 2; .*Last good checkpoint: .*step-1"):
+    with pytest.raises(FloatingPointError, match=r"the loss is (nan|inf) at step 2; .*Newest checkpoint with finite weights: .*step-1\. "):
         train.main(cfg)
     assert sorted(p.name for p in (out / "checkpoints").iterdir()) == ["step-1"]
     assert not (out / "final").exists()

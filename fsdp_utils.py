@@ -41,6 +41,7 @@ world size (train.py refuses it).
 import contextlib
 import copy
 import importlib.metadata
+import itertools
 import json
 import os
 import re
@@ -379,7 +380,11 @@ def save_checkpoint(model, optimizer, checkpoints_dir, step, trainer_state, keep
             f.flush()
             os.fsync(f.fileno())
         if os.path.exists(final_dir):
-            aside = f"{final_dir}.replaced-{time.strftime('%Y%m%d-%H%M%S')}"
+            aside = stamped = f"{final_dir}.replaced-{time.strftime('%Y%m%d-%H%M%S')}"
+            for n in itertools.count(2):
+                if not os.path.exists(aside):
+                    break
+                aside = f"{stamped}-{n}"
             os.rename(final_dir, aside)
             # On a line of its own: a progress bar may hold the current one.
             print(f"\nwarning: {final_dir} was in the way of this save; moved to {aside}", file=sys.stderr, flush=True)

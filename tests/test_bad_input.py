@@ -1,8 +1,9 @@
 """Every bad input is caught at start-up, at world size 2 under torchrun, before any weights are
-loaded (15 cases launched for real, 23 more through the same check function in-process): each
+loaded (17 cases launched for real, 39 more through the same check function in-process): each
 case exits with code 2 (torchrun: 1) within seconds, prints exactly one `error:` line (rank 0's)
-naming the problem and the fix, leaves no rank running, and writes nothing (an existing output
-folder is left exactly as it was). A resume names exactly the settings that differ.
+naming the problem (the file and its line or row) and the fix, leaves no rank running, and writes
+nothing (an existing output folder is left exactly as it was; a pickle that holds code is never
+run). A resume names exactly the settings that differ, and refuses changed training data.
 
 The cases run a few at a time (each is a real `torchrun --nproc_per_node=2 train.py ...`).
 

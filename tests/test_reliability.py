@@ -10,7 +10,13 @@
 - a torn last line of metrics.jsonl (a crash mid-write) does not stop a resume;
 - a run killed after its last checkpoint and resumed at the final step reports the final loss;
 - a non-finite loss stops with exit code 3 and an `error:` line that starts its line, after the
-  progress bar.
+  progress bar, naming the newest checkpoint whose weights are finite (DDP, 2 ranks: a checkpoint
+  saved after the weights overflowed is passed over, by the message and by `--resume auto`);
+- damaged checkpoints (a shard cut short, trainer_state.json deleted) are named and skipped by
+  `--resume auto`, which resumes from the newest complete one and ends bitwise equal to an
+  unbroken run (FSDP2, 2 ranks); the damaged folders are moved aside when their step is saved
+  again; in-process, every kind of damage to a real checkpoint is found against its manifest;
+- a model with its own code whose pooler cannot be switched off trains under DDP (2 ranks).
 
 Run: python -m pytest tests/test_reliability.py
 """
@@ -22,6 +28,7 @@ import socket
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 import torch
 from conftest import REPO_DIR, data_file, free_port, read_metrics, run_train
@@ -263,3 +270,51 @@ def test_a_remote_code_model_with_a_pooler_trains_under_ddp(tmp_path, tiny_model
     exported = load_file(out / "final" / "model.safetensors")
     assert all(torch.equal(exported[k], base[k]) for k in base if k.startswith("pooler."))  # frozen: the base's
     assert not torch.equal(exported["embeddings.word_embeddings.weight"], base["embeddings.word_embeddings.weight"])  # trained
+
+
+def test_a_checkpoint_is_checked_against_its_manifest(tmp_path, capsys):
+    """In-process, one process: a real checkpoint of a small module, then each kind of damage a
+    crash, a full disk or a hand can do. Each is named, and never counted as complete. A second
+    save of the same step moves the first aside instead of failing."""
+    import shutil
+
+    import fsdp_utils
+
+    model = torch.nn.Linear(4, 2)
+    optimizer = torch.optim.AdamW(model.parameters())
+    model(torch.ones(1, 4)).sum().backward()
+    optimizer.step()
+    checkpoints = tmp_path / "checkpoints"
+    pristine = Path(fsdp_utils.save_checkpoint(model, optimizer, str(checkpoints), 1, {"note": "x"}))
+    manifest = json.loads((pristine / "manifest.json").read_text())["files"]
+    assert manifest == {p.name: p.stat().st_size for p in pristine.iterdir() if p.name != "manifest.json"}
+    assert {"trainer_state.json", "rng-rank-0.safetensors"} < set(manifest) and fsdp_utils.checkpoint_problem(str(pristine)) is None
+    shard = next(name for name in manifest if name.startswith("shard-"))
+
+    def cut(file, size):
+        file.write_bytes(file.read_bytes()[:size])
+
+    damages = [
+        (lambda p: (p / "manifest.json").unlink(), "it has no manifest.json"),
+        (lambda p: cut(p / "manifest.json", 10), "its manifest.json is unreadable"),
+        (lambda p: (p / "rng-rank-0.safetensors").unlink(), "rng-rank-0.safetensors is missing"),
+        (lambda p: cut(p / shard, 100), f"{shard} has 100 bytes where {manifest[shard]} were written"),
+        (lambda p: (p / shard).write_bytes((p / shard).read_bytes() + b"\0"), f"{shard} has {manifest[shard] + 1} bytes where"),
+        (lambda p: (p / "trainer_state.json").write_text("{}"), "trainer_state.json has 2 bytes where"),
+    ]
+    for step, (damage, expected) in enumerate(damages, start=2):
+        folder = checkpoints / f"step-{step}"
+        shutil.copytree(pristine, folder)
+        damage(folder)
+        assert expected in fsdp_utils.checkpoint_problem(str(folder))
+    assert fsdp_utils.complete_checkpoints(str(checkpoints)) == [(1, str(pristine))]
+    assert [(step, problem is None) for step, _, problem in fsdp_utils.list_checkpoints(str(checkpoints))] == \
+        [(1, True)] + [(step, False) for step in range(2, 2 + len(damages))]
+
+    capsys.readouterr()
+    fsdp_utils.save_checkpoint(model, optimizer, str(checkpoints), 1, {"note": "again"})
+    fsdp_utils.save_checkpoint(model, optimizer, str(checkpoints), 1, {"note": "and again"})  # within the same second, likely
+    aside = sorted(p for p in checkpoints.iterdir() if p.name.startswith("step-1.replaced-"))
+    assert len(aside) == 2 and all(fsdp_utils.checkpoint_problem(str(p)) is None for p in aside)
+    assert json.loads((pristine / "trainer_state.json").read_text())["note"] == "and again"
+    assert capsys.readouterr().err.count(f"warning: {pristine} was in the way of this save; moved to") == 2

@@ -165,8 +165,9 @@ def test_a_non_finite_loss_prints_its_error_on_a_line_of_its_own(tmp_path, tiny_
 def test_damaged_checkpoints_are_skipped_and_the_run_ends_as_an_unbroken_one(tmp_path, tiny_model):
     """FSDP2, 2 ranks, 8 steps, a checkpoint every 2, killed after step 6's. Then step-6 loses the
     end of its last shard (a copy cut short, a full disk) and step-4 its trainer_state.json
-    (deleted by hand): `--resume auto` names both, resumes from step-2, moves each damaged folder
-    aside when it saves that step again, and ends bitwise equal to a run that never broke."""
+    (deleted by hand), and the last line of metrics.jsonl is torn: `--resume auto` names both
+    checkpoints, resumes from step-2, moves each damaged folder aside when it saves that step
+    again, and ends bitwise equal to a run that never broke, with a clean metrics file."""
     args = ["--model", tiny_model, "--train-data", data_file("sick-triplets-train.jsonl"), "--max-steps", 8, "--save-steps", 2,
             "--per-device-batch-size", 4, "--max-seq-length", 32, "--log-steps", 1, "--lr", 1e-3, "--seed", 5,
             "--strategy", "fsdp", "--fsdp-version", 2]
@@ -179,6 +180,8 @@ def test_damaged_checkpoints_are_skipped_and_the_run_ends_as_an_unbroken_one(tmp
     shard.write_bytes(shard.read_bytes()[: shard.stat().st_size // 2])
     cut_size = shard.stat().st_size
     (checkpoints / "step-4" / "trainer_state.json").unlink()
+    with open(broken / "metrics.jsonl", "a") as f:
+        f.write('{"step": 7, "lo' + "\0" * 5)  # and the crash tore the metrics file's last line
 
     resumed = run_train([*args, "--output-dir", broken, "--resume", "auto"], nproc=2)
     output = resumed.stdout + resumed.stderr
@@ -190,6 +193,7 @@ def test_damaged_checkpoints_are_skipped_and_the_run_ends_as_an_unbroken_one(tmp
     assert sorted(n.split(".")[0] for n in names if ".replaced-" in n) == ["step-4", "step-6"], names  # moved aside, not lost
     assert f"\nwarning: {checkpoints / 'step-4'} was in the way of this save; moved to" in output  # at the start of a line
 
+    assert all(strict_json(line) for line in (broken / "metrics.jsonl").read_text().splitlines())
     got, want = read_metrics(broken), read_metrics(straight)
     assert [r["step"] for r in got] == list(range(1, 9))
     assert [(r["loss"], r["grad_norm"], r["lr"]) for r in got] == [(r["loss"], r["grad_norm"], r["lr"]) for r in want]

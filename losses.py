@@ -12,8 +12,8 @@ Shape legend (suffixes on tensor names):
     C  number of classes (Softmax loss)
 
 Each function returns a scalar: the mean over the batch (CoSENT: one log-sum-exp over all
-pairs of the batch), matching sentence-transformers' MultipleNegativesRankingLoss, CoSENTLoss
-and SoftmaxLoss on the same embeddings, values and gradients.
+pairs of the batch), matching sentence-transformers' MultipleNegativesRankingLoss, CoSENTLoss,
+SoftmaxLoss, MarginMSELoss and MatryoshkaLoss on the same embeddings, values and gradients.
 
 Usage (one process, CPU is fine):
     import losses
@@ -54,7 +54,22 @@ def gather_with_grad(emb_BD):
     return funcol.all_gather_tensor_autograd(emb_BD.contiguous(), gather_dim=0, group=dist.group.WORLD)
 
 
-def mnrl_loss(emb_anchor_BD, emb_candidates, scale=20.0, gather=False, symmetric=False):
+def gather_ids(ids_B):
+    """Every rank's text ids, in rank order -> (world * B,); integers, so no gradient."""
+    if not dist.is_initialized() or dist.get_world_size() == 1:
+        return ids_B
+    return funcol.all_gather_tensor(ids_B.contiguous(), gather_dim=0, group=dist.group.WORLD).wait()
+
+
+def duplicate_mask(query_ids_B, own_ids_B, candidate_ids_N, own_index_B):
+    """(B, N) True where candidate j is the same text as row i's query or its own candidate
+    (but not at j = own_index[i]): such a candidate is no negative for row i."""
+    same_BN = (candidate_ids_N[None, :] == query_ids_B[:, None]) | (candidate_ids_N[None, :] == own_ids_B[:, None])
+    same_BN[torch.arange(len(own_index_B), device=own_index_B.device), own_index_B] = False
+    return same_BN
+
+
+def mnrl_loss(emb_anchor_BD, emb_candidates, scale=20.0, gather=False, symmetric=False, text_ids=None):
     """MultipleNegativesRankingLoss (InfoNCE with in-batch negatives).
 
     `emb_candidates` is a list of (B, D) tensors: the positives first, then any number of
@@ -72,6 +87,11 @@ def mnrl_loss(emb_anchor_BD, emb_candidates, scale=20.0, gather=False, symmetric
     symmetric=True adds the positive -> anchors direction and averages the two
     (sentence-transformers' MultipleNegativesSymmetricRankingLoss):
         loss = ( CE(a_i -> all candidates) + CE(p_i -> all anchors) ) / 2
+
+    text_ids (duplicate-safe negatives): one (B,) integer tensor per column, equal where the
+    texts are equal (e.g. a hash of each text). A candidate with the text of row i's anchor or
+    of its own positive is then no negative for row i (its score becomes -inf), on every rank
+    when gathered: the same text on two rows, or two ranks, never pushes itself away.
     """
     num_rows = emb_anchor_BD.shape[0]
     if gather:
@@ -82,12 +102,19 @@ def mnrl_loss(emb_anchor_BD, emb_candidates, scale=20.0, gather=False, symmetric
     labels_B = torch.arange(offset, offset + num_rows, device=emb_anchor_BD.device)
     emb_cand_ND = torch.cat(emb_candidates, dim=0)
     scores_BN = scale * cosine_scores(emb_anchor_BD, emb_cand_ND)
+    if text_ids is not None:
+        anchor_ids_B = text_ids[0]
+        cand_ids_N = torch.cat([gather_ids(ids) if gather else ids for ids in text_ids[1:]])
+        scores_BN = scores_BN.masked_fill(duplicate_mask(anchor_ids_B, cand_ids_N[labels_B], cand_ids_N, labels_B), float("-inf"))
     loss = F.cross_entropy(scores_BN, labels_B)
     if not symmetric:
         return loss
     emb_all_anchors_MD = gather_with_grad(emb_anchor_BD) if gather else emb_anchor_BD
     emb_local_positive_BD = emb_candidates[0][offset : offset + num_rows]
     scores_BM = scale * cosine_scores(emb_local_positive_BD, emb_all_anchors_MD)
+    if text_ids is not None:
+        all_anchor_ids_M = gather_ids(anchor_ids_B) if gather else anchor_ids_B
+        scores_BM = scores_BM.masked_fill(duplicate_mask(cand_ids_N[labels_B], anchor_ids_B, all_anchor_ids_M, labels_B), float("-inf"))
     return (loss + F.cross_entropy(scores_BM, labels_B)) / 2
 
 
@@ -107,6 +134,32 @@ def cosent_loss(emb_a_BD, emb_b_BD, scores_B, scale=20.0):
     # The leading zero is the "1 +" inside the log: log(exp(0) + sum exp(...)).
     logits = torch.cat([diffs_BB.new_zeros(1), diffs_BB.flatten()])
     return torch.logsumexp(logits, dim=0)
+
+
+def margin_mse_loss(emb_query_BD, emb_positive_BD, emb_negative_BD, margins_B):
+    """MarginMSELoss (Hofstätter et al., 2020): distil a teacher's score margins.
+
+        margin_i = q_i . p_i - q_i . n_i          (dot products, as sentence-transformers)
+        loss     = mean_i (margin_i - teacher_margin_i)^2
+    """
+    predicted_B = (emb_query_BD * emb_positive_BD).sum(-1) - (emb_query_BD * emb_negative_BD).sum(-1)
+    return F.mse_loss(predicted_B, margins_B.to(predicted_B.dtype))
+
+
+def matryoshka_loss(loss_of, embs, dims, weights):
+    """Matryoshka representation learning (Kusupati et al., 2022): the loss at several
+    embedding sizes, so that the first d dimensions of an embedding are an embedding too.
+
+        loss = sum_d  w_d * loss_of([normalize(e[:, :d]) for e in embs])
+
+    `loss_of` maps the list of column embeddings to a scalar (any loss above, with its labels
+    bound). Truncated embeddings are L2-normalised, as sentence-transformers' MatryoshkaLoss
+    does (it changes nothing for the cosine losses, and is what MarginMSE's dot products see).
+    Dimensions are taken largest first, as there."""
+    total = 0.0
+    for dim, weight in sorted(zip(dims, weights), key=lambda dw: -dw[0]):
+        total = total + weight * loss_of([F.normalize(emb[..., :dim], p=2, dim=-1) for emb in embs])
+    return total
 
 
 def softmax_features(emb_a_BD, emb_b_BD):

@@ -164,3 +164,128 @@ def test_mnrl_of_identical_pairs_is_small_and_of_swapped_pairs_large():
     a = torch.eye(4, dtype=torch.float64)
     assert losses.mnrl_loss(a, [a]).item() < 4 * math.exp(-20)
     assert losses.mnrl_loss(a, [a.flip(0)]).item() > 19
+
+
+# ---- the recipes: --scale, MarginMSE, Matryoshka, duplicate-safe negatives
+
+
+def naive_margin_mse(q, p, n, margins):
+    total = 0
+    for i in range(len(q)):
+        total = total + ((q[i] @ p[i] - q[i] @ n[i]) - margins[i]) ** 2
+    return total / len(q)
+
+
+def test_margin_mse_matches_naive_loop_and_sentence_transformers(st_model):
+    q, p, n = embeddings((B, D), (B, D), (B, D), seed=4)
+    margins = torch.linspace(-3, 5, B, dtype=torch.float64)
+    ours = value_and_grads(lambda: losses.margin_mse_loss(q, p, n, margins), [q, p, n])
+    assert_same(ours, value_and_grads(lambda: naive_margin_mse(q, p, n, margins), [q, p, n]), 1e-9)
+    reference = st_losses.MarginMSELoss(st_model)
+    assert_same(ours, value_and_grads(lambda: reference.compute_loss_from_embeddings([q, p, n], margins), [q, p, n]), 1e-9)
+
+
+@pytest.mark.parametrize("scale", [1.0, 7.5, 50.0])
+def test_scale_matches_sentence_transformers(st_model, scale):
+    a, p, n = embeddings((B, D), (B, D), (B, D), seed=5)
+    mnrl = st_losses.MultipleNegativesRankingLoss(st_model, scale=scale)
+    ours = value_and_grads(lambda: losses.mnrl_loss(a, [p, n], scale=scale), [a, p, n])
+    assert_same(ours, value_and_grads(lambda: mnrl.compute_loss_from_embeddings([a, p, n], None), [a, p, n]), 1e-6)
+    assert_same(ours, value_and_grads(lambda: naive_mnrl(a, [p, n], scale=scale), [a, p, n]), 1e-9)
+    scores = torch.tensor([0.2, 0.8, 0.8, 0.4, 1.0, 0.0, 0.6, 0.4], dtype=torch.float64)
+    cosent = st_losses.CoSENTLoss(st_model, scale=scale)
+    ours = value_and_grads(lambda: losses.cosent_loss(a, p, scores, scale=scale), [a, p])
+    assert_same(ours, value_and_grads(lambda: cosent.compute_loss_from_embeddings([a, p], scores), [a, p]), 1e-6)
+
+
+class ColumnEmbeddings(torch.nn.Module):
+    """Stands in for the SentenceTransformer inside MatryoshkaLoss: each column's features name
+    the embedding to return, a fresh dict per call (the loss writes the truncated one into it)."""
+
+    def __init__(self, columns):
+        super().__init__()
+        self.columns = columns
+
+    def get_embedding_dimension(self):
+        return self.columns[0].shape[-1]
+
+    def forward(self, features):
+        return {"sentence_embedding": self.columns[features["column"]]}
+
+
+@pytest.mark.parametrize("loss_name", ["mnrl", "cosent", "margin_mse"])
+def test_matryoshka_matches_sentence_transformers(st_model, loss_name):
+    """Our pure function of embeddings against sentence-transformers' MatryoshkaLoss, which
+    patches the model's forward to truncate what it returns: the same values and gradients."""
+    dims, weights = [16, 8, 4, 2], [1.0, 0.5, 2.0, 1.0]
+    columns = embeddings(*[(B, D)] * 3, seed=6)
+    labels = {"mnrl": None, "cosent": torch.tensor([0.2, 0.8, 0.8, 0.4, 1.0, 0.0, 0.6, 0.4], dtype=torch.float64),
+              "margin_mse": torch.linspace(-1, 1, B, dtype=torch.float64)}[loss_name]
+    used = columns[:2] if loss_name == "cosent" else columns
+    inner = {"mnrl": lambda e: losses.mnrl_loss(e[0], e[1:]), "cosent": lambda e: losses.cosent_loss(e[0], e[1], labels),
+             "margin_mse": lambda e: losses.margin_mse_loss(e[0], e[1], e[2], labels)}[loss_name]
+    ours = value_and_grads(lambda: losses.matryoshka_loss(inner, used, dims, weights), used)
+
+    model = ColumnEmbeddings(used)
+    st_inner = {"mnrl": st_losses.MultipleNegativesRankingLoss, "cosent": st_losses.CoSENTLoss, "margin_mse": st_losses.MarginMSELoss}[loss_name](model)
+    reference = st_losses.MatryoshkaLoss(model, st_inner, matryoshka_dims=dims, matryoshka_weights=weights)
+    features = [{"column": i} for i in range(len(used))]
+    ref = value_and_grads(lambda: reference(features, labels), used)
+    assert_same(ours, ref, 1e-6)
+    # ...and it is not the plain loss: the truncated sizes count.
+    assert abs(ours[0].item() - value_and_grads(lambda: inner(used), used)[0].item() * sum(weights)) > 1e-3
+
+
+def naive_masked_mnrl(anchor, candidate_columns, ids, scale=20.0):
+    """The MNRL formula over the allowed candidates only: for row i, every candidate except
+    those with the text of i's anchor or i's positive (its own positive stays)."""
+    candidates = torch.cat(candidate_columns)
+    candidate_ids = torch.cat(ids[1:]).tolist()
+    total = 0
+    for i in range(len(anchor)):
+        allowed = [j for j, t in enumerate(candidate_ids) if j == i or t not in (ids[0][i].item(), ids[1][i].item())]
+        logits = {j: scale * cos(anchor[i], candidates[j]) for j in allowed}
+        total = total - torch.log(torch.exp(logits[i]) / sum(torch.exp(l) for l in logits.values()))
+    return total / len(anchor)
+
+
+def test_masked_mnrl_matches_a_loop_over_the_allowed_candidates():
+    a, p, n = embeddings((B, D), (B, D), (B, D), seed=7)
+    # Row 3's positive is row 5's positive too; row 1's hard negative is row 1's own positive
+    # text; row 6's anchor appears as row 2's hard negative. Equal texts, equal embeddings.
+    ids = [torch.arange(0, B), torch.arange(100, 100 + B), torch.arange(200, 200 + B)]
+    ids[1][5] = ids[1][3]
+    ids[2][1] = ids[1][1]
+    ids[2][2] = ids[0][6]
+    with torch.no_grad():
+        p[5], n[1], n[2] = p[3], p[1], a[6]
+    ours = value_and_grads(lambda: losses.mnrl_loss(a, [p, n], text_ids=ids), [a, p, n])
+    assert_same(ours, value_and_grads(lambda: naive_masked_mnrl(a, [p, n], ids), [a, p, n]), 1e-9)
+    unmasked = value_and_grads(lambda: losses.mnrl_loss(a, [p, n]), [a, p, n])
+    assert abs(ours[0].item() - unmasked[0].item()) > 1e-3  # the mask did something
+
+
+@pytest.mark.parametrize("symmetric", [False, True])
+def test_masked_mnrl_without_duplicates_is_bitwise_the_plain_loss(symmetric):
+    a, p, n = embeddings((B, D), (B, D), (B, D), seed=8)
+    ids = [torch.arange(0, B), torch.arange(100, 100 + B), torch.arange(200, 200 + B)]
+    masked = value_and_grads(lambda: losses.mnrl_loss(a, [p, n], symmetric=symmetric, text_ids=ids), [a, p, n])
+    plain = value_and_grads(lambda: losses.mnrl_loss(a, [p, n], symmetric=symmetric), [a, p, n])
+    assert torch.equal(masked[0], plain[0]) and all(torch.equal(g, h) for g, h in zip(masked[1], plain[1]))
+
+
+def test_masked_symmetric_mnrl_masks_both_directions():
+    """The positive -> anchors direction: anchor j is no negative for positive i when it is the
+    text of i's anchor or of i's positive."""
+    a, p = embeddings((B, D), (B, D), seed=9)
+    ids = [torch.arange(0, B), torch.arange(100, 100 + B)]
+    ids[0][4] = ids[0][2]  # rows 2 and 4 share their anchor
+    ids[0][7] = ids[1][0]  # row 7's anchor is row 0's positive
+
+    def naive():
+        forward = naive_masked_mnrl(a, [p], ids)
+        backward = naive_masked_mnrl(p, [a], [ids[1], ids[0]])
+        return (forward + backward) / 2
+
+    ours = value_and_grads(lambda: losses.mnrl_loss(a, [p], symmetric=True, text_ids=ids), [a, p])
+    assert_same(ours, value_and_grads(naive, [a, p]), 1e-9)

@@ -185,19 +185,23 @@ def spearman(x_N, y_N):
 # Evaluators: every rank calls each one; each returns the same dict on every rank
 
 
-def evaluate_sts(model, tokenize, sentences1, sentences2, scores, *, batch_size=32, device=None):
+def evaluate_sts(model, tokenize, sentences1, sentences2, scores, *, batch_size=32, device=None, dims=()):
     """Semantic textual similarity: Spearman and Pearson (x 100) of cos(u_i, v_i) vs scores[i],
     as sentence-transformers' EmbeddingSimilarityEvaluator (its "spearman_cosine" /
-    "pearson_cosine", which are not x 100)."""
+    "pearson_cosine", which are not x 100). `dims` (Matryoshka): also "spearman@d" and
+    "pearson@d" for the embeddings truncated to their first d dimensions, from the same encoding."""
     num_pairs = len(sentences1)
     if num_pairs != len(sentences2) or num_pairs != len(scores):
         raise ValueError(f"evaluate_sts: {num_pairs} sentences1, {len(sentences2)} sentences2 and {len(scores)} scores; they must be equally long")
     # One encode for both columns: one set of forwards, fuller batches.
     emb_2ND = encode(model, tokenize, list(sentences1) + list(sentences2), batch_size, device).double()
-    u_ND, v_ND = F.normalize(emb_2ND[:num_pairs], dim=-1), F.normalize(emb_2ND[num_pairs:], dim=-1)
-    cosine_N = (u_ND * v_ND).sum(-1)
-    gold_N = torch.tensor(scores, dtype=torch.float64, device=cosine_N.device)
-    return {"spearman": 100 * spearman(cosine_N, gold_N), "pearson": 100 * pearson(cosine_N, gold_N)}
+    gold_N = torch.tensor(scores, dtype=torch.float64, device=emb_2ND.device)
+    metrics = {}
+    for suffix, dim in [("", emb_2ND.shape[-1])] + [(f"@{d}", d) for d in dims]:
+        u_ND, v_ND = F.normalize(emb_2ND[:num_pairs, :dim], dim=-1), F.normalize(emb_2ND[num_pairs:, :dim], dim=-1)
+        cosine_N = (u_ND * v_ND).sum(-1)
+        metrics.update({f"spearman{suffix}": 100 * spearman(cosine_N, gold_N), f"pearson{suffix}": 100 * pearson(cosine_N, gold_N)})
+    return metrics
 
 
 def retrieval_from_pairs(anchors, positives):
@@ -217,7 +221,7 @@ def retrieval_from_pairs(anchors, positives):
     return list(query_index), list(corpus_index), relevant
 
 
-def evaluate_retrieval(model, tokenize, queries, corpus, relevant, *, batch_size=32, device=None, k=10):
+def evaluate_retrieval(model, tokenize, queries, corpus, relevant, *, batch_size=32, device=None, k=10, dims=()):
     """Retrieve the top k corpus entries for each query by cosine similarity and score them:
     mrr@k, ndcg@k, recall@1, recall@k (fractions in [0, 1]), with exactly the definitions of
     sentence-transformers' InformationRetrievalEvaluator (binary relevance; recall = relevant
@@ -228,7 +232,9 @@ def evaluate_retrieval(model, tokenize, queries, corpus, relevant, *, batch_size
     against them, and offers its local top k; one all_reduce merges the offers. Each distinct
     corpus text is encoded and scored once, and every copy of it takes that score: duplicates
     tie exactly by construction, wherever they sit. (Two ranks, or two positions of one matrix
-    product, need not compute bitwise-equal floats for the same text; CPUs differ there.)"""
+    product, need not compute bitwise-equal floats for the same text; CPUs differ there.)
+    `dims` (Matryoshka): also every metric at each truncated size d ("mrr@10@64", ...), from the
+    same encoding."""
     if len(relevant) != len(queries):
         raise ValueError(f"evaluate_retrieval: {len(queries)} queries but {len(relevant)} relevant sets; give one set per query")
     if any(not rel for rel in relevant):
@@ -236,16 +242,28 @@ def evaluate_retrieval(model, tokenize, queries, corpus, relevant, *, batch_size
     if any(not 0 <= i < len(corpus) for rel in relevant for i in rel):
         raise ValueError(f"evaluate_retrieval: relevant indices must lie in 0..{len(corpus) - 1}")
     rank, world_size = rank_and_world()
-    num_queries = len(queries)
-    query_QD = F.normalize(encode(model, tokenize, queries, batch_size, device).double(), dim=-1)
+    full_query_QD = encode(model, tokenize, queries, batch_size, device).double()
     distinct = {}  # text -> its index among the distinct texts, in first-seen order
-    distinct_of_row_N = torch.tensor([distinct.setdefault(text, len(distinct)) for text in corpus], device=query_QD.device)
-    local_U, corpus_UD = encode_local(model, tokenize, list(distinct), batch_size, device)
-    scores_QU = query_QD @ F.normalize(corpus_UD.double(), dim=-1).T
+    distinct_of_row_N = torch.tensor([distinct.setdefault(text, len(distinct)) for text in corpus], device=full_query_QD.device)
+    local_U, full_corpus_UD = encode_local(model, tokenize, list(distinct), batch_size, device)
+    metrics = {}
+    for suffix, dim in [("", full_query_QD.shape[-1])] + [(f"@{d}", d) for d in dims]:
+        query_QD = F.normalize(full_query_QD[:, :dim], dim=-1)
+        scores_QU = query_QD @ F.normalize(full_corpus_UD[:, :dim].double(), dim=-1).T
+        found = _rank_corpus(scores_QU, local_U, len(distinct), distinct_of_row_N, relevant, k, rank, world_size)
+        metrics.update({name + suffix: value for name, value in found.items()})
+    return metrics
+
+
+def _rank_corpus(scores_QU, local_U, num_distinct, distinct_of_row_N, relevant, k, rank, world_size):
+    """evaluate_retrieval's metrics from this rank's scores against the distinct texts it encoded
+    (local_U, of num_distinct; distinct_of_row_N maps each corpus row to its distinct text).
+    ALL ranks (two all_reduces)."""
+    num_queries, device = scores_QU.shape[0], scores_QU.device
     # This rank's corpus rows: every copy of the distinct texts it encoded (ascending), each
     # taking its text's column of scores.
-    column_of_distinct = torch.full((len(distinct),), -1, dtype=torch.long, device=query_QD.device)
-    column_of_distinct[local_U] = torch.arange(len(local_U), device=query_QD.device)
+    column_of_distinct = torch.full((num_distinct,), -1, dtype=torch.long, device=device)
+    column_of_distinct[local_U] = torch.arange(len(local_U), device=device)
     rows_R = (column_of_distinct[distinct_of_row_N] >= 0).nonzero().squeeze(1)
     scores_QR = scores_QU[:, column_of_distinct[distinct_of_row_N[rows_R]]]
     # Local top k. A stable sort, not torch.topk (which breaks ties arbitrarily): rows_R is
@@ -254,8 +272,8 @@ def evaluate_retrieval(model, tokenize, queries, corpus, relevant, *, batch_size
     sorted_scores_QR, sorted_pos_QR = torch.sort(scores_QR, dim=1, descending=True, stable=True)
     # Fixed-size buffers (world, Q, k), zero except this rank's slot; a short slot is padded
     # with score -inf and index -1 ("no hit"). The sum over ranks is then every rank's offer.
-    offer_scores_WQK = torch.zeros(world_size, num_queries, k, dtype=torch.float64, device=query_QD.device)
-    offer_rows_WQK = torch.zeros(world_size, num_queries, k, dtype=torch.long, device=query_QD.device)
+    offer_scores_WQK = torch.zeros(world_size, num_queries, k, dtype=torch.float64, device=device)
+    offer_rows_WQK = torch.zeros(world_size, num_queries, k, dtype=torch.long, device=device)
     offer_scores_WQK[rank] = float("-inf")
     offer_rows_WQK[rank] = -1
     offer_scores_WQK[rank, :, :num_local] = sorted_scores_QR[:, :num_local]

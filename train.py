@@ -96,7 +96,8 @@ class Config:
                           resume_may_change=True)
     train_split: str = arg("train", "split to use for a hub id or a saved DatasetDict")
     train_subset: str = arg("", "configuration name of a hub data set that has several (e.g. pair-class)")
-    loss: str = arg("mnrl", "mnrl: (anchor, positive, [negatives]); cosent: (text, text, score); softmax: (premise, hypothesis, label)", choices=("mnrl", "cosent", "softmax"))
+    loss: str = arg("mnrl", "mnrl: (anchor, positive, [negatives]); cosent: (text, text, score); softmax: (premise, hypothesis, label); "
+                    "margin_mse: (query, positive, negative, label = the teacher's score margin)", choices=("mnrl", "cosent", "softmax", "margin_mse"))
     output_dir: str = arg("output/example", "where metrics.jsonl and the final/ export go", resume_may_change=True)
     overwrite: bool = arg(False, "replace an earlier run's export in --output-dir instead of refusing to start", resume_may_change=True)
     # model
@@ -114,6 +115,12 @@ class Config:
     weight_decay: float = arg(0.01, "AdamW weight decay (not applied to biases and LayerNorm weights)", at_least=0)
     max_grad_norm: float = arg(1.0, "clip the global gradient norm to this; 0 disables clipping", at_least=0)
     seed: int = arg(12, "seeds the data order and the initialisation of new heads")
+    # loss recipes
+    scale: float = arg(20.0, "mnrl and cosent: the factor on the cosine similarities (sentence-transformers' scale; 1/temperature)", above=0)
+    matryoshka_dims: str = arg("", "Matryoshka: also train the first d dimensions of each embedding, e.g. 384,128,64,32; the loss sums over these "
+                               "sizes (the full size only if listed), and evaluation reports every metric at each (spearman@64). Not with --loss softmax")
+    matryoshka_weights: str = arg("", "Matryoshka: one weight per --matryoshka-dims size, e.g. 1,1,0.5,0.5; empty: all 1")
+    mask_duplicates: bool = arg(False, "mnrl: a candidate with the same text as the row's anchor or positive is never its negative (on every rank, with --gather-negatives)")
     # large batches (contrastive)
     gather_negatives: bool = arg(False, "mnrl: every rank's positives and hard negatives become negatives for every rank's anchors (world x more negatives, exact gradients)")
     symmetric: bool = arg(False, "mnrl: also rank each positive against the anchors, and average the two losses (MultipleNegativesSymmetricRankingLoss)")
@@ -144,7 +151,7 @@ class Config:
 
 # The sections of --help (the Config's comments), each keyed by its first field: the fields
 # after it, up to the next section, belong to it.
-HELP_SECTIONS = {"model": "what to train", "max_seq_length": "model", "epochs": "optimisation", "gather_negatives": "large batches",
+HELP_SECTIONS = {"model": "what to train", "max_seq_length": "model", "epochs": "optimisation", "scale": "loss recipes", "gather_negatives": "large batches",
                  "strategy": "distributed", "eval_data": "evaluation", "save_steps": "checkpoints, logging and restarts"}
 
 
@@ -386,12 +393,15 @@ class LoadedModel:
     untrained_state: dict = dataclasses.field(default_factory=dict)
     tokenizer_files: dict = dataclasses.field(default_factory=dict)
 
+    def prepare(self, texts):
+        """Strip, and lowercase where the model was trained so, as sentence-transformers'
+        Transformer module does (so the export embeds identically)."""
+        return [t.strip().lower() if self.lowercase else t.strip() for t in texts]
+
     def tokenize(self, texts):
         """The one place texts become token ids, for training and evaluation alike, so the two
-        never disagree: strip and lowercase as sentence-transformers' Transformer module does
-        (so the export embeds identically), truncate, pad to the longest row."""
-        texts = [t.strip().lower() if self.lowercase else t.strip() for t in texts]
-        return self.tokenizer(texts, padding=True, truncation=True, max_length=self.max_seq_length, return_tensors="pt")
+        never disagree: prepare, truncate, pad to the longest row."""
+        return self.tokenizer(self.prepare(texts), padding=True, truncation=True, max_length=self.max_seq_length, return_tensors="pt")
 
 
 def resolve_model_path(name):
@@ -518,18 +528,44 @@ def embed_columns(model, features):
     return [model(**tokens).float() for tokens in features]
 
 
-def embeddings_loss(model, embs, labels, loss_name, gather=False, symmetric=False):
+def embeddings_loss(model, embs, labels, loss_name, gather=False, symmetric=False, *, scale=20.0, matryoshka=None, text_ids=None):
     """The loss of one micro-batch from its column embeddings (each (B, D), fp32). `model` is
-    only used for the Softmax head, which runs through the wrapped root (FSDP gathers it)."""
-    if loss_name == "mnrl":
-        return losses.mnrl_loss(embs[0], embs[1:], gather=gather, symmetric=symmetric)
-    if loss_name == "cosent":
-        return losses.cosent_loss(embs[0], embs[1], labels)
-    return losses.softmax_loss(embs[0], embs[1], labels, classifier=lambda x: model(head_input=x).float())
+    only used for the Softmax head, which runs through the wrapped root (FSDP gathers it).
+    `matryoshka`: (dims, weights), the loss summed over truncated sizes; `text_ids`: one id
+    tensor per column, for MNRL's duplicate-safe negatives."""
+    def loss_of(embs):
+        if loss_name == "mnrl":
+            return losses.mnrl_loss(embs[0], embs[1:], scale=scale, gather=gather, symmetric=symmetric, text_ids=text_ids)
+        if loss_name == "cosent":
+            return losses.cosent_loss(embs[0], embs[1], labels, scale=scale)
+        if loss_name == "margin_mse":
+            return losses.margin_mse_loss(embs[0], embs[1], embs[2], labels)
+        return losses.softmax_loss(embs[0], embs[1], labels, classifier=lambda x: model(head_input=x).float())
+    return losses.matryoshka_loss(loss_of, embs, *matryoshka) if matryoshka else loss_of(embs)
 
 
-def compute_loss(model, features, labels, loss_name, gather=False, symmetric=False):
-    return embeddings_loss(model, embed_columns(model, features), labels, loss_name, gather, symmetric)
+def compute_loss(model, features, labels, loss_name, gather=False, symmetric=False, **options):
+    return embeddings_loss(model, embed_columns(model, features), labels, loss_name, gather, symmetric, **options)
+
+
+def loss_options(cfg):
+    """embeddings_loss's settings from the config (the same in training and evaluation)."""
+    return {"scale": cfg.scale, "matryoshka": matryoshka_sizes(cfg)}
+
+
+def matryoshka_sizes(cfg):
+    """(dims, weights) from --matryoshka-dims/--matryoshka-weights, or None (checked at start-up)."""
+    if not cfg.matryoshka_dims:
+        return None
+    dims = [int(d) for d in cfg.matryoshka_dims.split(",")]
+    weights = [float(w) for w in cfg.matryoshka_weights.split(",")] if cfg.matryoshka_weights else [1.0] * len(dims)
+    return dims, weights
+
+
+def text_ids(texts, prepare):
+    """One int64 per text, equal for equal texts as the model sees them (8 bytes of blake2b):
+    what MNRL's duplicate-safe negatives compare, on every rank."""
+    return torch.tensor([int.from_bytes(hashlib.blake2b(t.encode(), digest_size=8).digest(), "little", signed=True) for t in prepare(texts)])
 
 
 def get_rng_state(device):
@@ -638,10 +674,11 @@ def evaluate(model, eval_sets, loaded, cfg, device):
     for es in eval_sets:
         options = {"batch_size": cfg.eval_batch_size, "device": device}
         texts = [list(es.ds[c]) for c in es.text_columns]
+        dims = (matryoshka_sizes(cfg) or [()])[0]  # Matryoshka: every metric at every size too
         if es.kind == "sts":
-            metrics = eval_dist.evaluate_sts(model, loaded.tokenize, texts[0], texts[1], list(es.ds[es.target]), **options)
+            metrics = eval_dist.evaluate_sts(model, loaded.tokenize, texts[0], texts[1], list(es.ds[es.target]), dims=dims, **options)
         elif es.kind == "retrieval":
-            metrics = eval_dist.evaluate_retrieval(model, loaded.tokenize, *eval_dist.retrieval_from_pairs(texts[0], texts[1]), **options)
+            metrics = eval_dist.evaluate_retrieval(model, loaded.tokenize, *eval_dist.retrieval_from_pairs(texts[0], texts[1]), dims=dims, **options)
         elif es.kind == "nli":
             # The head runs through the wrapped root, like in training (FSDP gathers it there).
             classify = lambda u, v: model(head_input=losses.softmax_features(u, v)).float()  # noqa: E731
@@ -649,7 +686,8 @@ def evaluate(model, eval_sets, loaded, cfg, device):
         else:
             def batch_loss(indices, es=es):
                 features, labels = collate(es.ds[indices], es.text_columns, es.target, cfg.loss, loaded.tokenize, device)
-                return compute_loss(model, features, labels, cfg.loss, symmetric=cfg.symmetric)
+                ids = [text_ids(es.ds[indices][c], loaded.prepare).to(device) for c in es.text_columns] if cfg.mask_duplicates else None
+                return compute_loss(model, features, labels, cfg.loss, symmetric=cfg.symmetric, text_ids=ids, **loss_options(cfg))
             metrics = eval_dist.evaluate_loss(model, len(es.ds), cfg.eval_batch_size, batch_loss)
         results.update({f"{es.name}/{metric}": value for metric, value in metrics.items()})
     return results
@@ -755,9 +793,12 @@ def main(cfg):
         step_loss = torch.zeros((), device=device)
         for micro_step in range(cfg.grad_accum_steps):
             indices = micro_batch_indices(order, step_in_epoch, rank, micro_step, cfg.per_device_batch_size, world_size, cfg.grad_accum_steps)
-            features, labels = collate(plan.train_ds[indices], plan.text_columns, plan.target, cfg.loss, loaded.tokenize, device)
+            rows = plan.train_ds[indices]
+            features, labels = collate(rows, plan.text_columns, plan.target, cfg.loss, loaded.tokenize, device)
+            ids = [text_ids(rows[c], loaded.prepare).to(device) for c in plan.text_columns] if cfg.mask_duplicates else None
             # The micro-batch's loss from its column embeddings (GradCache calls it on cached ones).
-            loss_of = lambda embs: embeddings_loss(model, embs, labels, cfg.loss, cfg.gather_negatives, cfg.symmetric) / cfg.grad_accum_steps  # noqa: E731
+            loss_of = lambda embs: embeddings_loss(model, embs, labels, cfg.loss, cfg.gather_negatives, cfg.symmetric, text_ids=ids,  # noqa: E731
+                                                   **loss_options(cfg)) / cfg.grad_accum_steps
             # DDP/FSDP reduce gradients in backward; skip that for all but the last micro-step.
             is_last_micro_step = micro_step == cfg.grad_accum_steps - 1
             if cfg.cache_chunk_size:
@@ -902,6 +943,9 @@ def check_flags(cfg, world_size, device):
         raise ValueError(f"--epochs {cfg.epochs} trains nothing; use --epochs 1 or more, or --max-steps")
     if (cfg.gather_negatives or cfg.symmetric) and cfg.loss != "mnrl":
         raise ValueError(f"--gather-negatives and --symmetric need candidates to rank, which only --loss mnrl has (got --loss {cfg.loss})")
+    if cfg.mask_duplicates and cfg.loss != "mnrl":
+        raise ValueError(f"--mask-duplicates keeps duplicate texts out of MNRL's negatives; --loss {cfg.loss} has no negatives to mask")
+    check_matryoshka(cfg)
     if cfg.cache_chunk_size > cfg.per_device_batch_size:
         raise ValueError(f"--cache-chunk-size {cfg.cache_chunk_size} must be between 1 and --per-device-batch-size {cfg.per_device_batch_size} (0 turns GradCache off)")
     if cfg.resume and cfg.overwrite:
@@ -916,6 +960,25 @@ def check_flags(cfg, world_size, device):
         raise ValueError(f"--resume {cfg.resume}: not a complete checkpoint ({problem}); pass a complete OUTPUT_DIR/checkpoints/step-N "
                          "folder, or --resume auto, which takes the newest complete one")
     return strategy
+
+
+def check_matryoshka(cfg):
+    if cfg.matryoshka_weights and not cfg.matryoshka_dims:
+        raise ValueError("--matryoshka-weights weighs the sizes of --matryoshka-dims; pass those too")
+    if not cfg.matryoshka_dims:
+        return
+    if cfg.loss == "softmax":
+        raise ValueError("--matryoshka-dims: the Softmax head reads embeddings of one fixed size, so it cannot train truncated ones; "
+                         "use --loss mnrl, cosent or margin_mse")
+    try:
+        dims, weights = matryoshka_sizes(cfg)
+    except ValueError:
+        raise ValueError(f"--matryoshka-dims {cfg.matryoshka_dims!r} / --matryoshka-weights {cfg.matryoshka_weights!r}: "
+                         "give comma-separated whole numbers (and numbers for the weights), e.g. 384,128,64 and 1,1,0.5") from None
+    if min(dims) < 1 or len(set(dims)) < len(dims):
+        raise ValueError(f"--matryoshka-dims {cfg.matryoshka_dims}: sizes must be positive and distinct")
+    if len(weights) != len(dims) or not all(math.isfinite(w) and w >= 0 for w in weights) or not any(weights):
+        raise ValueError(f"--matryoshka-weights {cfg.matryoshka_weights}: one finite, non-negative weight per size ({len(dims)}), not all 0")
 
 
 def data_columns(ds, loss_name):
@@ -935,11 +998,15 @@ def data_columns(ds, loss_name):
     if loss_name == "mnrl":
         if len(texts) < 2 or target is not None:
             raise ValueError(f"--loss mnrl needs (anchor, positive[, negative ...]) text columns and no target; got {ds.column_names}")
+    elif loss_name == "margin_mse":
+        if len(texts) != 3 or target is None:
+            raise ValueError(f"--loss margin_mse needs (query, positive, negative) text columns and a 'label' with the teacher's "
+                             f"score margin; got {ds.column_names}")
     elif len(texts) != 2 or target is None:
         want = "sentence1, sentence2, score" if loss_name == "cosent" else "premise, hypothesis, label"
         raise ValueError(f"--loss {loss_name} needs two text columns and a target ({want}); got {ds.column_names}")
-    if loss_name == "cosent" and getattr(ds.features[target], "dtype", "") not in ("float16", "float32", "float64", "int32", "int64"):
-        raise ValueError(f"--loss cosent needs numeric scores in {target!r}; {first_offender(ds[target], 'a number')}")
+    if loss_name in ("cosent", "margin_mse") and getattr(ds.features[target], "dtype", "") not in ("float16", "float32", "float64", "int32", "int64"):
+        raise ValueError(f"--loss {loss_name} needs numeric scores in {target!r}; {first_offender(ds[target], 'a number')}")
     if loss_name == "softmax":
         feature, labels = ds.features[target], list(ds[target])
         if None in labels:
@@ -1017,6 +1084,9 @@ def check_model(cfg, strategy):
                          "save the base model's tokenizer there (tokenizer.save_pretrained)")
     if os.path.isdir(folder) and (problem := weights_problem(folder)):
         raise ValueError(f"--model {cfg.model}: {problem}")
+    width = getattr(config, "hidden_size", None)
+    if width and cfg.matryoshka_dims and max(matryoshka_sizes(cfg)[0]) > width:
+        raise ValueError(f"--matryoshka-dims {cfg.matryoshka_dims}: {cfg.model} gives {width}-dimensional embeddings; use sizes up to {width}")
     positions = getattr(config, "max_position_embeddings", None)
     if positions and cfg.max_seq_length > positions:
         raise ValueError(f"--max-seq-length {cfg.max_seq_length} is beyond the {positions} positions {cfg.model} has; use at most {positions}")
@@ -1094,7 +1164,8 @@ def load_eval_sets(cfg, num_labels):
         flag = f"--eval-data {path}"
         ds = load_data(path, "validation", flag=flag)
         columns = ds.column_names
-        kind = cfg.eval_type or ("sts" if "score" in columns else "nli" if "label" in columns else "retrieval")
+        # With margin_mse a 'label' column is the teacher's margin: that file's metric is the loss.
+        kind = cfg.eval_type or ("sts" if "score" in columns else ("loss" if cfg.loss == "margin_mse" else "nli") if "label" in columns else "retrieval")
         try:
             text_columns, target, eval_labels = data_columns(ds, EVAL_COLUMNS_LIKE.get(kind, cfg.loss))
         except ValueError as e:
@@ -1113,7 +1184,8 @@ def load_eval_sets(cfg, num_labels):
         twice = sorted({stem for stem in stems if stems.count(stem) > 1})
         raise ValueError(f"--eval-data: several files are named {twice} (without folder and extension), so their metrics would "
                          "overwrite each other; give them distinct file names")
-    names = [f"{es.name}/{metric}" for es in eval_sets for metric in EVAL_METRICS[es.kind]]
+    sizes = [""] + [f"@{d}" for d in (matryoshka_sizes(cfg) or [()])[0]]
+    names = [f"{es.name}/{metric}{size}" for es in eval_sets for metric in EVAL_METRICS[es.kind] for size in (sizes if es.kind in ("sts", "retrieval") else [""])]
     if cfg.metric_for_best and cfg.metric_for_best not in names:
         raise ValueError(f"--metric-for-best {cfg.metric_for_best}: not among this run's metrics {names}")
     return eval_sets
@@ -1399,6 +1471,11 @@ def model_card(cfg, loaded, derived, summary):
                      for name, value in (evaluation or {}).items())
     evaluation_section = f"\n## Evaluation (step {summary.get('step', derived['total_steps'])})\n| metric | value |\n|---|---|\n{rows}\n" if evaluation else ""
     prepare = "t.strip().lower()" if loaded.lowercase else "t.strip()"
+    sizes = matryoshka_sizes(cfg)
+    matryoshka = (f"\n- Matryoshka: trained at sizes {', '.join(map(str, sizes[0]))} (weights {', '.join(f'{w:g}' for w in sizes[1])}): "
+                  f"the first d dimensions of an embedding are an embedding too" if sizes else "")
+    truncated = (f"\n# Smaller embeddings, as trained: the first {min(sizes[0])} dimensions\n"
+                 f"small = SentenceTransformer(\"path/to/this/folder\", truncate_dim={min(sizes[0])})" if sizes else "")
     normalize = "\nembeddings = torch.nn.functional.normalize(embeddings, dim=-1)" if loaded.model.normalize else ""
     return f"""---
 library_name: sentence-transformers
@@ -1412,13 +1489,13 @@ tags: [sentence-transformers, feature-extraction, sentence-similarity, fsdp-embe
 - Training data: `{settings["train_data"]}` ({derived['train_rows']} rows)
 - Loss: `{cfg.loss}`; pooling: `{pooling}`{", L2-normalised" if loaded.model.normalize else ""}; texts truncated at {loaded.max_seq_length} tokens
 - Steps: {derived['total_steps']} of global batch {derived['global_batch']} on {derived['world_size']} process(es)
-- Final training loss: {summary['final_loss']:.4f}
+- Final training loss: {summary['final_loss']:.4f}{matryoshka}
 {evaluation_section}
 ## Use with sentence-transformers
 ```python
 from sentence_transformers import SentenceTransformer
 model = SentenceTransformer("path/to/this/folder")
-embeddings = model.encode(["A sentence.", "Another one."])
+embeddings = model.encode(["A sentence.", "Another one."]){truncated}
 ```
 
 ## Use with plain transformers

@@ -144,6 +144,18 @@ IN_PROCESS_CASES = [
     ("model folder without weights", lambda t: tiny_model_folder(t / "m", damage="no-weights") or ["--model", t / "m"], "no weights in"),
     ("sharded weights with a shard missing", lambda t: tiny_model_folder(t / "m", damage="missing-shard") or ["--model", t / "m"],
      "named in model.safetensors.index.json, is missing"),
+    # Loss recipes
+    ("Matryoshka with the Softmax head", lambda t: ["--loss", "softmax", "--train-data", write_jsonl(t / "n.jsonl", nli(40)), "--matryoshka-dims", "8,4"],
+     "the Softmax head reads embeddings of one fixed size"),
+    ("Matryoshka sizes beyond the model's", lambda t: ["--matryoshka-dims", "768,64"], "gives 384-dimensional embeddings; use sizes up to 384"),
+    ("Matryoshka sizes that are not numbers", lambda t: ["--matryoshka-dims", "256,half"], "give comma-separated whole numbers"),
+    ("Matryoshka weights that do not match the sizes", lambda t: ["--matryoshka-dims", "256,64", "--matryoshka-weights", "1"], "one finite, non-negative weight per size (2)"),
+    ("Matryoshka weights without sizes", lambda t: ["--matryoshka-weights", "1,1"], "pass those too"),
+    ("duplicate masking without negatives", lambda t: ["--loss", "cosent", "--train-data", write_jsonl(t / "s.jsonl", sts(40)), "--mask-duplicates"],
+     "--loss cosent has no negatives to mask"),
+    ("MarginMSE without a negative column", lambda t: ["--loss", "margin_mse", "--train-data", write_jsonl(t / "s.jsonl", sts(40))],
+     "--loss margin_mse needs (query, positive, negative) text columns and a 'label'"),
+    ("a non-positive scale", lambda t: ["--scale", 0], "--scale must be above 0"),
     # Resuming: what the checkpoint holds must be whole, and the data the same.
     ("resume from a damaged checkpoint", lambda t: fake_checkpoint(t / "out", damaged=True) or ["--resume", t / "out" / "checkpoints" / "step-2"],
      "not a complete checkpoint (shard-00001-model-00001-of-00001.safetensors has 10 bytes where 1000 were written"),

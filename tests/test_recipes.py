@@ -98,3 +98,97 @@ def test_scale_reaches_the_loss(tmp_path, tiny_model):
     with torch.no_grad():
         at_5, at_20 = (train.compute_loss(loaded.model, features, None, "mnrl", scale=s).item() for s in (5.0, 20.0))
     assert abs(logged - at_5) < 1e-5 and abs(at_5 - at_20) > 1e-2, (logged, at_5, at_20)
+
+
+# ---- several training sets, and the no-duplicates sampler
+
+
+def schedule_for(args, world_size=1):
+    cfg = train.parse_config([str(a) for a in args])
+    sets = train.load_train_sets(cfg)
+    global_batch = cfg.per_device_batch_size * world_size * cfg.grad_accum_steps
+    return sets, train.training_schedule(sets, cfg, global_batch), global_batch, cfg
+
+
+def test_the_mix_deals_whole_global_batches_from_one_set(tmp_path):
+    pairs, sts = data_file("sick-pairs-train.jsonl"), data_file("stsb-train.jsonl")
+    common = ["--train-data", f"{pairs},{sts}", "--per-device-batch-size", 16, "--epochs", 2]
+    sets, schedule, global_batch, _ = schedule_for(common)
+    assert [ts.loss for ts in sets] == ["mnrl", "cosent"]  # from their columns
+    per_epoch = [len(ts.ds) // global_batch for ts in sets]
+    assert len(schedule) == 2 * sum(per_epoch)
+    for epoch in (0, 1):
+        steps = [(i, rows) for e, i, rows in schedule if epoch < e <= epoch + 1]
+        assert [sum(i == k for i, _ in steps) for k in (0, 1)] == per_epoch  # proportional: every batch once
+        for k in (0, 1):  # every row of a set at most once an epoch, all in its own range
+            seen = torch.cat([rows for i, rows in steps if i == k])
+            assert len(seen.unique()) == len(seen) and int(seen.max()) < len(sets[k].ds)
+    assert [i for _, i, _ in schedule[:40]] != sorted(i for _, i, _ in schedule[:40])  # interleaved, not one set after the other
+    assert [i for _, i, _ in schedule] == [i for _, i, _ in schedule_for(common)[1]]  # a function of the seed alone
+
+    _, robin, _, _ = schedule_for([*common, "--mix", "round_robin"])
+    assert len(robin) == 2 * 2 * min(per_epoch) and [i for _, i, _ in robin[:6]] == [0, 1, 0, 1, 0, 1]
+
+
+def test_no_duplicates_sampler_keeps_every_text_once_per_global_batch(tmp_path):
+    """Texts that repeat across rows (SICK pairs share many sentences): no global batch holds a
+    text twice, the batches are the same at any world size and accumulation, and most rows are used."""
+    data = data_file("sick-pairs-train.jsonl")
+    rows = [json.loads(line) for line in open(data)]
+    texts = [r["anchor"] for r in rows] + [r["positive"] for r in rows]
+    assert len(set(texts)) < len(texts) - 100  # the data does repeat itself
+    shapes = {(1, 32, 1), (2, 16, 1), (4, 8, 1), (1, 8, 4), (2, 4, 4)}  # world x per-device x accumulation = 32
+    schedules = []
+    for world, per_device, accumulation in shapes:
+        args = ["--train-data", data, "--per-device-batch-size", per_device, "--grad-accum-steps", accumulation, "--epochs", 1,
+                "--batch-sampler", "no_duplicates"]
+        sets, schedule, global_batch, cfg = schedule_for(args, world)
+        assert global_batch == 32
+        schedules.append([rows.tolist() for _, _, rows in schedule])
+        # The micro-batches of every rank and micro-step are exactly the global batch.
+        _, _, first = schedule[0]
+        pieces = [train.micro_batch_indices(first, 0, r, j, per_device, world, accumulation) for j in range(accumulation) for r in range(world)]
+        assert sum(pieces, []) == first.tolist()
+    assert all(s == schedules[0] for s in schedules)
+    for batch in schedules[0]:
+        batch_texts = [rows[i][c] for i in batch for c in ("anchor", "positive")]
+        anchors_and_positives = [(rows[i]["anchor"], rows[i]["positive"]) for i in batch]
+        assert len(set(batch_texts)) == len(batch_texts) - sum(a == p for a, p in anchors_and_positives)
+    assert len(schedules[0]) >= 0.9 * (len(rows) // 32)
+    plain = schedule_for(["--train-data", data, "--per-device-batch-size", 32, "--epochs", 1])[1]
+    assert any(len({rows[i]["positive"] for i in b.tolist()}) < 32 for _, _, b in plain)  # the default sampler does repeat
+
+
+MIX = ["--train-data", f"{data_file('sick-pairs-train.jsonl')},{data_file('stsb-train.jsonl')}", "--max-steps", 6, "--save-steps", 2,
+       "--max-seq-length", 32, "--log-steps", 1, "--lr", 1e-3, "--seed", 5, "--batch-sampler", "no_duplicates"]
+
+
+def test_a_mix_at_world_2_equals_one_process_and_resumes_exactly(tmp_path, tiny_model):
+    """mnrl (SICK pairs) + cosent (STS-B), no-duplicates batches: DDP 2 ranks x 8 == one process x 8
+    x 2 accumulation steps; killed after step 4 and resumed, bitwise equal to the straight run;
+    each set's loss is logged under its name."""
+    from conftest import assert_same_training
+
+    single, straight, broken = tmp_path / "single", tmp_path / "straight", tmp_path / "broken"
+    run_train(["--model", tiny_model, *MIX, "--per-device-batch-size", 8, "--grad-accum-steps", 2, "--dropout", 0, "--output-dir", single])
+    run_train(["--model", tiny_model, *MIX, "--per-device-batch-size", 8, "--dropout", 0, "--output-dir", straight], nproc=2)
+    assert_same_training(straight, single, 6)
+    rows = read_metrics(straight)
+    names = {k for r in rows for k in r if k.startswith("loss/")}
+    assert names == {"loss/sick-pairs-train", "loss/stsb-train"}, names
+    assert all(r["loss"] == r[next(k for k in r if k.startswith("loss/"))] for r in rows)  # one step a log: its set's loss
+    config = json.loads((straight / "final" / "training_config.json").read_text())
+    assert [(s["name"], s["loss"]) for s in config["train_sets"]] == [("sick-pairs-train", "mnrl"), ("stsb-train", "cosent")]
+    assert sum(s["steps"] for s in config["train_sets"]) == 6 and all(s["steps"] > 0 for s in config["train_sets"])
+
+    args = ["--model", tiny_model, *MIX, "--per-device-batch-size", 8, "--dropout", 0, "--output-dir", broken, "--resume", "auto"]
+    killed = run_train(args, nproc=2, kill="after-save:4:1", check=False)
+    assert killed.returncode != 0 and not (broken / "final").exists()
+    resumed = run_train(args, nproc=2)
+    assert "resuming from" in resumed.stdout
+    got, want = read_metrics(broken), read_metrics(straight)
+    assert [(r["loss"], r["grad_norm"]) for r in got] == [(r["loss"], r["grad_norm"]) for r in want]
+    from safetensors.torch import load_file
+
+    got_w, want_w = load_file(broken / "final" / "model.safetensors"), load_file(straight / "final" / "model.safetensors")
+    assert all(torch.equal(got_w[k], want_w[k]) for k in want_w)

@@ -18,14 +18,15 @@ download) on data/example-pairs.jsonl with MultipleNegativesRanking loss and wri
 output/example/final/, which `SentenceTransformer("output/example/final")` loads.
 
 Data columns follow sentence-transformers: the text columns in order, and a column named
-`label` or `score` is the target.
-    --loss mnrl     anchor, positive[, negative ...]     (no target)
-    --loss cosent   sentence1, sentence2, score          (float similarity)
-    --loss softmax  premise, hypothesis, label           (integer class)
+`label` or `score` is the target. --loss left empty takes each file's loss from its columns.
+    --loss mnrl        anchor, positive[, negative ...]     (no target)
+    --loss cosent      sentence1, sentence2, score          (float similarity)
+    --loss softmax     premise, hypothesis, label           (integer class)
+    --loss margin_mse  query, positive, negative, label     (the teacher's score margin)
 
 Every step is defined by the seed alone: the epoch's permutation is cut into global batches of
-per_device_batch_size x world x grad_accum_steps rows, and rank r, micro-step j takes its own
-contiguous slice. So 2 ranks x batch B train on exactly the rows of 1 process x batch B x 2
+per_device_batch_size x world x grad_accum_steps rows (with several files, each step's batch
+comes from one of them), and rank r, micro-step j takes its own contiguous slice. So 2 ranks x batch B train on exactly the rows of 1 process x batch B x 2
 accumulation steps, give the same weights, and a resumed run continues with the same rows.
 
 FSDP needs no hand-written config: the block class to wrap (BertLayer, XLMRobertaLayer,
@@ -33,6 +34,9 @@ Qwen2DecoderLayer, ...) is detected from the model (--fsdp-layer-cls overrides i
 Large contrastive batches: --gather-negatives (every rank's candidates are negatives for every
 anchor) and --cache-chunk-size M (GradCache: the memory of M rows), alone or together:
     torchrun --nproc_per_node=4 train.py --per-device-batch-size 1024 --cache-chunk-size 64 --gather-negatives
+Recipes: --matryoshka-dims 384,128,64 (the loss at truncated sizes), --mask-duplicates and
+--batch-sampler no_duplicates (a text is never its own negative), several --train-data files
+in one run (--mix), --scale, --loss margin_mse (distillation).
 Evaluation on every rank, under FSDP too (eval_dist.py), and restarts that heal themselves:
     torchrun --nproc_per_node=2 train.py --loss cosent --train-data stsb-train.jsonl \\
         --eval-data stsb-dev.jsonl --eval-steps 100 --metric-for-best stsb-dev/spearman
@@ -361,7 +365,7 @@ def epoch_batches(train_sets, cfg, global_batch, epoch):
     for i, ts in enumerate(train_sets):
         order = epoch_order(len(ts.ds), cfg.seed + 7919 * i, epoch)  # set 0: the one-set order
         if cfg.batch_sampler == "no_duplicates":
-            per_set.append(no_duplicate_batches([list(ts.ds[c]) for c in ts.text_columns], order.tolist(), global_batch))
+            per_set.append(no_duplicate_batches([ts.ds[c][:] for c in ts.text_columns], order.tolist(), global_batch))
         else:
             per_set.append([order[k * global_batch : (k + 1) * global_batch] for k in range(len(order) // global_batch)])
     if cfg.mix == "round_robin":
@@ -763,16 +767,16 @@ def evaluate(model, eval_sets, loaded, cfg, device):
     results = {}
     for es in eval_sets:
         options = {"batch_size": cfg.eval_batch_size, "device": device}
-        texts = [list(es.ds[c]) for c in es.text_columns]
+        texts = [es.ds[c][:] for c in es.text_columns]
         dims = (matryoshka_sizes(cfg) or [()])[0]  # Matryoshka: every metric at every size too
         if es.kind == "sts":
-            metrics = eval_dist.evaluate_sts(model, loaded.tokenize, texts[0], texts[1], list(es.ds[es.target]), dims=dims, **options)
+            metrics = eval_dist.evaluate_sts(model, loaded.tokenize, texts[0], texts[1], es.ds[es.target][:], dims=dims, **options)
         elif es.kind == "retrieval":
             metrics = eval_dist.evaluate_retrieval(model, loaded.tokenize, *eval_dist.retrieval_from_pairs(texts[0], texts[1]), dims=dims, **options)
         elif es.kind == "nli":
             # The head runs through the wrapped root, like in training (FSDP gathers it there).
             classify = lambda u, v: model(head_input=losses.softmax_features(u, v)).float()  # noqa: E731
-            metrics = eval_dist.evaluate_nli(model, loaded.tokenize, texts[0], texts[1], list(es.ds[es.target]), classify, **options)
+            metrics = eval_dist.evaluate_nli(model, loaded.tokenize, texts[0], texts[1], es.ds[es.target][:], classify, **options)
         else:
             def batch_loss(indices, es=es):
                 features, labels = collate(es.ds[indices], es.text_columns, es.target, es.loss, loaded.tokenize, device)
@@ -1160,9 +1164,9 @@ def data_columns(ds, loss_name):
         want = "sentence1, sentence2, score" if loss_name == "cosent" else "premise, hypothesis, label"
         raise ValueError(f"--loss {loss_name} needs two text columns and a target ({want}); got {ds.column_names}")
     if loss_name in ("cosent", "margin_mse") and getattr(ds.features[target], "dtype", "") not in ("float16", "float32", "float64", "int32", "int64"):
-        raise ValueError(f"--loss {loss_name} needs numeric scores in {target!r}; {first_offender(ds[target], 'a number')}")
+        raise ValueError(f"--loss {loss_name} needs numeric scores in {target!r}; {first_offender(ds[target][:], 'a number')}")
     if loss_name == "softmax":
-        feature, labels = ds.features[target], list(ds[target])
+        feature, labels = ds.features[target], ds[target][:]
         if None in labels:
             raise ValueError(f"--loss softmax: row {labels.index(None)} has no {target}; every row needs a class")
         if isinstance(feature, datasets.ClassLabel):
@@ -1192,12 +1196,12 @@ def check_rows(ds, text_columns, target, flag):
     """What the schema cannot show: null or empty texts, missing or non-finite targets. Each
     problem is reported with the first row that has it, so it can be found and fixed."""
     for column in text_columns:
-        for i, text in enumerate(ds[column]):
+        for i, text in enumerate(ds[column][:]):
             if text is None or not text.strip():
                 raise ValueError(f"{flag}: row {i} has {'a null' if text is None else 'an empty'} {column!r}; remove or fill such rows")
     if target is None:
         return
-    for i, value in enumerate(ds[target]):
+    for i, value in enumerate(ds[target][:]):
         if value is None or not math.isfinite(value):
             raise ValueError(f"{flag}: row {i} has {target} = {value}; every row needs a finite {target}")
 
@@ -1207,7 +1211,7 @@ def data_fingerprint(ds, columns):
     on data that changed (rows added, removed, edited or reordered) is refused."""
     digest = hashlib.sha256()
     for column in columns:
-        digest.update(json.dumps([column, list(ds[column])]).encode())
+        digest.update(json.dumps([column, ds[column][:]]).encode())
     return f"{len(ds)} rows, sha256 {digest.hexdigest()[:16]}"
 
 

@@ -84,7 +84,8 @@ def wait(process, out_dir, world_size):
     except subprocess.TimeoutExpired:
         stop(process)
     log = (out_dir / "log.txt").read_text()
-    assert process.returncode == 0, f"world {world_size} failed (exit {process.returncode}):\n{log[-6000:]}"
+    # The head of the log holds the first error; the tail, torchrun's summary of who died how.
+    assert process.returncode == 0, f"world {world_size} failed (exit {process.returncode}):\n{log[:6000]}\n...\n{log[-3000:]}"
     return [json.loads((out_dir / f"rank{r}.json").read_text()) for r in range(world_size)]
 
 

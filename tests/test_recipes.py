@@ -192,3 +192,18 @@ def test_a_mix_at_world_2_equals_one_process_and_resumes_exactly(tmp_path, tiny_
 
     got_w, want_w = load_file(broken / "final" / "model.safetensors"), load_file(straight / "final" / "model.safetensors")
     assert all(torch.equal(got_w[k], want_w[k]) for k in want_w)
+
+
+def test_a_mix_with_the_softmax_head_trains_alike_under_ddp_and_in_one_process(tmp_path, tiny_model):
+    """softmax (SICK NLI) + mnrl (SICK pairs): on the pairs' steps the Softmax head gets no loss,
+    and DDP waits for a gradient of every parameter. The head is touched with a zero there, in
+    every strategy: DDP 2 ranks == one process with 2 accumulation steps, head included."""
+    from conftest import assert_same_training
+
+    args = ["--model", tiny_model, "--train-data", f"{data_file('sick-nli-train.jsonl')},{data_file('sick-pairs-train.jsonl')}",
+            "--max-steps", 6, "--per-device-batch-size", 8, "--max-seq-length", 32, "--log-steps", 1, "--lr", 1e-3, "--dropout", 0,
+            "--mix", "round_robin"]
+    run_train([*args, "--grad-accum-steps", 2, "--output-dir", tmp_path / "single"])
+    run_train([*args, "--output-dir", tmp_path / "ddp"], nproc=2)
+    assert_same_training(tmp_path / "ddp", tmp_path / "single", 6)
+    assert [s["loss"] for s in json.loads((tmp_path / "ddp" / "final" / "training_config.json").read_text())["train_sets"]] == ["softmax", "mnrl"]

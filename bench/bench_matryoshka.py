@@ -4,7 +4,7 @@ seed, data, steps and hyper-parameters), and the base model untouched; each scor
 STS-B dev set (Spearman x 100 of cosine similarity) at 384, 128, 64 and 32 dimensions (the first
 d dimensions of each embedding), through train.py itself (--eval-only for the base model).
 
-Run (CPU, one process; about 12 minutes on 2 cores):
+Run (CPU, one process; about 22 minutes on 2 cores):
     python bench/bench_matryoshka.py
     python bench/bench_matryoshka.py --max-steps 60     # shorter
 Results are also written to bench/results/matryoshka.json.

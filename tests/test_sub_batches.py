@@ -90,7 +90,7 @@ def test_under_fsdp_ranks_with_short_and_long_texts_run_the_same_forwards(tmp_pa
     loaded = train.load_model(train.Config(model=str(tiny_model), max_seq_length=128), 0)
     for step in range(steps):  # the test's premise: alone, the two ranks would choose differently
         batch = order[step * per_device * world : (step + 1) * per_device * world]
-        counts = [train.group_count(loaded.tokenize([rows[i]["anchor"] for i in half])["attention_mask"]) for half in (batch[:per_device], batch[per_device:])]
+        counts = [train.group_count(loaded.tokenize([rows[i]["anchor"] for i in half])["attention_mask"], train.FORWARD_COST_TOKENS["cpu"]) for half in (batch[:per_device], batch[per_device:])]
         assert counts[0] == 1 < counts[1], counts
 
     args = ["--model", tiny_model, "--train-data", data, "--max-steps", steps, "--max-seq-length", 128, "--log-steps", 1, "--lr", 1e-3,

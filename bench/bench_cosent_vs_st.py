@@ -131,17 +131,18 @@ def quality(task, model_dir):
     return scores
 
 
-def floor(task, precision, max_steps, repeats=3):
+def floor(task, precision, max_steps, work_dir, repeats=3, timed_batches=20):
     """Forward + loss + backward (no optimizer, no tokenizing) over the sub-batches train.py runs
-    on its first max_steps batches at world 1, in real tokens/s; also one padded batch per
-    column, and the seconds to tokenize a batch."""
+    on its first `timed_batches` batches at world 1, in real tokens/s; also one padded batch per
+    column; the seconds to tokenize a batch, and the real tokens per row of the max_steps
+    batches train.py trains on."""
     import torch
 
     sys.path.insert(0, REPO_DIR)
     import train
 
     torch.manual_seed(SETTINGS["seed"])
-    train_file, loss = task_data(task, os.path.join(REPO_DIR, "bench", "results"))
+    train_file, loss = task_data(task, work_dir)
     cfg = train.parse_config(["--train-data", train_file, "--loss", loss, "--max-seq-length", str(SETTINGS["max_seq_length"])])
     loaded = train.load_model(cfg, 0)
     ds = train.load_data(train_file, "train")
@@ -165,14 +166,16 @@ def floor(task, precision, max_steps, repeats=3):
             loss_value.backward()
         return time.perf_counter() - started
 
+    features, labels = features[:timed_batches], labels[:timed_batches]  # the loop times the first ones
     loop(True)  # warm-up
     seconds = {"sub-batches": [], "one padded batch": []}
     for _ in range(repeats):
         seconds["sub-batches"].append(loop(True))
         seconds["one padded batch"].append(loop(False))
-    result = {name: real_tokens / (sum(s) / len(s)) for name, s in seconds.items()}
+    timed_tokens = sum(int(t["attention_mask"].sum()) for f in features for t in f)
+    result = {name: timed_tokens / (sum(s) / len(s)) for name, s in seconds.items()}
     result.update(real_tokens_per_row=real_tokens / (num_steps * SETTINGS["batch"]), tokenize_s_per_batch=tokenize_s,
-                  step_s_floor=sum(seconds["sub-batches"]) / repeats / num_steps)
+                  step_s_floor=sum(seconds["sub-batches"]) / repeats / len(features))
     return result
 
 
@@ -215,7 +218,7 @@ def main():
             rate = run_ours(task, 2, precision, steps, fsdp_dir, strategy="fsdp")
             results["runs"].append({"task": task, "precision": precision, "nproc": 2, "strategy": "fsdp2", "steps": steps,
                                     "samples_per_s": {"ours": [rate]}, "ours": quality(task, os.path.join(fsdp_dir, "final"))})
-            results.setdefault("floor", {})[f"{task}-{precision}"] = floor(task, precision, steps)
+            results.setdefault("floor", {})[f"{task}-{precision}"] = floor(task, precision, steps, args.out)
             print(json.dumps(results["runs"][-1]), json.dumps(results["floor"]), flush=True)
             with open(os.path.join(args.out, "speed.json"), "w") as f:
                 json.dump(results, f, indent=1)

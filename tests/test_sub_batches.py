@@ -17,6 +17,7 @@ never what is learned:
 Run: python -m pytest tests/test_sub_batches.py
 """
 
+import itertools
 import json
 import math
 
@@ -95,7 +96,8 @@ def test_under_fsdp_ranks_with_short_and_long_texts_run_the_same_forwards(tmp_pa
     loaded = train.load_model(train.Config(model=str(tiny_model), max_seq_length=128), 0)
     for step in range(steps):  # the test's premise: alone, the two ranks would choose differently
         batch = order[step * per_device * world : (step + 1) * per_device * world]
-        counts = [train.group_count(loaded.tokenize([rows[i]["anchor"] for i in half])["attention_mask"], train.FORWARD_COST_TOKENS["cpu"]) for half in (batch[:per_device], batch[per_device:])]
+        masks = [loaded.tokenize([rows[i]["anchor"] for i in half])["attention_mask"] for half in (batch[:per_device], batch[per_device:])]
+        counts = [train.group_count(train.length_sorted_cuts(mask, 8)[0], train.FORWARD_COST_TOKENS["cpu"]) for mask in masks]
         assert counts[0] == 1 < counts[1], counts
 
     args = ["--model", tiny_model, "--train-data", data, "--max-steps", steps, "--max-seq-length", 128, "--log-steps", 1, "--lr", 1e-3,
@@ -133,27 +135,30 @@ def test_training_with_sub_batches_equals_training_without(loss, strategy, tmp_p
     assert_same_training(tmp_path / "sub", tmp_path / "plain", 3)
 
 
-def naive_count(lengths, forward_cost, max_groups=8):
-    """The number of equal-row sub-batches (of rows sorted by length) with the fewest padded
-    tokens plus forward_cost per forward, by enumeration."""
+def fewest_padded(lengths, k):
+    """The fewest padded tokens of k forwards over consecutive runs of the rows sorted by length
+    (each run padded to its longest row), by trying every way to cut them."""
     lengths = sorted(lengths, reverse=True)
-    best = None
-    for k in range(1, min(max_groups, len(lengths)) + 1):
-        sizes = [len(lengths) // k + (1 if i < len(lengths) % k else 0) for i in range(k)]
-        starts = [sum(sizes[:i]) for i in range(k)]
-        cost = sum(size * lengths[start] for size, start in zip(sizes, starts)) + k * forward_cost
-        best = (cost, k) if best is None or cost < best[0] else best
-    return best[1]
+    return min(sum((end - start) * lengths[start] for start, end in zip((0, *cuts), (*cuts, len(lengths))))
+               for cuts in itertools.combinations(range(1, len(lengths)), k - 1))
+
+
+def naive_count(lengths, forward_cost, max_groups=8):
+    """The number of forwards with the fewest padded tokens plus forward_cost per forward."""
+    costs = [fewest_padded(lengths, k) + k * forward_cost for k in range(1, min(max_groups, len(lengths)) + 1)]
+    return 1 + costs.index(min(costs))
 
 
 @pytest.mark.parametrize("flags", [[], ["--length-buckets", 3], ["--length-buckets", 1], ["--length-buckets", 3, "--cache-chunk-size", 2]])
 def test_the_training_loop_feeds_the_encoder_length_sorted_sub_batches(flags, tmp_path, tiny_model, monkeypatch):
     """What a training run feeds its encoder, seen from outside by a forward hook: per step and
-    column, the rows split into the expected number of forwards, sorted longest first, each
-    without a position that is padding in all its rows, together every row exactly once (with
-    GradCache: chunks of the sub-batches, run twice, the same both times). The batch is the
-    whole data set (12 rows of 1 to ~60 tokens), so every step sees every row."""
-    rows = [{"anchor": " ".join(TEXTS[i : i + 1 + (i * 5) % 7]), "positive": TEXTS[100 + i]} for i in range(12)]
+    column, the rows split into the expected number of forwards (automatic: the count a naive
+    search finds best), sorted longest first, cut where the padding is least (against trying
+    every cut), each without a position that is padding in all its rows, together every row
+    exactly once (with GradCache: equal groups cut into chunks, run twice, the same both times).
+    The batch is the whole data set (12 rows; 3 anchors of 64 tokens, the rest short), so every step
+    sees every row."""
+    rows = [{"anchor": " ".join(TEXTS[i : i + (8 if i % 4 == 0 else 1)]), "positive": TEXTS[100 + i]} for i in range(12)]  # 3 long anchors
     data = tmp_path / "lengths.jsonl"
     data.write_text("".join(json.dumps(r) + "\n" for r in rows))
     seen = []
@@ -188,6 +193,14 @@ def test_the_training_loop_feeds_the_encoder_length_sorted_sub_batches(flags, tm
         for column in range(2):
             masks = forwards[sum(per_column[:column]) : sum(per_column[: column + 1])]
             lengths = [length for mask in masks for length in mask.sum(1).tolist()]
-            assert lengths == true_lengths[column]  # every row once, longest first
+            if per_column[column] > 1:
+                assert lengths == true_lengths[column]  # every row once, longest first
+            else:  # one forward: the column as it comes, in batch order
+                assert sorted(lengths, reverse=True) == true_lengths[column]
             assert all(mask.any(0).all() for mask in masks)  # no position that is padding in every row
-            assert sum(mask.numel() for mask in masks) < 12 * true_lengths[column][0] or per_column[column] == 1
+            padded = sum(mask.numel() for mask in masks)
+            if chunk:  # equal groups of 4 rows, each cut into chunks of 2
+                assert [len(mask) for mask in masks] == [2] * per_column[column]
+            else:  # the cuts that save the most padding
+                assert padded == fewest_padded(true_lengths[column], per_column[column])
+            assert padded < 12 * true_lengths[column][0] or per_column[column] == 1

@@ -64,8 +64,8 @@ def cached(model, features, labels, loss, chunk_size, groups=None, **options):
 
 
 def sorted_groups(features, count=2):
-    """Length-sorted sub-batches as train.py forms them (--length-buckets 2)."""
-    groups = train.sub_batches(features, count, 1, "cpu")
+    """Length-sorted sub-batches as train.py forms them under GradCache (--length-buckets 2)."""
+    groups = train.sub_batches(features, count, 1, "cpu", equal_sizes=True)
     assert all(not torch.equal(torch.cat(g), torch.arange(B)) for g in groups)  # really reordered
     return groups
 

@@ -671,11 +671,12 @@ def select_rows(tokens, rows):
 
 
 # The cost of one more forward, in padded tokens: what a sub-batch must save to be worth running.
-# CPU: measured with the floor loop of bench/bench_cosent_vs_st.py (all-MiniLM-L6-v2, 2 cores,
-# STS-B, batch 32, forward + backward): 0.63-0.67 s a batch at 128 and at 256, 0.66-0.69 at 32,
-# 0.71-0.79 with equal-sized sub-batches, 1.04 as one padded batch. CUDA: a guess (a GPU forward
-# has a larger fixed cost, so fewer, larger forwards); not measured.
-FORWARD_COST_TOKENS = {"cpu": 256, "cuda": 512}
+# CPU: measured with train.py itself (all-MiniLM-L6-v2, CoSENT on STS-B, 60 steps of 32 rows,
+# 2 cores), in samples/s: one process with 32 rows: 43.3 at 64, 41.7-43.4 at 256; two DDP
+# processes with 16 rows each: 36.9 at 64, 33.6 at 32, 29 at 256 (which mostly chose one
+# forward for 16 rows), 36.2 and 36.3 with 2 and 3 sub-batches fixed, 28.0 with none. CUDA: a
+# guess (a GPU forward has a larger fixed cost, so fewer, larger forwards); not measured.
+FORWARD_COST_TOKENS = {"cpu": 64, "cuda": 512}
 MAX_AUTO_GROUPS = 8
 MAX_CUT_POSITIONS = 256  # a larger micro-batch is cut only every (rows / 256) rows: the search stays small
 

@@ -499,6 +499,7 @@ def export_sentence_transformer(
     training_config=None,
     extra_tensor_files=None,
     tokenizer_files=None,
+    prompts=None,
 ):
     """Write a SentenceTransformer folder at `out_dir` (rank 0 only; no collective inside).
 
@@ -514,7 +515,8 @@ def export_sentence_transformer(
         sentence_bert_config.json         max_seq_length, do_lower_case (texts lowercased first)
         1_Pooling/config.json             pooling mode and dimension
         2_Normalize/                      (empty) when the model normalises
-        config_sentence_transformers.json versions, similarity function
+        config_sentence_transformers.json versions, similarity function, `prompts` ({name: prefix},
+                                          for encode(texts, prompt_name=name))
         README.md                         the model card
     The folder is written next to `out_dir` and renamed into place at the end, so a crash
     never leaves a half-written export, and an older export is replaced only by a whole one.
@@ -578,7 +580,7 @@ def export_sentence_transformer(
             # came in 2.3.0); a newer number would make older versions warn "update your library".
             "__version__": {"sentence_transformers": "2.3.0" if pooling_mode == "lasttoken" else "2.0.0",
                             "transformers": importlib.metadata.version("transformers"), "pytorch": torch.__version__},
-            "prompts": {},
+            "prompts": prompts or {},
             "default_prompt_name": None,
             "similarity_fn_name": "cosine",
         },

@@ -120,6 +120,12 @@ class Config:
     pooling: str = arg("", "token pooling; empty: the SentenceTransformer folder's mode, else mean", choices=("", *fsdp_utils.POOLING_MODES))
     normalize: bool = arg(None, "L2-normalise embeddings; unset: as the SentenceTransformer folder does, else no", type=bool)
     dropout: float = arg(None, "override every dropout probability of the encoder config (0 makes runs exactly comparable)", type=float, at_least=0, at_most=1)
+    prompts: str = arg("", 'a prefix per text column, as JSON, e.g. \'{"anchor": "query: ", "positive": "passage: "}\': prepended to that '
+                       "column's texts in training and in evaluation (an evaluation column takes the prompt of its own name), and saved "
+                       "as the export's named prompts: SentenceTransformer(export).encode(texts, prompt_name=\"anchor\")")
+    append_eos: bool = arg(False, "end every text with the tokenizer's EOS token, after truncation (so it is never cut off), as the tokenizer's "
+                           "own post-processor: the exported tokenizer appends it too, in sentence-transformers and plain transformers. "
+                           "For decoders with --pooling lasttoken")
     # optimisation
     epochs: int = arg(3, "passes over the training data (ignored when --max-steps > 0)")
     max_steps: int = arg(0, "optimizer steps to run; 0: as many as --epochs give", at_least=0)
@@ -419,9 +425,17 @@ def no_duplicate_batches(columns, order, global_batch):
         batches.append(torch.tensor(batch))
 
 
-def collate(rows, text_columns, target, loss_name, tokenize, device):
-    """Each text column tokenized on its own (padded to its own longest row), and the targets."""
-    features = [{k: v.to(device) for k, v in tokenize(rows[column]).items()} for column in text_columns]
+def with_prompt(texts, prompts, column):
+    """A column's texts with its --prompts prefix, prepended as sentence-transformers'
+    encode(texts, prompt_name=column) does (before stripping and tokenizing)."""
+    prefix = prompts.get(column, "")
+    return [prefix + text for text in texts] if prefix else texts
+
+
+def collate(rows, text_columns, target, loss_name, tokenize, device, prompts=None):
+    """Each text column (with its prompt) tokenized on its own (padded to its own longest row),
+    and the targets."""
+    features = [{k: v.to(device) for k, v in tokenize(with_prompt(rows[column], prompts or {}, column)).items()} for column in text_columns]
     labels = None
     if target is not None:
         labels = torch.tensor(rows[target], dtype=torch.long if loss_name == "softmax" else torch.float32, device=device)
@@ -443,7 +457,7 @@ def micro_batches(plan, cfg, loaded, rank, world_size, start_step):
         ts = plan.train_sets[set_index]
         indices = micro_batch_indices(batch_rows, 0, rank, micro_step, cfg.per_device_batch_size, world_size, cfg.grad_accum_steps)
         rows = ts.ds[indices]
-        return (ts, rows, *collate(rows, ts.text_columns, ts.target, ts.loss, own.tokenize, "cpu"))
+        return (ts, rows, *collate(rows, ts.text_columns, ts.target, ts.loss, own.tokenize, "cpu", own.prompts))
 
     order = [(step, micro_step) for step in range(start_step, len(plan.schedule)) for micro_step in range(cfg.grad_accum_steps)]
     with concurrent.futures.ThreadPoolExecutor(max_workers=1) as worker:
@@ -517,6 +531,8 @@ class LoadedModel:
     # (a BERT pooler), and the base's slow-tokenizer files {name: path}.
     untrained_state: dict = dataclasses.field(default_factory=dict)
     tokenizer_files: dict = dataclasses.field(default_factory=dict)
+    prompts: dict = dataclasses.field(default_factory=dict)  # --prompts: {column: prefix}, applied by with_prompt
+    named_prompts: dict = dataclasses.field(default_factory=dict)  # the export's: the base folder's, then --prompts
 
     def prepare(self, texts):
         """Strip, and lowercase where the model was trained so, as sentence-transformers'
@@ -550,6 +566,8 @@ def load_model(cfg, num_labels):
     subfolder = st_config["subfolder"]
     remote = {"trust_remote_code": cfg.trust_remote_code}  # a hub repository's own code runs only if asked
     tokenizer = transformers.AutoTokenizer.from_pretrained(path, subfolder=subfolder, **remote)
+    if cfg.append_eos:
+        append_eos(tokenizer)
     # Two copies of the config: the encoder is built from one whose dropout rates --dropout may
     # rewrite, the export keeps the other as it came, so an exported model keeps its base's rates.
     export_config = transformers.AutoConfig.from_pretrained(path, subfolder=subfolder, **remote)
@@ -584,8 +602,45 @@ def load_model(cfg, num_labels):
     max_seq_length = cfg.max_seq_length or st_config["max_seq_length"] or min(tokenizer.model_max_length, 512, positions)
     model = EmbeddingModel(encoder, pooling, normalize, num_labels)
     model.train()  # from_pretrained returns eval mode: dropout would silently stay off
+    prompts = prompts_of(cfg)
     return LoadedModel(model, tokenizer, export_config, max_seq_length, st_config["do_lower_case"], untrained_state,
-                       base_tokenizer_files(path, subfolder))
+                       base_tokenizer_files(path, subfolder), prompts, {**st_config["prompts"], **prompts})
+
+
+def append_eos(tokenizer):
+    """Make the tokenizer itself end every text with its EOS token: a post-processor, which runs
+    after truncation (truncation leaves it room, so it is never cut off) and is saved in
+    tokenizer.json, so the export appends it wherever it is loaded. A tokenizer class with its
+    own switch (Llama's add_eos_token, saved in tokenizer_config.json) uses that instead: it
+    rebuilds its post-processor from it when loaded. check_model has checked that there is an
+    EOS token and a fast tokenizer."""
+    eos, eos_id = tokenizer.eos_token, tokenizer.eos_token_id
+    if tokenizer("a")["input_ids"][-1] == eos_id:
+        return  # it appends one already
+    if hasattr(tokenizer, "add_eos_token"):
+        tokenizer.add_eos_token = True
+    else:
+        from tokenizers import processors
+
+        backend = tokenizer.backend_tokenizer
+        template = processors.TemplateProcessing(single=f"$A {eos}", pair=f"$A {eos} $B {eos}", special_tokens=[(eos, eos_id)])
+        backend.post_processor = template if backend.post_processor is None else processors.Sequence([backend.post_processor, template])
+    if tokenizer("a")["input_ids"][-1] != eos_id:
+        raise ValueError(f"--append-eos: the {type(tokenizer).__name__} did not take the EOS post-processor; drop --append-eos")
+
+
+def prompts_of(cfg):
+    """--prompts as {column: prefix}. Raises ValueError for anything else."""
+    if not cfg.prompts:
+        return {}
+    example = """'{"anchor": "query: "}'"""
+    try:
+        prompts = json.loads(cfg.prompts)
+    except ValueError as e:
+        raise ValueError(f"--prompts: not valid JSON ({e}); pass an object of column: prefix, e.g. {example}") from e
+    if not isinstance(prompts, dict) or not all(isinstance(v, str) for v in prompts.values()):
+        raise ValueError(f"--prompts {cfg.prompts}: must be a JSON object of column: prefix strings, e.g. {example}")
+    return prompts
 
 
 # What slow tokenizers (and transformers before 4.57) read, where the model family has them.
@@ -886,11 +941,11 @@ def evaluate(model, eval_sets, loaded, cfg, device):
     """Every evaluation set, every metric, the same dict on every rank. ALL ranks must call it:
     each encodes its shard through the wrapped model (a collective under FSDP) and eval_dist
     combines the shards with all_reduce. Dropout off, RNG and training mode left untouched.
-    Texts are tokenized by `loaded.tokenize`, as in training."""
+    Texts get their column's prompt and are tokenized by `loaded.tokenize`, as in training."""
     results = {}
     for es in eval_sets:
         options = {"batch_size": cfg.eval_batch_size, "device": device}
-        texts = [es.ds[c][:] for c in es.text_columns]
+        texts = [with_prompt(es.ds[c][:], loaded.prompts, c) for c in es.text_columns]
         dims = (matryoshka_sizes(cfg) or [()])[0]  # Matryoshka: every metric at every size too
         if es.kind == "sts":
             metrics = eval_dist.evaluate_sts(model, loaded.tokenize, texts[0], texts[1], es.ds[es.target][:], dims=dims, **options)
@@ -902,7 +957,7 @@ def evaluate(model, eval_sets, loaded, cfg, device):
             metrics = eval_dist.evaluate_nli(model, loaded.tokenize, texts[0], texts[1], es.ds[es.target][:], classify, **options)
         else:
             def batch_loss(indices, es=es):
-                features, labels = collate(es.ds[indices], es.text_columns, es.target, es.loss, loaded.tokenize, device)
+                features, labels = collate(es.ds[indices], es.text_columns, es.target, es.loss, loaded.tokenize, device, loaded.prompts)
                 ids = [text_ids(es.ds[indices][c], loaded.prepare).to(device) for c in es.text_columns] if cfg.mask_duplicates and es.loss == "mnrl" else None
                 return compute_loss(model, features, labels, es.loss, symmetric=cfg.symmetric, text_ids=ids, **loss_options(cfg))
             metrics = eval_dist.evaluate_loss(model, len(es.ds), cfg.eval_batch_size, batch_loss)
@@ -1178,6 +1233,7 @@ def check_flags(cfg, world_size, device):
     if unknown:
         raise ValueError(f"--loss {cfg.loss}: unknown {unknown}; choose from {', '.join(LOSS_NAMES)} (one, or one per --train-data file)")
     check_matryoshka(cfg)
+    prompts_of(cfg)
     if cfg.cache_chunk_size > cfg.per_device_batch_size:
         raise ValueError(f"--cache-chunk-size {cfg.cache_chunk_size} must be between 1 and --per-device-batch-size {cfg.per_device_batch_size} (0 turns GradCache off)")
     if cfg.resume and cfg.overwrite:
@@ -1368,6 +1424,13 @@ def check_model(cfg, strategy):
                          "save the base model's tokenizer there (tokenizer.save_pretrained)")
     if os.path.isdir(folder) and (problem := weights_problem(folder)):
         raise ValueError(f"--model {cfg.model}: {problem}")
+    if cfg.append_eos:
+        tokenizer = transformers.AutoTokenizer.from_pretrained(path, subfolder=subfolder, trust_remote_code=cfg.trust_remote_code)
+        if tokenizer.eos_token is None:
+            raise ValueError(f"--append-eos: the tokenizer of {cfg.model} has no EOS token; set one (tokenizer.eos_token = ..., "
+                             "save_pretrained) or drop --append-eos")
+        if not tokenizer.is_fast:
+            raise ValueError(f"--append-eos needs a fast tokenizer (a tokenizer.json); {cfg.model} has a {type(tokenizer).__name__}")
     width = getattr(config, "hidden_size", None)
     if width and cfg.matryoshka_dims and max(matryoshka_sizes(cfg)[0]) > width:
         raise ValueError(f"--matryoshka-dims {cfg.matryoshka_dims}: {cfg.model} gives {width}-dimensional embeddings; use sizes up to {width}")
@@ -1499,7 +1562,9 @@ def start_up_checks(cfg, world_size, device):
         metrics_path = os.path.join(cfg.output_dir, "metrics.jsonl")
         if os.path.exists(metrics_path) and not cfg.overwrite:
             raise ValueError(f"{metrics_path} already exists; pass --overwrite to replace it, or another --output-dir")
-        return StartUp(strategy=strategy, eval_sets=load_eval_sets(cfg, 0), layer_classes=check_model(cfg, strategy))
+        eval_sets = load_eval_sets(cfg, 0)
+        check_prompt_columns(cfg, [], eval_sets)
+        return StartUp(strategy=strategy, eval_sets=eval_sets, layer_classes=check_model(cfg, strategy))
     train_sets = load_train_sets(cfg)
     check_losses(cfg, train_sets, world_size)
     # One set: 'N rows, sha256 H', as before several sets could train together.
@@ -1515,8 +1580,19 @@ def start_up_checks(cfg, world_size, device):
     schedule = training_schedule(train_sets, cfg, global_batch)
     num_labels = max(ts.num_labels for ts in train_sets)  # the Softmax set's classes (at most one set has them)
     eval_sets = load_eval_sets(cfg, num_labels)
+    check_prompt_columns(cfg, train_sets, eval_sets)
     layer_classes = check_model(cfg, strategy)
     return StartUp(False, strategy, resume_dir, train_sets, schedule, num_labels, global_batch, layer_classes, eval_sets, fingerprint)
+
+
+def check_prompt_columns(cfg, train_sets, eval_sets):
+    """Every --prompts key names a text column of some training or evaluation file: a typo
+    would otherwise train without the prompt, silently."""
+    columns = sorted({c for s in [*train_sets, *eval_sets] for c in s.text_columns})
+    for column in prompts_of(cfg):
+        if column not in columns:
+            raise ValueError(f"--prompts: {column!r} is no text column of --train-data or --eval-data (they have: {', '.join(columns)}); "
+                             "key each prompt by the column it is for")
 
 
 class StartUpError(ValueError):
@@ -1764,6 +1840,10 @@ def model_card(cfg, loaded, derived, summary):
     truncated = (f"\n# Smaller embeddings, as trained: the first {min(sizes[0])} dimensions\n"
                  f"small = SentenceTransformer(\"path/to/this/folder\", truncate_dim={min(sizes[0])})" if sizes else "")
     normalize = "\nembeddings = torch.nn.functional.normalize(embeddings, dim=-1)" if loaded.model.normalize else ""
+    prompts = ("\n- Prompts, prepended to each column's texts in training (pass `prompt_name`): "
+               + ", ".join(f"`{name}`: {json.dumps(prefix)}" for name, prefix in loaded.prompts.items()) if loaded.prompts else "")
+    prompted = "".join(f"\n{name}_embeddings = model.encode([\"A text.\"], prompt_name=\"{name}\")" for name in loaded.prompts)
+    eos = "\n- Every text ends with the EOS token: the tokenizer appends it (after truncation)" if cfg.append_eos else ""
     return f"""---
 library_name: sentence-transformers
 pipeline_tag: sentence-similarity
@@ -1776,13 +1856,13 @@ tags: [sentence-transformers, feature-extraction, sentence-similarity, fsdp-embe
 - Training data: `{settings["train_data"]}` ({derived['train_rows']} rows)
 - Loss: {losses_line}; pooling: `{pooling}`{", L2-normalised" if loaded.model.normalize else ""}; texts truncated at {loaded.max_seq_length} tokens
 - Steps: {derived['total_steps']} of global batch {derived['global_batch']} on {derived['world_size']} process(es)
-- Final training loss: {summary['final_loss']:.4f}{matryoshka}
+- Final training loss: {summary['final_loss']:.4f}{matryoshka}{prompts}{eos}
 {evaluation_section}
 ## Use with sentence-transformers
 ```python
 from sentence_transformers import SentenceTransformer
 model = SentenceTransformer("path/to/this/folder")
-embeddings = model.encode(["A sentence.", "Another one."]){truncated}
+embeddings = model.encode(["A sentence.", "Another one."]){prompted}{truncated}
 ```
 
 ## Use with plain transformers
@@ -1817,6 +1897,7 @@ def export(model, loaded, out_dir, cfg, derived, summary, is_rank0):
         out_dir, encoder_state, loaded.export_config, loaded.tokenizer,
         pooling_mode=loaded.model.pooling, normalize=loaded.model.normalize, max_seq_length=loaded.max_seq_length,
         do_lower_case=loaded.lowercase, tokenizer_files=loaded.tokenizer_files, model_card=model_card(cfg, loaded, derived, summary),
+        prompts=loaded.named_prompts,
         training_config={**dataclasses.asdict(cfg), **derived, **summary},
         # The Softmax head is not part of a SentenceTransformer; keep it beside, not lost.
         extra_tensor_files={"softmax_head.safetensors": head_state} if head_state else None,

@@ -177,3 +177,34 @@ def assert_same_training(run_dir, reference_dir, num_steps, key_bias_tol=1e-5):
     base = load_file(Path(base_model) / "model.safetensors")
     trained = load_file(reference_dir / "final" / "model.safetensors")
     assert max((trained[k] - base[k]).abs().max().item() for k in trained if k in base) > 1e-4
+
+
+def sentences(n=2000):
+    """Real sentences (STS-B's first column): what the tiny decoders' tokenizers are trained on."""
+    with open(data_file("stsb-train.jsonl")) as f:
+        return [json.loads(line)["sentence1"] for line in f][:n]
+
+
+def tiny_decoder(folder, arch="qwen2", padding_side="left"):
+    """A tiny random Qwen2 or Llama model (2 layers, 64 dims) saved at `folder`, with a byte-level
+    BPE tokenizer trained here on real sentences, as decoder tokenizers are: an EOS token (also
+    the pad token) and no special tokens added to a text (a BERT tokenizer would hide EOS bugs)."""
+    import transformers
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+    tokenizer = Tokenizer(models.BPE())
+    tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tokenizer.decoder = decoders.ByteLevel()
+    tokenizer.train_from_iterator(sentences(), trainers.BpeTrainer(vocab_size=400, special_tokens=["<|endoftext|>"],
+                                                             initial_alphabet=pre_tokenizers.ByteLevel.alphabet()))
+    fast = transformers.PreTrainedTokenizerFast(tokenizer_object=tokenizer, eos_token="<|endoftext|>", pad_token="<|endoftext|>",
+                                                padding_side=padding_side)
+    fast.save_pretrained(folder)
+    torch.manual_seed(0)
+    sizes = {"vocab_size": len(fast), "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2, "num_attention_heads": 2,
+             "num_key_value_heads": 1, "max_position_embeddings": 128}
+    if arch == "qwen2":
+        transformers.Qwen2Model(transformers.Qwen2Config(**sizes)).save_pretrained(folder)
+    else:
+        transformers.LlamaModel(transformers.LlamaConfig(**sizes)).save_pretrained(folder)
+    return folder

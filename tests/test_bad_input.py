@@ -1,5 +1,5 @@
 """Every bad input is caught at start-up, at world size 2 under torchrun, before any weights are
-loaded (17 cases launched for real, 57 more through the same check function in-process): each
+loaded (17 cases launched for real, 59 more through the same check function in-process): each
 case exits with code 2 (torchrun: 1) within seconds, prints exactly one `error:` line (rank 0's)
 naming the problem (the file and its line or row) and the fix, leaves no rank running, and writes
 nothing (an existing output folder is left exactly as it was; a pickle that holds code is never
@@ -162,6 +162,9 @@ IN_PROCESS_CASES = [
     ("a prompt for a column no file has", lambda t: ["--prompts", '{"anchr": "query: "}'],
      "--prompts: 'anchr' is no text column of --train-data or --eval-data (they have: anchor, positive)"),
     ("an EOS for a tokenizer without one", lambda t: ["--append-eos"], "--append-eos: the tokenizer of all-MiniLM-L6-v2 has no EOS token"),
+    ("a PEFT adapter without LoRA", lambda t: ["--export-adapter"], "there are none without --lora-rank R"),
+    ("LoRA on a layer the block does not have", lambda t: ["--lora-rank", 4, "--lora-target-modules", "q_proj"],
+     "--lora-target-modules q_proj: no Linear layer of that name in all-MiniLM-L6-v2's block (BertLayer); its Linear layers: dense, key, query, value"),
     # Several training sets
     ("an unknown loss", lambda t: ["--loss", "mnrl,triplet"], "unknown ['triplet']; choose from mnrl, cosent, softmax, margin_mse"),
     ("more losses than files", lambda t: ["--loss", "mnrl,cosent"], "names 2 losses for 1 --train-data files"),

@@ -157,11 +157,11 @@ def test_eval_only_refuses_nli_and_an_earlier_metrics_file(tmp_path):
 
 def test_help_shows_the_config_sections_with_defaults():
     text = subprocess.run([sys.executable, str(REPO_DIR / "train.py"), "--help"], capture_output=True, text=True, check=True).stdout
-    sections = ["what to train", "model", "optimisation", "loss recipes", "large batches", "distributed", "evaluation", "checkpoints, logging and restarts"]
+    sections = ["what to train", "model", "LoRA (adapters)", "optimisation", "loss recipes", "large batches", "distributed", "evaluation", "checkpoints, logging and restarts"]
     positions = [text.index(f"\n{title}:\n") for title in sections]
     assert positions == sorted(positions)  # in the Config's order
     # Each flag sits in its own section, with its default.
-    for flag, section in [("--loss", "what to train"), ("--mix", "what to train"), ("--pooling", "model"), ("--lr", "optimisation"), ("--seed", "optimisation"),
+    for flag, section in [("--loss", "what to train"), ("--mix", "what to train"), ("--pooling", "model"), ("--prompts", "model"), ("--lora-rank", "LoRA (adapters)"), ("--lr", "optimisation"), ("--seed", "optimisation"),
                           ("--matryoshka-dims", "loss recipes"), ("--mask-duplicates", "loss recipes"), ("--gather-negatives", "large batches"),
                           ("--strategy", "distributed"), ("--eval-only", "evaluation"), ("--report-to", "checkpoints, logging and restarts")]:
         start = text.index(f"\n{section}:\n")

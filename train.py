@@ -697,7 +697,9 @@ def build_optimizer(model, no_decay_names, lr, weight_decay, fused=True):
         # Wrappers prefix the names: DDP "module.", FSDP1 "_fsdp_wrapped_module."; FSDP2 none.
         plain_name = name.replace("_fsdp_wrapped_module.", "").removeprefix("module.")
         (no_decay if plain_name in no_decay_names else decay).append(param)
-    groups = [{"params": decay, "weight_decay": weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
+    # An empty group (LoRA trains no bias or LayerNorm) is left out: torch's flattened optimizer
+    # state dict cannot load one back ("list index out of range" on resume).
+    groups = [g for g in ({"params": decay, "weight_decay": weight_decay}, {"params": no_decay, "weight_decay": 0.0}) if g["params"]]
     return torch.optim.AdamW(groups, lr=lr, fused=fused)  # fused: ~6% faster on CPU than the loop
 
 

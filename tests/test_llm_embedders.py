@@ -64,7 +64,7 @@ def test_prompts_train_and_evaluate_as_prefixed_texts_and_reach_the_export(tmp_p
 
     export = tmp_path / "with-prompts" / "final"
     st = SentenceTransformer(str(export), device="cpu")
-    assert st.prompts == PROMPTS
+    assert {name: st.prompts.get(name) for name in PROMPTS} == PROMPTS  # (sentence-transformers 6 adds empty "query" and "document")
     tokenizer = transformers.AutoTokenizer.from_pretrained(export)
     texts = [p["anchor"] for p in pairs[200:216]]
     for column, prefix in PROMPTS.items():
@@ -104,7 +104,7 @@ def test_append_eos_ends_every_text_with_eos_in_training_and_in_the_export(arch,
         assert (input_ids[torch.arange(len(last)), last] == eos).all()
         assert ((input_ids == eos) & mask.bool()).sum(1).eq(1).all()  # one EOS per row, its last token
         lengths += mask.sum(1).tolist()
-    assert len(lengths) == 2 * 42 and lengths.count(24) == 2 * len(long_texts)  # the long texts, cut to 24 with EOS kept
+    assert len(lengths) == 2 * 42 and max(lengths) == 24 and lengths.count(24) >= 2 * len(long_texts)  # long texts cut to 24, EOS kept
     # The export's tokenizer appends it too, after truncation, in transformers and sentence-transformers.
     export = tmp_path / "out" / "final"
     tokenizer = transformers.AutoTokenizer.from_pretrained(export)

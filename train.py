@@ -42,8 +42,12 @@ Evaluation on every rank, under FSDP too (eval_dist.py), and restarts that heal 
         --eval-data stsb-dev.jsonl --eval-steps 100 --metric-for-best stsb-dev/spearman
     torchrun --nproc_per_node=4 --max-restarts=3 train.py --save-steps 500 --resume auto ...
 
-Left out on purpose: resuming at another world size (refused at start-up), CPU offload,
-activation checkpointing.
+An LLM embedder: a decoder, last-token pooling, an instruction prompt, EOS, LoRA, FSDP2:
+    torchrun --nproc_per_node=8 train.py --model Qwen/Qwen2.5-1.5B --pooling lasttoken --append-eos \
+        --prompts '{"anchor": "Instruct: retrieve a passage that answers it\\nQuery: "}' --lora-rank 16 \
+        --strategy fsdp --fsdp-version 2 --precision bf16 --activation-checkpointing ...
+
+Left out on purpose: resuming at another world size (refused at start-up), CPU offload.
 """
 
 import argparse
@@ -162,6 +166,9 @@ class Config:
     fsdp_version: int = arg(1, "1: FullyShardedDataParallel with an auto-wrap policy; 2: fully_shard on each block, then the root", choices=(1, 2))
     fsdp_layer_cls: str = arg("", "class name(s) of the block FSDP wraps, comma-separated; empty: detected (the model's repeated layer)")
     precision: str = arg("fp32", "fp32; bf16 (bf16 compute, fp32 master weights and gradient reduction); fp16 (the same with loss scaling)", choices=("fp32", "bf16", "fp16"))
+    activation_checkpointing: bool = arg(False, "keep only each block's inputs in forward and recompute the rest in backward (non-reentrant, "
+                                         "with the same dropout masks): activation memory of about one block, one more forward per block, "
+                                         "the same results")
     length_buckets: int = arg(0, "embed each text column in this many sub-batches of similar length (each padded to its own longest row, the "
                               "embeddings put back in batch order: the loss sees the same batch, less padding is computed); 0: chosen per "
                               "micro-batch (at most 8, agreed by all ranks); 1: off, one padded forward per column", at_least=0, resume_may_change=True)
@@ -613,6 +620,8 @@ def load_model(cfg, num_labels):
     if cfg.lora_rank:  # before wrapping: DDP/FSDP see the adapters as the trained parameters
         names = lora.linear_names(encoder, fsdp_utils.resolve_layer_classes(encoder, cfg.fsdp_layer_cls), lora_leaf_names(cfg))
         lora.add_lora(encoder, names, cfg.lora_rank, lora_alpha(cfg), cfg.lora_dropout)
+    if cfg.activation_checkpointing:  # before wrapping; non-reentrant: the reentrant kind fails under FSDP1 ("mat2 must be a matrix")
+        encoder.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     model = EmbeddingModel(encoder, pooling, normalize, num_labels)
     model.train()  # from_pretrained returns eval mode: dropout would silently stay off
     prompts = prompts_of(cfg)
@@ -1462,10 +1471,12 @@ def check_model(cfg, strategy):
     positions = getattr(config, "max_position_embeddings", None)
     if positions and cfg.max_seq_length > positions:
         raise ValueError(f"--max-seq-length {cfg.max_seq_length} is beyond the {positions} positions {cfg.model} has; use at most {positions}")
-    if strategy != "fsdp" and not cfg.lora_rank:
+    if strategy != "fsdp" and not cfg.lora_rank and not cfg.activation_checkpointing:
         return None
     with torch.device("meta"):
         encoder = transformers.AutoModel.from_config(config, trust_remote_code=cfg.trust_remote_code)
+    if cfg.activation_checkpointing and not encoder.supports_gradient_checkpointing:
+        raise ValueError(f"--activation-checkpointing: {type(encoder).__name__} ({cfg.model}) does not support it in transformers; drop the flag")
     blocks = fsdp_utils.resolve_layer_classes(encoder, cfg.fsdp_layer_cls)
     if cfg.lora_rank and not lora.linear_names(encoder, blocks, lora_leaf_names(cfg)):
         inside = sorted({name.rsplit(".", 1)[-1] for name in lora.linear_names(encoder, blocks)})

@@ -7,7 +7,8 @@
   model's embeddings in sentence-transformers, and the PEFT adapter folder (--export-adapter)
   loads in peft on the base model with the same embeddings;
 - world 2 under DDP, FSDP1 and FSDP2 (with GradCache) trains as one process with 2
-  accumulation steps (per-step losses, gradient norms, merged weights <= 1e-5);
+  accumulation steps (per-step losses, gradient norms, merged weights <= 1e-5), and under FSDP2
+  with gathered negatives as one process with the whole batch;
 - a run killed after a checkpoint and resumed ends bitwise equal to a straight one.
 Tiny random Qwen2 (byte-level BPE tokenizer trained in the test, EOS, last-token pooling) and
 BERT models.
@@ -134,3 +135,11 @@ def test_lora_resumes_exactly(tmp_path, qwen2):
     assert [(r["step"], r["loss"], r["grad_norm"]) for r in got] == [(r["step"], r["loss"], r["grad_norm"]) for r in want]
     got_w, want_w = load_file(tmp_path / "broken" / "final" / "model.safetensors"), load_file(tmp_path / "straight" / "final" / "model.safetensors")
     assert got_w.keys() == want_w.keys() and all(torch.equal(got_w[k], want_w[k]) for k in want_w)
+
+
+def test_lora_with_gathered_negatives_at_world_2_trains_as_one_process_with_the_whole_batch(tmp_path, qwen2):
+    args = ["--model", qwen2, "--pooling", "lasttoken", "--train-data", data_file("sick-triplets-train.jsonl"), "--loss", "mnrl", "--max-steps", 3,
+            "--max-seq-length", 32, "--log-steps", 1, "--lr", 1e-2, "--dropout", 0, *LORA]
+    run_train([*args, "--strategy", "fsdp", "--fsdp-version", 2, "--gather-negatives", "--per-device-batch-size", 6, "--output-dir", tmp_path / "world2"], nproc=2)
+    run_train([*args, "--per-device-batch-size", 12, "--output-dir", tmp_path / "single"])
+    assert_same_training(tmp_path / "world2", tmp_path / "single", num_steps=3)

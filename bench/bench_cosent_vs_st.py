@@ -23,7 +23,7 @@ trainer's real tokens/s is its samples/s times the mean real tokens per row of t
 trained. The same loop over one padded batch per column shows what the sub-batches save, and
 the time to tokenize a batch what tokenizing in the background hides.
 
-Run (a quiet machine; about 55 minutes on 2 CPU cores with the defaults):
+Run (a quiet machine; about 50 minutes on 2 CPU cores with the defaults):
     python bench/bench_cosent_vs_st.py
     python bench/bench_cosent_vs_st.py --tasks cosent --nprocs 1 --precisions fp32 --rounds 2
 Results: printed as tables and written to bench/results/speed.json. Needs the test extras

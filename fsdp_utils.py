@@ -6,24 +6,33 @@ This file holds what sits between a plain `nn.Module` and the distributed world:
   - `wrap_model`: nothing (one process), DDP, FSDP1 (`FullyShardedDataParallel` with
     `transformer_auto_wrap_policy`) or FSDP2 (`fully_shard` per block, then the root), with
     bf16/fp16 mixed precision; `gradient_sync`, `clip_grad_norm`, `grad_scaler` for the loop;
-  - `gather_full_state_dict`: the full, unsharded weights, entered by every rank;
+  - `load_pretrained_sharded`: a model built on the meta device and sharded gets its weights
+    from the safetensors files, each rank reading only the slices its shards hold;
   - `save_checkpoint` / `load_checkpoint` / `complete_checkpoints`: resumable state with
     `torch.distributed.checkpoint` (every rank writes its own shard, safetensors files, no
     pickle), made visible by one rename when complete, with a manifest of its files and sizes
     that `checkpoint_problem` checks, so a damaged checkpoint is never loaded;
+  - `stage_state_dict` / `read_staged`: every rank writes what it holds, one writer reads it
+    back a few tensors at a time: an export with no whole copy of the model on any rank;
   - `export_sentence_transformer`: rank 0 writes a folder that `SentenceTransformer(path)`
-    (sentence-transformers 2.x to 6.x) and `AutoModel.from_pretrained(path)` both load;
-    `read_sentence_transformer_config` reads back what it writes (pooling, normalisation,
-    max length, casing, prompts), from such a folder or any other SentenceTransformer folder.
+    (sentence-transformers 2.x to 6.x) and `AutoModel.from_pretrained(path)` both load, its
+    weights in files of a bounded size; `read_sentence_transformer_config` reads back what it
+    writes (pooling, normalisation, max length, casing, prompts), from such a folder or any
+    other SentenceTransformer folder.
 
 It imports only the standard library, torch, transformers and safetensors, never the other
 files of this project, so it can be copied into another pipeline alone.
 
-Usage (from train.py; every rank calls the first two, rank 0 alone the third):
+Usage (from train.py; every rank calls the first four, rank 0 alone the rest):
+    with torch.device("meta"):
+        raw_model = AutoModel.from_config(config)                # shapes only, no storage
     model = fsdp_utils.wrap_model(raw_model, "fsdp", device, sharding="full_shard", fsdp_version=2)
-    state = fsdp_utils.gather_full_state_dict(model)           # all ranks
+    fsdp_utils.load_pretrained_sharded(model, folder, {name: name for name in raw_model.state_dict()}, {})
+    ...                                                          # train
+    fsdp_utils.stage_state_dict(model, staging)
     if rank == 0:
-        fsdp_utils.export_sentence_transformer(out_dir, state, config, tokenizer, ...)
+        names = list(fsdp_utils.staged_tensors(staging))
+        fsdp_utils.export_sentence_transformer(out_dir, [lambda: fsdp_utils.read_staged(staging, names)], config, tokenizer, ...)
 
 FSDP1 -> FSDP2, as this file shows them side by side:
     FullyShardedDataParallel(model, auto_wrap_policy=...)   ->  fully_shard(block) for each block, fully_shard(model)
@@ -34,8 +43,8 @@ FSDP1 -> FSDP2, as this file shows them side by side:
     model.clip_grad_norm_(max_norm)                         ->  torch.nn.utils.clip_grad_norm_ (on DTensors)
     FSDP.state_dict_type(...) + state_dict()                ->  get_model_state_dict (serves both, and DDP)
 
-Left out on purpose: CPU offload of parameters, activation checkpointing, resuming at another
-world size (train.py refuses it).
+Left out on purpose: CPU offload of parameters, resuming at another world size (train.py
+refuses it). Activation checkpointing is the model's own (transformers' gradient checkpointing).
 """
 
 import contextlib
@@ -54,7 +63,8 @@ import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from safetensors.torch import load_file, save_file
-from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict, get_state_dict, set_state_dict
+from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model_state_dict, get_state_dict, set_model_state_dict,
+                                                     set_state_dict)
 
 # ----------------------------------------------------------------------------------------------
 # Which blocks to shard: the repeated transformer layer, found in the model itself
@@ -117,6 +127,10 @@ def wrap_model(model, strategy, device, *, sharding="full_shard", fsdp_version=1
     parameters of each block. Mixed precision (bf16/fp16) under FSDP: parameters are cast to
     the low precision for compute, the fp32 master copy stays sharded, gradients are reduced in
     fp32. Under single/DDP the training loop uses autocast instead (see `autocast`).
+
+    A model built on the meta device (FSDP only) is sharded as it is and each rank then gets
+    uninitialised storage for its own shards alone: no rank ever holds the whole model. Fill
+    them with `load_pretrained_sharded` before use.
     """
     if strategy == "single":
         return model
@@ -129,6 +143,7 @@ def wrap_model(model, strategy, device, *, sharding="full_shard", fsdp_version=1
         raise ValueError(f"unknown strategy {strategy!r}: expected single, ddp or fsdp")
     layer_classes = resolve_layer_classes(model, layer_cls)  # fails here, before any wrapping
     low = PRECISIONS[precision]
+    on_meta = any(p.is_meta for p in model.parameters())
     if fsdp_version == 1:
         import functools
 
@@ -152,6 +167,9 @@ def wrap_model(model, strategy, device, *, sharding="full_shard", fsdp_version=1
             mixed_precision=mixed,
             device_id=device,  # on CPU too: without it FSDP1 looks for an accelerator and fails
             use_orig_params=True,  # named parameters keep their names: optimizer groups, clipping, state dicts
+            # A meta model: storage for each unit's shard only, left uninitialised (FSDP1's own
+            # default would run reset_parameters and draw from the RNG: other dropout masks).
+            param_init_fn=(lambda module: module.to_empty(device=device, recurse=False)) if on_meta else None,
         )
     if fsdp_version == 2:
         from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
@@ -168,6 +186,8 @@ def wrap_model(model, strategy, device, *, sharding="full_shard", fsdp_version=1
             if isinstance(module, tuple(layer_classes)):
                 fully_shard(module, **options)
         fully_shard(model, **options)  # the root: embeddings, final norm, heads
+        if on_meta:
+            model.to_empty(device=device)  # each rank's shards only, uninitialised
         return model
     raise ValueError(f"--fsdp-version {fsdp_version}: expected 1 or 2")
 
@@ -223,23 +243,51 @@ def grad_scaler(model, precision, device):
 
 
 # ----------------------------------------------------------------------------------------------
-# Gathering the full state dict
+# Loading pretrained weights straight into the shards: no rank holds the whole model
+#
+# The model is built on the meta device (shapes, no storage), sharded by `wrap_model`, and then
+# every rank reads, from the safetensors files, the slices its own shards cover, through
+# torch.distributed.checkpoint's reader of the Hugging Face layout (it reads a slice with
+# safetensors' `get_slice`). Under FSDP2 no rank ever materialises a whole parameter; FSDP1
+# all-gathers each wrapped unit once while loading (its sharded state dict is by parameter, its
+# storage by flattened unit), the same memory its forward needs.
 
 
-def gather_full_state_dict(model):
-    """Full (unsharded) state dict of `model` with the original parameter names.
+def safetensors_keys(folder):
+    """{tensor name: file} over the *.safetensors files directly in `folder`, or None when a name
+    is in two files: the checkpoint reader reads every such file, so the folder is ambiguous."""
+    from safetensors import safe_open
 
-    A collective under DDP/FSDP: EVERY rank must call it, even those that will not write. The
-    `torch.distributed.checkpoint.state_dict` API strips the wrappers' name prefixes
-    ("module.", "_fsdp_wrapped_module.") and serves single, DDP, FSDP1 and FSDP2 alike.
-    """
-    params = list(model.parameters())
-    on_accelerator = bool(params) and params[0].device.type != "cpu"
-    # CPU offload only when the parameters live on an accelerator: with CPU parameters, FSDP1's
-    # full-state-dict offload kills rank 0 with SIGSEGV (torch 2.13, gloo).
-    options = StateDictOptions(full_state_dict=True, cpu_offload=on_accelerator)
-    state = get_model_state_dict(model, options=options)
-    return {name: tensor.detach().cpu() for name, tensor in state.items()}
+    keys = {}
+    for file in sorted(os.listdir(folder)):
+        if file.endswith(".safetensors") and os.path.isfile(os.path.join(folder, file)):
+            with safe_open(os.path.join(folder, file), framework="pt") as f:
+                for key in f.keys():
+                    if key in keys:
+                        return None
+                    keys[key] = file
+    return keys
+
+
+def load_pretrained_sharded(model, folder, file_names, fresh_tensors):
+    """Fill a model that `wrap_model` sharded while it was on the meta device. EVERY rank must
+    call it: the checkpoint reader and FSDP's loading are collectives.
+
+    `file_names` maps state-dict names to the tensor names in the safetensors files of `folder`
+    (read slice by slice: each rank reads what its shards hold). `fresh_tensors` holds the whole
+    value of every other entry (a new head, adapters: small, drawn from the seeded RNG, the same
+    on every rank), of which each rank keeps its own part. Non-persistent buffers are not in a
+    state dict; the caller initialises them."""
+    with _quiet_checkpoint_warnings():
+        state = get_model_state_dict(model)  # this rank's shards, uninitialised
+        unknown = set(state) - set(file_names) - set(fresh_tensors)
+        if unknown:
+            raise ValueError(f"no value for {sorted(unknown)[:3]}: neither in {folder} nor new")
+        # Loaded in place, into the shards' own storage, read under the files' names.
+        dcp.load({file_names[name]: state[name] for name in file_names}, storage_reader=dcp.HuggingFaceStorageReader(folder))
+        set_model_state_dict(model, {name: state[name] for name in file_names}, options=StateDictOptions(strict=False))
+        if fresh_tensors:
+            set_model_state_dict(model, fresh_tensors, options=StateDictOptions(full_state_dict=True, strict=False))
 
 
 # ----------------------------------------------------------------------------------------------
@@ -417,6 +465,72 @@ def load_checkpoint(model, optimizer, checkpoint_dir):
 
 
 # ----------------------------------------------------------------------------------------------
+# Export without a whole copy on any rank: every rank stages what it holds, one writer reads it
+# back, a file's worth at a time
+#
+#   all ranks:  stage_state_dict(model, staging)         each rank writes its own shards (DCP)
+#   the writer: staged_tensors(staging)                  names, shapes, dtypes
+#               read_staged(staging, names)              those tensors, whole, and nothing else
+#
+# Under FSDP nothing is gathered: a rank that does not write never holds more than its shards.
+
+
+def stage_state_dict(model, folder):
+    """Write the model's state dict to `folder` as it lies on the ranks: each rank its own shards
+    (FSDP), or each tensor once (DDP, one process). EVERY rank must call it (DCP's save is a
+    collective); when it returns, every rank's part is written."""
+    rank = dist.get_rank() if dist.is_initialized() else 0
+    if rank == 0:
+        shutil.rmtree(folder, ignore_errors=True)  # a leftover of a killed export
+        os.makedirs(folder)
+    _barrier()  # all ranks: nobody writes into the folder before it exists
+    with _quiet_checkpoint_warnings():
+        state = get_model_state_dict(model)  # sharded under FSDP: no gathering
+        dcp.save(state, storage_writer=dcp.HuggingFaceStorageWriter(folder, save_distributed=True, enable_consolidation=False))
+
+
+def staged_tensors(folder):
+    """{name: (shape, dtype)} of the tensors `stage_state_dict` wrote to `folder`."""
+    metadata = dcp.HuggingFaceStorageReader(folder).read_metadata()
+    return {name: (md.size, md.properties.dtype) for name, md in metadata.state_dict_metadata.items()}
+
+
+def read_staged(folder, names):
+    """The named tensors of a staged folder, whole (for the one writer: no collective)."""
+    shapes = staged_tensors(folder)
+    tensors = {name: torch.empty(shapes[name][0], dtype=shapes[name][1]) for name in names}
+    with _quiet_checkpoint_warnings():
+        dcp.load(tensors, storage_reader=dcp.HuggingFaceStorageReader(folder), no_dist=True)
+    return tensors
+
+
+SIZE_UNITS = {"B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12, "KIB": 2**10, "MIB": 2**20, "GIB": 2**30, "TIB": 2**40}
+
+
+def parse_size(text):
+    """'5GB', '300MB', '1.5GiB' or a number of bytes -> bytes. GB is 10^9 bytes and GiB 2^30, as
+    in transformers' `max_shard_size`."""
+    match = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([A-Za-z]*)\s*", str(text))
+    unit = (match.group(2).upper() or "B") if match else None
+    if unit not in SIZE_UNITS:
+        raise ValueError(f"{text!r} is not a size: write it like 5GB, 300MB or 2GiB")
+    return int(float(match.group(1)) * SIZE_UNITS[unit])
+
+
+def shard_groups(sizes, max_bytes):
+    """The names of `sizes` ({name: bytes}), in order, grouped into files of at most `max_bytes`
+    each (a tensor larger than that gets a file of its own: tensors are never split)."""
+    groups, total = [], 0
+    for name, size in sizes.items():
+        if not groups or (groups[-1] and total + size > max_bytes):
+            groups.append([])
+            total = 0
+        groups[-1].append(name)
+        total += size
+    return groups
+
+
+# ----------------------------------------------------------------------------------------------
 # Export to the SentenceTransformer folder format
 
 # The pooling modes this project trains and exports, and their key in 1_Pooling/config.json:
@@ -487,7 +601,7 @@ def read_sentence_transformer_config(path):
 
 def export_sentence_transformer(
     out_dir,
-    encoder_state_dict,
+    weight_files,
     encoder_config,
     tokenizer,
     *,
@@ -500,13 +614,18 @@ def export_sentence_transformer(
     extra_tensor_files=None,
     tokenizer_files=None,
     prompts=None,
+    dtype=torch.float32,
 ):
     """Write a SentenceTransformer folder at `out_dir` (rank 0 only; no collective inside).
 
-    `encoder_state_dict` holds the transformer's weights with plain HF names (no "encoder."
-    prefix), so the folder is also a plain HF model: config.json + model.safetensors +
-    tokenizer files. Give it every tensor of the base checkpoint, the untrained ones too (a BERT
-    pooler), or every `from_pretrained` of the folder warns of newly initialised weights. The
+    `weight_files` is a list of functions, one per weights file, each returning that file's
+    tensors: the transformer's weights with plain HF names (no "encoder." prefix), so the folder
+    is also a plain HF model (config.json, tokenizer files and model.safetensors, or with more
+    than one file model-0000i-of-0000N.safetensors and model.safetensors.index.json). They are
+    called one at a time, so only one file's tensors need be in memory (`[lambda: state_dict]`
+    for a state dict already there). Floating-point tensors are written in `dtype`, which
+    config.json states. Give it every tensor of the base checkpoint, the untrained ones too (a
+    BERT pooler), or every `from_pretrained` of the folder warns of newly initialised weights. The
     tokenizer is saved with `model_max_length = max_seq_length`, so plain transformers truncates
     where training did; `tokenizer_files` ({name: path}) are copied beside it unless saving wrote
     them: the base model's slow-tokenizer files (vocab.txt, sentencepiece models), which older
@@ -528,9 +647,22 @@ def export_sentence_transformer(
     shutil.rmtree(tmp_dir, ignore_errors=True)
     os.makedirs(tmp_dir)
 
-    # Plain HF layout. safetensors refuses tensors that share memory or are not contiguous.
-    tensors = {name: t.detach().cpu().contiguous().clone() for name, t in encoder_state_dict.items()}
-    save_file(tensors, os.path.join(tmp_dir, "model.safetensors"), metadata={"format": "pt"})
+    # Plain HF layout, a file at a time. safetensors refuses tensors that are not contiguous.
+    weight_map, total_bytes = {}, 0
+    for i, read in enumerate(weight_files):
+        file = "model.safetensors" if len(weight_files) == 1 else f"model-{i + 1:05d}-of-{len(weight_files):05d}.safetensors"
+        tensors = read()
+        for name, t in tensors.items():
+            tensors[name] = (t.to(dtype) if t.is_floating_point() else t).detach().cpu().contiguous()
+            weight_map[name] = file
+            total_bytes += tensors[name].nbytes
+        save_file(tensors, os.path.join(tmp_dir, file), metadata={"format": "pt"})
+        del tensors  # before the next file's are read
+    if len(weight_files) > 1:
+        with open(os.path.join(tmp_dir, "model.safetensors.index.json"), "w", encoding="utf8") as f:
+            json.dump({"metadata": {"total_size": total_bytes}, "weight_map": weight_map}, f, indent=2)
+    encoder_config = copy.deepcopy(encoder_config)
+    encoder_config.dtype = dtype  # what from_pretrained(dtype="auto") loads it in
     encoder_config.save_pretrained(tmp_dir)
     tokenizer = copy.deepcopy(tokenizer)  # the caller's keeps its own limit
     tokenizer.model_max_length = max_seq_length

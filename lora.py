@@ -30,8 +30,11 @@ class LoRALinear(torch.nn.Module):
     def __init__(self, base, rank, alpha, dropout=0.0):
         super().__init__()
         self.base = base.requires_grad_(False)
-        self.lora_A = torch.nn.Parameter(base.weight.new_empty(rank, base.in_features))
-        self.lora_B = torch.nn.Parameter(base.weight.new_zeros(base.out_features, rank))
+        # Beside a base waiting on the meta device (to be loaded into shards), the adapters are
+        # still made, and drawn from the RNG, here: the same adapters as beside a loaded base.
+        device = None if base.weight.is_meta else base.weight.device
+        self.lora_A = torch.nn.Parameter(torch.empty(rank, base.in_features, dtype=base.weight.dtype, device=device))
+        self.lora_B = torch.nn.Parameter(torch.zeros(base.out_features, rank, dtype=base.weight.dtype, device=device))
         torch.nn.init.kaiming_uniform_(self.lora_A, a=math.sqrt(5))
         self.scaling = alpha / rank
         self.dropout = torch.nn.Dropout(dropout) if dropout > 0 else torch.nn.Identity()
@@ -69,22 +72,30 @@ def adapted_modules(state_dict):
     return sorted(name.removesuffix(".lora_A") for name in state_dict if name.endswith(".lora_A"))
 
 
+def plain_name(name, adapted):
+    """A tensor's name in the model without adapters: `q_proj.base.weight` -> `q_proj.weight` for
+    an adapted module (one of `adapted`); any other name unchanged."""
+    module, _, leaf = name.rpartition(".")
+    if module.endswith(".base") and module.removesuffix(".base") in adapted:
+        return f"{module.removesuffix('.base')}.{leaf}"
+    return name
+
+
 def merge_lora(state_dict, scaling):
     """A state dict with adapters -> the plain one: each adapted module's weight becomes
     W + (B @ A) * scaling under its own name (`q_proj.weight`, not `q_proj.base.weight`), its
-    bias unchanged; the adapters themselves are dropped. Computed in the tensors' dtype (fp32)."""
+    bias unchanged; the adapters themselves are dropped. Computed in the tensors' dtype (fp32).
+    A part of a state dict will do, if it holds each adapted module's adapters."""
     adapted = adapted_modules(state_dict)
     merged = {}
     for name, tensor in state_dict.items():
         module, _, leaf = name.rpartition(".")
         if leaf in ("lora_A", "lora_B"):
             continue
-        if module.endswith(".base") and module.removesuffix(".base") in adapted:
+        if plain_name(name, adapted) != name and leaf == "weight":
             module = module.removesuffix(".base")
-            if leaf == "weight":
-                tensor = tensor + (state_dict[f"{module}.lora_B"] @ state_dict[f"{module}.lora_A"]) * scaling
-            name = f"{module}.{leaf}"
-        merged[name] = tensor
+            tensor = tensor + (state_dict[f"{module}.lora_B"] @ state_dict[f"{module}.lora_A"]) * scaling
+        merged[plain_name(name, adapted)] = tensor
     return merged
 
 

@@ -58,6 +58,7 @@ import contextlib
 import copy
 import dataclasses
 import datetime
+import functools
 import glob
 import hashlib
 import importlib.util
@@ -180,6 +181,12 @@ class Config:
     metric_for_best: str = arg("", "keep the export with the best value of this metric in OUTPUT_DIR/best/, e.g. stsb-dev/spearman (names: FILE-STEM/METRIC; for a loss lower is better)", resume_may_change=True)
     eval_on_start: bool = arg(False, "also evaluate before the first step (step 0), so the run records its baseline", resume_may_change=True)
     eval_only: bool = arg(False, "evaluate --model on --eval-data and stop: no training, no export; metrics go to OUTPUT_DIR/metrics.jsonl")
+    # export (OUTPUT_DIR/final, and best/)
+    export_max_shard_size: str = arg("5GB", "split the exported weights into files of at most this size (5GB, 300MB, 2GiB), with a "
+                                     "model.safetensors.index.json when there is more than one; the writer (rank 0) holds one file's "
+                                     "tensors at a time, the other ranks none", resume_may_change=True)
+    export_dtype: str = arg("fp32", "dtype of the exported weights: fp32 (the master weights, as trained), bf16 or fp16 (half the size; "
+                            "config.json says which)", choices=("fp32", "bf16", "fp16"), resume_may_change=True)
     # checkpoints, logging and restarts
     save_steps: int = arg(0, "save resumable state (model, optimizer, scheduler, RNG, data position) to OUTPUT_DIR/checkpoints/step-N every this many steps; 0: never", at_least=0, resume_may_change=True)
     save_total_limit: int = arg(0, "keep only the newest this many checkpoints (older ones are removed once a new one is complete); 0: keep all", at_least=0, resume_may_change=True)
@@ -193,7 +200,8 @@ class Config:
 # The sections of --help (the Config's comments), each keyed by its first field: the fields
 # after it, up to the next section, belong to it.
 HELP_SECTIONS = {"model": "what to train", "max_seq_length": "model", "lora_rank": "LoRA (adapters)", "epochs": "optimisation", "scale": "loss recipes", "gather_negatives": "large batches",
-                 "strategy": "distributed", "eval_data": "evaluation", "save_steps": "checkpoints, logging and restarts"}
+                 "strategy": "distributed", "eval_data": "evaluation", "export_max_shard_size": "export",
+                 "save_steps": "checkpoints, logging and restarts"}
 
 
 def parse_config(argv=None):
@@ -550,6 +558,11 @@ class LoadedModel:
     tokenizer_files: dict = dataclasses.field(default_factory=dict)
     prompts: dict = dataclasses.field(default_factory=dict)  # --prompts: {column: prefix}, applied by with_prompt
     named_prompts: dict = dataclasses.field(default_factory=dict)  # the export's: the base folder's, then --prompts
+    # Built on the meta device (FSDP): the folder its weights are read from after wrapping, each
+    # state-dict name's tensor name there, and the whole values of the new tensors (head, adapters).
+    pretrained_dir: str = None
+    pretrained_names: dict = dataclasses.field(default_factory=dict)
+    fresh_tensors: dict = dataclasses.field(default_factory=dict)
 
     def prepare(self, texts):
         """Strip, and lowercase where the model was trained so, as sentence-transformers'
@@ -575,9 +588,14 @@ def resolve_model_path(name):
     return name  # a hub id: transformers downloads it where a hub is reachable
 
 
-def load_model(cfg, num_labels):
+def load_model(cfg, num_labels, on_meta=False):
     """The encoder, its pooling and (num_labels > 0) a new Softmax head, in train mode. A
-    SentenceTransformer folder's pooling, normalisation, max length and casing are kept."""
+    SentenceTransformer folder's pooling, normalisation, max length and casing are kept.
+
+    `on_meta` (FSDP): the model is built on the meta device, without storage, when its weights
+    can be read slice by slice (a local folder whose safetensors files hold every tensor); then
+    `pretrained_dir` is set and main fills each rank's shards after wrapping, so no rank holds
+    the whole model. Otherwise it is loaded in full on every rank, as under single and DDP."""
     path = resolve_model_path(cfg.model)
     st_config = fsdp_utils.read_sentence_transformer_config(path)
     subfolder = st_config["subfolder"]
@@ -593,12 +611,8 @@ def load_model(cfg, num_labels):
         for key, value in train_config.to_dict().items():
             if "dropout" in key and isinstance(value, float):
                 setattr(train_config, key, cfg.dropout)
-    verbosity = transformers.logging.get_verbosity()
-    transformers.logging.set_verbosity_error()  # a base without a pooler is fine: see below
-    transformers.logging.disable_progress_bar()
-    encoder, loading = transformers.AutoModel.from_pretrained(path, subfolder=subfolder, config=train_config, output_loading_info=True, **remote)
-    transformers.logging.set_verbosity(verbosity)
-    transformers.logging.enable_progress_bar()
+    folder = os.path.join(path, subfolder) if subfolder else path
+    encoder, missing_keys, file_names = build_encoder(path, subfolder, train_config, remote, on_meta)
     # BERT-like models carry a pooler that no pooling mode uses, and DDP fails on parameters that
     # get no gradient ("Expected to have finished reduction"): take it out where the class can
     # run without one, and keep the base checkpoint's pooler tensors to export them unchanged,
@@ -609,24 +623,95 @@ def load_model(cfg, num_labels):
         if "add_pooling_layer" not in inspect.signature(type(encoder).__init__).parameters:
             encoder.pooler.requires_grad_(False)
         else:
-            if not any(key.startswith("pooler.") for key in loading["missing_keys"]):  # a random pooler is not the base's
-                untrained_state = {f"pooler.{k}": v.detach().clone() for k, v in encoder.pooler.state_dict().items()}
+            pooler_keys = [f"pooler.{k}" for k in encoder.pooler.state_dict()]
+            if not any(key in missing_keys for key in pooler_keys):  # a random pooler is not the base's
+                untrained_state = {key: value.detach().clone() for key, value in encoder.state_dict().items() if key in pooler_keys}
+                if file_names is not None:  # on meta: read from the files (small)
+                    untrained_state = read_tensors(folder, {key: file_names[key] for key in pooler_keys})
             encoder.pooler = None
     export_config.architectures = [type(encoder).__name__]
     pooling = cfg.pooling or st_config["pooling"]
     normalize = st_config["normalize"] if cfg.normalize is None else cfg.normalize
     positions = getattr(train_config, "max_position_embeddings", None) or 512
     max_seq_length = cfg.max_seq_length or st_config["max_seq_length"] or min(tokenizer.model_max_length, 512, positions)
+    lora_names = []
     if cfg.lora_rank:  # before wrapping: DDP/FSDP see the adapters as the trained parameters
-        names = lora.linear_names(encoder, fsdp_utils.resolve_layer_classes(encoder, cfg.fsdp_layer_cls), lora_leaf_names(cfg))
-        lora.add_lora(encoder, names, cfg.lora_rank, lora_alpha(cfg), cfg.lora_dropout)
+        lora_names = lora.linear_names(encoder, fsdp_utils.resolve_layer_classes(encoder, cfg.fsdp_layer_cls), lora_leaf_names(cfg))
+        lora.add_lora(encoder, lora_names, cfg.lora_rank, lora_alpha(cfg), cfg.lora_dropout)
     if cfg.activation_checkpointing:  # before wrapping; non-reentrant: the reentrant kind fails under FSDP1 ("mat2 must be a matrix")
         encoder.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     model = EmbeddingModel(encoder, pooling, normalize, num_labels)
     model.train()  # from_pretrained returns eval mode: dropout would silently stay off
     prompts = prompts_of(cfg)
-    return LoadedModel(model, tokenizer, export_config, max_seq_length, st_config["do_lower_case"], untrained_state,
-                       base_tokenizer_files(path, subfolder), prompts, {**st_config["prompts"], **prompts})
+    loaded = LoadedModel(model, tokenizer, export_config, max_seq_length, st_config["do_lower_case"], untrained_state,
+                         base_tokenizer_files(path, subfolder), prompts, {**st_config["prompts"], **prompts})
+    if file_names is not None:
+        # What the checkpoint does not hold (the Softmax head, adapters) was just drawn from the
+        # seeded RNG, exactly as without sharding: keep those values, then send it all to meta.
+        state = model.state_dict()
+        loaded.fresh_tensors = {key: value.detach().clone() for key, value in state.items() if not value.is_meta}
+        model.to("meta")
+        for key in state:
+            if key.startswith("encoder.") and key not in loaded.fresh_tensors:  # a LoRA layer's base: the plain layer's name
+                loaded.pretrained_names[key] = file_names[lora.plain_name(key.removeprefix("encoder."), lora_names)]
+        loaded.pretrained_dir = folder
+    return loaded
+
+
+def build_encoder(path, subfolder, train_config, remote, on_meta):
+    """(encoder in fp32, names of its tensors the checkpoint lacks, {tensor name: name in the
+    safetensors files} when it was built on the meta device, else None)."""
+    folder = os.path.join(path, subfolder) if subfolder else path
+    if on_meta:
+        file_keys = fsdp_utils.safetensors_keys(folder) if os.path.isdir(folder) else None
+        reason = f"{path} is not a local folder whose safetensors files each hold different tensors"
+        if file_keys:
+            with torch.device("meta"):
+                encoder = transformers.AutoModel.from_config(train_config, **remote).float()
+            # A task model's checkpoint (Qwen2ForCausalLM: model.layers...) holds the base model under its prefix.
+            file_names = {}
+            for key in encoder.state_dict():
+                file_names[key] = next((name for name in (key, f"{encoder.base_model_prefix}.{key}") if name in file_keys), None)
+            missing = [key for key, name in file_names.items() if name is None]
+            poolerless = "add_pooling_layer" in inspect.signature(type(encoder).__init__).parameters
+            if all(key.startswith("pooler.") and poolerless for key in missing):  # a missing pooler is dropped anyway
+                return encoder, missing, file_names
+            reason = f"its safetensors files lack {missing[0]}"
+        print0(f"note: every rank loads the whole model before FSDP shards it: {reason}")
+    verbosity = transformers.logging.get_verbosity()
+    transformers.logging.set_verbosity_error()  # a base without a pooler is fine: see load_model
+    transformers.logging.disable_progress_bar()
+    # The RNG is set back after: a tensor the checkpoint lacks (a pooler) is drawn from it, and
+    # the new head drawn next must not depend on that, nor on whether loading was sharded.
+    with torch.random.fork_rng(devices=[]):
+        encoder, loading = transformers.AutoModel.from_pretrained(path, subfolder=subfolder, config=train_config, output_loading_info=True, **remote)
+    transformers.logging.set_verbosity(verbosity)
+    transformers.logging.enable_progress_bar()
+    # fp32 master weights whatever the checkpoint's dtype (transformers 5 keeps a bf16 checkpoint
+    # in bf16, where AdamW's small updates would round away); --precision sets the compute dtype.
+    return encoder.float(), loading["missing_keys"], None
+
+
+def read_tensors(folder, file_names):
+    """{name: tensor} read whole from the safetensors files of `folder` ({name: name in the files})."""
+    from safetensors import safe_open
+
+    files = fsdp_utils.safetensors_keys(folder)
+    tensors = {}
+    for name, file_name in file_names.items():
+        with safe_open(os.path.join(folder, files[file_name]), framework="pt") as f:
+            tensors[name] = f.get_tensor(file_name)
+    return tensors
+
+
+def init_non_persistent_buffers(encoder):
+    """Rotary frequencies, position ids: buffers no checkpoint holds, which a model built on the
+    meta device lacks. transformers' own `_init_weights` computes them (its from_pretrained does
+    the same); the RNG is set back after, so dropout masks stay those of a full load."""
+    with torch.random.fork_rng(devices=[]):
+        for module in encoder.modules():
+            if module._non_persistent_buffers_set:
+                encoder._init_weights(module)
 
 
 def lora_alpha(cfg):
@@ -1057,12 +1142,16 @@ def main(cfg):
         return None
 
     torch.manual_seed(cfg.seed)  # the same initial head on every rank (DDP broadcasts it anyway)
-    loaded = load_model(cfg, plan.num_labels)
-    raw_model = loaded.model.to(device)
+    loaded = load_model(cfg, plan.num_labels, on_meta=plan.strategy == "fsdp")
+    raw_model = loaded.model if loaded.pretrained_dir else loaded.model.to(device)
     no_decay_names = {name for name, param in raw_model.named_parameters() if param.ndim < 2}
     # All ranks: DDP broadcasts rank 0's weights here; FSDP shards them (every rank keeps its part).
     model = fsdp_utils.wrap_model(raw_model, plan.strategy, device, sharding=cfg.sharding, fsdp_version=cfg.fsdp_version,
                                   layer_cls=cfg.fsdp_layer_cls, precision=cfg.precision)
+    if loaded.pretrained_dir:  # all ranks (collectives): each reads the slices of the weights its shards hold
+        init_non_persistent_buffers(raw_model.encoder)
+        fsdp_utils.load_pretrained_sharded(model, loaded.pretrained_dir, loaded.pretrained_names, loaded.fresh_tensors)
+        loaded.fresh_tensors = {}
     if cfg.eval_only:  # all ranks: evaluation is collective
         evaluate_only(model, loaded, plan, cfg, device, is_rank0)
         return raw_model
@@ -1266,6 +1355,11 @@ def check_flags(cfg, world_size, device):
         raise ValueError(f"--loss {cfg.loss}: unknown {unknown}; choose from {', '.join(LOSS_NAMES)} (one, or one per --train-data file)")
     check_matryoshka(cfg)
     prompts_of(cfg)
+    try:
+        if fsdp_utils.parse_size(cfg.export_max_shard_size) < 1:
+            raise ValueError("zero")
+    except ValueError:
+        raise ValueError(f"--export-max-shard-size {cfg.export_max_shard_size!r} is not a size: write it like 5GB, 300MB or 2GiB") from None
     if cfg.export_adapter and not cfg.lora_rank:
         raise ValueError("--export-adapter writes LoRA adapters, and there are none without --lora-rank R; pass one, or drop --export-adapter")
     if cfg.cache_chunk_size > cfg.per_device_batch_size:
@@ -1931,27 +2025,50 @@ with torch.no_grad():
 
 
 def export(model, loaded, out_dir, cfg, derived, summary, is_rank0):
-    """ALL ranks: gathering the full state dict is a collective. Only rank 0 writes."""
-    state = fsdp_utils.gather_full_state_dict(model)
+    """ALL ranks: each writes the part of the weights it holds beside the export (a collective;
+    nothing is gathered). Then rank 0 alone reads them back, one output file's worth at a time,
+    and writes the SentenceTransformer folder: no rank ever holds the whole model."""
+    staging = f"{out_dir}.tmp-staged"  # a leftover of a killed run goes at the next start, as the other *.tmp-*
+    fsdp_utils.stage_state_dict(model, staging)
     if not is_rank0:
         return
-    encoder_state = {**loaded.untrained_state, **{k.removeprefix("encoder."): v for k, v in state.items() if k.startswith("encoder.")}}
-    adapters = {k: v for k, v in encoder_state.items() if k.endswith((".lora_A", ".lora_B"))}
-    if cfg.lora_rank:  # the adapters folded into the weights: a plain model, loadable anywhere
-        encoder_state = lora.merge_lora(encoder_state, lora_alpha(cfg) / cfg.lora_rank)
-    head_state = {k.removeprefix("classifier."): v for k, v in state.items() if k.startswith("classifier.")}
+    staged = sorted(fsdp_utils.staged_tensors(staging).items())
+    # Each exported tensor and the staged ones it is made of: the encoder's under plain HF names;
+    # a LoRA layer's weight from its base weight and adapters (merged: a plain model anyone loads).
+    adapted = lora.adapted_modules(name.removeprefix("encoder.") for name, _ in staged)
+    sources, sizes, dtype = {}, {}, fsdp_utils.PRECISIONS[cfg.export_dtype]
+    for name, (shape, _) in staged:
+        plain = lora.plain_name(name.removeprefix("encoder."), adapted)
+        if name.startswith("encoder.") and not name.endswith((".lora_A", ".lora_B")):
+            module = plain.rpartition(".")[0]
+            sources[plain] = [name] + ([f"encoder.{module}.lora_A", f"encoder.{module}.lora_B"] if module in adapted else [])
+            sizes[plain] = shape.numel() * dtype.itemsize
+    sizes.update({name: t.numel() * dtype.itemsize for name, t in loaded.untrained_state.items()})
+
+    def read(names):  # one output file's tensors
+        tensors = fsdp_utils.read_staged(staging, sorted({source for name in names if name in sources for source in sources[name]}))
+        tensors = {name.removeprefix("encoder."): t for name, t in tensors.items()}
+        if cfg.lora_rank:
+            tensors = lora.merge_lora(tensors, lora_alpha(cfg) / cfg.lora_rank)
+        tensors.update({name: t for name, t in loaded.untrained_state.items() if name in names})
+        return {name: tensors[name] for name in names}
+
+    groups = fsdp_utils.shard_groups(sizes, fsdp_utils.parse_size(cfg.export_max_shard_size))
+    head = fsdp_utils.read_staged(staging, [name for name, _ in staged if name.startswith("classifier.")])
     fsdp_utils.export_sentence_transformer(
-        out_dir, encoder_state, loaded.export_config, loaded.tokenizer,
+        out_dir, [functools.partial(read, names) for names in groups], loaded.export_config, loaded.tokenizer,
         pooling_mode=loaded.model.pooling, normalize=loaded.model.normalize, max_seq_length=loaded.max_seq_length,
         do_lower_case=loaded.lowercase, tokenizer_files=loaded.tokenizer_files, model_card=model_card(cfg, loaded, derived, summary),
-        prompts=loaded.named_prompts,
+        prompts=loaded.named_prompts, dtype=dtype,
         training_config={**dataclasses.asdict(cfg), **derived, **summary},
         # The Softmax head is not part of a SentenceTransformer; keep it beside, not lost.
-        extra_tensor_files={"softmax_head.safetensors": head_state} if head_state else None,
+        extra_tensor_files={"softmax_head.safetensors": {k.removeprefix("classifier."): v for k, v in head.items()}} if head else None,
     )
     if cfg.export_adapter:  # the adapters alone, for peft, on the base model
-        lora.save_peft_adapter(os.path.join(out_dir, "adapter"), adapters, rank=cfg.lora_rank, alpha=lora_alpha(cfg),
-                               dropout=cfg.lora_dropout, base_model=public_name(cfg.model))
+        adapters = fsdp_utils.read_staged(staging, [name for name, _ in staged if name.endswith((".lora_A", ".lora_B"))])
+        lora.save_peft_adapter(os.path.join(out_dir, "adapter"), {k.removeprefix("encoder."): v for k, v in adapters.items()},
+                               rank=cfg.lora_rank, alpha=lora_alpha(cfg), dropout=cfg.lora_dropout, base_model=public_name(cfg.model))
+    shutil.rmtree(staging)
 
 
 # ----------------------------------------------------------------------------------------------

@@ -37,14 +37,15 @@ def free_port():
         return s.getsockname()[1]
 
 
-def run_train(args, nproc=1, nnodes=1, cwd=None, timeout=600, check=True, env=None, max_restarts=0, torchrun=None, kill=None):
+def run_train(args, nproc=1, nnodes=1, cwd=None, timeout=600, check=True, env=None, max_restarts=0, torchrun=None, kill=None, script=None):
     """Run train.py as a user would: `python train.py`, or `torchrun --nproc_per_node=N train.py`
     (with nnodes > 1: one torchrun per "node", all on this machine, as on a real cluster;
     `torchrun=True` forces torchrun for one process). Collectives get a finite timeout, so a
     hang fails the test instead of stalling CI. `env` adds environment variables. `kill`
-    ("WHERE:STEP:RANK") runs it through tests/kill_launcher.py, which kills that rank there.
+    ("WHERE:STEP:RANK") runs it through tests/kill_launcher.py, which kills that rank there;
+    `script` runs another script with train.py's arguments (a test's worker that wraps it).
     Returns node 0's completed process."""
-    script = str(REPO_DIR / "train.py")
+    script = str(script or REPO_DIR / "train.py")
     if "--dist-timeout-minutes" not in args:
         args = [*args, "--dist-timeout-minutes", "3"]
     args = [str(a) for a in args]
@@ -168,15 +169,26 @@ def assert_same_training(run_dir, reference_dir, num_steps, key_bias_tol=1e-5):
         assert abs(g["grad_norm"] - w["grad_norm"]) <= 1e-5 * w["grad_norm"], (g, w)
         assert g["lr"] == w["lr"], (g, w)
     for name in ["model.safetensors"] + (["softmax_head.safetensors"] if (reference_dir / "final" / "softmax_head.safetensors").exists() else []):
-        got_weights, want_weights = load_file(run_dir / "final" / name), load_file(reference_dir / "final" / name)
+        got_weights, want_weights = export_weights(run_dir / "final", name), export_weights(reference_dir / "final", name)
         assert got_weights.keys() == want_weights.keys(), name
         for k in want_weights:
             tol = key_bias_tol if k.endswith("attention.self.key.bias") else 1e-5
             assert (got_weights[k] - want_weights[k]).abs().max().item() <= tol, (name, k)
     base_model = json.loads((reference_dir / "final" / "training_config.json").read_text())["model"]
-    base = load_file(Path(base_model) / "model.safetensors")
-    trained = load_file(reference_dir / "final" / "model.safetensors")
+    base = export_weights(Path(base_model))
+    base.update({k.partition(".")[2]: v for k, v in base.items() if k.startswith("model.")})  # a task checkpoint's base model
+    trained = export_weights(reference_dir / "final")
     assert max((trained[k] - base[k]).abs().max().item() for k in trained if k in base) > 1e-4
+
+
+def export_weights(folder, name="model.safetensors"):
+    """The tensors of an exported weights file, or of all its shards when the export is split
+    (model.safetensors.index.json names them)."""
+    index = Path(folder) / (name + ".index.json")
+    if name == "model.safetensors" and index.exists():
+        files = sorted(set(json.loads(index.read_text())["weight_map"].values()))
+        return {k: v for file in files for k, v in load_file(Path(folder) / file).items()}
+    return load_file(Path(folder) / name)
 
 
 def sentences(n=2000):

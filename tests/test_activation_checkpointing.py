@@ -20,8 +20,8 @@ def test_each_block_runs_twice_a_step_with_it(tmp_path, tiny_model, monkeypatch)
     calls = {}
     load_model = train.load_model
 
-    def load_and_count(cfg, num_labels):
-        loaded = load_model(cfg, num_labels)
+    def load_and_count(cfg, num_labels, **options):
+        loaded = load_model(cfg, num_labels, **options)
         # A module inside each BertLayer: transformers checkpoints the layer's forward (the layer's
         # own hooks stay outside the checkpoint and run once), so what runs again is inside it.
         for layer in loaded.model.encoder.encoder.layer:

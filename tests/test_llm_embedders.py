@@ -87,8 +87,8 @@ def test_append_eos_ends_every_text_with_eos_in_training_and_in_the_export(arch,
     seen = []
     load_model = train.load_model
 
-    def load_and_watch(cfg, num_labels):
-        loaded = load_model(cfg, num_labels)
+    def load_and_watch(cfg, num_labels, **options):
+        loaded = load_model(cfg, num_labels, **options)
         loaded.model.encoder.register_forward_pre_hook(lambda module, args, kwargs: seen.append((kwargs["input_ids"], kwargs["attention_mask"])), with_kwargs=True)
         return loaded
 

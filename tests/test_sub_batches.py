@@ -146,8 +146,8 @@ def test_the_training_loop_feeds_the_encoder_length_sorted_sub_batches(flags, tm
     seen = []
     load_model = train.load_model
 
-    def load_and_watch(cfg, num_labels):
-        loaded = load_model(cfg, num_labels)
+    def load_and_watch(cfg, num_labels, **options):
+        loaded = load_model(cfg, num_labels, **options)
         loaded.model.encoder.register_forward_pre_hook(lambda module, args, kwargs: seen.append(kwargs["attention_mask"].clone()), with_kwargs=True)
         return loaded
 

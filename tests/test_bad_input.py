@@ -163,6 +163,7 @@ IN_PROCESS_CASES = [
      "--prompts: 'anchr' is no text column of --train-data or --eval-data (they have: anchor, positive)"),
     ("an EOS for a tokenizer without one", lambda t: ["--append-eos"], "--append-eos: the tokenizer of all-MiniLM-L6-v2 has no EOS token"),
     ("a PEFT adapter without LoRA", lambda t: ["--export-adapter"], "there are none without --lora-rank R"),
+    ("an export shard size that is not a size", lambda t: ["--export-max-shard-size", "5 gigs"], "--export-max-shard-size '5 gigs' is not a size"),
     ("LoRA on a layer the block does not have", lambda t: ["--lora-rank", 4, "--lora-target-modules", "q_proj"],
      "--lora-target-modules q_proj: no Linear layer of that name in all-MiniLM-L6-v2's block (BertLayer); its Linear layers: dense, key, query, value"),
     # Several training sets

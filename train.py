@@ -639,7 +639,10 @@ def load_model(cfg, num_labels, on_meta=False):
         lora_names = lora.linear_names(encoder, fsdp_utils.resolve_layer_classes(encoder, cfg.fsdp_layer_cls), lora_leaf_names(cfg))
         lora.add_lora(encoder, lora_names, cfg.lora_rank, lora_alpha(cfg), cfg.lora_dropout)
     if cfg.activation_checkpointing:  # before wrapping; non-reentrant: the reentrant kind fails under FSDP1 ("mat2 must be a matrix")
-        encoder.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        if hasattr(encoder, "activation_checkpointing_enable"):  # its name from transformers 5.2x on
+            encoder.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
+        else:
+            encoder.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     model = EmbeddingModel(encoder, pooling, normalize, num_labels)
     model.train()  # from_pretrained returns eval mode: dropout would silently stay off
     prompts = prompts_of(cfg)

@@ -2028,14 +2028,24 @@ with torch.no_grad():
 
 
 def export(model, loaded, out_dir, cfg, derived, summary, is_rank0):
-    """ALL ranks: each writes the part of the weights it holds beside the export (a collective;
-    nothing is gathered). Then rank 0 alone reads them back, one output file's worth at a time,
-    and writes the SentenceTransformer folder: no rank ever holds the whole model."""
+    """ALL ranks. Under FSDP each rank writes the part of the weights it holds beside the export
+    (a collective; nothing is gathered), and rank 0 reads it back one output file's worth at a
+    time: no rank ever holds the whole model. One process and DDP hold it whole already: rank 0
+    reads its own copy. Rank 0 alone writes the SentenceTransformer folder."""
     staging = f"{out_dir}.tmp-staged"  # a leftover of a killed run goes at the next start, as the other *.tmp-*
-    fsdp_utils.stage_state_dict(model, staging)
+    sharded = fsdp_utils.is_fsdp1(model) or fsdp_utils.is_fsdp2(model)
+    if sharded:
+        fsdp_utils.stage_state_dict(model, staging)
     if not is_rank0:
         return
-    staged = sorted(fsdp_utils.staged_tensors(staging).items())
+    if sharded:
+        tensors_of = functools.partial(fsdp_utils.read_staged, staging)
+        shapes = fsdp_utils.staged_tensors(staging)
+    else:
+        state = loaded.model.state_dict()
+        tensors_of = lambda names: {name: state[name].detach().clone() for name in names}  # noqa: E731 (safetensors refuses shared storage)
+        shapes = {name: (t.shape, t.dtype) for name, t in state.items()}
+    staged = sorted(shapes.items())
     # Each exported tensor and the staged ones it is made of: the encoder's under plain HF names;
     # a LoRA layer's weight from its base weight and adapters (merged: a plain model anyone loads).
     adapted = lora.adapted_modules(name.removeprefix("encoder.") for name, _ in staged)
@@ -2049,7 +2059,7 @@ def export(model, loaded, out_dir, cfg, derived, summary, is_rank0):
     sizes.update({name: t.numel() * dtype.itemsize for name, t in loaded.untrained_state.items()})
 
     def read(names):  # one output file's tensors
-        tensors = fsdp_utils.read_staged(staging, sorted({source for name in names if name in sources for source in sources[name]}))
+        tensors = tensors_of(sorted({source for name in names if name in sources for source in sources[name]}))
         tensors = {name.removeprefix("encoder."): t for name, t in tensors.items()}
         if cfg.lora_rank:
             tensors = lora.merge_lora(tensors, lora_alpha(cfg) / cfg.lora_rank)
@@ -2057,7 +2067,7 @@ def export(model, loaded, out_dir, cfg, derived, summary, is_rank0):
         return {name: tensors[name] for name in names}
 
     groups = fsdp_utils.shard_groups(sizes, fsdp_utils.parse_size(cfg.export_max_shard_size))
-    head = fsdp_utils.read_staged(staging, [name for name, _ in staged if name.startswith("classifier.")])
+    head = tensors_of([name for name, _ in staged if name.startswith("classifier.")])
     fsdp_utils.export_sentence_transformer(
         out_dir, [functools.partial(read, names) for names in groups], loaded.export_config, loaded.tokenizer,
         pooling_mode=loaded.model.pooling, normalize=loaded.model.normalize, max_seq_length=loaded.max_seq_length,
@@ -2068,10 +2078,10 @@ def export(model, loaded, out_dir, cfg, derived, summary, is_rank0):
         extra_tensor_files={"softmax_head.safetensors": {k.removeprefix("classifier."): v for k, v in head.items()}} if head else None,
     )
     if cfg.export_adapter:  # the adapters alone, for peft, on the base model
-        adapters = fsdp_utils.read_staged(staging, [name for name, _ in staged if name.endswith((".lora_A", ".lora_B"))])
+        adapters = tensors_of([name for name, _ in staged if name.endswith((".lora_A", ".lora_B"))])
         lora.save_peft_adapter(os.path.join(out_dir, "adapter"), {k.removeprefix("encoder."): v for k, v in adapters.items()},
                                rank=cfg.lora_rank, alpha=lora_alpha(cfg), dropout=cfg.lora_dropout, base_model=public_name(cfg.model))
-    shutil.rmtree(staging)
+    shutil.rmtree(staging, ignore_errors=True)
 
 
 # ----------------------------------------------------------------------------------------------

@@ -14,7 +14,8 @@
 - The export in files of at most --export-max-shard-size, with an index, in fp32, bf16 or fp16:
   sentence-transformers and AutoModel load it, its tensors are of that dtype, and its embeddings
   equal the trained model's in memory: fp32 to 1e-5; bf16 and fp16 to the rounding of their
-  weights (8 and 11 significant bits: 2e-2 and 4e-3 on unit-length embeddings).
+  weights (8 and 11 significant bits; measured 3.6e-3 and 4.0e-4 on unit-length embeddings, held
+  to 1e-2 and 1e-3).
 - A bf16 checkpoint trains fp32 master weights (transformers 5 would load it in bf16, where
   small updates round away).
 - A folder the slices cannot be read from (pytorch_model.bin) is loaded in full, with a note.
@@ -87,7 +88,7 @@ def embeddings(model, tokenizer, texts):
         return model.eval()(**tokenizer(texts, padding=True, truncation=True, return_tensors="pt"))
 
 
-@pytest.mark.parametrize("dtype,tolerance", [("fp32", 1e-5), ("bf16", 2e-2), ("fp16", 4e-3)])
+@pytest.mark.parametrize("dtype,tolerance", [("fp32", 1e-5), ("bf16", 1e-2), ("fp16", 1e-3)])
 def test_sharded_export_loads_in_sentence_transformers_and_automodel(dtype, tolerance, tmp_path):
     from sentence_transformers import SentenceTransformer
 

@@ -39,7 +39,7 @@ FSDP1 -> FSDP2, as this file shows them side by side:
     ShardingStrategy.FULL_SHARD / SHARD_GRAD_OP             ->  reshard_after_forward=True / False
     ShardingStrategy.HYBRID_SHARD + device_mesh             ->  fully_shard(..., mesh=2-D mesh)
     MixedPrecision(param_dtype, reduce_dtype)               ->  MixedPrecisionPolicy(param_dtype, reduce_dtype)
-    model.no_sync()                                         ->  model.set_requires_gradient_sync(False)
+    model.no_sync()                                         ->  model.set_requires_gradient_sync(False) (neither used here: gradient_sync)
     model.clip_grad_norm_(max_norm)                         ->  torch.nn.utils.clip_grad_norm_ (on DTensors)
     FSDP.state_dict_type(...) + state_dict()                ->  get_model_state_dict (serves both, and DDP)
 
@@ -205,16 +205,16 @@ def is_fsdp2(model):
 
 
 def gradient_sync(model, enabled):
-    """Context for one micro-step's backward: with `enabled=False`, gradients accumulate
-    locally and are reduced at the next synchronised backward (gradient accumulation)."""
-    if enabled or not dist.is_initialized():
-        if is_fsdp2(model):
-            model.set_requires_gradient_sync(True)
+    """Context for one micro-step's backward. DDP with `enabled=False`: the gradients accumulate
+    locally and are all-reduced in the next synchronised backward (accumulation without
+    communication). FSDP reduce-scatters in every backward, whatever `enabled` says, and
+    accumulates the gradients in their shards: skipping it (FSDP1's no_sync, FSDP2's
+    set_requires_gradient_sync(False)) keeps every parameter's unsharded gradient until the
+    last micro-step, a whole model's gradients on every rank, which is what FSDP is there to
+    avoid. The price: one reduce-scatter per micro-step (per GradCache chunk), not per step."""
+    if enabled or not dist.is_initialized() or is_fsdp1(model) or is_fsdp2(model):
         return contextlib.nullcontext()
-    if is_fsdp2(model):
-        model.set_requires_gradient_sync(False)
-        return contextlib.nullcontext()
-    return model.no_sync()  # DDP and FSDP1 (FSDP1 keeps unsharded gradients meanwhile: memory)
+    return model.no_sync()
 
 
 def clip_grad_norm(model, max_norm):

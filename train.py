@@ -170,9 +170,10 @@ class Config:
     activation_checkpointing: bool = arg(False, "keep only each block's inputs in forward and recompute the rest in backward (non-reentrant, "
                                          "with the same dropout masks): activation memory of about one block, one more forward per block, "
                                          "the same results")
-    length_buckets: int = arg(0, "embed each text column in this many sub-batches of similar length (each padded to its own longest row, the "
-                              "embeddings put back in batch order: the loss sees the same batch, less padding is computed); 0: chosen per "
-                              "micro-batch (at most 8, agreed by all ranks); 1: off, one padded forward per column", at_least=0, resume_may_change=True)
+    length_buckets: int = arg(0, "embed a micro-batch's texts (all its columns together) in this many forwards of similar length (each padded "
+                              "to its own longest row, the embeddings put back in batch order: the loss sees the same batch, less padding is "
+                              "computed); 0: chosen per micro-batch (at most 8, agreed by all ranks), except under FSDP: 1; 1: one padded "
+                              "forward", at_least=0, resume_may_change=True)
     # evaluation (all ranks take part: each encodes its shard, eval_dist.py)
     eval_data: str = arg("", "held-out data, FILE[,FILE] (formats as --train-data), evaluated every --eval-steps and after the last step", resume_may_change=True)
     eval_type: str = arg("", "sts: (sentence1, sentence2, score) -> spearman, pearson; retrieval: (anchor, positive) -> mrr@10, ndcg@10, recall@1, recall@10; nli: (premise, hypothesis, label) -> accuracy of the Softmax head; loss: the training loss. Empty: from each file's columns", choices=("", "sts", "retrieval", "nli", "loss"), resume_may_change=True)
@@ -458,9 +459,12 @@ def with_prompt(texts, prompts, column):
 
 
 def collate(rows, text_columns, target, loss_name, tokenize, device, prompts=None):
-    """Each text column (with its prompt) tokenized on its own (padded to its own longest row),
-    and the targets."""
-    features = [{k: v.to(device) for k, v in tokenize(with_prompt(rows[column], prompts or {}, column)).items()} for column in text_columns]
+    """The text columns (each with its prompt), one dict of tokens per column, and the targets.
+    All columns are tokenized in one call, so they share one padded length (and padding side)
+    and embed_columns can run rows of different columns in the same forward."""
+    texts = [with_prompt(rows[column], prompts or {}, column) for column in text_columns]
+    tokens = tokenize([text for column in texts for text in column])
+    features = [{k: v[i * len(texts[0]) : (i + 1) * len(texts[0])].to(device) for k, v in tokens.items()} for i in range(len(texts))]
     labels = None
     if target is not None:
         labels = torch.tensor(rows[target], dtype=torch.long if loss_name == "softmax" else torch.float32, device=device)
@@ -824,17 +828,26 @@ def precision_tools(model, precision, strategy, device):
 def embed_columns(model, features, groups=None):
     """The embeddings of each text column, in batch order, through the wrapped `model` (DDP/FSDP
     hook their gradient synchronisation, and FSDP its parameter gathering, into each forward).
-    `groups` (from sub_batches): one forward per group of rows, each without the positions that
-    are padding in all its rows; None: one forward per column. The losses run in fp32 even when
-    the encoder computes in bf16/fp16."""
-    embs = []
-    for column, tokens in enumerate(features):
-        if groups is None or len(groups[column]) == 1:
-            embs.append(model(**tokens).float())
-            continue
-        pieces = [model(**select_rows(tokens, rows)).float() for rows in groups[column]]
-        embs.append(torch.cat(pieces)[torch.argsort(torch.cat(groups[column]))])  # back in batch order
-    return embs
+    The columns' rows are embedded together, as one pool (all columns first to last, as
+    pool_columns makes it): `groups` (from sub_batches) are row sets of that pool, one forward
+    each, each without the positions that are padding in all its rows; None: one forward for
+    the whole pool. Fewer forwards than one per column matters beyond speed: a parameter that
+    two forwards used gets its gradient only when backward has gone through both (autograd sums
+    the two before the parameter's gradient is done), so with a forward per column the first
+    backward pass holds a whole unsharded gradient until the second one reaches each block, and
+    under FSDP that is a full copy of the model's gradients on every rank. The losses run in
+    fp32 even when the encoder computes in bf16/fp16."""
+    pool = pool_columns(features)
+    groups = groups or [torch.arange(len(pool["input_ids"]), device=pool["input_ids"].device)]
+    pieces = [model(**select_rows(pool, rows)).float() for rows in groups]
+    embs = torch.cat(pieces)[torch.argsort(torch.cat(groups))]  # back in pool order
+    return list(embs.split(len(features[0]["input_ids"])))
+
+
+def pool_columns(features):
+    """The columns' tokens as one batch: column 0's rows, then column 1's, ... (collate gives
+    them one padded length)."""
+    return {k: torch.cat([tokens[k] for tokens in features]) for k in features[0]}
 
 
 def select_rows(tokens, rows):
@@ -857,7 +870,7 @@ MAX_CUT_POSITIONS = 256  # a larger micro-batch is cut only every (rows / 256) r
 
 
 def length_sorted_cuts(mask_BT, max_groups):
-    """One tokenized column's rows sorted by length (longest first, ties in batch order), and for
+    """A tokenized batch's rows sorted by length (longest first, ties in batch order), and for
     k = 1..max_groups the fewest padded tokens of k forwards over consecutive runs of them (each
     run padded to its first, longest row), with `runs(k)`: those runs, as row-index tensors.
     Dynamic programming over the cut positions p: padded_k(p) = min over j < p of
@@ -898,27 +911,28 @@ def group_count(padded_K, forward_cost):
 
 
 def sub_batches(features, length_buckets, world_size, device, equal_sizes=False):
-    """Per text column, the groups of rows embed_columns runs as one forward each: consecutive
-    runs of the rows sorted by length, cut where they save the most padding (equal_sizes: into
-    equally many rows, as GradCache needs: see below). ALL ranks (one all_reduce when the count
-    is chosen here): every forward is a collective under FSDP (and a buffer broadcast under
-    DDP), so every rank must run the same number of them; the count is agreed, the cuts are
-    each rank's own. Under GradCache each group is cut again into chunks, and the number of
-    chunks must agree too: equal micro-batch sizes, one count and equal-sized groups make it so."""
-    num_rows = len(features[0]["attention_mask"])
-    max_groups = min(length_buckets or MAX_AUTO_GROUPS, num_rows)
-    cuts = [length_sorted_cuts(tokens["attention_mask"], max_groups) for tokens in features]
+    """The groups of rows embed_columns runs as one forward each, as row sets of the pool of all
+    text columns (pool_columns): consecutive runs of the pool's rows sorted by length, cut where
+    they save the most padding (equal_sizes: into equally many rows, as GradCache needs: see
+    below). ALL ranks (one all_reduce when the count is chosen here): every forward is a
+    collective under FSDP (and a buffer broadcast under DDP), so every rank must run the same
+    number of them; the count is agreed, the cuts are each rank's own. Under GradCache each
+    group is cut again into chunks, and the number of chunks must agree too: equal micro-batch
+    sizes, one count and equal-sized groups make it so."""
+    mask_BT = pool_columns(features)["attention_mask"]
+    max_groups = min(length_buckets or MAX_AUTO_GROUPS, len(mask_BT))
+    padded_K, runs = length_sorted_cuts(mask_BT, max_groups)
     if length_buckets:
-        counts = [max_groups] * len(features)
+        count = max_groups
     else:
         cost = FORWARD_COST_TOKENS.get(torch.device(device).type, FORWARD_COST_TOKENS["cuda"])
-        counts_C = torch.tensor([group_count(padded_K, cost) for padded_K, _ in cuts], device=device)
+        count_1 = torch.tensor([group_count(padded_K, cost)], device=device)
         if world_size > 1:
-            dist.all_reduce(counts_C, op=dist.ReduceOp.MAX)
-        counts = counts_C.tolist()
+            dist.all_reduce(count_1, op=dist.ReduceOp.MAX)
+        count = int(count_1.item())
     if equal_sizes:
-        return [list(torch.tensor_split(runs(1)[0], count)) for (_, runs), count in zip(cuts, counts)]  # runs(1): all rows, sorted
-    return [runs(count) for (_, runs), count in zip(cuts, counts)]
+        return list(torch.tensor_split(runs(1)[0], count))  # runs(1): all rows, sorted
+    return runs(count)
 
 
 def embeddings_loss(model, embs, labels, loss_name, gather=False, symmetric=False, *, scale=20.0, matryoshka=None, text_ids=None, idle_head=False):
@@ -982,48 +996,50 @@ def cached_backward(model, features, loss_of, chunk_size, *, sync, autocast, sca
     one chunk of `chunk_size` rows holds activations. `loss_of(embs)` is the micro-batch's loss
     from its column embeddings. Returns the (detached) loss.
 
-      1. embed every chunk of every column without a graph, noting the RNG state before each;
+      1. embed every chunk without a graph, noting the RNG state before each;
       2. compute the loss on those embeddings (leaves that require grad) and backward it:
          d loss / d embedding for every row (and the Softmax head's own gradient);
       3. re-embed each chunk with a graph from its noted RNG state (the same dropout masks)
          and backward the cached d loss / d embedding through the encoder.
     Step 2 is the loss itself, so every loss (and --gather-negatives) works unchanged. Chunks
-    are cut from each of embed_columns' `groups` (length-sorted sub-batches; None: the column
-    in batch order), column by column, so with chunk_size >= B the forwards (and the random
-    numbers they draw) are exactly those of compute_loss with the same groups.
+    are cut from each of sub_batches' `groups` (length-sorted row sets of the pool of all
+    columns; None: the pool in order), so with chunk_size >= the group sizes the forwards (and
+    the random numbers they draw) are exactly those of compute_loss with the same groups.
 
     All ranks run the same number of chunks (equal batch sizes, equal groups): each forward is a
-    collective under FSDP (and a buffer broadcast under DDP). Gradients are synchronised only in
-    the last backward of the optimizer step (sync=True on the last micro-batch). `touch_head`:
+    collective under FSDP (and a buffer broadcast under DDP). DDP all-reduces the gradients only
+    in the last backward of the optimizer step (sync=True on the last micro-batch); FSDP
+    reduce-scatters in every one (fsdp_utils.gradient_sync). `touch_head`:
     the model has a Softmax head, which gets its gradient in step 2 (see step 3)."""
-    device = features[0]["input_ids"].device
-    num_rows = len(features[0]["input_ids"])
-    groups = groups or [[torch.arange(num_rows, device=device)] for _ in features]
-    chunks = [(column, rows) for column in range(len(features)) for group in groups[column] for rows in group.split(chunk_size)]
+    pool = pool_columns(features)
+    device = pool["input_ids"].device
+    groups = groups or [torch.arange(len(pool["input_ids"]), device=device)]
+    chunks = [rows for group in groups for rows in group.split(chunk_size)]
 
-    # 1. embeddings without a graph, put back in batch order
-    rng_states, pieces = [], [[] for _ in features]
+    # 1. embeddings without a graph, put back in pool order, one leaf per column
+    rng_states, pieces = [], []
     with torch.no_grad(), autocast():
-        for column, rows in chunks:
+        for rows in chunks:
             rng_states.append(get_rng_state(device))
-            pieces[column].append(model(**select_rows(features[column], rows)).float())
-    embs = [torch.cat(p)[torch.argsort(torch.cat(g))].requires_grad_() for p, g in zip(pieces, groups)]
+            pieces.append(model(**select_rows(pool, rows)).float())
+    embs = [e.requires_grad_() for e in torch.cat(pieces)[torch.argsort(torch.cat(groups))].split(len(features[0]["input_ids"]))]
 
-    # 2. the loss and its gradient with respect to every embedding (gradients stay local:
-    # under DDP/FSDP nothing is reduced before the last backward of the step)
+    # 2. the loss and its gradient with respect to every embedding (under DDP nothing is
+    # all-reduced before the last backward of the step)
     with fsdp_utils.gradient_sync(model, enabled=False):
         with autocast():
             loss = loss_of(embs)
         scale_loss(loss).backward()
 
     # 3. re-embed each chunk with a graph and push its cached gradient through the encoder
-    for i, (column, rows) in enumerate(chunks):
+    grad_PD = torch.cat([e.grad for e in embs])
+    for i, rows in enumerate(chunks):
         is_last = i == len(chunks) - 1
         set_rng_state(device, rng_states[i])
         with fsdp_utils.gradient_sync(model, enabled=sync and is_last):
             with autocast():
-                emb_CD = model(**select_rows(features[column], rows)).float()
-            surrogate = (emb_CD * embs[column].grad[rows]).sum()
+                emb_CD = model(**select_rows(pool, rows)).float()
+            surrogate = (emb_CD * grad_PD[rows]).sum()
             if is_last and touch_head:
                 # The head got its gradient in step 2; DDP reduces a parameter only when the
                 # synchronised backward reaches it, so touch it here with a zero (all ranks).
@@ -1184,6 +1200,10 @@ def main(cfg):
     last_loss = log.last_loss if is_rank0 else float("nan")
     # Each step's global batch comes from one training set (the same on every rank: equal shapes, equal collectives).
     batches = micro_batches(plan, cfg, loaded, rank, world_size, start_step)
+    # Under FSDP, one forward per micro-batch unless --length-buckets says otherwise: another
+    # forward gathers every weight again (in forward and in backward) and holds a whole unsharded
+    # gradient until backward has been through both (embed_columns says why).
+    length_buckets = cfg.length_buckets or (1 if plan.strategy == "fsdp" else 0)
     for step in range(start_step, total_steps):
         epoch = plan.schedule[step][0]
         step_loss = torch.zeros((), device=device)
@@ -1192,13 +1212,14 @@ def main(cfg):
             ids = [text_ids(rows[c], loaded.prepare).to(device) for c in ts.text_columns] if cfg.mask_duplicates and ts.loss == "mnrl" else None
             # Length-sorted sub-batches: less padding computed, the same batch for the loss (all ranks).
             # Chosen from the CPU copy of the tokens: no device-to-host copy per forward.
-            groups = sub_batches(features, cfg.length_buckets, world_size, device, equal_sizes=cfg.cache_chunk_size > 0)
+            groups = sub_batches(features, length_buckets, world_size, device, equal_sizes=cfg.cache_chunk_size > 0)
             features = [{k: v.to(device) for k, v in tokens.items()} for tokens in features]
             labels = labels.to(device) if labels is not None else None
             # The micro-batch's loss from its column embeddings (GradCache calls it on cached ones).
             loss_of = lambda embs: embeddings_loss(model, embs, labels, ts.loss, cfg.gather_negatives, cfg.symmetric, text_ids=ids,  # noqa: E731
                                                    idle_head=plan.num_labels > 0, **loss_options(cfg)) / cfg.grad_accum_steps
-            # DDP/FSDP reduce gradients in backward; skip that for all but the last micro-step.
+            # DDP all-reduces gradients in backward, here only in the last micro-step's (FSDP
+            # reduce-scatters in every one: fsdp_utils.gradient_sync says why).
             is_last_micro_step = micro_step == cfg.grad_accum_steps - 1
             if cfg.cache_chunk_size:
                 loss = cached_backward(model, features, loss_of, cfg.cache_chunk_size, sync=is_last_micro_step,

@@ -197,10 +197,11 @@ def sentences(n=2000):
         return [json.loads(line)["sentence1"] for line in f][:n]
 
 
-def tiny_decoder(folder, arch="qwen2", padding_side="left"):
-    """A tiny random Qwen2 or Llama model (2 layers, 64 dims) saved at `folder`, with a byte-level
-    BPE tokenizer trained here on real sentences, as decoder tokenizers are: an EOS token (also
-    the pad token) and no special tokens added to a text (a BERT tokenizer would hide EOS bugs)."""
+def tiny_decoder(folder, arch="qwen2", padding_side="left", **sizes):
+    """A tiny random Qwen2 or Llama model (2 layers, 64 dims; `sizes` overrides the config's)
+    saved at `folder`, with a byte-level BPE tokenizer trained here on real sentences, as decoder
+    tokenizers are: an EOS token (also the pad token) and no special tokens added to a text (a
+    BERT tokenizer would hide EOS bugs)."""
     import transformers
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
@@ -214,7 +215,7 @@ def tiny_decoder(folder, arch="qwen2", padding_side="left"):
     fast.save_pretrained(folder)
     torch.manual_seed(0)
     sizes = {"vocab_size": len(fast), "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2, "num_attention_heads": 2,
-             "num_key_value_heads": 1, "max_position_embeddings": 128}
+             "num_key_value_heads": 1, "max_position_embeddings": 128, **sizes}
     if arch == "qwen2":
         transformers.Qwen2Model(transformers.Qwen2Config(**sizes)).save_pretrained(folder)
     else:

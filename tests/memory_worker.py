@@ -1,7 +1,13 @@
-"""train.py under torchrun, watched from outside: on each rank, the largest storage any torch
-operation allocated (its local part, for a DTensor), in bytes, while the model was loaded and wrapped, and
-while it was exported. train.py itself is unchanged; its phases are wrapped here. Writes
-OUTPUT_DIR/largest-tensor-rank-R.json; the arguments are train.py's.
+"""train.py under torchrun, watched from outside. On each rank:
+- the largest storage any torch operation allocated (its local part, for a DTensor), in bytes,
+  while the model was loaded and wrapped, and while it was exported;
+- for each optimizer step after the first, how far the process's resident memory rose above
+  where the step began, until its backward ended (until train.py clips the gradients), in bytes:
+  VmHWM, reset at the step's start through /proc/self/clear_refs (run it with
+  MALLOC_MMAP_THRESHOLD_=65536, so that freed blocks leave RSS at once);
+- the encoder's forwards with a graph (training forwards).
+train.py itself is unchanged; its phases are wrapped here. Writes OUTPUT_DIR/memory-rank-R.json;
+the arguments are train.py's.
 
 Run by tests/test_big_models.py:  torchrun --nproc_per_node=2 tests/memory_worker.py ARGS...
 """
@@ -51,6 +57,42 @@ def storage_of(x):
 
 
 largest = {"load": LargestTensor(), "export": LargestTensor()}
+steps = {"rise": [], "started_kb": None, "forwards": 0}
+
+
+def status_kb(key):
+    with open("/proc/self/status") as f:
+        return next(int(line.split()[1]) for line in f if line.startswith(key + ":"))
+
+
+def step_ends():
+    """Closes the step under way (if any, and not the first), starts watching the next one."""
+    if steps["started_kb"] is not None:
+        steps["rise"].append((status_kb("VmHWM") - steps["started_kb"]) * 1024)
+    steps["started_kb"] = None
+
+
+def step_starts():
+    with open("/proc/self/clear_refs", "w") as f:
+        f.write("5")  # VmHWM := VmRSS
+    steps["started_kb"] = status_kb("VmRSS")
+
+
+def watch_steps(micro_batches):
+    def watched(*args, **kwargs):
+        for i, batch in enumerate(micro_batches(*args, **kwargs)):
+            if i > 0 and i % cfg.grad_accum_steps == 0:  # a step's first micro-step
+                step_starts()
+            yield batch
+    return watched
+
+
+def count_forwards(load_model):
+    def watched(*args, **kwargs):
+        loaded = load_model(*args, **kwargs)
+        loaded.model.encoder.register_forward_pre_hook(lambda *_: steps.update(forwards=steps["forwards"] + torch.is_grad_enabled()))
+        return loaded
+    return watched
 
 
 def during(phase, function):
@@ -60,11 +102,14 @@ def during(phase, function):
     return watched
 
 
-train.load_model = during("load", train.load_model)
+train.load_model = during("load", count_forwards(train.load_model))
+train.micro_batches = watch_steps(train.micro_batches)
 fsdp_utils.wrap_model = during("load", fsdp_utils.wrap_model)
 train.init_non_persistent_buffers = during("load", train.init_non_persistent_buffers)
 fsdp_utils.load_pretrained_sharded = during("load", fsdp_utils.load_pretrained_sharded)
 train.export = during("export", train.export)
+clip_grad_norm = fsdp_utils.clip_grad_norm
+fsdp_utils.clip_grad_norm = lambda *args, **kwargs: (step_ends(), clip_grad_norm(*args, **kwargs))[1]  # backward is over
 
 cfg = train.parse_config()
 rank = int(os.environ["RANK"])
@@ -73,5 +118,5 @@ try:
 finally:
     if dist.is_initialized():
         dist.destroy_process_group()
-with open(os.path.join(cfg.output_dir, f"largest-tensor-rank-{rank}.json"), "w") as f:
-    json.dump({phase: mode.nbytes for phase, mode in largest.items()}, f)
+with open(os.path.join(cfg.output_dir, f"memory-rank-{rank}.json"), "w") as f:
+    json.dump({**{phase: mode.nbytes for phase, mode in largest.items()}, "step_rise": steps["rise"], "forwards": steps["forwards"]}, f)

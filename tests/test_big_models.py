@@ -11,6 +11,10 @@
   while loading or while exporting: the largest it makes is the embedding's shard (watched from
   outside by tests/memory_worker.py); the writer does read the embedding whole, which shows the
   watch sees what it should.
+- Nor a whole gradient while training (FSDP2): one forward per micro-batch, and a reduce-scatter
+  in every backward (also between accumulation steps); a step raises a rank's resident memory
+  by its gradient shards and a few blocks, where two forwards before one backward raise it by
+  most of a whole gradient more (the control).
 - The export in files of at most --export-max-shard-size, with an index, in fp32, bf16 or fp16:
   sentence-transformers and AutoModel load it, its tensors are of that dtype, and its embeddings
   equal the trained model's in memory: fp32 to 1e-5; bf16 and fp16 to the rounding of their
@@ -56,8 +60,8 @@ def test_fsdp2_loads_and_exports_without_a_whole_parameter_on_the_other_rank(tmp
     proc = run_train(["--model", model, *ARGS, "--per-device-batch-size", 4, "--strategy", "fsdp", "--fsdp-version", 2,
                       "--export-max-shard-size", "40KB", "--output-dir", tmp_path / "fsdp2"], nproc=2, script=REPO_DIR / "tests" / "memory_worker.py")
     assert "loads the whole model" not in proc.stdout + proc.stderr
-    other = json.loads((tmp_path / "fsdp2" / "largest-tensor-rank-1.json").read_text())
-    writer = json.loads((tmp_path / "fsdp2" / "largest-tensor-rank-0.json").read_text())
+    other = json.loads((tmp_path / "fsdp2" / "memory-rank-1.json").read_text())
+    writer = json.loads((tmp_path / "fsdp2" / "memory-rank-0.json").read_text())
     shard = math.ceil(vocab / 2) * dim * 4  # bytes of the embedding's shard, the largest there is
     assert other["load"] <= shard and other["export"] <= shard, (other, shard, vocab * dim * 4)
     assert writer["export"] >= vocab * dim * 4  # the writer reads it whole: the watch sees reads
@@ -71,6 +75,38 @@ def test_fsdp2_loads_and_exports_without_a_whole_parameter_on_the_other_rank(tmp
         assert sum(sizes) <= 40_000 or len(sizes) == 1, (file, sizes)
     run_train(["--model", model, *ARGS, "--per-device-batch-size", 4, "--grad-accum-steps", 2, "--output-dir", tmp_path / "one"])
     assert_same_training(tmp_path / "fsdp2", tmp_path / "one", num_steps=3)
+
+
+def test_fsdp2_training_never_holds_a_whole_gradient(tmp_path):
+    """A 24-block decoder (4 MB a block, 99% of the model in blocks) under FSDP2 at world 2, with
+    activation checkpointing (so that activations stay small beside the weights): train.py runs
+    one forward per micro-batch (both columns together), and from a step's start to the end of
+    its backward a rank's resident memory rises by this rank's gradient shards (half the fp32
+    model, set to None after each step) and a few blocks, far less than a whole gradient more;
+    so it does with 2 accumulation steps, where every backward reduce-scatters (FSDP's no-sync
+    would keep the unsharded gradients; GradCache's chunks go through the same
+    fsdp_utils.gradient_sync).
+    The control: with --length-buckets 2 (two forwards before one backward) the same watch sees
+    most of a whole gradient more (autograd keeps each block's gradient from the second forward
+    until backward reaches the first forward's block)."""
+    model = tiny_decoder(tmp_path / "base", "qwen2", hidden_size=256, intermediate_size=1024, num_hidden_layers=24, num_attention_heads=4,
+                         num_key_value_heads=2)
+    fp32 = 4 * sum(p.numel() for p in transformers.AutoModel.from_pretrained(model).parameters())
+    beyond_shards = {}
+    for name, options, forwards in [("default", [], 1), ("two-forwards", ["--length-buckets", 2], 2),
+                                    ("accumulation", ["--grad-accum-steps", 2], 2)]:
+        out = tmp_path / name
+        run_train(["--model", model, *ARGS, "--per-device-batch-size", 2, "--strategy", "fsdp", "--fsdp-version", 2, "--activation-checkpointing",
+                   *options, "--output-dir", out], nproc=2, script=REPO_DIR / "tests" / "memory_worker.py",
+                  env={"MALLOC_MMAP_THRESHOLD_": "65536", "MALLOC_ARENA_MAX": "2"})
+        for rank in (0, 1):
+            watched = json.loads((out / f"memory-rank-{rank}.json").read_text())
+            assert watched["forwards"] == 3 * forwards, (name, watched)  # 3 steps
+            assert len(watched["step_rise"]) == 2
+            beyond_shards[name, rank] = (max(watched["step_rise"]) - fp32 / 2) / fp32
+    print(f"largest rise in a step minus the gradient shards, x the fp32 model ({fp32 / 2**20:.0f} MiB):", beyond_shards)
+    assert all(beyond_shards["two-forwards", rank] >= 0.6 for rank in (0, 1)), beyond_shards  # the watch sees it
+    assert all(beyond_shards[name, rank] <= 0.4 for name in ("default", "accumulation") for rank in (0, 1)), beyond_shards
 
 
 def test_llama_at_world_4_loaded_into_shards_trains_as_one_process(tmp_path):

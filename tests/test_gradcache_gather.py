@@ -2,8 +2,8 @@
 
 - GradCache (`train.cached_backward`) gives the gradient of the plain loss, for every loss and
   chunk sizes 1, 3 and B, its chunks cut from the batch order or from length-sorted sub-batches: with dropout 0 against `compute_loss`; with dropout 0.1 against a
-  naive reference that embeds the same chunks with a graph (the same random numbers), and at
-  chunk size B against `compute_loss` itself (chunks of B are its very forwards);
+  naive reference that embeds the same chunks with a graph (the same random numbers), and with
+  chunks of all the columns' rows against `compute_loss` itself (they are its very forwards);
 - through train.py under torchrun (a tiny random BERT, conftest.tiny_model, to keep CI short): world 2 x batch B with --gather-negatives == one process with
   batch 2B (FSDP1 full_shard, FSDP2), and at world 4 x B/2 under DDP (with --symmetric); GradCache + gather at world 2
   (FSDP2) == plain at world 1 x 2B; GradCache under DDP (Softmax) and FSDP1 (CoSENT) == one
@@ -66,18 +66,17 @@ def cached(model, features, labels, loss, chunk_size, groups=None, **options):
 def sorted_groups(features, count=2):
     """Length-sorted sub-batches as train.py forms them under GradCache (--length-buckets 2)."""
     groups = train.sub_batches(features, count, 1, "cpu", equal_sizes=True)
-    assert all(not torch.equal(torch.cat(g), torch.arange(B)) for g in groups)  # really reordered
+    assert not torch.equal(torch.cat(groups), torch.arange(B * len(features)))  # really reordered
     return groups
 
 
 def naive_chunked(model, features, labels, loss, chunk_size, groups=None):
     """The reference for dropout > 0: the same chunks in the same order (hence the same dropout
     masks), but one autograd graph through all of them and a single backward."""
-    embs = []
-    for column, tokens in enumerate(features):
-        rows = [r for g in (groups[column] if groups else [torch.arange(B)]) for r in g.split(chunk_size)]
-        pieces = [model(**train.select_rows(tokens, r)) for r in rows]
-        embs.append(torch.cat(pieces).float()[torch.argsort(torch.cat(rows))])
+    pool = {k: torch.cat([tokens[k] for tokens in features]) for k in features[0]}  # the columns' rows, one after the other
+    rows = [r for g in (groups or [torch.arange(B * len(features))]) for r in g.split(chunk_size)]
+    pieces = [model(**train.select_rows(pool, r)) for r in rows]
+    embs = list(torch.cat(pieces).float()[torch.argsort(torch.cat(rows))].split(B))
     value = train.embeddings_loss(model, embs, labels, loss)
     value.backward()
     return value
@@ -98,7 +97,7 @@ def assert_same_grads(got, want, tol=3e-5):
 @pytest.mark.parametrize("loss", list(DATA))
 def test_cached_gradient_equals_plain(loss):
     """Also with length-sorted sub-batches (chunks cut from them), against the plain loss of one
-    padded forward per column."""
+    padded forward."""
     model, features, labels = model_for(loss, dropout=0.0)
     want = grads_after(model, lambda: plain(model, features, labels, loss))
     assert len(want[1]) == len(list(model.parameters()))  # every parameter, the head included
@@ -124,14 +123,15 @@ def test_cached_gradient_equals_plain_with_matryoshka(loss):
 def test_cached_gradient_with_dropout_replays_the_same_masks(loss):
     model, features, labels = model_for(loss, dropout=0.1)
     assert model.training
-    # Chunks of B are compute_loss's own forwards: the same random numbers, the same gradient;
-    # so are chunks cut from the same length-sorted sub-batches.
+    # Chunks of all the columns' rows (the pool) are compute_loss's own forwards: the same random
+    # numbers, the same gradient; so are chunks cut from the same length-sorted sub-batches.
+    pool = B * len(features)
     want = grads_after(model, lambda: plain(model, features, labels, loss))
-    assert_same_grads(grads_after(model, lambda: cached(model, features, labels, loss, B)), want)
+    assert_same_grads(grads_after(model, lambda: cached(model, features, labels, loss, pool)), want)
     groups = sorted_groups(features)
     sorted_want = grads_after(model, lambda: plain(model, features, labels, loss, groups))
-    assert_same_grads(grads_after(model, lambda: cached(model, features, labels, loss, B, groups)), sorted_want)
-    assert_same_grads(grads_after(model, lambda: naive_chunked(model, features, labels, loss, B, groups)), sorted_want)
+    assert_same_grads(grads_after(model, lambda: cached(model, features, labels, loss, pool, groups)), sorted_want)
+    assert_same_grads(grads_after(model, lambda: naive_chunked(model, features, labels, loss, pool, groups)), sorted_want)
     for chunk_size in (1, 3):
         for g in (None, groups):
             want = grads_after(model, lambda: naive_chunked(model, features, labels, loss, chunk_size, g))

@@ -97,7 +97,7 @@ def test_append_eos_ends_every_text_with_eos_in_training_and_in_the_export(arch,
                  "--max-steps", 3, "--per-device-batch-size", 14, "--lr", 1e-3, "--output-dir", tmp_path / "out"])
 
     # Training: the last real token of every row is EOS; the long texts were cut to 24 tokens with it.
-    assert len(seen) >= 6  # 3 steps, 2 columns
+    assert len(seen) >= 3  # 3 steps, both columns together in one or more forwards
     lengths = []
     for input_ids, mask in seen:
         last = input_ids.shape[1] - 1 - mask.flip(1).argmax(1)  # left or right padding alike

@@ -6,9 +6,11 @@ never what is learned:
   padding, where its absolute positions are counted from the mask) and for a tiny Qwen2
   decoder with left and right padding and last-token pooling (its tokenizer: byte-level BPE trained here,
   with an EOS token and no special tokens added, as decoder tokenizers behave);
-- under FSDP every rank runs the same number of forwards when one rank holds only short texts
+- a micro-batch's columns are embedded together (one pool of rows, cut by length);
+- under DDP every rank runs the same number of forwards when one rank holds only short texts
   and the other only long ones (each alone would choose a different count): the run finishes
-  and trains as one process with 2 accumulation steps and sub-batches off;
+  and trains as one process with 2 accumulation steps and sub-batches off (under FSDP the
+  automatic count is 1, one forward per micro-batch: tests/test_big_models.py);
 - training with sub-batches equals training without, for every loss, under DDP, FSDP1, FSDP2
   and GradCache;
 - a training run really feeds its encoder the sub-batches (seen by a forward hook from outside):
@@ -50,18 +52,19 @@ def test_sub_batches_embed_as_one_padded_batch(which, tmp_path):
         whole = model(**tokens)
         for count in (2, 3, 5):
             groups = train.sub_batches([tokens], count, 1, "cpu")
-            assert max(len(train.select_rows(tokens, g)["input_ids"][0]) for g in groups[0][1:]) < tokens["input_ids"].shape[1]  # shorter
+            assert max(len(train.select_rows(tokens, g)["input_ids"][0]) for g in groups[1:]) < tokens["input_ids"].shape[1]  # shorter
             (sub,) = train.embed_columns(model, [tokens], groups)
             assert (sub - whole).abs().max().item() <= 1e-5, count
         alone = torch.cat([model(**loaded.tokenize([t])) for t in texts])
     assert (alone - whole).abs().max().item() <= 1e-5  # no padding at all
 
 
-def test_under_fsdp_ranks_with_short_and_long_texts_run_the_same_forwards(tmp_path, tiny_model):
+def test_ranks_with_short_and_long_texts_run_the_same_forwards(tmp_path, tiny_model):
     """Rank 0's rows are one-word texts, rank 1's texts of 1 to 120 words: alone, rank 0 would run
-    one forward per column and rank 1 several; FSDP would then wait forever for rank 0's missing
-    forward (here: fail at a 1-minute timeout). They agree on the count, and the run equals one
-    process with 2 accumulation steps and no sub-batches."""
+    fewer forwards than rank 1; DDP (which broadcasts the model's buffers in every forward)
+    would then wait forever for rank 0's missing forward (here: fail at a 1-minute timeout).
+    They agree on the count, and the run equals one process with 2 accumulation steps and no
+    sub-batches. (Under FSDP the automatic count is 1: tests/test_big_models.py.)"""
     per_device, world, steps, seed = 32, 2, 3, 12
     num_rows = per_device * world * steps
     order = train.epoch_order(num_rows, seed, 0).tolist()
@@ -78,16 +81,16 @@ def test_under_fsdp_ranks_with_short_and_long_texts_run_the_same_forwards(tmp_pa
     loaded = train.load_model(train.Config(model=str(tiny_model), max_seq_length=128), 0)
     for step in range(steps):  # the test's premise: alone, the two ranks would choose differently
         batch = order[step * per_device * world : (step + 1) * per_device * world]
-        masks = [loaded.tokenize([rows[i]["anchor"] for i in half])["attention_mask"] for half in (batch[:per_device], batch[per_device:])]
+        masks = [loaded.tokenize([rows[i][c] for c in ("anchor", "positive") for i in half])["attention_mask"] for half in (batch[:per_device], batch[per_device:])]
         counts = [train.group_count(train.length_sorted_cuts(mask, 8)[0], train.FORWARD_COST_TOKENS["cpu"]) for mask in masks]
-        assert counts[0] == 1 < counts[1], counts
+        assert counts[0] < counts[1], counts
 
     args = ["--model", tiny_model, "--train-data", data, "--max-steps", steps, "--max-seq-length", 128, "--log-steps", 1, "--lr", 1e-3,
             "--dropout", 0, "--seed", seed, "--loss", "mnrl"]
-    run_train([*args, "--per-device-batch-size", per_device, "--strategy", "fsdp", "--fsdp-version", 2, "--dist-timeout-minutes", 1,
-               "--output-dir", tmp_path / "fsdp"], nproc=world)
+    run_train([*args, "--per-device-batch-size", per_device, "--strategy", "ddp", "--dist-timeout-minutes", 1,
+               "--output-dir", tmp_path / "ddp"], nproc=world)
     run_train([*args, "--per-device-batch-size", per_device, "--grad-accum-steps", world, "--length-buckets", 1, "--output-dir", tmp_path / "single"])
-    assert_same_training(tmp_path / "fsdp", tmp_path / "single", steps)
+    assert_same_training(tmp_path / "ddp", tmp_path / "single", steps)
 
 
 def margin_file(tmp_path):
@@ -133,13 +136,13 @@ def naive_count(lengths, forward_cost, max_groups=8):
 
 @pytest.mark.parametrize("flags", [[], ["--length-buckets", 3], ["--length-buckets", 1], ["--length-buckets", 3, "--cache-chunk-size", 2]])
 def test_the_training_loop_feeds_the_encoder_length_sorted_sub_batches(flags, tmp_path, tiny_model, monkeypatch):
-    """What a training run feeds its encoder, seen from outside by a forward hook: per step and
-    column, the rows split into the expected number of forwards (automatic: the count a naive
-    search finds best), sorted longest first, cut where the padding is least (against trying
+    """What a training run feeds its encoder, seen from outside by a forward hook: per step, the
+    rows of both columns together split into the expected number of forwards (automatic: the
+    count a naive search finds best), sorted longest first, cut where the padding is least (against trying
     every cut), each without a position that is padding in all its rows, together every row
     exactly once (with GradCache: equal groups cut into chunks, run twice, the same both times).
-    The batch is the whole data set (12 rows; 3 anchors of 64 tokens, the rest short), so every step
-    sees every row."""
+    The batch is the whole data set (12 rows, 24 texts; 3 anchors of 64 tokens, the rest short),
+    so every step sees every row."""
     rows = [{"anchor": " ".join(TEXTS[i : i + (8 if i % 4 == 0 else 1)]), "positive": TEXTS[100 + i]} for i in range(12)]  # 3 long anchors
     data = tmp_path / "lengths.jsonl"
     data.write_text("".join(json.dumps(r) + "\n" for r in rows))
@@ -157,32 +160,31 @@ def test_the_training_loop_feeds_the_encoder_length_sorted_sub_batches(flags, tm
                                                       "--per-device-batch-size", 12, "--max-seq-length", 64, "--output-dir", tmp_path / "out", *flags]]))
 
     tokenizer = transformers.AutoTokenizer.from_pretrained(tiny_model)
-    true_lengths = [sorted((len(tokenizer(r[c], truncation=True, max_length=64)["input_ids"]) for r in rows), reverse=True) for c in ("anchor", "positive")]
-    assert true_lengths[0][0] > 3 * true_lengths[0][-1]  # the premise: lengths differ widely
+    # The pool: every column's rows, embedded together.
+    true_lengths = sorted((len(tokenizer(r[c], truncation=True, max_length=64)["input_ids"]) for c in ("anchor", "positive") for r in rows), reverse=True)
+    assert true_lengths[0] > 3 * true_lengths[-1]  # the premise: lengths differ widely
     if "--length-buckets" in flags:
-        counts = [flags[flags.index("--length-buckets") + 1]] * 2
+        count = flags[flags.index("--length-buckets") + 1]
     else:
-        counts = [naive_count(lengths, train.FORWARD_COST_TOKENS["cpu"]) for lengths in true_lengths]
-        assert counts[0] > 1  # the premise: the long column is worth splitting
+        count = naive_count(true_lengths, train.FORWARD_COST_TOKENS["cpu"])
+        assert count > 1  # the premise: the pool is worth splitting
     chunk = flags[flags.index("--cache-chunk-size") + 1] if "--cache-chunk-size" in flags else None
-    per_column = [math.ceil(12 / count / chunk) * count if chunk else count for count in counts]  # 12 rows, 3 groups, 2 rows a chunk: 6
-    per_pass = sum(per_column)
+    per_pass = math.ceil(24 / count / chunk) * count if chunk else count  # 24 rows, 3 groups, 2 rows a chunk: 12
     assert len(seen) == steps * per_pass * (2 if chunk else 1)
     for step in range(steps):
         forwards = seen[step * len(seen) // steps : (step + 1) * len(seen) // steps]
         if chunk:  # GradCache: the no-graph pass, then the same chunks again with a graph
             assert all(torch.equal(a, b) for a, b in zip(forwards[:per_pass], forwards[per_pass:]))
-        for column in range(2):
-            masks = forwards[sum(per_column[:column]) : sum(per_column[: column + 1])]
-            lengths = [length for mask in masks for length in mask.sum(1).tolist()]
-            if per_column[column] > 1:
-                assert lengths == true_lengths[column]  # every row once, longest first
-            else:  # one forward: the column as it comes, in batch order
-                assert sorted(lengths, reverse=True) == true_lengths[column]
-            assert all(mask.any(0).all() for mask in masks)  # no position that is padding in every row
-            padded = sum(mask.numel() for mask in masks)
-            if chunk:  # equal groups of 4 rows, each cut into chunks of 2
-                assert [len(mask) for mask in masks] == [2] * per_column[column]
-            else:  # the cuts that save the most padding
-                assert padded == fewest_padded(true_lengths[column], per_column[column])
-            assert padded < 12 * true_lengths[column][0] or per_column[column] == 1
+        masks = forwards[:per_pass]
+        lengths = [length for mask in masks for length in mask.sum(1).tolist()]
+        if per_pass > 1:
+            assert lengths == true_lengths  # every row once, longest first
+        else:  # one forward: the pool as it comes, in batch order
+            assert sorted(lengths, reverse=True) == true_lengths
+        assert all(mask.any(0).all() for mask in masks)  # no position that is padding in every row
+        padded = sum(mask.numel() for mask in masks)
+        if chunk:  # equal groups of 8 rows, each cut into chunks of 2
+            assert [len(mask) for mask in masks] == [2] * per_pass
+        else:  # the cuts that save the most padding
+            assert padded == fewest_padded(true_lengths, per_pass)
+        assert padded < 24 * true_lengths[0] or per_pass == 1

@@ -845,9 +845,13 @@ def embed_columns(model, features, groups=None):
 
 
 def pool_columns(features):
-    """The columns' tokens as one batch: column 0's rows, then column 1's, ... (collate gives
-    them one padded length)."""
-    return {k: torch.cat([tokens[k] for tokens in features]) for k in features[0]}
+    """The columns' tokens as one batch: column 0's rows, then column 1's, ... collate gives them
+    one padded length; columns tokenized apart are padded to the longest, on their tokenizer's
+    side (left if any column has a row that starts with padding), with masked zeros."""
+    T = max(tokens["attention_mask"].shape[1] for tokens in features)
+    left = any(not tokens["attention_mask"][:, 0].all() for tokens in features)
+    pad = lambda v: torch.nn.functional.pad(v, (T - v.shape[1], 0) if left else (0, T - v.shape[1]))  # noqa: E731
+    return {k: torch.cat([pad(tokens[k]) for tokens in features]) for k in features[0]}
 
 
 def select_rows(tokens, rows):

@@ -20,7 +20,8 @@ Trainer's: its train_samples_per_second). Model loading is outside both.
 The floor: a bare loop (one process, pre-tokenized, no optimizer) of forward + loss + backward
 over the very sub-batches our trainer runs, in real (non-padding) tokens per second; our
 trainer's real tokens/s is its samples/s times the mean real tokens per row of the rows it
-trained. The same loop over one padded batch per column shows what the sub-batches save, and
+trained. The same loop over one padded batch (all columns' rows in one forward, padded to the
+longest) shows what the sub-batches save, and
 the time to tokenize a batch what tokenizing in the background hides.
 
 Run (a quiet machine; about 50 minutes on 2 CPU cores with the defaults):
@@ -133,8 +134,8 @@ def quality(task, model_dir):
 
 def floor(task, precision, max_steps, work_dir, repeats=3, timed_batches=20):
     """Forward + loss + backward (no optimizer, no tokenizing) over the sub-batches train.py runs
-    on its first `timed_batches` batches at world 1, in real tokens/s; also one padded batch per
-    column; the seconds to tokenize a batch, and the real tokens per row of the max_steps
+    on its first `timed_batches` batches at world 1, in real tokens/s; also one padded batch (all
+    columns' rows in one forward); the seconds to tokenize a batch, and the real tokens per row of the max_steps
     batches train.py trains on."""
     import torch
 

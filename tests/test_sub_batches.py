@@ -6,7 +6,8 @@ never what is learned:
   padding, where its absolute positions are counted from the mask) and for a tiny Qwen2
   decoder with left and right padding and last-token pooling (its tokenizer: byte-level BPE trained here,
   with an EOS token and no special tokens added, as decoder tokenizers behave);
-- a micro-batch's columns are embedded together (one pool of rows, cut by length);
+- a micro-batch's columns are embedded together (one pool of rows, cut by length), also when
+  they were tokenized apart (padded to two lengths, on the tokenizer's side);
 - under DDP every rank runs the same number of forwards when one rank holds only short texts
   and the other only long ones (each alone would choose a different count): the run finishes
   and trains as one process with 2 accumulation steps and sub-batches off (under FSDP the
@@ -55,6 +56,10 @@ def test_sub_batches_embed_as_one_padded_batch(which, tmp_path):
             assert max(len(train.select_rows(tokens, g)["input_ids"][0]) for g in groups[1:]) < tokens["input_ids"].shape[1]  # shorter
             (sub,) = train.embed_columns(model, [tokens], groups)
             assert (sub - whole).abs().max().item() <= 1e-5, count
+        # Two columns tokenized apart (padded to two lengths) embed together as in one batch.
+        first, second = train.embed_columns(model, [dict(loaded.tokenize(texts[:7])), dict(loaded.tokenize(texts[7:]))])
+        assert loaded.tokenize(texts[:7])["input_ids"].shape[1] < tokens["input_ids"].shape[1]  # the premise
+        assert (torch.cat([first, second]) - whole).abs().max().item() <= 1e-5
         alone = torch.cat([model(**loaded.tokenize([t])) for t in texts])
     assert (alone - whole).abs().max().item() <= 1e-5  # no padding at all
 

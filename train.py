@@ -172,7 +172,7 @@ class Config:
                                          "the same results")
     length_buckets: int = arg(0, "embed a micro-batch's texts (all its columns together) in this many forwards of similar length (each padded "
                               "to its own longest row, the embeddings put back in batch order: the loss sees the same batch, less padding is "
-                              "computed); 0: chosen per micro-batch (at most 8, agreed by all ranks), except under FSDP: 1; 1: one padded "
+                              "computed); 0: chosen per micro-batch (at most 8), except under FSDP (where every rank must run as many): 1; 1: one padded "
                               "forward", at_least=0, resume_may_change=True)
     # evaluation (all ranks take part: each encodes its shard, eval_dist.py)
     eval_data: str = arg("", "held-out data, FILE[,FILE] (formats as --train-data), evaluated every --eval-steps and after the last step", resume_may_change=True)
@@ -533,18 +533,34 @@ class EmbeddingModel(torch.nn.Module):
         # the same in any batch, and in any length-sorted sub-batch.
         self.takes_positions = "position_ids" in inspect.signature(encoder.forward).parameters
 
-    def forward(self, input_ids=None, attention_mask=None, token_type_ids=None, head_input=None):
-        """Token batch -> embeddings (B, D); or, with `head_input` (B, 3D), the Softmax head's
-        logits. The head goes through forward too, so the wrapper sees every parameter used."""
+    def forward(self, input_ids=None, attention_mask=None, token_type_ids=None, head_input=None, groups=None):
+        """Token batch -> embeddings (B, D), in batch order. `groups` (row-index tensors that
+        together hold every row once: sub_batches) runs the encoder once per group, each without
+        the positions that are padding in all its rows; None runs it once. Or, with `head_input`
+        (B, 3D), the Softmax head's logits. The head goes through forward too, so the wrapper
+        sees every parameter used."""
         if head_input is not None:
             return self.classifier(head_input)
-        inputs = {"input_ids": input_ids, "attention_mask": attention_mask}
+        # The word embeddings are looked up once for all groups, not once per group: each
+        # lookup's backward makes a dense gradient as large as the whole vocabulary table (30522
+        # x 384 for MiniLM: 47 MB to fill with zeros and add), which with a few groups per step
+        # cost a fifth of a bf16 step on a CPU. The encoder takes the looked-up rows as
+        # `inputs_embeds`: the same numbers for every real token (XLM-R and MPNet, which give
+        # padding its own position from input_ids, then number it as the others; it is masked).
+        tokens = {"inputs_embeds": self.encoder.get_input_embeddings()(input_ids), "attention_mask": attention_mask}
         if token_type_ids is not None:
-            inputs["token_type_ids"] = token_type_ids
-        if self.takes_positions and not bool(attention_mask[:, 0].all()):  # left padding
-            inputs["position_ids"] = (attention_mask.long().cumsum(1) - 1).clamp(min=0)
-        token_states_BTD = self.encoder(**inputs).last_hidden_state
-        emb_BD = pool(token_states_BTD, attention_mask, self.pooling)
+            tokens["token_type_ids"] = token_type_ids
+        if groups is None:
+            return self.embed(tokens)
+        pieces = [self.embed(select_rows(tokens, rows)) for rows in groups]
+        return torch.cat(pieces)[torch.argsort(torch.cat(groups))]
+
+    def embed(self, tokens):
+        mask_BT = tokens["attention_mask"]
+        if self.takes_positions and not bool(mask_BT[:, 0].all()):  # left padding
+            tokens = {**tokens, "position_ids": (mask_BT.long().cumsum(1) - 1).clamp(min=0)}
+        token_states_BTD = self.encoder(**tokens).last_hidden_state
+        emb_BD = pool(token_states_BTD, mask_BT, self.pooling)
         return F.normalize(emb_BD, p=2, dim=-1) if self.normalize else emb_BD
 
 
@@ -829,18 +845,15 @@ def embed_columns(model, features, groups=None):
     """The embeddings of each text column, in batch order, through the wrapped `model` (DDP/FSDP
     hook their gradient synchronisation, and FSDP its parameter gathering, into each forward).
     The columns' rows are embedded together, as one pool (all columns first to last, as
-    pool_columns makes it): `groups` (from sub_batches) are row sets of that pool, one forward
-    each, each without the positions that are padding in all its rows; None: one forward for
-    the whole pool. Fewer forwards than one per column matters beyond speed: a parameter that
+    pool_columns makes it), in one call of the wrapped model: `groups` (from sub_batches) are
+    row sets of that pool, one encoder pass each, each without the positions that are padding
+    in all its rows; None: one pass for the whole pool. Fewer passes than one per column matters beyond speed: a parameter that
     two forwards used gets its gradient only when backward has gone through both (autograd sums
     the two before the parameter's gradient is done), so with a forward per column the first
     backward pass holds a whole unsharded gradient until the second one reaches each block, and
     under FSDP that is a full copy of the model's gradients on every rank. The losses run in
     fp32 even when the encoder computes in bf16/fp16."""
-    pool = pool_columns(features)
-    groups = groups or [torch.arange(len(pool["input_ids"]), device=pool["input_ids"].device)]
-    pieces = [model(**select_rows(pool, rows)).float() for rows in groups]
-    embs = torch.cat(pieces)[torch.argsort(torch.cat(groups))]  # back in pool order
+    embs = model(**pool_columns(features), groups=groups).float()  # in pool order
     return list(embs.split(len(features[0]["input_ids"])))
 
 
@@ -914,26 +927,26 @@ def group_count(padded_K, forward_cost):
     return 1 + costs.index(min(costs))
 
 
-def sub_batches(features, length_buckets, world_size, device, equal_sizes=False):
-    """The groups of rows embed_columns runs as one forward each, as row sets of the pool of all
-    text columns (pool_columns): consecutive runs of the pool's rows sorted by length, cut where
-    they save the most padding (equal_sizes: into equally many rows, as GradCache needs: see
-    below). ALL ranks (one all_reduce when the count is chosen here): every forward is a
-    collective under FSDP (and a buffer broadcast under DDP), so every rank must run the same
-    number of them; the count is agreed, the cuts are each rank's own. Under GradCache each
-    group is cut again into chunks, and the number of chunks must agree too: equal micro-batch
-    sizes, one count and equal-sized groups make it so."""
+def sub_batches(features, length_buckets, device, equal_sizes=False):
+    """The groups of rows embed_columns runs as one encoder pass each, as row sets of the pool of
+    all text columns (pool_columns): consecutive runs of the pool's rows sorted by length, cut
+    where they save the most padding (equal_sizes: into equally many rows, as GradCache needs:
+    see below). `length_buckets`: the number of groups; 0: the number that saves the most
+    (padded tokens plus FORWARD_COST_TOKENS per pass), chosen by each rank alone.
+
+    Each rank may choose its own: under DDP the wrapped model is called once per micro-batch
+    (GradCache: once per chunk, and DDP broadcasts its buffers only in a forward that follows
+    a synchronised one with gradients, so extra chunks add no collective). Under FSDP every
+    encoder pass gathers each block, a collective, so every rank must run as many: train.py
+    fixes the count there (--length-buckets; 1 unless set), and GradCache's chunks agree too
+    when micro-batches are equal in size and groups equal in rows."""
     mask_BT = pool_columns(features)["attention_mask"]
     max_groups = min(length_buckets or MAX_AUTO_GROUPS, len(mask_BT))
     padded_K, runs = length_sorted_cuts(mask_BT, max_groups)
     if length_buckets:
         count = max_groups
     else:
-        cost = FORWARD_COST_TOKENS.get(torch.device(device).type, FORWARD_COST_TOKENS["cuda"])
-        count_1 = torch.tensor([group_count(padded_K, cost)], device=device)
-        if world_size > 1:
-            dist.all_reduce(count_1, op=dist.ReduceOp.MAX)
-        count = int(count_1.item())
+        count = group_count(padded_K, FORWARD_COST_TOKENS.get(torch.device(device).type, FORWARD_COST_TOKENS["cuda"]))
     if equal_sizes:
         return list(torch.tensor_split(runs(1)[0], count))  # runs(1): all rows, sorted
     return runs(count)
@@ -1214,9 +1227,9 @@ def main(cfg):
         for micro_step in range(cfg.grad_accum_steps):
             ts, rows, features, labels = next(batches)
             ids = [text_ids(rows[c], loaded.prepare).to(device) for c in ts.text_columns] if cfg.mask_duplicates and ts.loss == "mnrl" else None
-            # Length-sorted sub-batches: less padding computed, the same batch for the loss (all ranks).
+            # Length-sorted sub-batches: less padding computed, the same batch for the loss.
             # Chosen from the CPU copy of the tokens: no device-to-host copy per forward.
-            groups = sub_batches(features, length_buckets, world_size, device, equal_sizes=cfg.cache_chunk_size > 0)
+            groups = sub_batches(features, length_buckets, device, equal_sizes=cfg.cache_chunk_size > 0)
             features = [{k: v.to(device) for k, v in tokens.items()} for tokens in features]
             labels = labels.to(device) if labels is not None else None
             # The micro-batch's loss from its column embeddings (GradCache calls it on cached ones).

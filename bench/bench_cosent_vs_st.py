@@ -161,7 +161,7 @@ def floor(task, precision, max_steps, work_dir, repeats=3, timed_batches=20):
     def loop(sub_batched):
         started = time.perf_counter()
         for f, y in zip(features, labels):
-            groups = train.sub_batches(f, 0, 1, "cpu") if sub_batched else None
+            groups = train.sub_batches(f, 0, "cpu") if sub_batched else None
             with autocast():
                 loss_value = train.embeddings_loss(loaded.model, train.embed_columns(loaded.model, f, groups), y, loss)
             loss_value.backward()

@@ -65,7 +65,7 @@ def cached(model, features, labels, loss, chunk_size, groups=None, **options):
 
 def sorted_groups(features, count=2):
     """Length-sorted sub-batches as train.py forms them under GradCache (--length-buckets 2)."""
-    groups = train.sub_batches(features, count, 1, "cpu", equal_sizes=True)
+    groups = train.sub_batches(features, count, "cpu", equal_sizes=True)
     assert not torch.equal(torch.cat(groups), torch.arange(B * len(features)))  # really reordered
     return groups
 

@@ -6,11 +6,15 @@ never what is learned:
   padding, where its absolute positions are counted from the mask) and for a tiny Qwen2
   decoder with left and right padding and last-token pooling (its tokenizer: byte-level BPE trained here,
   with an EOS token and no special tokens added, as decoder tokenizers behave);
+- the word embeddings are looked up once for all sub-batches and the encoder is fed the looked-up
+  rows (`inputs_embeds`): for every architecture we support (tiny random BERT, XLM-R, RoBERTa,
+  MPNet, DistilBERT, ModernBERT, Qwen2, Llama) this equals the model's own forward from token ids,
+  by hand as transformers' users run it;
 - a micro-batch's columns are embedded together (one pool of rows, cut by length), also when
   they were tokenized apart (padded to two lengths, on the tokenizer's side);
-- under DDP every rank runs the same number of forwards when one rank holds only short texts
-  and the other only long ones (each alone would choose a different count): the run finishes
-  and trains as one process with 2 accumulation steps and sub-batches off (under FSDP the
+- under DDP each rank cuts its own sub-batches: one rank with only short texts and the other with
+  only long ones run different numbers of encoder passes (and of GradCache chunks), and the run
+  finishes and trains as one process with 2 accumulation steps and sub-batches off (under FSDP the
   automatic count is 1, one forward per micro-batch: tests/test_big_models.py);
 - training with sub-batches equals training without, for every loss, under DDP, FSDP1, FSDP2
   and GradCache;
@@ -52,7 +56,7 @@ def test_sub_batches_embed_as_one_padded_batch(which, tmp_path):
     with torch.no_grad():
         whole = model(**tokens)
         for count in (2, 3, 5):
-            groups = train.sub_batches([tokens], count, 1, "cpu")
+            groups = train.sub_batches([tokens], count, "cpu")
             assert max(len(train.select_rows(tokens, g)["input_ids"][0]) for g in groups[1:]) < tokens["input_ids"].shape[1]  # shorter
             (sub,) = train.embed_columns(model, [tokens], groups)
             assert (sub - whole).abs().max().item() <= 1e-5, count
@@ -64,12 +68,59 @@ def test_sub_batches_embed_as_one_padded_batch(which, tmp_path):
     assert (alone - whole).abs().max().item() <= 1e-5  # no padding at all
 
 
-def test_ranks_with_short_and_long_texts_run_the_same_forwards(tmp_path, tiny_model):
-    """Rank 0's rows are one-word texts, rank 1's texts of 1 to 120 words: alone, rank 0 would run
-    fewer forwards than rank 1; DDP (which broadcasts the model's buffers in every forward)
-    would then wait forever for rank 0's missing forward (here: fail at a 1-minute timeout).
-    They agree on the count, and the run equals one process with 2 accumulation steps and no
-    sub-batches. (Under FSDP the automatic count is 1: tests/test_big_models.py.)"""
+
+TINY = dict(vocab_size=128, hidden_size=32, num_hidden_layers=2, num_attention_heads=2, intermediate_size=64, max_position_embeddings=64)
+ARCHITECTURES = {
+    "bert": transformers.BertConfig(**TINY),
+    "xlm-roberta": transformers.XLMRobertaConfig(**TINY),  # padding has its own position from token ids
+    "roberta": transformers.RobertaConfig(**TINY),
+    "mpnet": transformers.MPNetConfig(**TINY),  # relative position buckets
+    "distilbert": transformers.DistilBertConfig(vocab_size=128, dim=32, n_layers=2, n_heads=2, hidden_dim=64),
+    "modernbert": transformers.ModernBertConfig(**TINY, global_attn_every_n_layers=2, pad_token_id=0, bos_token_id=1, eos_token_id=2, cls_token_id=1, sep_token_id=2),
+    "qwen2": transformers.Qwen2Config(**TINY, num_key_value_heads=1),
+    "llama": transformers.LlamaConfig(**TINY, num_key_value_heads=1),
+}
+
+
+@pytest.mark.parametrize("arch", list(ARCHITECTURES))
+def test_one_lookup_feeds_every_sub_batch_as_the_models_own_forward_does(arch):
+    """EmbeddingModel looks the word embeddings up once and feeds the encoder rows of them: equal
+    (<= 1e-5) to the plain transformers forward from token ids, row by row, right padding
+    with the config's pad id, mean pooling by hand; and one lookup for all sub-batches (each lookup's backward
+    is a dense gradient of the whole vocabulary table)."""
+    config = ARCHITECTURES[arch]
+    torch.manual_seed(0)
+    encoder = transformers.AutoModel.from_config(config).eval()
+    pad = config.pad_token_id if config.pad_token_id is not None else 0
+    lengths = [3, 40, 7, 12, 40, 1, 25, 9]
+    ids_BT = torch.randint(3, config.vocab_size, (len(lengths), max(lengths)))
+    ids_BT[ids_BT == pad] = 3
+    mask_BT = (torch.arange(max(lengths))[None, :] < torch.tensor(lengths)[:, None]).long()
+    ids_BT[mask_BT == 0] = pad
+    model = train.EmbeddingModel(encoder, "mean", normalize=False)
+    groups = train.sub_batches([{"input_ids": ids_BT, "attention_mask": mask_BT}], 3, "cpu")
+    with torch.no_grad():
+        ours = model(input_ids=ids_BT, attention_mask=mask_BT, groups=groups)
+        for b, n in enumerate(lengths):  # each row alone, no padding: the model's own forward
+            states = encoder(input_ids=ids_BT[b : b + 1, :n], attention_mask=mask_BT[b : b + 1, :n]).last_hidden_state
+            assert (ours[b] - states[0].mean(0)).abs().max().item() <= 1e-5, (arch, b)
+        padded = encoder(input_ids=ids_BT, attention_mask=mask_BT).last_hidden_state  # padded, from token ids
+        by_hand = (padded * mask_BT[..., None]).sum(1) / mask_BT.sum(1, keepdim=True)
+        assert (ours - by_hand).abs().max().item() <= 1e-5, arch
+    lookups = []
+    encoder.get_input_embeddings().register_forward_hook(lambda module, args, out: lookups.append(out.requires_grad))
+    model.train()
+    model(input_ids=ids_BT, attention_mask=mask_BT, groups=groups).sum().backward()
+    assert len(groups) == 3 and lookups == [True]
+
+def test_ranks_with_short_and_long_texts_cut_their_own_sub_batches(tmp_path, tiny_model):
+    """Rank 0's rows are one-word texts, rank 1's texts of 1 to 120 words: rank 0 cuts its pool
+    into fewer groups than rank 1, and under GradCache (chunks of 6 rows) into fewer chunks. DDP
+    needs no agreement on either: the wrapped model is called once per micro-batch, or once per
+    chunk, and a chunk less adds no collective (a forward per group of the wrapped model, as
+    train.py once ran, broadcast buffers in each and here waited for the missing one until a
+    1-minute timeout). The run equals one process with 2 accumulation steps and no sub-batches.
+    (Under FSDP the count is fixed, 1 unless set: tests/test_big_models.py.)"""
     per_device, world, steps, seed = 32, 2, 3, 12
     num_rows = per_device * world * steps
     order = train.epoch_order(num_rows, seed, 0).tolist()
@@ -88,14 +139,16 @@ def test_ranks_with_short_and_long_texts_run_the_same_forwards(tmp_path, tiny_mo
         batch = order[step * per_device * world : (step + 1) * per_device * world]
         masks = [loaded.tokenize([rows[i][c] for c in ("anchor", "positive") for i in half])["attention_mask"] for half in (batch[:per_device], batch[per_device:])]
         counts = [train.group_count(train.length_sorted_cuts(mask, 8)[0], train.FORWARD_COST_TOKENS["cpu"]) for mask in masks]
-        assert counts[0] < counts[1], counts
+        chunks = [sum(math.ceil(len(g) / 6) for g in torch.tensor_split(torch.arange(2 * per_device), count)) for count in counts]
+        assert counts[0] < counts[1] and chunks[0] != chunks[1], (counts, chunks)
 
     args = ["--model", tiny_model, "--train-data", data, "--max-steps", steps, "--max-seq-length", 128, "--log-steps", 1, "--lr", 1e-3,
             "--dropout", 0, "--seed", seed, "--loss", "mnrl"]
-    run_train([*args, "--per-device-batch-size", per_device, "--strategy", "ddp", "--dist-timeout-minutes", 1,
-               "--output-dir", tmp_path / "ddp"], nproc=world)
     run_train([*args, "--per-device-batch-size", per_device, "--grad-accum-steps", world, "--length-buckets", 1, "--output-dir", tmp_path / "single"])
-    assert_same_training(tmp_path / "ddp", tmp_path / "single", steps)
+    for name, extra in (("ddp", []), ("ddp-gradcache", ["--cache-chunk-size", 6])):
+        run_train([*args, "--per-device-batch-size", per_device, "--strategy", "ddp", *extra, "--dist-timeout-minutes", 1,
+                   "--output-dir", tmp_path / name], nproc=world)
+        assert_same_training(tmp_path / name, tmp_path / "single", steps)
 
 
 def margin_file(tmp_path):

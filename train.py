@@ -543,10 +543,11 @@ class EmbeddingModel(torch.nn.Module):
             return self.classifier(head_input)
         # The word embeddings are looked up once for all groups, not once per group: each
         # lookup's backward makes a dense gradient as large as the whole vocabulary table (30522
-        # x 384 for MiniLM: 47 MB to fill with zeros and add), which with a few groups per step
-        # cost a fifth of a bf16 step on a CPU. The encoder takes the looked-up rows as
-        # `inputs_embeds`: the same numbers for every real token (XLM-R and MPNet, which give
-        # padding its own position from input_ids, then number it as the others; it is masked).
+        # x 384 for MiniLM: 47 MB to fill with zeros and add); with a lookup per group (3.7 per
+        # 32 STS-B pairs) forward + backward took 1.12x as long in bf16 on a CPU, 1.10x in fp32.
+        # The encoder takes the looked-up rows as `inputs_embeds`: the same numbers for every
+        # real token (XLM-R and MPNet, which give padding its own position from input_ids, then
+        # number it as the others; it is masked).
         tokens = {"inputs_embeds": self.encoder.get_input_embeddings()(input_ids), "attention_mask": attention_mask}
         if token_type_ids is not None:
             tokens["token_type_ids"] = token_type_ids
@@ -879,7 +880,10 @@ def select_rows(tokens, rows):
 # CPU: measured with train.py itself (all-MiniLM-L6-v2, CoSENT on STS-B, 60 steps of 32 rows,
 # 2 cores), in samples/s: one process with 32 rows: 43.3 at 64, 41.7-43.4 at 256; two DDP
 # processes with 16 rows each: 36.9 at 64, 33.6 at 32, 29 at 256 (which mostly chose one
-# forward for 16 rows), 36.2 and 36.3 with 2 and 3 sub-batches fixed, 28.0 with none. CUDA: a
+# forward for 16 rows), 36.2 and 36.3 with 2 and 3 sub-batches fixed, 28.0 with none. Again
+# with one word-embedding lookup per micro-batch, bf16, forward + loss + backward over the
+# same 20 pools of 64 texts, ms per pool: 284 at 16, 270 at 32, 276 at 64, 297 at 128, 559 in one
+# forward (3.7 forwards per pool at 64): 32 to 64 are even. CUDA: a
 # guess (a GPU forward has a larger fixed cost, so fewer, larger forwards); not measured.
 FORWARD_COST_TOKENS = {"cpu": 64, "cuda": 512}
 MAX_AUTO_GROUPS = 8

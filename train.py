@@ -848,11 +848,12 @@ def embed_columns(model, features, groups=None):
     The columns' rows are embedded together, as one pool (all columns first to last, as
     pool_columns makes it), in one call of the wrapped model: `groups` (from sub_batches) are
     row sets of that pool, one encoder pass each, each without the positions that are padding
-    in all its rows; None: one pass for the whole pool. Fewer passes than one per column matters beyond speed: a parameter that
-    two forwards used gets its gradient only when backward has gone through both (autograd sums
-    the two before the parameter's gradient is done), so with a forward per column the first
-    backward pass holds a whole unsharded gradient until the second one reaches each block, and
-    under FSDP that is a full copy of the model's gradients on every rank. The losses run in
+    in all its rows; None: one pass for the whole pool. Fewer passes than one per column
+    matters beyond speed: a parameter that two forwards used gets its gradient only when
+    backward has gone through both (autograd sums the two before the parameter's gradient is
+    done), so with a forward per column the first backward pass holds a whole unsharded
+    gradient until the second one reaches each block, and under FSDP that is a full copy of
+    the model's gradients on every rank. The losses run in
     fp32 even when the encoder computes in bf16/fp16."""
     embs = model(**pool_columns(features), groups=groups).float()  # in pool order
     return list(embs.split(len(features[0]["input_ids"])))
@@ -1231,8 +1232,9 @@ def main(cfg):
         for micro_step in range(cfg.grad_accum_steps):
             ts, rows, features, labels = next(batches)
             ids = [text_ids(rows[c], loaded.prepare).to(device) for c in ts.text_columns] if cfg.mask_duplicates and ts.loss == "mnrl" else None
-            # Length-sorted sub-batches: less padding computed, the same batch for the loss.
-            # Chosen from the CPU copy of the tokens: no device-to-host copy per forward.
+            # Length-sorted sub-batches: less padding computed, the same batch for the loss (each
+            # rank cuts its own rows: sub_batches says why that is safe). Chosen from the CPU copy
+            # of the tokens: no device-to-host copy per forward.
             groups = sub_batches(features, length_buckets, device, equal_sizes=cfg.cache_chunk_size > 0)
             features = [{k: v.to(device) for k, v in tokens.items()} for tokens in features]
             labels = labels.to(device) if labels is not None else None

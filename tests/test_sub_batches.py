@@ -85,9 +85,9 @@ ARCHITECTURES = {
 @pytest.mark.parametrize("arch", list(ARCHITECTURES))
 def test_one_lookup_feeds_every_sub_batch_as_the_models_own_forward_does(arch):
     """EmbeddingModel looks the word embeddings up once and feeds the encoder rows of them: equal
-    (<= 1e-5) to the plain transformers forward from token ids, row by row, right padding
-    with the config's pad id, mean pooling by hand; and one lookup for all sub-batches (each lookup's backward
-    is a dense gradient of the whole vocabulary table)."""
+    (<= 1e-5) to the plain transformers forward from token ids, row by row, right padding with
+    the config's pad id, mean pooling by hand; and one lookup for all sub-batches (each
+    lookup's backward is a dense gradient of the whole vocabulary table)."""
     config = ARCHITECTURES[arch]
     torch.manual_seed(0)
     encoder = transformers.AutoModel.from_config(config).eval()
@@ -112,6 +112,7 @@ def test_one_lookup_feeds_every_sub_batch_as_the_models_own_forward_does(arch):
     model.train()
     model(input_ids=ids_BT, attention_mask=mask_BT, groups=groups).sum().backward()
     assert len(groups) == 3 and lookups == [True]
+
 
 def test_ranks_with_short_and_long_texts_cut_their_own_sub_batches(tmp_path, tiny_model):
     """Rank 0's rows are one-word texts, rank 1's texts of 1 to 120 words: rank 0 cuts its pool

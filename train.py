@@ -256,6 +256,24 @@ def setup_dist(timeout_minutes):
     return rank, world_size, device
 
 
+def keep_freed_blocks(device):
+    """On CPU, freed large blocks stay in the process for the next step's tensors of the same
+    size. glibc gives each block above 32 MB its own mapping and unmaps it when freed, so a
+    tensor that is made and freed every step, such as the dense gradient of the word embeddings
+    (vocabulary x width: 47 MB for MiniLM), is mapped again and each of its pages faulted in
+    again, every step (its backward on one thread: 19 ms, then 5 ms with this setting). On a GPU
+    PyTorch's caching allocator already keeps blocks. MALLOC_* variables set by the user win."""
+    if device.type != "cpu" or not sys.platform.startswith("linux") or any(k.startswith("MALLOC_") for k in os.environ):
+        return
+    import ctypes
+
+    libc = ctypes.CDLL(None)
+    if hasattr(libc, "mallopt"):  # glibc; others keep their own policy
+        M_TRIM_THRESHOLD, M_MMAP_THRESHOLD = -1, -3
+        libc.mallopt(M_MMAP_THRESHOLD, 1 << 30)  # blocks up to 1 GiB come from the heap...
+        libc.mallopt(M_TRIM_THRESHOLD, 1 << 30)  # ...which keeps up to 1 GiB free at its top
+
+
 def cleanup_dist():
     if dist.is_initialized():
         dist.destroy_process_group()
@@ -1173,6 +1191,7 @@ def timed(totals, key):
 def main(cfg):
     """Train and export; returns the trained, unwrapped model (None: the export was already there)."""
     rank, world_size, device = setup_dist(cfg.dist_timeout_minutes)
+    keep_freed_blocks(device)
     is_rank0 = rank == 0
     # All ranks check the same inputs and agree (collectives: all ranks): bad input stops every
     # rank with one message, before any weights are loaded or any file is written.

@@ -5,7 +5,9 @@ This file holds what sits between a plain `nn.Module` and the distributed world:
     FSDP wraps, found in the model itself (or named, and checked, by the user);
   - `wrap_model`: nothing (one process), DDP, FSDP1 (`FullyShardedDataParallel` with
     `transformer_auto_wrap_policy`) or FSDP2 (`fully_shard` per block, then the root), with
-    bf16/fp16 mixed precision; `gradient_sync`, `clip_grad_norm`, `grad_scaler` for the loop;
+    bf16/fp16 mixed precision; under DDP, `all_reduce_embedding_rows` sends only the rows of
+    the embedding tables that some rank used; `gradient_sync`, `clip_grad_norm`, `grad_scaler`
+    for the loop;
   - `load_pretrained_sharded`: a model built on the meta device and sharded gets its weights
     from the safetensors files, each rank reading only the slices its shards hold;
   - `save_checkpoint` / `load_checkpoint` / `complete_checkpoints`: resumable state with

@@ -256,16 +256,16 @@ def setup_dist(timeout_minutes):
     return rank, world_size, device
 
 
-def keep_freed_blocks(device):
+def keep_freed_blocks(device, strategy):
     """On CPU, freed large blocks stay in the process for the next step's tensors of the same
     size. glibc gives each block above 32 MB its own mapping and unmaps it when freed, so a
     tensor that is made and freed every step, such as the dense gradient of the word embeddings
     (vocabulary x width: 47 MB for MiniLM), is mapped again and each of its pages faulted in
     again, every step (its backward on one thread: 19 ms, then 5 ms with this setting). The cost:
-    up to 1 GiB freed is kept, not given back, which is why FSDP runs (memory first) do not call
-    this. On a GPU PyTorch's caching allocator already keeps blocks. MALLOC_* variables set by
-    the user win."""
-    if device.type != "cpu" or not sys.platform.startswith("linux") or any(k.startswith("MALLOC_") for k in os.environ):
+    up to 1 GiB freed is kept, not given back, so FSDP runs (for models that do not fit: memory
+    first) keep glibc's default. On a GPU PyTorch's caching allocator already keeps blocks.
+    MALLOC_* variables set by the user win."""
+    if strategy == "fsdp" or device.type != "cpu" or not sys.platform.startswith("linux") or any(k.startswith("MALLOC_") for k in os.environ):
         return
     import ctypes
 
@@ -1202,8 +1202,7 @@ def main(cfg):
         print0(f"{final_dir} already holds this run's export: nothing left to do")
         return None
 
-    if plan.strategy != "fsdp":  # FSDP is for models that do not fit: there memory comes first
-        keep_freed_blocks(device)
+    keep_freed_blocks(device, plan.strategy)
     torch.manual_seed(cfg.seed)  # the same initial head on every rank (DDP broadcasts it anyway)
     loaded = load_model(cfg, plan.num_labels, on_meta=plan.strategy == "fsdp")
     raw_model = loaded.model if loaded.pretrained_dir else loaded.model.to(device)

@@ -249,7 +249,10 @@ def print_tables(results):
     print("|---|---|---|---|---|---|---|---|")
     for key, fl in results["floor"].items():
         task, precision = key.split("-")
-        run = next(r for r in results["runs"] if r["task"] == task and r["precision"] == precision and r["nproc"] == 1 and "st" in r)
+        run = next((r for r in results["runs"] if r["task"] == task and r["precision"] == precision and r["nproc"] == 1 and "st" in r), None)
+        if run is None:  # --nprocs without 1: no one-process run to compare with the floor
+            print(f"| {task} | {precision} | {fl['sub-batches']:.0f} | {fl['one padded batch']:.0f} | - | - | {1000 * fl['tokenize_s_per_batch']:.1f} | {1000 * fl['step_s_floor']:.0f} |")
+            continue
         ours_tokens = mean(run["samples_per_s"]["ours"]) * fl["real_tokens_per_row"]
         print(f"| {task} | {precision} | {fl['sub-batches']:.0f} | {fl['one padded batch']:.0f} | {ours_tokens:.0f} | {ours_tokens / fl['sub-batches']:.2f} | "
               f"{1000 * fl['tokenize_s_per_batch']:.1f} | {1000 * fl['step_s_floor']:.0f} |")

@@ -295,7 +295,8 @@ def clip_grad_norm(model, max_norm):
     # spare a GPU a host sync. Multiplying by 1 changes nothing, so it is skipped.
     parameters = [p for p in model.parameters() if p.grad is not None]
     total = torch.nn.utils.get_total_norm([p.grad for p in parameters])
-    if max_norm / (total.item() + 1e-6) < 1.0:  # clip_grad_norm_'s own coefficient
+    coefficient = max_norm / (total.item() + 1e-6)  # clip_grad_norm_'s own
+    if not coefficient >= 1.0:  # a NaN norm too: torch multiplies every gradient by NaN
         torch.nn.utils.clip_grads_with_norm_(parameters, max_norm, total)
     return total
 

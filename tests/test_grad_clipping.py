@@ -47,3 +47,12 @@ def test_clip_grad_norm_is_torchs(max_norm):
         assert changed
     if max_norm > NORM + 1e-6:
         assert not changed
+
+
+def test_a_nan_gradient_makes_every_gradient_nan_as_in_torch():
+    ours, reference = model_with_gradients(), model_with_gradients()
+    for model in (ours, reference):
+        model[1].bias.grad[0] = float("nan")
+    assert fsdp_utils.clip_grad_norm(ours, 1.0).isnan()
+    assert torch.nn.utils.clip_grad_norm_(reference.parameters(), 1.0).isnan()
+    assert all(p.grad.isnan().all() for p in ours.parameters() if p.grad is not None)

@@ -38,9 +38,9 @@ class Tiny(torch.nn.Module):
 
     def forward(self, ids):
         x = self.words(ids) + self.positions(torch.arange(ids.shape[1])) + self.frozen(ids % 50)
-        # Rows 4000-4999 (never in ids) by rank and step: the gradient of row 4000 + k is -1 in
-        # its entry 0 and zero elsewhere (its largest entry is 0), of 4500 + k +1 in entry 1 (its
-        # smallest entry is 0).
+        # Rows 4000-4099 and 4500-4599 (never in ids), chosen by rank and step: the gradient of a
+        # row 4000 + k is negative in entry 0 and zero elsewhere (its largest entry is 0), that
+        # of a row 4500 + k positive in entry 1 and zero elsewhere (its smallest entry is 0).
         one_signed = self.words(ids[:1, :2] % 500 + 4000)[..., 0].sum() - self.words(ids[:1, 2:4] % 500 + 4500)[..., 1].sum()
         return torch.tanh(self.mix(x)).pow(2).sum() - one_signed
 
@@ -100,8 +100,8 @@ def test_ddp_sends_only_used_embedding_rows_and_gives_the_dense_mean():
     for rank in (0, 1):
         r = results[rank]
         assert r["worst"] <= 1e-7, r
-        # At most the 2100 word rows any rank used in ids and the 16 one-signed rows (2 of each kind per rank and micro-batch) (of 5000),
-        # every other gradient, and the byte-per-row agreement on which rows: far less than
-        # the dense gradient.
+        # At most the 2100 word rows any rank used in ids and the 16 one-signed rows (2 of each
+        # kind per rank and micro-batch), of 5000; every other gradient; and the byte-per-row
+        # agreement on which rows: far less than the dense gradient.
         most = 2116 * DIM + 8 * DIM + DIM * DIM + DIM + VOCAB + 8
         assert len(r["sent"]) == 3 and all(sent <= most for sent in r["sent"]) and most < r["dense"], r

@@ -1,12 +1,12 @@
-"""fsdp_utils.clip_grad_norm, for one process and DDP (whose gradients are whole on every rank),
-gives what torch.nn.utils.clip_grad_norm_ gives, bit for bit: the same norm, the same gradients,
-whether it clips or not. It skips the multiply by 1 that torch does when nothing is clipped, so
-the case at the edge (a norm just below and just above max_norm) is checked too.
+"""fsdp_utils.clip_grad_norm on a plain model gives what torch.nn.utils.clip_grad_norm_ gives,
+bit for bit: the same norm, the same gradients, whether it clips or not. It skips the multiply
+by 1 that torch does when nothing is clipped, so the case at the edge (a norm just below and
+just above max_norm) is checked too. DDP takes the same path (its gradients are whole on every
+rank); DDP runs that clip on every step are compared with one process in test_equivalence.py.
 
 Run: python -m pytest tests/test_grad_clipping.py -q
 """
 
-import copy
 import sys
 from pathlib import Path
 

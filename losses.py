@@ -29,13 +29,36 @@ Left out on purpose: similarity functions other than cosine.
 
 import torch
 import torch.distributed as dist
-import torch.distributed._functional_collectives as funcol
 import torch.nn.functional as F
 
 
 def cosine_scores(emb_a_BD, emb_b_ND):
     """Cosine similarity of every row of `emb_a_BD` with every row of `emb_b_ND` -> (B, N)."""
     return F.normalize(emb_a_BD, p=2, dim=-1) @ F.normalize(emb_b_ND, p=2, dim=-1).T
+
+
+# torch 2.13 renamed the two collectives below (the old names still work, with a warning);
+# requirements.txt allows torch 2.6, which has only the old names.
+_all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+_reduce_scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+
+
+class _GatherWithGrad(torch.autograd.Function):
+    """Forward: an all_gather of every rank's (B, D) rows. Backward: a reduce-scatter (sum) of
+    the gradient. Every rank runs both, in the same order, because every rank computes the loss
+    and calls backward on it. Both collectives are synchronous: nothing is left in flight."""
+
+    @staticmethod
+    def forward(ctx, emb_BD):
+        gathered = emb_BD.new_empty((dist.get_world_size() * emb_BD.shape[0], *emb_BD.shape[1:]))
+        _all_gather(gathered, emb_BD.contiguous())
+        return gathered
+
+    @staticmethod
+    def backward(ctx, grad_gathered):
+        grad_BD = grad_gathered.new_empty((grad_gathered.shape[0] // dist.get_world_size(), *grad_gathered.shape[1:]))
+        _reduce_scatter(grad_BD, grad_gathered.contiguous(), op=dist.ReduceOp.SUM)
+        return grad_BD
 
 
 def gather_with_grad(emb_BD):
@@ -49,16 +72,16 @@ def gather_with_grad(emb_BD):
     factor of the world size (several public trainers are off by exactly that factor)."""
     if not dist.is_initialized() or dist.get_world_size() == 1:
         return emb_BD
-    # The autograd-aware functional collective; torch.distributed.nn.functional.all_gather
-    # does the same but is deprecated in torch 2.13.
-    return funcol.all_gather_tensor_autograd(emb_BD.contiguous(), gather_dim=0, group=dist.group.WORLD)
+    return _GatherWithGrad.apply(emb_BD)
 
 
 def gather_ids(ids_B):
     """Every rank's text ids, in rank order -> (world * B,); integers, so no gradient."""
     if not dist.is_initialized() or dist.get_world_size() == 1:
         return ids_B
-    return funcol.all_gather_tensor(ids_B.contiguous(), gather_dim=0, group=dist.group.WORLD).wait()
+    gathered = ids_B.new_empty(dist.get_world_size() * ids_B.shape[0])
+    _all_gather(gathered, ids_B.contiguous())
+    return gathered
 
 
 def duplicate_mask(query_ids_B, own_ids_B, candidate_ids_N, own_index_B):

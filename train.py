@@ -58,6 +58,7 @@ import contextlib
 import copy
 import dataclasses
 import datetime
+import faulthandler
 import functools
 import glob
 import hashlib
@@ -2227,6 +2228,10 @@ def prepare_output_dir(cfg, checkpoints_dir):
 
 
 if __name__ == "__main__":
+    # A crash in native code (a segfault in a collective, a kernel, a tokenizer) prints every
+    # thread's Python stack to stderr before the process dies; torchrun alone reports only
+    # "Signal 11 (SIGSEGV) received", with no hint of where.
+    faulthandler.enable()
     config = parse_config()
     try:
         main(config)

@@ -1,10 +1,11 @@
 """Runs train.py unchanged, except that one rank SIGKILLs itself at one point of one checkpoint
-save, on the first torchrun attempt only, as a preemption or an out-of-memory kill would. The
+save, on the first torchrun attempt only, as a preemption or an out-of-memory kill would (or,
+with a fourth field SEGV, dies of a segmentation fault, as a crash in native code would). The
 kill comes from outside the product: this launcher wraps two fsdp_utils functions, then runs
 train.py as __main__ (runpy), whose `import fsdp_utils` finds the wrapped module.
 
-    python tests/kill_launcher.py WHERE:STEP:RANK [train.py arguments ...]
-    torchrun --nproc_per_node=2 tests/kill_launcher.py WHERE:STEP:RANK [train.py arguments ...]
+    python tests/kill_launcher.py WHERE:STEP:RANK[:SEGV] [train.py arguments ...]
+    torchrun --nproc_per_node=2 tests/kill_launcher.py WHERE:STEP:RANK[:SEGV] [train.py arguments ...]
 
 WHERE is
     after-save  rank RANK dies as soon as the checkpoint of step STEP is complete and visible;
@@ -24,11 +25,10 @@ sys.path.insert(0, str(REPO_DIR))
 import fsdp_utils  # noqa: E402
 
 
-def die():
-    os.kill(os.getpid(), signal.SIGKILL)
+def arm(where, step, rank, signal_name="KILL"):
+    def die():
+        os.kill(os.getpid(), getattr(signal, f"SIG{signal_name}"))
 
-
-def arm(where, step, rank):
     if os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") != "0" or os.environ.get("RANK", "0") != rank:
         return  # a restarted attempt, or another rank: train undisturbed
     if where == "after-save":
@@ -55,7 +55,6 @@ def arm(where, step, rank):
 
 
 if __name__ == "__main__":
-    where, step, rank = sys.argv[1].split(":")
-    arm(where, step, rank)
+    arm(*sys.argv[1].split(":"))
     sys.argv = [str(REPO_DIR / "train.py"), *sys.argv[2:]]
     runpy.run_path(sys.argv[0], run_name="__main__")

@@ -9,6 +9,7 @@
   null, never as bare NaN, and is never chosen as the best;
 - a torn last line of metrics.jsonl (a crash mid-write) does not stop a resume;
 - a run killed after its last checkpoint and resumed at the final step reports the final loss;
+- a rank that dies of a segmentation fault prints the Python stack it was running (faulthandler);
 - a non-finite loss stops with exit code 3 and an `error:` line that starts its line, after the
   progress bar, naming the newest checkpoint whose weights are finite (DDP, 2 ranks: a checkpoint
   saved after the weights overflowed is passed over, by the message and by `--resume auto`);
@@ -151,6 +152,21 @@ def test_resumed_at_the_last_step_the_final_loss_survives(tmp_path, tiny_model):
     logged = [r for r in rows if "loss" in r]
     assert [r["step"] for r in logged] == [1, 2]
     assert rows[-1]["final_loss"] == logged[-1]["loss"]  # not NaN: the last step's loss
+
+
+def test_a_crash_in_native_code_prints_where_the_crashed_rank_was(tmp_path, tiny_model):
+    """Rank 1 of 2 dies of a segmentation fault (sent from outside: kill_launcher) right after
+    step 2's checkpoint. Its stderr holds Python's fatal-error report with the stack that was
+    running, down to train.py's loop, not only torchrun's "Signal 11 (SIGSEGV) received"."""
+    args = ["--model", tiny_model, "--train-data", data_file("sick-pairs-train.jsonl"), "--max-steps", 4, "--save-steps", 2,
+            "--per-device-batch-size", 4, "--max-seq-length", 32, "--output-dir", tmp_path / "out"]
+    # PYTHONFAULTHANDLER empty: the report must come from train.py, not from the environment.
+    crashed = run_train(args, nproc=2, kill="after-save:2:1:SEGV", check=False, env={"PYTHONFAULTHANDLER": ""})
+    assert crashed.returncode != 0 and not (tmp_path / "out" / "final").exists()
+    at = crashed.stderr.find("Fatal Python error: Segmentation fault")
+    assert at >= 0, crashed.stderr[-3000:]
+    report = crashed.stderr[at:]
+    assert "in save_then_die" in report and f'{REPO_DIR / "train.py"}", line' in report, report[:3000]
 
 
 def test_a_non_finite_loss_prints_its_error_on_a_line_of_its_own(tmp_path, tiny_model):

@@ -1,7 +1,8 @@
 """Mixed precision under FSDP (2 ranks, real all-MiniLM-L6-v2): bf16 and fp16 runs train (the loss
 on trained rows falls), their export holds the fp32 master weights (not bf16/fp16-rounded
 copies), `SentenceTransformer` loads it with embeddings equal to our model's on the same
-weights, and a normal FSDP run prints no FutureWarning/DeprecationWarning from torch.
+weights, and a normal FSDP run (and one with gathered negatives) prints no
+FutureWarning/DeprecationWarning from torch.
 
 Run: python -m pytest tests/test_fsdp_precision.py
 """
@@ -50,12 +51,15 @@ def test_fsdp_mixed_precision_trains_and_exports_fp32(version, precision, tmp_pa
     assert (ours - theirs).abs().max().item() <= 1e-5
 
 
-def test_plain_fsdp_run_prints_no_torch_deprecation(tmp_path, tiny_model):
+@pytest.mark.parametrize("extra", [[], ["--fsdp-version", 2, "--gather-negatives", "--symmetric", "--mask-duplicates"]],
+                         ids=["fsdp1", "fsdp2-gathered-negatives"])
+def test_plain_fsdp_run_prints_no_torch_deprecation(tmp_path, tiny_model, extra):
     """Training, a checkpoint (torch's own DCP code warns about FSDP1's ShardedTensor unless
-    silenced) and the export, on the tiny BERT."""
+    silenced) and the export, on the tiny BERT; and gathered negatives (their all-gather and
+    reduce-scatter, the text ids' all-gather: names torch 2.13 deprecated)."""
     proc = run_train(["--model", tiny_model, "--loss", "mnrl", "--train-data", data_file("sick-pairs-train.jsonl"), "--max-steps", 2,
                       "--per-device-batch-size", 4, "--max-seq-length", 32, "--output-dir", tmp_path,
-                      "--strategy", "fsdp", "--save-steps", 1], nproc=2)
+                      "--strategy", "fsdp", "--save-steps", 1, *extra], nproc=2)
     assert (tmp_path / "checkpoints" / "step-2" / "trainer_state.json").exists()
     for warning in ("FutureWarning", "DeprecationWarning", "UserWarning"):
         assert warning not in proc.stderr, proc.stderr[-3000:]

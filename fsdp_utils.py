@@ -1,6 +1,7 @@
-"""Wrapping, state-dict gathering and SentenceTransformer export for distributed training.
+"""Processes, wrapping and collectives: what sits between a plain `nn.Module` and the ranks.
 
-This file holds what sits between a plain `nn.Module` and the distributed world:
+  - `setup_dist` / `cleanup_dist`: the process group under torchrun (gloo on CPU, NCCL on CUDA),
+    one process without it; `print0` prints once; `keep_freed_blocks`: the CPU allocator setting;
   - `detect_layer_classes` / `resolve_layer_classes`: the repeated transformer block that
     FSDP wraps, found in the model itself (or named, and checked, by the user);
   - `wrap_model`: nothing (one process), DDP, FSDP1 (`FullyShardedDataParallel` with
@@ -9,32 +10,20 @@ This file holds what sits between a plain `nn.Module` and the distributed world:
     the embedding tables that some rank used; `gradient_sync`, `clip_grad_norm`, `grad_scaler`
     for the loop;
   - `load_pretrained_sharded`: a model built on the meta device and sharded gets its weights
-    from the safetensors files, each rank reading only the slices its shards hold;
-  - `save_checkpoint` / `load_checkpoint` / `complete_checkpoints`: resumable state with
-    `torch.distributed.checkpoint` (every rank writes its own shard, safetensors files, no
-    pickle), made visible by one rename when complete, with a manifest of its files and sizes
-    that `checkpoint_problem` checks, so a damaged checkpoint is never loaded;
-  - `stage_state_dict` / `read_staged`: every rank writes what it holds, one writer reads it
-    back a few tensors at a time: an export with no whole copy of the model on any rank;
-  - `export_sentence_transformer`: rank 0 writes a folder that `SentenceTransformer(path)`
-    (sentence-transformers 2.x to 6.x) and `AutoModel.from_pretrained(path)` both load, its
-    weights in files of a bounded size; `read_sentence_transformer_config` reads back what it
-    writes (pooling, normalisation, max length, casing, prompts), from such a folder or any
-    other SentenceTransformer folder.
+    from the safetensors files, each rank reading only the slices its shards hold.
+Checkpoints are checkpoints.py, the export export.py.
 
-It imports only the standard library, torch, transformers and safetensors, never the other
-files of this project, so it can be copied into another pipeline alone.
+It imports only the standard library, torch and safetensors, never the other files of this
+project, so it can be copied into another pipeline alone.
 
-Usage (from train.py; every rank calls the first four, rank 0 alone the rest):
+Usage (every rank calls each of these):
+    rank, world_size, device = fsdp_utils.setup_dist(timeout_minutes=30)
     with torch.device("meta"):
         raw_model = AutoModel.from_config(config)                # shapes only, no storage
     model = fsdp_utils.wrap_model(raw_model, "fsdp", device, sharding="full_shard", fsdp_version=2)
     fsdp_utils.load_pretrained_sharded(model, folder, {name: name for name in raw_model.state_dict()}, {})
     ...                                                          # train
-    fsdp_utils.stage_state_dict(model, staging)
-    if rank == 0:
-        names = list(fsdp_utils.staged_tensors(staging))
-        fsdp_utils.export_sentence_transformer(out_dir, [lambda: fsdp_utils.read_staged(staging, names)], config, tokenizer, ...)
+    fsdp_utils.cleanup_dist()
 
 FSDP1 -> FSDP2, as this file shows them side by side:
     FullyShardedDataParallel(model, auto_wrap_policy=...)   ->  fully_shard(block) for each block, fully_shard(model)
@@ -45,28 +34,92 @@ FSDP1 -> FSDP2, as this file shows them side by side:
     model.clip_grad_norm_(max_norm)                         ->  torch.nn.utils.clip_grad_norm_ (on DTensors)
     FSDP.state_dict_type(...) + state_dict()                ->  get_model_state_dict (serves both, and DDP)
 
-Left out on purpose: CPU offload of parameters, resuming at another world size (train.py
-refuses it). Activation checkpointing is the model's own (transformers' gradient checkpointing).
+Left out on purpose: CPU offload of parameters, resuming at another world size (refused at
+start-up). Activation checkpointing is the model's own (transformers' gradient checkpointing).
 """
 
 import contextlib
-import copy
-import importlib.metadata
-import itertools
-import json
+import datetime
 import os
-import re
-import shutil
+import signal
 import sys
-import time
 import warnings
 
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
-from safetensors.torch import load_file, save_file
-from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model_state_dict, get_state_dict, set_model_state_dict,
-                                                     set_state_dict)
+from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict, set_model_state_dict
+
+
+# ----------------------------------------------------------------------------------------------
+# Processes: set-up and teardown under torchrun, printing once, the CPU allocator
+
+
+def setup_dist(timeout_minutes):
+    """Returns (rank, world_size, device). One process when not launched by torchrun."""
+    if "RANK" not in os.environ:
+        return 0, 1, torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    local_rank = int(os.environ["LOCAL_RANK"])
+    if torch.cuda.is_available():
+        device = torch.device("cuda", local_rank)
+        torch.cuda.set_device(device)
+    else:
+        device = torch.device("cpu")
+    if sys.platform.startswith("linux"):
+        # A worker outlives a launcher killed with SIGKILL and would go on training and writing
+        # beside its relaunch: ask Linux to end this process when its parent (torchrun) dies.
+        import ctypes
+
+        ctypes.CDLL(None).prctl(1, signal.SIGTERM)  # 1 = PR_SET_PDEATHSIG
+    backend = "nccl" if device.type == "cuda" else "gloo"
+    rank, world_size = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    timeout = datetime.timedelta(minutes=timeout_minutes)
+    # Under `torchrun --max-restarts` the store outlives a failed attempt, and a restarted gloo
+    # group can read the dead attempt's addresses from it ("Gloo connectFullMesh failed ...
+    # Connection refused"). Each attempt gets its own key space in the store.
+    agent_hosts_store = os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True"
+    store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), world_size,
+                          is_master=rank == 0 and not agent_hosts_store, timeout=timeout)
+    attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
+    dist.init_process_group(backend, store=dist.PrefixStore(f"attempt-{attempt}", store), rank=rank, world_size=world_size, timeout=timeout)
+    return rank, world_size, device
+
+
+def cleanup_dist():
+    if dist.is_initialized():
+        dist.destroy_process_group()
+
+
+def barrier():
+    """Wait for every rank (ALL ranks must call it); nothing to wait for in one process."""
+    if dist.is_initialized():
+        dist.barrier()
+
+
+def print0(*args, **kwargs):
+    if not dist.is_initialized() or dist.get_rank() == 0:
+        print(*args, **kwargs, flush=True)
+
+
+def keep_freed_blocks(device, strategy):
+    """On CPU, freed large blocks stay in the process for the next step's tensors of the same
+    size. glibc gives each block above 32 MB its own mapping and unmaps it when freed, so a
+    tensor that is made and freed every step, such as the dense gradient of the word embeddings
+    (vocabulary x width: 47 MB for MiniLM), is mapped again and each of its pages faulted in
+    again, every step (its backward on one thread: 19 ms, then 5 ms with this setting). The cost:
+    up to 1 GiB freed is kept, not given back, so FSDP runs (for models that do not fit: memory
+    first) keep glibc's default. On a GPU PyTorch's caching allocator already keeps blocks.
+    MALLOC_* variables set by the user win."""
+    if strategy == "fsdp" or device.type != "cpu" or not sys.platform.startswith("linux") or any(k.startswith("MALLOC_") for k in os.environ):
+        return
+    import ctypes
+
+    libc = ctypes.CDLL(None)
+    if hasattr(libc, "mallopt"):  # glibc; others keep their own policy
+        M_TRIM_THRESHOLD, M_MMAP_THRESHOLD = -1, -3
+        libc.mallopt(M_MMAP_THRESHOLD, 1 << 30)  # blocks up to 1 GiB come from the heap...
+        libc.mallopt(M_TRIM_THRESHOLD, 1 << 30)  # ...which keeps up to 1 GiB free at its top
+
 
 # ----------------------------------------------------------------------------------------------
 # Which blocks to shard: the repeated transformer layer, found in the model itself
@@ -104,7 +157,10 @@ def resolve_layer_classes(model, override=""):
 # ----------------------------------------------------------------------------------------------
 # Wrapping: single, DDP, FSDP1 (FullyShardedDataParallel) or FSDP2 (fully_shard)
 
+
 PRECISIONS = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+
+
 FSDP1_SHARDING = {"full_shard": "FULL_SHARD", "shard_grad_op": "SHARD_GRAD_OP", "hybrid_shard": "HYBRID_SHARD", "no_shard": "NO_SHARD"}
 
 
@@ -355,7 +411,7 @@ def load_pretrained_sharded(model, folder, file_names, fresh_tensors):
     value of every other entry (a new head, adapters: small, drawn from the seeded RNG, the same
     on every rank), of which each rank keeps its own part. Non-persistent buffers are not in a
     state dict; the caller initialises them."""
-    with _quiet_checkpoint_warnings():
+    with quiet_checkpoint_warnings():
         state = get_model_state_dict(model)  # this rank's shards, uninitialised
         unknown = set(state) - set(file_names) - set(fresh_tensors)
         if unknown:
@@ -367,39 +423,8 @@ def load_pretrained_sharded(model, folder, file_names, fresh_tensors):
             set_model_state_dict(model, fresh_tensors, options=StateDictOptions(full_state_dict=True, strict=False))
 
 
-# ----------------------------------------------------------------------------------------------
-# Resumable checkpoints (torch.distributed.checkpoint): OUTPUT/checkpoints/step-N/
-#
-#   shard-0000R-model-00001-of-00001.safetensors   this rank's part of model + optimizer tensors
-#   rng-rank-R.safetensors                          rank R's random-number generator states
-#   trainer_state.json                              step, scheduler, optimizer hyper-parameters, config
-#   manifest.json                                   every other file and its size, written last
-#
-# Written under a hidden name and renamed to step-N only when every rank has finished, so a
-# crash mid-save leaves a hidden folder that resuming never picks (and the next save removes).
-# A step-N folder can still be damaged later (a full disk, a copy cut short, a file deleted by
-# hand): `checkpoint_problem` compares it with its manifest, so a damaged one is never loaded.
-
-# Flattened optimizer state ("state.<param>.exp_avg", ...): the same keys on every rank even when
-# a rank holds no elements of a parameter. FSDP1 at 4 ranks needs it: unflattened, loading fails
-# with "Missing key in checkpoint state_dict: optim.param_groups" (and allow_partial_load=True
-# would "work" by silently dropping the learning rate).
-CHECKPOINT_OPTIONS = StateDictOptions(flatten_optimizer_state_dict=True)
-CHECKPOINT_NAME = re.compile(r"^step-(\d+)$")
-
-
-def _tensor_state(model, optimizer):
-    """(tensors for DCP, non-tensor optimizer entries). A collective under FSDP: all ranks."""
-    model_state, optim_state = get_state_dict(model, optimizer, options=CHECKPOINT_OPTIONS)
-    tensors = {"model." + k: v for k, v in model_state.items()}
-    tensors.update({"optim." + k: v for k, v in optim_state.items() if isinstance(v, torch.Tensor)})
-    # The hyper-parameters of each group (lr, betas, ...): plain numbers, kept as JSON.
-    hyper = {k: v for k, v in optim_state.items() if not isinstance(v, torch.Tensor)}
-    return tensors, hyper
-
-
 @contextlib.contextmanager
-def _quiet_checkpoint_warnings():
+def quiet_checkpoint_warnings():
     """torch's own checkpoint code warns about its own internals: FSDP1's sharded state is
     ShardedTensor, which torch deprecates (dozens of lines per save), and one process is told
     it is one process. Nothing a user can act on, so they are silenced here, and only here."""
@@ -408,403 +433,3 @@ def _quiet_checkpoint_warnings():
                         "Multiple backends are registered with this ProcessGroup", "torch.distributed is disabled"):
             warnings.filterwarnings("ignore", message=message)
         yield
-
-
-def _rng_states():
-    """This process's random-number generator states (CPU, and CUDA where present)."""
-    states = {"cpu": torch.get_rng_state()}
-    if torch.cuda.is_available():
-        states["cuda"] = torch.cuda.get_rng_state()
-    return states
-
-
-def _set_rng_states(states):
-    torch.set_rng_state(states["cpu"])
-    if "cuda" in states:
-        torch.cuda.set_rng_state(states["cuda"])
-
-
-def _barrier():
-    if dist.is_initialized():
-        dist.barrier()
-
-
-MANIFEST = "manifest.json"
-
-
-def checkpoint_problem(path):
-    """Why the checkpoint folder `path` cannot be loaded, or None when it is complete: every file
-    its manifest lists is there with the size it was written with. (Sizes catch truncated and
-    missing files, the damage crashes and full disks leave; they do not catch flipped bits.)"""
-    try:
-        with open(os.path.join(path, MANIFEST)) as f:
-            files = json.load(f)["files"]
-    except FileNotFoundError:
-        return f"it has no {MANIFEST} (its save did not finish, or an older version wrote it)"
-    except (OSError, ValueError, KeyError, TypeError):
-        return f"its {MANIFEST} is unreadable"
-    for name, size in sorted(files.items()):
-        file = os.path.join(path, name)
-        if not os.path.isfile(file):
-            return f"{name} is missing"
-        if os.path.getsize(file) != size:
-            return f"{name} has {os.path.getsize(file)} bytes where {size} were written (truncated or overwritten)"
-    return None
-
-
-def list_checkpoints(checkpoints_dir):
-    """[(step, path, problem)] of every step-N folder under `checkpoints_dir`, oldest first;
-    problem is None for a complete checkpoint (see `checkpoint_problem`)."""
-    if not os.path.isdir(checkpoints_dir):
-        return []
-    found = []
-    for name in os.listdir(checkpoints_dir):
-        match = CHECKPOINT_NAME.match(name)
-        path = os.path.join(checkpoints_dir, name)
-        if match and os.path.isdir(path):
-            found.append((int(match.group(1)), path, checkpoint_problem(path)))
-    return sorted(found)
-
-
-def complete_checkpoints(checkpoints_dir):
-    """[(step, path)] of the complete checkpoints under `checkpoints_dir`, oldest first."""
-    return [(step, path) for step, path, problem in list_checkpoints(checkpoints_dir) if problem is None]
-
-
-def save_checkpoint(model, optimizer, checkpoints_dir, step, trainer_state, keep_last=0):
-    """Save model, optimizer, every rank's RNG and `trainer_state` (a JSON-able dict) as
-    `checkpoints_dir/step-{step}`. EVERY rank must call it: gathering the state dict, the DCP
-    save and the barriers are collectives. Only rank 0 writes the JSON files and renames.
-    A folder already named step-{step} (a damaged one, or one a resume from an older step is
-    about to replace) is moved aside to step-{step}.replaced-TIME, never deleted.
-    `keep_last` > 0 removes older checkpoints beyond that many, after the new one is complete."""
-    rank = dist.get_rank() if dist.is_initialized() else 0
-    final_dir = os.path.join(checkpoints_dir, f"step-{step}")
-    tmp_dir = os.path.join(checkpoints_dir, f".incomplete-step-{step}")
-    if rank == 0:
-        shutil.rmtree(tmp_dir, ignore_errors=True)  # a leftover of a save that was killed
-        os.makedirs(tmp_dir)
-    _barrier()  # all ranks: nobody writes into the folder before it exists
-
-    with _quiet_checkpoint_warnings():
-        tensors, hyper = _tensor_state(model, optimizer)  # all ranks (collective under FSDP)
-        # All ranks: each writes the tensors (or shards) it is assigned; safetensors files, so
-        # loading them back runs no pickle.
-        dcp.save(tensors, storage_writer=dcp.HuggingFaceStorageWriter(tmp_dir, save_distributed=True, enable_consolidation=False))
-    save_file(_rng_states(), os.path.join(tmp_dir, f"rng-rank-{rank}.safetensors"))
-    if rank == 0:
-        with open(os.path.join(tmp_dir, "trainer_state.json"), "w") as f:
-            json.dump({**trainer_state, "step": step, "optimizer_hyperparameters": hyper}, f, indent=1)
-    _barrier()  # all ranks: every file is written before rank 0 lists them and renames
-
-    if rank == 0:
-        # The folder is a shared file system's: rank 0 sees every rank's files, now complete.
-        files = {name: os.path.getsize(os.path.join(tmp_dir, name)) for name in sorted(os.listdir(tmp_dir))}
-        with open(os.path.join(tmp_dir, MANIFEST), "w") as f:
-            json.dump({"files": files}, f, indent=1)
-            f.flush()
-            os.fsync(f.fileno())
-        if os.path.exists(final_dir):
-            aside = stamped = f"{final_dir}.replaced-{time.strftime('%Y%m%d-%H%M%S')}"
-            for n in itertools.count(2):
-                if not os.path.exists(aside):
-                    break
-                aside = f"{stamped}-{n}"
-            os.rename(final_dir, aside)
-            # On a line of its own: a progress bar may hold the current one.
-            print(f"\nwarning: {final_dir} was in the way of this save; moved to {aside}", file=sys.stderr, flush=True)
-        os.rename(tmp_dir, final_dir)  # atomic: from here on step-N is complete
-        older = complete_checkpoints(checkpoints_dir)[:-keep_last] if keep_last > 0 else []
-        for _, path in older:
-            # Hide first, then delete: a crash mid-delete must not leave a step-N that looks whole.
-            hidden = os.path.join(checkpoints_dir, ".deleting-" + os.path.basename(path))
-            os.rename(path, hidden)
-            shutil.rmtree(hidden)
-    _barrier()  # all ranks: nobody goes on (or dies) before the checkpoint is visible
-    return final_dir
-
-
-def load_checkpoint(model, optimizer, checkpoint_dir):
-    """Load what `save_checkpoint` wrote into `model` and `optimizer` (built the same way, same
-    world size) and this rank's RNG; return the trainer state dict. EVERY rank must call it."""
-    rank = dist.get_rank() if dist.is_initialized() else 0
-    with open(os.path.join(checkpoint_dir, "trainer_state.json")) as f:
-        trainer_state = json.load(f)
-    with _quiet_checkpoint_warnings():
-        tensors, _ = _tensor_state(model, optimizer)  # the shapes and shards to fill (all ranks)
-        dcp.load(tensors, storage_reader=dcp.HuggingFaceStorageReader(checkpoint_dir))  # all ranks
-        model_state = {k.removeprefix("model."): v for k, v in tensors.items() if k.startswith("model.")}
-        optim_state = {k.removeprefix("optim."): v for k, v in tensors.items() if k.startswith("optim.")}
-        optim_state.update(trainer_state["optimizer_hyperparameters"])
-        set_state_dict(model, optimizer, model_state_dict=model_state, optim_state_dict=optim_state, options=CHECKPOINT_OPTIONS)
-    _set_rng_states(load_file(os.path.join(checkpoint_dir, f"rng-rank-{rank}.safetensors")))
-    return trainer_state
-
-
-# ----------------------------------------------------------------------------------------------
-# Export without a whole copy on any rank: every rank stages what it holds, one writer reads it
-# back, a file's worth at a time
-#
-#   all ranks:  stage_state_dict(model, staging)         each rank writes its own shards (DCP)
-#   the writer: staged_tensors(staging)                  names, shapes, dtypes
-#               read_staged(staging, names)              those tensors, whole, and nothing else
-#
-# Under FSDP nothing is gathered: a rank that does not write never holds more than its shards.
-
-
-def stage_state_dict(model, folder):
-    """Write the model's state dict to `folder` as it lies on the ranks: each rank its own shards
-    (FSDP), or each tensor once (DDP, one process). EVERY rank must call it (DCP's save is a
-    collective); when it returns, every rank's part is written."""
-    rank = dist.get_rank() if dist.is_initialized() else 0
-    if rank == 0:
-        shutil.rmtree(folder, ignore_errors=True)  # a leftover of a killed export
-        os.makedirs(folder)
-    _barrier()  # all ranks: nobody writes into the folder before it exists
-    with _quiet_checkpoint_warnings():
-        state = get_model_state_dict(model)  # sharded under FSDP: no gathering
-        dcp.save(state, storage_writer=dcp.HuggingFaceStorageWriter(folder, save_distributed=True, enable_consolidation=False))
-
-
-def staged_tensors(folder):
-    """{name: (shape, dtype)} of the tensors `stage_state_dict` wrote to `folder`."""
-    metadata = dcp.HuggingFaceStorageReader(folder).read_metadata()
-    return {name: (md.size, md.properties.dtype) for name, md in metadata.state_dict_metadata.items()}
-
-
-def read_staged(folder, names):
-    """The named tensors of a staged folder, whole (for the one writer: no collective)."""
-    shapes = staged_tensors(folder)
-    tensors = {name: torch.empty(shapes[name][0], dtype=shapes[name][1]) for name in names}
-    with _quiet_checkpoint_warnings():
-        dcp.load(tensors, storage_reader=dcp.HuggingFaceStorageReader(folder), no_dist=True)
-    return tensors
-
-
-SIZE_UNITS = {"B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12, "KIB": 2**10, "MIB": 2**20, "GIB": 2**30, "TIB": 2**40}
-
-
-def parse_size(text):
-    """'5GB', '300MB', '1.5GiB' or a number of bytes -> bytes. GB is 10^9 bytes and GiB 2^30, as
-    in transformers' `max_shard_size`."""
-    match = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([A-Za-z]*)\s*", str(text))
-    unit = (match.group(2).upper() or "B") if match else None
-    if unit not in SIZE_UNITS:
-        raise ValueError(f"{text!r} is not a size: write it like 5GB, 300MB or 2GiB")
-    return int(float(match.group(1)) * SIZE_UNITS[unit])
-
-
-def shard_groups(sizes, max_bytes):
-    """The names of `sizes` ({name: bytes}), in order, grouped into files of at most `max_bytes`
-    each (a tensor larger than that gets a file of its own: tensors are never split)."""
-    groups, total = [], 0
-    for name, size in sizes.items():
-        if not groups or (groups[-1] and total + size > max_bytes):
-            groups.append([])
-            total = 0
-        groups[-1].append(name)
-        total += size
-    return groups
-
-
-# ----------------------------------------------------------------------------------------------
-# Export to the SentenceTransformer folder format
-
-# The pooling modes this project trains and exports, and their key in 1_Pooling/config.json:
-# the one list of them (train.py's --pooling choices come from here).
-POOLING_KEYS = {"mean": "pooling_mode_mean_tokens", "cls": "pooling_mode_cls_token",
-                "max": "pooling_mode_max_tokens", "lasttoken": "pooling_mode_lasttoken"}
-POOLING_MODES = tuple(POOLING_KEYS)
-
-
-def pooling_config(pooling_mode, dim):
-    """1_Pooling/config.json. Only the keys every sentence-transformers version since 2.0
-    understands, plus `pooling_mode_lasttoken` when it is the mode (2.3+ knows it)."""
-    config = {"word_embedding_dimension": dim, "pooling_mode_mean_sqrt_len_tokens": False}
-    for mode in ("mean", "cls", "max"):
-        config[POOLING_KEYS[mode]] = pooling_mode == mode
-    if pooling_mode == "lasttoken":
-        config[POOLING_KEYS["lasttoken"]] = True
-    return config
-
-
-def read_sentence_transformer_config(path):
-    """What a SentenceTransformer folder (local or a hub id) says about how it embeds: the
-    transformer's subfolder, pooling mode, normalisation, max_seq_length, do_lower_case,
-    prompts, default_prompt_name and similarity_fn_name. A plain HF model (no modules.json)
-    gives the defaults: mean pooling, no normalisation, no max length of its own.
-    Raises ValueError for modules other than Transformer, Pooling and Normalize."""
-    import transformers
-
-    def read_json(filename):
-        file = transformers.utils.cached_file(path, filename, _raise_exceptions_for_missing_entries=False)
-        if file is None:
-            return None
-        with open(file, encoding="utf8") as f:
-            return json.load(f)
-
-    config = {"subfolder": "", "pooling": "mean", "normalize": False, "max_seq_length": None, "do_lower_case": False,
-              "prompts": {}, "default_prompt_name": None, "similarity_fn_name": "cosine"}
-    modules = read_json("modules.json")
-    if modules is None:
-        return config
-    for module in modules:
-        kind = module["type"].rsplit(".", 1)[-1]
-        if kind == "Transformer":
-            config["subfolder"] = module["path"]
-            bert_config = read_json(os.path.join(module["path"], "sentence_bert_config.json")) or {}
-            config["max_seq_length"] = bert_config.get("max_seq_length")
-            config["do_lower_case"] = bool(bert_config.get("do_lower_case", False))
-        elif kind == "Pooling":
-            pooling = read_json(os.path.join(module["path"], "config.json"))
-            if pooling is None:
-                raise ValueError(f"{path}: modules.json lists a Pooling module, but {os.path.join(module['path'], 'config.json')} is missing; "
-                                 "restore it from the original folder")
-            enabled = [k for k, v in pooling.items() if k.startswith("pooling_mode") and v]
-            modes = [mode for mode, key in POOLING_KEYS.items() if [key] == enabled]
-            if not modes:
-                raise ValueError(f"{path}: pooling {enabled} is not supported; one of {POOLING_MODES} is (or override with --pooling)")
-            config["pooling"] = modes[0]
-        elif kind == "Normalize":
-            config["normalize"] = True
-        else:
-            raise ValueError(f"{path}: module {module['type']} is not supported; only Transformer, Pooling and Normalize are")
-    st_config = read_json("config_sentence_transformers.json") or {}
-    for key in ("prompts", "default_prompt_name", "similarity_fn_name"):
-        if st_config.get(key) is not None:
-            config[key] = st_config[key]
-    return config
-
-
-def export_sentence_transformer(
-    out_dir,
-    weight_files,
-    encoder_config,
-    tokenizer,
-    *,
-    pooling_mode,
-    normalize,
-    max_seq_length,
-    do_lower_case=False,
-    model_card="",
-    training_config=None,
-    extra_tensor_files=None,
-    tokenizer_files=None,
-    prompts=None,
-    dtype=torch.float32,
-):
-    """Write a SentenceTransformer folder at `out_dir` (rank 0 only; no collective inside).
-
-    `weight_files` is a list of functions, one per weights file, each returning that file's
-    tensors: the transformer's weights with plain HF names (no "encoder." prefix), so the folder
-    is also a plain HF model (config.json, tokenizer files and model.safetensors, or with more
-    than one file model-0000i-of-0000N.safetensors and model.safetensors.index.json). They are
-    called one at a time, so only one file's tensors need be in memory (`[lambda: state_dict]`
-    for a state dict already there). Floating-point tensors are written in `dtype`, which
-    config.json states. Give it every tensor of the base checkpoint, the untrained ones too (a
-    BERT pooler), or every `from_pretrained` of the folder warns of newly initialised weights. The
-    tokenizer is saved with `model_max_length = max_seq_length`, so plain transformers truncates
-    where training did; `tokenizer_files` ({name: path}) are copied beside it unless saving wrote
-    them: the base model's slow-tokenizer files (vocab.txt, sentencepiece models), which older
-    transformers versions need. On top of that, the sentence-transformers files:
-        modules.json                      Transformer (path "") -> Pooling -> [Normalize]
-        sentence_bert_config.json         max_seq_length, do_lower_case (texts lowercased first)
-        1_Pooling/config.json             pooling mode and dimension
-        2_Normalize/                      (empty) when the model normalises
-        config_sentence_transformers.json versions, similarity function, `prompts` ({name: prefix},
-                                          for encode(texts, prompt_name=name))
-        README.md                         the model card
-    The folder is written next to `out_dir` and renamed into place at the end, so a crash
-    never leaves a half-written export, and an older export is replaced only by a whole one.
-    """
-    if pooling_mode not in POOLING_MODES:
-        raise ValueError(f"pooling mode {pooling_mode!r} cannot be exported; use one of {POOLING_MODES}")
-    out_dir = os.path.abspath(out_dir)
-    tmp_dir = f"{out_dir}.tmp-{os.getpid()}"
-    shutil.rmtree(tmp_dir, ignore_errors=True)
-    os.makedirs(tmp_dir)
-
-    # Plain HF layout, a file at a time. safetensors refuses tensors that are not contiguous.
-    weight_map, total_bytes = {}, 0
-    for i, read in enumerate(weight_files):
-        file = "model.safetensors" if len(weight_files) == 1 else f"model-{i + 1:05d}-of-{len(weight_files):05d}.safetensors"
-        tensors = read()
-        for name, t in tensors.items():
-            tensors[name] = (t.to(dtype) if t.is_floating_point() else t).detach().cpu().contiguous()
-            weight_map[name] = file
-            total_bytes += tensors[name].nbytes
-        save_file(tensors, os.path.join(tmp_dir, file), metadata={"format": "pt"})
-        del tensors  # before the next file's are read
-    if len(weight_files) > 1:
-        with open(os.path.join(tmp_dir, "model.safetensors.index.json"), "w", encoding="utf8") as f:
-            json.dump({"metadata": {"total_size": total_bytes}, "weight_map": weight_map}, f, indent=2)
-    encoder_config = copy.deepcopy(encoder_config)
-    encoder_config.dtype = dtype  # what from_pretrained(dtype="auto") loads it in
-    encoder_config.save_pretrained(tmp_dir)
-    tokenizer = copy.deepcopy(tokenizer)  # the caller's keeps its own limit
-    tokenizer.model_max_length = max_seq_length
-    tokenizer.save_pretrained(tmp_dir)
-    # Stated, not left to each transformers version's default (4.4x warns that its default will
-    # change): it only affects decoding, which then agrees everywhere.
-    tokenizer_config_path = os.path.join(tmp_dir, "tokenizer_config.json")
-    with open(tokenizer_config_path, encoding="utf8") as f:
-        tokenizer_config = json.load(f)
-    tokenizer_config.setdefault("clean_up_tokenization_spaces", bool(getattr(tokenizer, "clean_up_tokenization_spaces", False)))
-    with open(tokenizer_config_path, "w", encoding="utf8") as f:
-        json.dump(tokenizer_config, f, indent=2)
-    for name, source in (tokenizer_files or {}).items():
-        if not os.path.exists(os.path.join(tmp_dir, name)):
-            shutil.copyfile(source, os.path.join(tmp_dir, name))
-    # A WordPiece or BPE tokenizer writes its own slow files (vocab.txt; vocab.json + merges.txt)
-    # from its model, when neither saving nor the base folder gave them.
-    backend = getattr(tokenizer, "backend_tokenizer", None)
-    if backend is not None and type(backend.model).__name__ in ("WordPiece", "BPE"):
-        model_dir = os.path.join(tmp_dir, ".tokenizer-model")
-        os.makedirs(model_dir)
-        for file in backend.model.save(model_dir):
-            if not os.path.exists(os.path.join(tmp_dir, os.path.basename(file))):
-                os.rename(file, os.path.join(tmp_dir, os.path.basename(file)))
-        shutil.rmtree(model_dir)
-    for filename, file_tensors in (extra_tensor_files or {}).items():
-        file_tensors = {name: t.detach().cpu().contiguous().clone() for name, t in file_tensors.items()}
-        save_file(file_tensors, os.path.join(tmp_dir, filename))
-
-    # sentence-transformers module list: the classic `sentence_transformers.models.*` names,
-    # which 2.x loads natively and 3.x-6.x map to their current classes.
-    modules = [
-        {"idx": 0, "name": "0", "path": "", "type": "sentence_transformers.models.Transformer"},
-        {"idx": 1, "name": "1", "path": "1_Pooling", "type": "sentence_transformers.models.Pooling"},
-    ]
-    if normalize:
-        modules.append({"idx": 2, "name": "2", "path": "2_Normalize", "type": "sentence_transformers.models.Normalize"})
-        os.makedirs(os.path.join(tmp_dir, "2_Normalize"))
-    os.makedirs(os.path.join(tmp_dir, "1_Pooling"))
-    dim = encoder_config.hidden_size
-    files = {
-        "modules.json": modules,
-        "1_Pooling/config.json": pooling_config(pooling_mode, dim),
-        "sentence_bert_config.json": {"max_seq_length": max_seq_length, "do_lower_case": do_lower_case},
-        "config_sentence_transformers.json": {
-            # The oldest sentence-transformers version that reads this folder (lasttoken pooling
-            # came in 2.3.0); a newer number would make older versions warn "update your library".
-            "__version__": {"sentence_transformers": "2.3.0" if pooling_mode == "lasttoken" else "2.0.0",
-                            "transformers": importlib.metadata.version("transformers"), "pytorch": torch.__version__},
-            "prompts": prompts or {},
-            "default_prompt_name": None,
-            "similarity_fn_name": "cosine",
-        },
-    }
-    if training_config is not None:
-        files["training_config.json"] = training_config
-    for name, content in files.items():
-        with open(os.path.join(tmp_dir, name), "w", encoding="utf8") as f:
-            json.dump(content, f, indent=2)
-    with open(os.path.join(tmp_dir, "README.md"), "w", encoding="utf8") as f:
-        f.write(model_card)
-
-    # Swap into place: the old export (if any) is removed only once the new one is complete.
-    old_dir = f"{out_dir}.old-{os.getpid()}"
-    if os.path.exists(out_dir):
-        os.rename(out_dir, old_dir)
-    os.rename(tmp_dir, out_dir)
-    shutil.rmtree(old_dir, ignore_errors=True)

@@ -35,7 +35,7 @@ of synthetic (anchor, positive) pairs.
 
 2. Activation checkpointing: a 12-layer model of the same family (hidden 512, intermediate
    1408, 8 heads / 2 KV heads: head size 64 as in the big model; smaller for time), built by
-   train.load_model exactly as train.py builds it, with and without --activation-checkpointing,
+   embedding_model.load_model exactly as train.py builds it, with and without --activation-checkpointing,
    one forward of a batch of 8 x 512 random tokens, each in a fresh process. Activation
    memory, the number the target (>= 3x lower with it) is judged on: the bytes of the distinct
    storages saved for backward during that forward (torch.autograd.graph.saved_tensors_hooks;
@@ -371,7 +371,7 @@ def rss_kb(key="VmRSS"):
 
 
 def ac_worker(args):
-    """In a fresh process: the AC model built by train.load_model. Modes "off" and "on": one
+    """In a fresh process: the AC model built by embedding_model.load_model. Modes "off" and "on": one
     forward + backward without or with --activation-checkpointing, its memory measured; mode
     "time": built with it, then steps alternating without and with it (the switch transformers
     offers: gradient_checkpointing_disable / _enable), on one thread, timed in wall and CPU
@@ -380,13 +380,14 @@ def ac_worker(args):
     import torch
 
     sys.path.insert(0, REPO_DIR)
-    import train
+    import config
+    import embedding_model
 
     flags = ["--model", args.ac_model, "--train-data", args.ac_data, "--loss", "mnrl", "--pooling", "lasttoken", "--append-eos",
              "--max-seq-length", str(args.ac_seq_len)] + (["--activation-checkpointing"] if args.ac_worker != "off" else [])
-    cfg = train.parse_config(flags)
+    cfg = config.parse_config(flags)
     torch.manual_seed(0)
-    model = train.load_model(cfg, 0).model  # train mode, checkpointing enabled as train.py does
+    model = embedding_model.load_model(cfg, 0).model  # train mode, checkpointing enabled as train.py does
     encoder = model.encoder
     generator = torch.Generator().manual_seed(0)
     input_ids = torch.randint(0, encoder.config.vocab_size, (args.ac_batch, args.ac_seq_len), generator=generator)

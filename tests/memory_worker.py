@@ -24,6 +24,14 @@ from torch.utils._pytree import tree_leaves
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
+import batches  # noqa: E402
+
+import config  # noqa: E402
+
+import embedding_model  # noqa: E402
+
+import export  # noqa: E402
+
 import fsdp_utils  # noqa: E402
 import train  # noqa: E402
 
@@ -102,16 +110,16 @@ def during(phase, function):
     return watched
 
 
-train.load_model = during("load", count_forwards(train.load_model))
-train.micro_batches = watch_steps(train.micro_batches)
+embedding_model.load_model = during("load", count_forwards(embedding_model.load_model))
+batches.micro_batches = watch_steps(batches.micro_batches)
 fsdp_utils.wrap_model = during("load", fsdp_utils.wrap_model)
-train.init_non_persistent_buffers = during("load", train.init_non_persistent_buffers)
+embedding_model.init_non_persistent_buffers = during("load", embedding_model.init_non_persistent_buffers)
 fsdp_utils.load_pretrained_sharded = during("load", fsdp_utils.load_pretrained_sharded)
-train.export = during("export", train.export)
+export.export_model = during("export", export.export_model)
 clip_grad_norm = fsdp_utils.clip_grad_norm
 fsdp_utils.clip_grad_norm = lambda *args, **kwargs: (step_ends(), clip_grad_norm(*args, **kwargs))[1]  # backward is over
 
-cfg = train.parse_config()
+cfg = config.parse_config()
 rank = int(os.environ["RANK"])
 try:
     train.main(cfg)

@@ -10,6 +10,10 @@ Run: python -m pytest tests/test_activation_checkpointing.py
 import pytest
 from conftest import assert_same_training, data_file, run_train
 
+import config
+
+import embedding_model
+
 import train
 
 ARGS = ["--train-data", data_file("sick-triplets-train.jsonl"), "--loss", "mnrl", "--max-steps", 3, "--max-seq-length", 32,
@@ -18,7 +22,7 @@ ARGS = ["--train-data", data_file("sick-triplets-train.jsonl"), "--loss", "mnrl"
 
 def test_each_block_runs_twice_a_step_with_it(tmp_path, tiny_model, monkeypatch):
     calls = {}
-    load_model = train.load_model
+    load_model = embedding_model.load_model
 
     def load_and_count(cfg, num_labels, **options):
         loaded = load_model(cfg, num_labels, **options)
@@ -28,9 +32,9 @@ def test_each_block_runs_twice_a_step_with_it(tmp_path, tiny_model, monkeypatch)
             layer.intermediate.register_forward_hook(lambda *_, key=cfg.activation_checkpointing: calls.__setitem__(key, calls.get(key, 0) + 1))
         return loaded
 
-    monkeypatch.setattr(train, "load_model", load_and_count)
+    monkeypatch.setattr(embedding_model, "load_model", load_and_count)
     for flags in ([], ["--activation-checkpointing"]):
-        train.main(train.parse_config([str(a) for a in ["--model", tiny_model, *ARGS, *flags, "--output-dir", tmp_path / str(len(flags))]]))
+        train.main(config.parse_config([str(a) for a in ["--model", tiny_model, *ARGS, *flags, "--output-dir", tmp_path / str(len(flags))]]))
     # 3 steps x 2 layers, the three columns together in one or more length-sorted forwards
     assert calls[True] == 2 * calls[False] and calls[False] >= 3 * 2
     assert_same_training(tmp_path / "1", tmp_path / "0", num_steps=3)

@@ -25,6 +25,10 @@ import pytest
 import torch
 from conftest import REPO_DIR, data_file, read_metrics, run_train, sentence_transformers_evaluators
 
+import config
+
+import startup_checks
+
 import train
 
 NUM_STS, NUM_PAIRS, MAX_SEQ_LENGTH, BATCH_SIZE = 60, 80, 64, 16
@@ -59,7 +63,7 @@ def eval_only_args(eval_files, out):
 def test_eval_only_equals_sentence_transformers_and_writes_no_export(tmp_path, eval_files, nproc):
     out = tmp_path / "out"
     if nproc == 1:
-        train.main(train.parse_config([str(a) for a in eval_only_args(eval_files, out)]))
+        train.main(config.parse_config([str(a) for a in eval_only_args(eval_files, out)]))
     else:
         run_train([*eval_only_args(eval_files, out), "--strategy", "fsdp"], nproc=nproc)
     rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
@@ -92,7 +96,7 @@ def test_eval_on_start_tensorboard_timing_and_leftovers(tmp_path, tiny_model, ev
     args = ["--model", tiny_model, "--train-data", data_file("sick-pairs-train.jsonl"), "--max-steps", 4, "--per-device-batch-size", 8,
             "--max-seq-length", 32, "--log-steps", 1, "--eval-data", eval_files[0], "--eval-steps", 1, "--eval-on-start",
             "--metric-for-best", "sts-dev/spearman", "--report-to", "tensorboard", "--output-dir", out]
-    train.main(train.parse_config([str(a) for a in args]))
+    train.main(config.parse_config([str(a) for a in args]))
 
     assert not (out / "final.tmp-4242").exists() and not (out / "best.old-4242").exists()
     assert list((out / "checkpoints").iterdir()) == []  # a killed save's and a killed removal's leftovers
@@ -126,9 +130,9 @@ def test_report_to_tensorboard_without_the_package_is_refused_at_start_up(tmp_pa
 
     find_spec = importlib.util.find_spec
     monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "tensorboard" else find_spec(name, *a))
-    cfg = train.parse_config(["--report-to", "tensorboard", "--output-dir", str(tmp_path / "out")])
+    cfg = config.parse_config(["--report-to", "tensorboard", "--output-dir", str(tmp_path / "out")])
     with pytest.raises(ValueError, match="--report-to tensorboard needs the tensorboard package: pip install tensorboard"):
-        train.start_up_checks(cfg, 1, torch.device("cpu"))
+        startup_checks.start_up_checks(cfg, 1, torch.device("cpu"))
 
 
 @pytest.mark.parametrize("args,expected", [
@@ -137,22 +141,22 @@ def test_report_to_tensorboard_without_the_package_is_refused_at_start_up(tmp_pa
     (["--eval-only", "--eval-data", "x.jsonl", "--resume", "auto"], "--resume has nothing to continue"),
 ])
 def test_eval_flags_without_what_they_need_are_refused(tmp_path, args, expected):
-    cfg = train.parse_config([*args, "--output-dir", str(tmp_path / "out")])
+    cfg = config.parse_config([*args, "--output-dir", str(tmp_path / "out")])
     with pytest.raises(ValueError, match=expected):
-        train.start_up_checks(cfg, 1, torch.device("cpu"))
+        startup_checks.start_up_checks(cfg, 1, torch.device("cpu"))
 
 
 def test_eval_only_refuses_nli_and_an_earlier_metrics_file(tmp_path):
     nli = tmp_path / "nli.jsonl"
     nli.write_text("".join(open(data_file("sick-nli-train.jsonl")).readlines()[:20]))
-    cfg = train.parse_config(["--eval-only", "--eval-data", str(nli), "--output-dir", str(tmp_path / "a")])
+    cfg = config.parse_config(["--eval-only", "--eval-data", str(nli), "--output-dir", str(tmp_path / "a")])
     with pytest.raises(ValueError, match="need a trained Softmax head"):
-        train.start_up_checks(cfg, 1, torch.device("cpu"))
+        startup_checks.start_up_checks(cfg, 1, torch.device("cpu"))
     (tmp_path / "b").mkdir()
     (tmp_path / "b" / "metrics.jsonl").write_text("{}\n")
-    cfg = train.parse_config(["--eval-only", "--eval-data", data_file("stsb-dev.jsonl"), "--output-dir", str(tmp_path / "b")])
+    cfg = config.parse_config(["--eval-only", "--eval-data", data_file("stsb-dev.jsonl"), "--output-dir", str(tmp_path / "b")])
     with pytest.raises(ValueError, match="metrics.jsonl already exists; pass --overwrite"):
-        train.start_up_checks(cfg, 1, torch.device("cpu"))
+        startup_checks.start_up_checks(cfg, 1, torch.device("cpu"))
 
 
 def test_help_shows_the_config_sections_with_defaults():

@@ -17,6 +17,9 @@ import time
 
 import pytest
 from conftest import data_file, run_train
+import startup_checks
+import data
+import config
 
 
 def write_jsonl(path, rows):
@@ -95,7 +98,7 @@ CASES = [
 ]
 
 
-# Checked in-process (train.start_up_checks at world size 2, the function every rank runs), to keep
+# Checked in-process (startup_checks.start_up_checks at world size 2, the function every rank runs), to keep
 # CI short: the launches above already show that any start-up error stops every rank the same way.
 IN_PROCESS_CASES = [
     ("too few columns", lambda t: ["--train-data", write_jsonl(t / "one.jsonl", [{"anchor": "x"}] * 40)], "--loss mnrl needs (anchor, positive"),
@@ -327,15 +330,19 @@ def test_bad_input_stops_every_rank_at_start_up_with_one_message(results, case):
 def test_more_bad_input_is_refused_by_the_start_up_checks(tmp_path, case):
     import torch
 
-    import train
+    import config
+
+
+    import startup_checks
+
 
     name, setup, expected = case
     extra = setup(tmp_path)
     out = tmp_path / "out"
     before = listing(out)
-    cfg = train.parse_config([str(a) for a in [*extra, "--output-dir", out]])
+    cfg = config.parse_config([str(a) for a in [*extra, "--output-dir", out]])
     with pytest.raises(ValueError) as error:
-        train.start_up_checks(cfg, 2, torch.device("cpu"))
+        startup_checks.start_up_checks(cfg, 2, torch.device("cpu"))
     assert expected in str(error.value), str(error.value)
     assert listing(out) == before
     assert not (tmp_path / "PICKLE-CODE-RAN").exists()
@@ -352,18 +359,17 @@ def test_resume_names_each_setting_that_differs_and_only_those(tmp_path):
 
     import torch
 
-    import train
 
     out = tmp_path / "out"
-    saved = dataclasses.asdict(train.Config(output_dir=str(out)))
+    saved = dataclasses.asdict(config.Config(output_dir=str(out)))
     saved.update(lr=1e-3, eval_steps=7, log_steps=3, save_steps=5)
-    ds = train.load_data(saved["train_data"], "train")
-    fingerprint = train.data_fingerprint(ds, ds.column_names)
+    ds = data.load_data(saved["train_data"], "train")
+    fingerprint = data.data_fingerprint(ds, ds.column_names)
     folder = out / "checkpoints" / "step-2"
     write_checkpoint(folder, {"step": 2, "world_size": 2, "config": saved, "train_data_fingerprint": fingerprint})
-    cfg = train.parse_config(["--output-dir", str(out), "--resume", "auto"])
+    cfg = config.parse_config(["--output-dir", str(out), "--resume", "auto"])
     with pytest.raises(ValueError) as error:
-        train.start_up_checks(cfg, 2, torch.device("cpu"))
+        startup_checks.start_up_checks(cfg, 2, torch.device("cpu"))
     message = str(error.value)
     assert "--lr 0.001 (this run: 2e-05)" in message, message
     assert "--eval-steps" not in message and "--log-steps" not in message and "--save-steps" not in message, message
@@ -371,25 +377,24 @@ def test_resume_names_each_setting_that_differs_and_only_those(tmp_path):
     # ...and with the same learning rate the same checkpoint is accepted, from data that moved.
     moved = tmp_path / "moved.jsonl"
     shutil.copy(saved["train_data"], moved)
-    cfg = train.parse_config(["--output-dir", str(out), "--resume", "auto", "--lr", "1e-3", "--train-data", str(moved)])
-    assert train.start_up_checks(cfg, 2, torch.device("cpu")).resume_dir == str(folder)
+    cfg = config.parse_config(["--output-dir", str(out), "--resume", "auto", "--lr", "1e-3", "--train-data", str(moved)])
+    assert startup_checks.start_up_checks(cfg, 2, torch.device("cpu")).resume_dir == str(folder)
     # One row edited: refused, naming both fingerprints.
     rows = [json.loads(line) for line in moved.read_text().splitlines()]
     rows[0]["anchor"] += " (edited)"
     write_jsonl(moved, rows)
     with pytest.raises(ValueError, match=rf"other training data \({fingerprint}; --train-data {moved} now: 320 rows, sha256 "):
-        train.start_up_checks(cfg, 2, torch.device("cpu"))
+        startup_checks.start_up_checks(cfg, 2, torch.device("cpu"))
 
 
 def test_an_output_dir_that_is_a_file_is_refused(tmp_path):
     import torch
 
-    import train
 
     (tmp_path / "taken").write_text("a file")
-    cfg = train.parse_config(["--output-dir", str(tmp_path / "taken")])
+    cfg = config.parse_config(["--output-dir", str(tmp_path / "taken")])
     with pytest.raises(ValueError, match="is a file, not a folder"):
-        train.start_up_checks(cfg, 2, torch.device("cpu"))
+        startup_checks.start_up_checks(cfg, 2, torch.device("cpu"))
     assert (tmp_path / "taken").read_text() == "a file"
 
 
@@ -404,8 +409,8 @@ def test_resume_auto_on_a_finished_run_checks_its_settings(tmp_path, tiny_model)
     out = tmp_path / "out"
     args = ["--model", str(tiny_model), "--train-data", data_file("sick-pairs-train.jsonl"), "--max-steps", "2",
             "--per-device-batch-size", "4", "--max-seq-length", "32", "--output-dir", str(out)]
-    train.main(train.parse_config(args))
+    train.main(config.parse_config(args))
     assert (out / "final" / "training_config.json").exists()
-    assert train.start_up_checks(train.parse_config([*args, "--resume", "auto"]), 1, torch.device("cpu")).finished
+    assert startup_checks.start_up_checks(config.parse_config([*args, "--resume", "auto"]), 1, torch.device("cpu")).finished
     with pytest.raises(ValueError, match=r"--seed 12 \(this run: 99\)"):
-        train.start_up_checks(train.parse_config([*args, "--resume", "auto", "--seed", "99"]), 1, torch.device("cpu"))
+        startup_checks.start_up_checks(config.parse_config([*args, "--resume", "auto", "--seed", "99"]), 1, torch.device("cpu"))

@@ -36,6 +36,10 @@ import transformers
 from conftest import REPO_DIR, assert_same_training, data_file, export_weights, run_train, sentences, tiny_decoder
 from safetensors import safe_open
 
+import config
+
+import embedding_model
+
 import train
 
 ARGS = ["--train-data", data_file("sick-pairs-train.jsonl"), "--loss", "mnrl", "--pooling", "lasttoken", "--append-eos",
@@ -129,7 +133,7 @@ def test_sharded_export_loads_in_sentence_transformers_and_automodel(dtype, tole
     from sentence_transformers import SentenceTransformer
 
     base = tiny_decoder(tmp_path / "base", "qwen2")
-    cfg = train.parse_config([str(a) for a in ["--model", base, *ARGS, "--per-device-batch-size", 8, "--export-max-shard-size", "40KB",
+    cfg = config.parse_config([str(a) for a in ["--model", base, *ARGS, "--per-device-batch-size", 8, "--export-max-shard-size", "40KB",
                                                 "--export-dtype", dtype, "--output-dir", tmp_path / "out"]])
     model = train.main(cfg)
     final = tmp_path / "out" / "final"
@@ -154,7 +158,7 @@ def test_a_bf16_checkpoint_trains_fp32_master_weights(tmp_path):
     base = tiny_decoder(tmp_path / "base", "llama")
     transformers.LlamaModel.from_pretrained(base, dtype=torch.bfloat16).save_pretrained(tmp_path / "base")
     # lr 1e-6: an update far below bf16's resolution, which bf16 weights would round away.
-    model = train.main(train.parse_config([str(a) for a in ["--model", base, *ARGS, "--per-device-batch-size", 8, "--lr", 1e-6,
+    model = train.main(config.parse_config([str(a) for a in ["--model", base, *ARGS, "--per-device-batch-size", 8, "--lr", 1e-6,
                                                             "--max-grad-norm", 0, "--output-dir", tmp_path / "out"]]))
     trained = export_weights(tmp_path / "out" / "final")
     with safe_open(base / "model.safetensors", framework="pt") as f:
@@ -173,10 +177,10 @@ def test_weights_that_cannot_be_read_by_slices_are_loaded_in_full_with_a_note(tm
         (tmp_path / "bin" / file).write_bytes((base / file).read_bytes())
     with safe_open(base / "model.safetensors", framework="pt") as f:  # the older pickle format, which has no slices to read
         torch.save({k: f.get_tensor(k) for k in f.keys()}, tmp_path / "bin" / "pytorch_model.bin")
-    on_meta = train.load_model(train.Config(model=str(base)), 0, on_meta=True)
+    on_meta = embedding_model.load_model(config.Config(model=str(base)), 0, on_meta=True)
     assert on_meta.pretrained_dir == str(base) and all(p.is_meta for p in on_meta.model.parameters())
     assert on_meta.pretrained_names["encoder.layers.1.mlp.down_proj.weight"] == "layers.1.mlp.down_proj.weight"
-    in_full = train.load_model(train.Config(model=str(tmp_path / "bin")), 0, on_meta=True)
+    in_full = embedding_model.load_model(config.Config(model=str(tmp_path / "bin")), 0, on_meta=True)
     assert in_full.pretrained_dir is None and "note: every rank loads the whole model" in capsys.readouterr().out
-    want = train.load_model(train.Config(model=str(base)), 0).model.state_dict()
+    want = embedding_model.load_model(config.Config(model=str(base)), 0).model.state_dict()
     assert all(torch.equal(in_full.model.state_dict()[k], v) for k, v in want.items())

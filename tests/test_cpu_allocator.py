@@ -1,4 +1,4 @@
-"""On CPU, train.py keeps freed large blocks for reuse (train.keep_freed_blocks) in single and
+"""On CPU, train.py keeps freed large blocks for reuse (fsdp_utils.keep_freed_blocks) in single and
 DDP runs: a tensor made and freed every step, like the dense gradient of the word embeddings, is
 not faulted in again page by page at each step. Not under FSDP (memory first), and not when the
 user set glibc's MALLOC_* variables: theirs win.
@@ -21,9 +21,10 @@ from conftest import REPO_DIR
 PROBE = """
 import json, resource, sys, torch
 sys.path.insert(0, sys.argv[1])
+import fsdp_utils
 import train
 if sys.argv[2] != "default":
-    train.keep_freed_blocks(torch.device("cpu"), sys.argv[2])
+    fsdp_utils.keep_freed_blocks(torch.device("cpu"), sys.argv[2])
 words = torch.nn.Embedding(30522, 384)
 ids = torch.randint(0, 30522, (32, 20))
 faults = []

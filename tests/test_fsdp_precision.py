@@ -14,7 +14,10 @@ from conftest import data_file, loss_on_fixed_rows, run_train
 from safetensors.torch import load_file
 from sentence_transformers import SentenceTransformer
 
-import train
+import config
+
+import embedding_model
+
 
 TEXTS = ["A woman is slicing an onion.", "Nobody is riding the bike", "A dog runs after a ball in the park."]
 LOW = {"bf16": torch.bfloat16, "fp16": torch.float16}
@@ -43,7 +46,7 @@ def test_fsdp_mixed_precision_trains_and_exports_fp32(version, precision, tmp_pa
     w = weights["encoder.layer.0.attention.self.query.weight"]
     assert (w.to(LOW[precision]).float() != w).float().mean() > 0.5
 
-    loaded = train.load_model(train.Config(model=str(final)), 0)
+    loaded = embedding_model.load_model(config.Config(model=str(final)), 0)
     loaded.model.eval()
     with torch.no_grad():
         ours = loaded.model(**loaded.tokenize(TEXTS))

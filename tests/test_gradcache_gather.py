@@ -24,6 +24,10 @@ import torch
 from conftest import assert_same_training, data_file
 
 import losses
+import batches
+import config
+import data
+import embedding_model
 import train
 
 DATA = {"mnrl": "sick-triplets-train.jsonl", "cosent": "stsb-train.jsonl", "softmax": "sick-nli-train.jsonl"}
@@ -31,16 +35,16 @@ B = 6
 
 
 def batch(loss, num_rows=B):
-    ds = train.load_data(data_file(DATA[loss]), "train")
-    text_columns, target, num_labels = train.data_columns(ds, loss)
+    ds = data.load_data(data_file(DATA[loss]), "train")
+    text_columns, target, num_labels = data.data_columns(ds, loss)
     return ds[list(range(7, 7 + num_rows))], text_columns, target, num_labels
 
 
 def model_for(loss, dropout):
     rows, text_columns, target, num_labels = batch(loss)
     torch.manual_seed(0)
-    loaded = train.load_model(train.Config(loss=loss, dropout=dropout, max_seq_length=32), num_labels)
-    features, labels = train.collate(rows, text_columns, target, loss, loaded.tokenize, "cpu")
+    loaded = embedding_model.load_model(config.Config(loss=loss, dropout=dropout, max_seq_length=32), num_labels)
+    features, labels = batches.collate(rows, text_columns, target, loss, loaded.tokenize, "cpu")
     return loaded.model, features, labels
 
 
@@ -65,7 +69,7 @@ def cached(model, features, labels, loss, chunk_size, groups=None, **options):
 
 def sorted_groups(features, count=2):
     """Length-sorted sub-batches as train.py forms them under GradCache (--length-buckets 2)."""
-    groups = train.sub_batches(features, count, "cpu", equal_sizes=True)
+    groups = batches.sub_batches(features, count, "cpu", equal_sizes=True)
     assert not torch.equal(torch.cat(groups), torch.arange(B * len(features)))  # really reordered
     return groups
 
@@ -75,7 +79,7 @@ def naive_chunked(model, features, labels, loss, chunk_size, groups=None):
     masks), but one autograd graph through all of them and a single backward."""
     pool = {k: torch.cat([tokens[k] for tokens in features]) for k in features[0]}  # the columns' rows, one after the other
     rows = [r for g in (groups or [torch.arange(B * len(features))]) for r in g.split(chunk_size)]
-    pieces = [model(**train.select_rows(pool, r)) for r in rows]
+    pieces = [model(**embedding_model.select_rows(pool, r)) for r in rows]
     embs = list(torch.cat(pieces).float()[torch.argsort(torch.cat(rows))].split(B))
     value = train.embeddings_loss(model, embs, labels, loss)
     value.backward()
@@ -200,22 +204,22 @@ def test_a_duplicate_across_ranks_is_masked_as_in_one_process(tmp_path, tiny_mod
     --mask-duplicates, world 2 x 8 == one process x 16: the text is never its own negative."""
     from conftest import run_train
 
-    ds = train.load_data(data_file(DATA["mnrl"]), "train")
-    order = train.epoch_order(len(ds), seed=3, epoch=0).tolist()
+    ds = data.load_data(data_file(DATA["mnrl"]), "train")
+    order = batches.epoch_order(len(ds), seed=3, epoch=0).tolist()
     rows = ds.to_list()
     rows[order[9]]["positive"] = rows[order[1]]["positive"]
-    data = tmp_path / "duplicated.jsonl"
-    data.write_text("".join(json.dumps(r) + "\n" for r in rows))
-    args = [*common_args(tiny_model, "mnrl", 8), "--train-data", data, "--mask-duplicates"]
+    duplicated = tmp_path / "duplicated.jsonl"
+    duplicated.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    args = [*common_args(tiny_model, "mnrl", 8), "--train-data", duplicated, "--mask-duplicates"]
     run_train([*args, "--per-device-batch-size", 16, "--output-dir", tmp_path / "single"])
     run_train([*args, "--gather-negatives", "--strategy", "fsdp", "--fsdp-version", 2, "--output-dir", tmp_path / "two"], nproc=2)
     assert_same_training(tmp_path / "two", tmp_path / "single", NUM_STEPS, KEY_BIAS_TOL)
     # The control: on that first batch, the mask changes the loss.
-    loaded = train.load_model(train.Config(model=str(tiny_model), dropout=0.0, max_seq_length=32), 0)
+    loaded = embedding_model.load_model(config.Config(model=str(tiny_model), dropout=0.0, max_seq_length=32), 0)
     batch_rows = ds.select(order[:16]).to_dict()
     batch_rows["positive"][9] = batch_rows["positive"][1]
-    features, _ = train.collate(batch_rows, ["anchor", "positive", "negative"], None, "mnrl", loaded.tokenize, "cpu")
-    ids = [train.text_ids(batch_rows[c], loaded.prepare) for c in ("anchor", "positive", "negative")]
+    features, _ = batches.collate(batch_rows, ["anchor", "positive", "negative"], None, "mnrl", loaded.tokenize, "cpu")
+    ids = [batches.text_ids(batch_rows[c], loaded.prepare) for c in ("anchor", "positive", "negative")]
     with torch.no_grad():
         masked = train.compute_loss(loaded.model, features, None, "mnrl", text_ids=ids).item()
         unmasked = train.compute_loss(loaded.model, features, None, "mnrl").item()
@@ -237,12 +241,12 @@ def test_without_gather_two_halves_see_fewer_negatives(tiny_model):
     """The control, in-process: on the rows of the first global batch of 16, MNRL over all 16
     differs from the mean over two halves of 8 (what world 2 without --gather-negatives trains
     on), so the equalities above are the gather's doing."""
-    ds = train.load_data(data_file(DATA["mnrl"]), "train")
-    text_columns, _, _ = train.data_columns(ds, "mnrl")
-    rows = train.epoch_order(len(ds), seed=3, epoch=0)[:16].tolist()
-    loaded = train.load_model(train.Config(model=str(tiny_model), dropout=0.0, max_seq_length=32), 0)
+    ds = data.load_data(data_file(DATA["mnrl"]), "train")
+    text_columns, _, _ = data.data_columns(ds, "mnrl")
+    rows = batches.epoch_order(len(ds), seed=3, epoch=0)[:16].tolist()
+    loaded = embedding_model.load_model(config.Config(model=str(tiny_model), dropout=0.0, max_seq_length=32), 0)
     model = loaded.model
-    features, _ = train.collate(ds[rows], text_columns, None, "mnrl", loaded.tokenize, "cpu")
+    features, _ = batches.collate(ds[rows], text_columns, None, "mnrl", loaded.tokenize, "cpu")
     with torch.no_grad():
         whole = train.compute_loss(model, features, None, "mnrl").item()
         halves = [train.compute_loss(model, [{k: v[s:s + 8] for k, v in f.items()} for f in features], None, "mnrl").item() for s in (0, 8)]

@@ -20,6 +20,10 @@ import torch
 import transformers
 from conftest import assert_same_training, data_file, sentences, tiny_decoder
 
+import config
+
+import embedding_model
+
 import train
 
 PROMPTS = {"anchor": "Instruct: Given a sentence, find its paraphrase\nQuery: ", "positive": "passage: "}
@@ -32,7 +36,7 @@ def write_jsonl(path, rows):
 
 def run(args):
     """train.py in-process (one process): the trained model, still in memory."""
-    return train.main(train.parse_config([str(a) for a in args]))
+    return train.main(config.parse_config([str(a) for a in args]))
 
 
 def embed(model, tokenizer, texts):
@@ -85,7 +89,7 @@ def test_append_eos_ends_every_text_with_eos_in_training_and_in_the_export(arch,
     long_texts = [" ".join(texts[i : i + 6]) for i in range(0, 60, 6)]  # far beyond 24 tokens
     data = write_jsonl(tmp_path / "pairs.jsonl", [{"anchor": a, "positive": p} for a, p in zip(texts[:32] + long_texts, texts[32:] + long_texts[::-1])])
     seen = []
-    load_model = train.load_model
+    load_model = embedding_model.load_model
 
     def load_and_watch(cfg, num_labels, **options):
         loaded = load_model(cfg, num_labels, **options)
@@ -93,7 +97,7 @@ def test_append_eos_ends_every_text_with_eos_in_training_and_in_the_export(arch,
         loaded.model.register_forward_pre_hook(lambda module, args, kwargs: seen.append((kwargs["input_ids"], kwargs["attention_mask"])), with_kwargs=True)
         return loaded
 
-    monkeypatch.setattr(train, "load_model", load_and_watch)
+    monkeypatch.setattr(embedding_model, "load_model", load_and_watch)
     model = run(["--model", base, "--train-data", data, "--loss", "mnrl", "--pooling", "lasttoken", "--append-eos", "--max-seq-length", 24,
                  "--max-steps", 3, "--per-device-batch-size", 14, "--lr", 1e-3, "--output-dir", tmp_path / "out"])
 

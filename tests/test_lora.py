@@ -25,6 +25,10 @@ from conftest import assert_same_training, data_file, read_metrics, run_train, t
 from safetensors import safe_open
 from safetensors.torch import load_file
 
+import config
+
+import embedding_model
+
 import fsdp_utils
 import lora
 import train
@@ -78,7 +82,7 @@ def test_lora_trains_only_the_adapters_and_exports_merged_and_as_a_peft_adapter(
     from sentence_transformers import SentenceTransformer
 
     out = tmp_path / "out"
-    model = train.main(train.parse_config([str(a) for a in [
+    model = train.main(config.parse_config([str(a) for a in [
         "--model", qwen2, "--pooling", "lasttoken", "--train-data", data_file("sick-pairs-train.jsonl"), "--loss", "mnrl",
         "--max-steps", 4, "--per-device-batch-size", 16, "--max-seq-length", 32, "--lr", 1e-2, "--lora-rank", 4, "--lora-dropout", 0.1,
         "--export-adapter", "--save-steps", 4, "--output-dir", out]]))
@@ -102,7 +106,7 @@ def test_lora_trains_only_the_adapters_and_exports_merged_and_as_a_peft_adapter(
         assert (theirs - ours).abs().max().item() <= 1e-5  # the merged export
         with_adapter = peft.PeftModel.from_pretrained(transformers.AutoModel.from_pretrained(qwen2), out / "final" / "adapter").eval()
         states = with_adapter(**batch).last_hidden_state
-        pooled = torch.nn.functional.normalize(train.pool(states, batch["attention_mask"], "lasttoken"), dim=-1) if model.normalize else train.pool(states, batch["attention_mask"], "lasttoken")
+        pooled = torch.nn.functional.normalize(embedding_model.pool(states, batch["attention_mask"], "lasttoken"), dim=-1) if model.normalize else embedding_model.pool(states, batch["attention_mask"], "lasttoken")
         assert (pooled - ours).abs().max().item() <= 1e-5  # the PEFT adapter on the base model
     assert json.loads((out / "final" / "adapter" / "adapter_config.json").read_text())["r"] == 4
 

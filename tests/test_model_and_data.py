@@ -9,7 +9,12 @@ import pytest
 import torch
 from conftest import REPO_DIR  # noqa: F401  (puts the repository on sys.path)
 
-import train
+import batches
+
+import data
+
+import embedding_model
+
 
 
 def test_mean_pooling_ignores_padding_by_hand():
@@ -20,12 +25,12 @@ def test_mean_pooling_ignores_padding_by_hand():
     ])
     mask = torch.tensor([[1, 1, 0], [1, 1, 1], [1, 0, 0]])
     expected = torch.tensor([[(1 + 3) / 2, (2 + 4) / 2], [(5 + 7 + 9) / 3, (-1 + 1 + 3) / 3], [-2.0, 8.0]])
-    assert torch.allclose(train.pool(token_states, mask, "mean"), expected)
-    assert torch.equal(train.pool(token_states, mask, "cls"), token_states[:, 0])
-    assert torch.equal(train.pool(token_states, mask, "max"), torch.tensor([[3.0, 4.0], [9.0, 3.0], [-2.0, 8.0]]))
-    assert torch.equal(train.pool(token_states, mask, "lasttoken"), torch.tensor([[3.0, 4.0], [9.0, 3.0], [-2.0, 8.0]]))
+    assert torch.allclose(embedding_model.pool(token_states, mask, "mean"), expected)
+    assert torch.equal(embedding_model.pool(token_states, mask, "cls"), token_states[:, 0])
+    assert torch.equal(embedding_model.pool(token_states, mask, "max"), torch.tensor([[3.0, 4.0], [9.0, 3.0], [-2.0, 8.0]]))
+    assert torch.equal(embedding_model.pool(token_states, mask, "lasttoken"), torch.tensor([[3.0, 4.0], [9.0, 3.0], [-2.0, 8.0]]))
     left_padded = torch.tensor([[0, 1, 1], [1, 1, 1], [0, 0, 1]])
-    assert torch.equal(train.pool(token_states, left_padded, "lasttoken"), token_states[:, 2])
+    assert torch.equal(embedding_model.pool(token_states, left_padded, "lasttoken"), token_states[:, 2])
 
 
 @pytest.mark.parametrize("world_size,grad_accum_steps", [(1, 1), (2, 1), (1, 2), (4, 3)])
@@ -35,17 +40,17 @@ def test_micro_batches_cut_one_global_batch_the_same_way_for_any_split(world_siz
     rows across ranks are consecutive (what --gather-negatives needs)."""
     num_rows, global_batch = 103, 12
     per_device = global_batch // (world_size * grad_accum_steps)
-    order = train.epoch_order(num_rows, seed=7, epoch=1)
+    order = batches.epoch_order(num_rows, seed=7, epoch=1)
     perm = torch.randperm(num_rows, generator=torch.Generator().manual_seed(7 + 1)).tolist()
     assert order.tolist() == perm  # the seed alone defines it
     for step in range(num_rows // global_batch):
-        pieces = [train.micro_batch_indices(order, step, r, j, per_device, world_size, grad_accum_steps)
+        pieces = [batches.micro_batch_indices(order, step, r, j, per_device, world_size, grad_accum_steps)
                   for j in range(grad_accum_steps) for r in range(world_size)]
         assert all(len(p) == per_device for p in pieces)
         assert sum(pieces, []) == perm[step * global_batch:(step + 1) * global_batch]
     assert sorted(perm) == list(range(num_rows))
     # A different epoch is a different order.
-    assert train.epoch_order(num_rows, seed=7, epoch=2).tolist() != perm
+    assert batches.epoch_order(num_rows, seed=7, epoch=2).tolist() != perm
 
 
 def table(**columns):
@@ -54,11 +59,11 @@ def table(**columns):
 
 def test_columns_follow_sentence_transformers_conventions():
     ds = table(anchor=["a", "b"], positive=["c", "d"], negative=["e", "f"])
-    assert train.data_columns(ds, "mnrl") == (["anchor", "positive", "negative"], None, 0)
+    assert data.data_columns(ds, "mnrl") == (["anchor", "positive", "negative"], None, 0)
     ds = table(sentence1=["a", "b"], sentence2=["c", "d"], score=[0.1, 0.9])
-    assert train.data_columns(ds, "cosent") == (["sentence1", "sentence2"], "score", 0)
+    assert data.data_columns(ds, "cosent") == (["sentence1", "sentence2"], "score", 0)
     ds = table(premise=["a", "b", "c"], hypothesis=["d", "e", "f"], label=[0, 2, 1])
-    assert train.data_columns(ds, "softmax") == (["premise", "hypothesis"], "label", 3)
+    assert data.data_columns(ds, "softmax") == (["premise", "hypothesis"], "label", 3)
 
 
 @pytest.mark.parametrize("loss,columns,message", [
@@ -70,4 +75,4 @@ def test_columns_follow_sentence_transformers_conventions():
 ])
 def test_bad_columns_name_the_problem(loss, columns, message):
     with pytest.raises(ValueError, match=message):
-        train.data_columns(table(**columns), loss)
+        data.data_columns(table(**columns), loss)

@@ -19,6 +19,14 @@ import pytest
 import torch
 from conftest import data_file, read_metrics, run_train
 
+import batches
+
+import config
+
+import data
+
+import embedding_model
+
 import train
 
 
@@ -34,7 +42,7 @@ def test_matryoshka_metrics_at_every_size_equal_sentence_transformers_with_trunc
     sts = first_rows("stsb-dev.jsonl", 120, tmp_path / "sts-dev.jsonl")
     pairs = first_rows("sick-pairs-train.jsonl", 60, tmp_path / "pairs-dev.jsonl")
     out = tmp_path / "out"
-    train.main(train.parse_config([str(a) for a in [
+    train.main(config.parse_config([str(a) for a in [
         "--model", tiny_model, "--train-data", data_file("sick-triplets-train.jsonl"), "--max-steps", 6, "--per-device-batch-size", 8,
         "--max-seq-length", 32, "--lr", 1e-3, "--matryoshka-dims", "64,16,4", "--eval-data", f"{sts},{pairs}", "--eval-steps", 3,
         "--metric-for-best", "sts-dev/spearman@16", "--output-dir", out]]))
@@ -88,13 +96,13 @@ def test_margin_mse_distils_a_teachers_margins_under_ddp(tmp_path, tiny_model, m
 def test_scale_reaches_the_loss(tmp_path, tiny_model):
     data = data_file("sick-triplets-train.jsonl")
     out = tmp_path / "out"
-    train.main(train.parse_config([str(a) for a in ["--model", tiny_model, "--train-data", data, "--max-steps", 1, "--per-device-batch-size", 8,
+    train.main(config.parse_config([str(a) for a in ["--model", tiny_model, "--train-data", data, "--max-steps", 1, "--per-device-batch-size", 8,
                                                     "--max-seq-length", 32, "--dropout", 0, "--scale", 5, "--log-steps", 1, "--output-dir", out]]))
     logged = read_metrics(out)[0]["loss"]
-    ds = train.load_data(data, "train")
-    rows = ds[train.epoch_order(len(ds), seed=12, epoch=0)[:8].tolist()]
-    loaded = train.load_model(train.Config(model=str(tiny_model), dropout=0.0, max_seq_length=32), 0)
-    features, _ = train.collate(rows, ["anchor", "positive", "negative"], None, "mnrl", loaded.tokenize, "cpu")
+    ds = data.load_data(data, "train")
+    rows = ds[batches.epoch_order(len(ds), seed=12, epoch=0)[:8].tolist()]
+    loaded = embedding_model.load_model(config.Config(model=str(tiny_model), dropout=0.0, max_seq_length=32), 0)
+    features, _ = batches.collate(rows, ["anchor", "positive", "negative"], None, "mnrl", loaded.tokenize, "cpu")
     with torch.no_grad():
         at_5, at_20 = (train.compute_loss(loaded.model, features, None, "mnrl", scale=s).item() for s in (5.0, 20.0))
     assert abs(logged - at_5) < 1e-5 and abs(at_5 - at_20) > 1e-2, (logged, at_5, at_20)
@@ -104,10 +112,10 @@ def test_scale_reaches_the_loss(tmp_path, tiny_model):
 
 
 def schedule_for(args, world_size=1):
-    cfg = train.parse_config([str(a) for a in args])
-    sets = train.load_train_sets(cfg)
+    cfg = config.parse_config([str(a) for a in args])
+    sets = data.load_train_sets(cfg)
     global_batch = cfg.per_device_batch_size * world_size * cfg.grad_accum_steps
-    return sets, train.training_schedule(sets, cfg, global_batch), global_batch, cfg
+    return sets, batches.training_schedule(sets, cfg, global_batch), global_batch, cfg
 
 
 def test_the_mix_deals_whole_global_batches_from_one_set(tmp_path):
@@ -147,7 +155,7 @@ def test_no_duplicates_sampler_keeps_every_text_once_per_global_batch(tmp_path):
         schedules.append([rows.tolist() for _, _, rows in schedule])
         # The micro-batches of every rank and micro-step are exactly the global batch.
         _, _, first = schedule[0]
-        pieces = [train.micro_batch_indices(first, 0, r, j, per_device, world, accumulation) for j in range(accumulation) for r in range(world)]
+        pieces = [batches.micro_batch_indices(first, 0, r, j, per_device, world, accumulation) for j in range(accumulation) for r in range(world)]
         assert sum(pieces, []) == first.tolist()
     assert all(s == schedules[0] for s in schedules)
     for batch in schedules[0]:

@@ -35,6 +35,14 @@ import torch
 from conftest import REPO_DIR, data_file, free_port, read_metrics, run_train
 from safetensors.torch import load_file
 
+import checkpoints
+
+import config
+
+import metrics
+
+import startup_checks
+
 import train
 
 
@@ -101,7 +109,7 @@ def test_a_nan_metric_is_written_as_null_and_never_chosen_as_best(tmp_path, tiny
     args = ["--model", tiny_model, "--train-data", data_file("sick-pairs-train.jsonl"), "--max-steps", 2, "--per-device-batch-size", 4,
             "--max-seq-length", 32, "--eval-data", constant, "--eval-steps", 1, "--metric-for-best", "constant-dev/spearman",
             "--output-dir", out]
-    train.main(train.parse_config([str(a) for a in args]))
+    train.main(config.parse_config([str(a) for a in args]))
     rows = [strict_json(line) for line in (out / "metrics.jsonl").read_text().splitlines()]  # valid JSON throughout
     evals = [r["eval"] for r in rows if "eval" in r]
     assert len(evals) == 2 and all(e == {"constant-dev/spearman": None, "constant-dev/pearson": None} for e in evals)
@@ -117,15 +125,15 @@ def test_a_lock_held_by_a_live_process_is_never_taken_over(tmp_path):
     out.mkdir()
     lock = out / ".lock"
     lock.write_text(json.dumps({"host": socket.gethostname(), "pid": os.getppid(), "started": "then"}))
-    assert "is in use by another run" in train.take_output_lock(str(out))
+    assert "is in use by another run" in checkpoints.take_output_lock(str(out))
     lock.write_text(json.dumps({"host": "another-host", "pid": 1, "started": "then"}))
-    assert "host another-host" in train.take_output_lock(str(out))
+    assert "host another-host" in checkpoints.take_output_lock(str(out))
     dead = subprocess.Popen([sys.executable, "-c", "pass"])
     dead.wait()
     lock.write_text(json.dumps({"host": socket.gethostname(), "pid": dead.pid, "started": "then"}))
-    assert train.take_output_lock(str(out)) is None
+    assert checkpoints.take_output_lock(str(out)) is None
     assert json.loads(lock.read_text())["pid"] == os.getpid()
-    train.release_output_lock(str(out))
+    checkpoints.release_output_lock(str(out))
     assert not lock.exists()
 
 
@@ -134,7 +142,7 @@ def test_a_torn_metrics_line_is_dropped_on_resume(tmp_path):
     out.mkdir()
     rows = [{"step": 1, "loss": 0.5}, {"step": 2, "eval": {"x/spearman": 1.0}}, {"step": 2, "loss": 0.25}, {"step": 3, "loss": 0.1}]
     (out / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows) + '{"step": 4, "lo' + "\0" * 7)
-    log = train.MetricsLog(train.Config(output_dir=str(out)), 2)
+    log = metrics.MetricsLog(config.Config(output_dir=str(out)), 2)
     log.close()
     assert [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()] == rows[:3]
     assert log.last_loss == 0.25
@@ -237,9 +245,9 @@ def test_a_diverged_run_names_the_newest_checkpoint_with_finite_weights(tmp_path
     weights = load_file(sorted((checkpoints / "step-2").glob("shard-*.safetensors"))[0])
     assert not all(torch.isfinite(t).all() for k, t in weights.items() if k.startswith("model."))  # the flag tells the truth
 
-    cfg = train.parse_config([str(a) for a in [*args, "--resume", "auto"]])
+    cfg = config.parse_config([str(a) for a in [*args, "--resume", "auto"]])
     capsys.readouterr()
-    assert train.start_up_checks(cfg, 2, torch.device("cpu")).resume_dir == str(checkpoints / "step-1")
+    assert startup_checks.start_up_checks(cfg, 2, torch.device("cpu")).resume_dir == str(checkpoints / "step-1")
     assert f"warning: not resuming from {checkpoints / 'step-2'}: its weights are not finite" in capsys.readouterr().out
 
 
@@ -298,17 +306,16 @@ def test_a_checkpoint_is_checked_against_its_manifest(tmp_path, capsys):
     save of the same step moves the first aside instead of failing."""
     import shutil
 
-    import fsdp_utils
 
     model = torch.nn.Linear(4, 2)
     optimizer = torch.optim.AdamW(model.parameters())
     model(torch.ones(1, 4)).sum().backward()
     optimizer.step()
     checkpoints = tmp_path / "checkpoints"
-    pristine = Path(fsdp_utils.save_checkpoint(model, optimizer, str(checkpoints), 1, {"note": "x"}))
+    pristine = Path(checkpoints.save_checkpoint(model, optimizer, str(checkpoints), 1, {"note": "x"}))
     manifest = json.loads((pristine / "manifest.json").read_text())["files"]
     assert manifest == {p.name: p.stat().st_size for p in pristine.iterdir() if p.name != "manifest.json"}
-    assert {"trainer_state.json", "rng-rank-0.safetensors"} < set(manifest) and fsdp_utils.checkpoint_problem(str(pristine)) is None
+    assert {"trainer_state.json", "rng-rank-0.safetensors"} < set(manifest) and checkpoints.checkpoint_problem(str(pristine)) is None
     shard = next(name for name in manifest if name.startswith("shard-"))
 
     def cut(file, size):
@@ -326,15 +333,15 @@ def test_a_checkpoint_is_checked_against_its_manifest(tmp_path, capsys):
         folder = checkpoints / f"step-{step}"
         shutil.copytree(pristine, folder)
         damage(folder)
-        assert expected in fsdp_utils.checkpoint_problem(str(folder))
-    assert fsdp_utils.complete_checkpoints(str(checkpoints)) == [(1, str(pristine))]
-    assert [(step, problem is None) for step, _, problem in fsdp_utils.list_checkpoints(str(checkpoints))] == \
+        assert expected in checkpoints.checkpoint_problem(str(folder))
+    assert checkpoints.complete_checkpoints(str(checkpoints)) == [(1, str(pristine))]
+    assert [(step, problem is None) for step, _, problem in checkpoints.list_checkpoints(str(checkpoints))] == \
         [(1, True)] + [(step, False) for step in range(2, 2 + len(damages))]
 
     capsys.readouterr()
-    fsdp_utils.save_checkpoint(model, optimizer, str(checkpoints), 1, {"note": "again"})
-    fsdp_utils.save_checkpoint(model, optimizer, str(checkpoints), 1, {"note": "and again"})  # within the same second, likely
+    checkpoints.save_checkpoint(model, optimizer, str(checkpoints), 1, {"note": "again"})
+    checkpoints.save_checkpoint(model, optimizer, str(checkpoints), 1, {"note": "and again"})  # within the same second, likely
     aside = sorted(p for p in checkpoints.iterdir() if p.name.startswith("step-1.replaced-"))
-    assert len(aside) == 2 and all(fsdp_utils.checkpoint_problem(str(p)) is None for p in aside)
+    assert len(aside) == 2 and all(checkpoints.checkpoint_problem(str(p)) is None for p in aside)
     assert json.loads((pristine / "trainer_state.json").read_text())["note"] == "and again"
     assert capsys.readouterr().err.count(f"warning: {pristine} was in the way of this save; moved to") == 2

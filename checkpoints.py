@@ -1,0 +1,306 @@
+"""Resumable checkpoints, resuming, and the output folder's lock.
+
+OUTPUT_DIR/checkpoints/step-N/, written with torch.distributed.checkpoint (DCP):
+
+  shard-0000R-model-00001-of-00001.safetensors   this rank's part of model + optimizer tensors
+  rng-rank-R.safetensors                          rank R's random-number generator states
+  trainer_state.json                              step, scheduler, optimizer hyper-parameters, config
+  manifest.json                                   every other file and its size, written last
+
+Written under a hidden name and renamed to step-N only when every rank has finished, so a
+crash mid-save leaves a hidden folder that resuming never picks (and the next save removes).
+A step-N folder can still be damaged later (a full disk, a copy cut short, a file deleted by
+hand): `checkpoint_problem` compares it with its manifest, so a damaged one is never loaded,
+and `newest_usable_checkpoint` passes over one whose weights were not finite. A checkpoint
+is resumable state only; the model people use is the export (export.py).
+
+One run per output folder: rank 0 holds OUTPUT_DIR/.lock while it runs (`take_output_lock`).
+
+Needs safetensors and fsdp_utils.py (`print0`, the quiet checkpoint warnings).
+"""
+
+import atexit
+import datetime
+import glob
+import itertools
+import json
+import os
+import re
+import shutil
+import socket
+import sys
+import time
+
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from safetensors.torch import load_file, save_file
+from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict, set_state_dict
+
+import fsdp_utils
+
+
+# Flattened optimizer state ("state.<param>.exp_avg", ...): the same keys on every rank even when
+# a rank holds no elements of a parameter. FSDP1 at 4 ranks needs it: unflattened, loading fails
+# with "Missing key in checkpoint state_dict: optim.param_groups" (and allow_partial_load=True
+# would "work" by silently dropping the learning rate).
+CHECKPOINT_OPTIONS = StateDictOptions(flatten_optimizer_state_dict=True)
+
+
+CHECKPOINT_NAME = re.compile(r"^step-(\d+)$")
+
+
+def _tensor_state(model, optimizer):
+    """(tensors for DCP, non-tensor optimizer entries). A collective under FSDP: all ranks."""
+    model_state, optim_state = get_state_dict(model, optimizer, options=CHECKPOINT_OPTIONS)
+    tensors = {"model." + k: v for k, v in model_state.items()}
+    tensors.update({"optim." + k: v for k, v in optim_state.items() if isinstance(v, torch.Tensor)})
+    # The hyper-parameters of each group (lr, betas, ...): plain numbers, kept as JSON.
+    hyper = {k: v for k, v in optim_state.items() if not isinstance(v, torch.Tensor)}
+    return tensors, hyper
+
+
+def _rng_states():
+    """This process's random-number generator states (CPU, and CUDA where present)."""
+    states = {"cpu": torch.get_rng_state()}
+    if torch.cuda.is_available():
+        states["cuda"] = torch.cuda.get_rng_state()
+    return states
+
+
+def _set_rng_states(states):
+    torch.set_rng_state(states["cpu"])
+    if "cuda" in states:
+        torch.cuda.set_rng_state(states["cuda"])
+
+
+MANIFEST = "manifest.json"
+
+
+def checkpoint_problem(path):
+    """Why the checkpoint folder `path` cannot be loaded, or None when it is complete: every file
+    its manifest lists is there with the size it was written with. (Sizes catch truncated and
+    missing files, the damage crashes and full disks leave; they do not catch flipped bits.)"""
+    try:
+        with open(os.path.join(path, MANIFEST)) as f:
+            files = json.load(f)["files"]
+    except FileNotFoundError:
+        return f"it has no {MANIFEST} (its save did not finish, or an older version wrote it)"
+    except (OSError, ValueError, KeyError, TypeError):
+        return f"its {MANIFEST} is unreadable"
+    for name, size in sorted(files.items()):
+        file = os.path.join(path, name)
+        if not os.path.isfile(file):
+            return f"{name} is missing"
+        if os.path.getsize(file) != size:
+            return f"{name} has {os.path.getsize(file)} bytes where {size} were written (truncated or overwritten)"
+    return None
+
+
+def list_checkpoints(checkpoints_dir):
+    """[(step, path, problem)] of every step-N folder under `checkpoints_dir`, oldest first;
+    problem is None for a complete checkpoint (see `checkpoint_problem`)."""
+    if not os.path.isdir(checkpoints_dir):
+        return []
+    found = []
+    for name in os.listdir(checkpoints_dir):
+        match = CHECKPOINT_NAME.match(name)
+        path = os.path.join(checkpoints_dir, name)
+        if match and os.path.isdir(path):
+            found.append((int(match.group(1)), path, checkpoint_problem(path)))
+    return sorted(found)
+
+
+def complete_checkpoints(checkpoints_dir):
+    """[(step, path)] of the complete checkpoints under `checkpoints_dir`, oldest first."""
+    return [(step, path) for step, path, problem in list_checkpoints(checkpoints_dir) if problem is None]
+
+
+def save_checkpoint(model, optimizer, checkpoints_dir, step, trainer_state, keep_last=0):
+    """Save model, optimizer, every rank's RNG and `trainer_state` (a JSON-able dict) as
+    `checkpoints_dir/step-{step}`. EVERY rank must call it: gathering the state dict, the DCP
+    save and the barriers are collectives. Only rank 0 writes the JSON files and renames.
+    A folder already named step-{step} (a damaged one, or one a resume from an older step is
+    about to replace) is moved aside to step-{step}.replaced-TIME, never deleted.
+    `keep_last` > 0 removes older checkpoints beyond that many, after the new one is complete."""
+    rank = dist.get_rank() if dist.is_initialized() else 0
+    final_dir = os.path.join(checkpoints_dir, f"step-{step}")
+    tmp_dir = os.path.join(checkpoints_dir, f".incomplete-step-{step}")
+    if rank == 0:
+        shutil.rmtree(tmp_dir, ignore_errors=True)  # a leftover of a save that was killed
+        os.makedirs(tmp_dir)
+    fsdp_utils.barrier()  # all ranks: nobody writes into the folder before it exists
+
+    with fsdp_utils.quiet_checkpoint_warnings():
+        tensors, hyper = _tensor_state(model, optimizer)  # all ranks (collective under FSDP)
+        # All ranks: each writes the tensors (or shards) it is assigned; safetensors files, so
+        # loading them back runs no pickle.
+        dcp.save(tensors, storage_writer=dcp.HuggingFaceStorageWriter(tmp_dir, save_distributed=True, enable_consolidation=False))
+    save_file(_rng_states(), os.path.join(tmp_dir, f"rng-rank-{rank}.safetensors"))
+    if rank == 0:
+        with open(os.path.join(tmp_dir, "trainer_state.json"), "w") as f:
+            json.dump({**trainer_state, "step": step, "optimizer_hyperparameters": hyper}, f, indent=1)
+    fsdp_utils.barrier()  # all ranks: every file is written before rank 0 lists them and renames
+
+    if rank == 0:
+        # The folder is a shared file system's: rank 0 sees every rank's files, now complete.
+        files = {name: os.path.getsize(os.path.join(tmp_dir, name)) for name in sorted(os.listdir(tmp_dir))}
+        with open(os.path.join(tmp_dir, MANIFEST), "w") as f:
+            json.dump({"files": files}, f, indent=1)
+            f.flush()
+            os.fsync(f.fileno())
+        if os.path.exists(final_dir):
+            aside = stamped = f"{final_dir}.replaced-{time.strftime('%Y%m%d-%H%M%S')}"
+            for n in itertools.count(2):
+                if not os.path.exists(aside):
+                    break
+                aside = f"{stamped}-{n}"
+            os.rename(final_dir, aside)
+            # On a line of its own: a progress bar may hold the current one.
+            print(f"\nwarning: {final_dir} was in the way of this save; moved to {aside}", file=sys.stderr, flush=True)
+        os.rename(tmp_dir, final_dir)  # atomic: from here on step-N is complete
+        older = complete_checkpoints(checkpoints_dir)[:-keep_last] if keep_last > 0 else []
+        for _, path in older:
+            # Hide first, then delete: a crash mid-delete must not leave a step-N that looks whole.
+            hidden = os.path.join(checkpoints_dir, ".deleting-" + os.path.basename(path))
+            os.rename(path, hidden)
+            shutil.rmtree(hidden)
+    fsdp_utils.barrier()  # all ranks: nobody goes on (or dies) before the checkpoint is visible
+    return final_dir
+
+
+def load_checkpoint(model, optimizer, checkpoint_dir):
+    """Load what `save_checkpoint` wrote into `model` and `optimizer` (built the same way, same
+    world size) and this rank's RNG; return the trainer state dict. EVERY rank must call it."""
+    rank = dist.get_rank() if dist.is_initialized() else 0
+    with open(os.path.join(checkpoint_dir, "trainer_state.json")) as f:
+        trainer_state = json.load(f)
+    with fsdp_utils.quiet_checkpoint_warnings():
+        tensors, _ = _tensor_state(model, optimizer)  # the shapes and shards to fill (all ranks)
+        dcp.load(tensors, storage_reader=dcp.HuggingFaceStorageReader(checkpoint_dir))  # all ranks
+        model_state = {k.removeprefix("model."): v for k, v in tensors.items() if k.startswith("model.")}
+        optim_state = {k.removeprefix("optim."): v for k, v in tensors.items() if k.startswith("optim.")}
+        optim_state.update(trainer_state["optimizer_hyperparameters"])
+        set_state_dict(model, optimizer, model_state_dict=model_state, optim_state_dict=optim_state, options=CHECKPOINT_OPTIONS)
+    _set_rng_states(load_file(os.path.join(checkpoint_dir, f"rng-rank-{rank}.safetensors")))
+    return trainer_state
+
+
+def restore_checkpoint(resume_dir, model, optimizer, scheduler, scaler, total_steps):
+    """ALL ranks (loading sharded state is a collective): the weights, AdamW's moments, this
+    rank's RNG, the schedule and the loss scale. The data position is the step itself (every
+    step's rows follow from the seed). Returns (start_step, best metric value so far); (0, None)
+    when there is nothing to resume (resume_dir None)."""
+    if resume_dir is None:
+        return 0, None
+    saved = load_checkpoint(model, optimizer, resume_dir)
+    scheduler.load_state_dict(saved["scheduler"])
+    if scaler:
+        scaler.load_state_dict(saved["grad_scaler"])
+    fsdp_utils.print0(f"resuming from {resume_dir} (step {saved['step']} of {total_steps})")
+    return saved["step"], saved.get("best_value")
+
+
+def newest_usable_checkpoint(checkpoints_dir):
+    """(path, skipped): the newest checkpoint that is complete (see checkpoint_problem)
+    and holds finite weights, or None; and [(path, why)] of the newer ones passed over. By the
+    global-batch rule a run resumed from an older checkpoint still ends with the same weights."""
+    skipped = []
+    for _, path, problem in reversed(list_checkpoints(checkpoints_dir)):
+        if problem is None:
+            with open(os.path.join(path, "trainer_state.json")) as f:
+                if json.load(f).get("weights_finite", True):
+                    return path, skipped
+            problem = "its weights are not finite (the run had diverged when it was saved)"
+        skipped.append((path, problem))
+    return None, skipped
+
+
+def weights_finite(model, device):
+    """Whether every weight is finite, on every rank's shard. ALL ranks (an all_reduce)."""
+    non_finite = torch.zeros((), device=device)
+    for param in model.parameters():
+        local = param.to_local() if hasattr(param, "to_local") else param  # FSDP2: this rank's shard
+        non_finite += (~torch.isfinite(local.detach())).sum()
+    if dist.is_initialized():
+        dist.all_reduce(non_finite)
+    return non_finite.item() == 0
+
+
+def diverged_message(loss_value, step, checkpoints_dir):
+    """What the exit-3 error says: the step, and the newest checkpoint a rerun can start from."""
+    usable, skipped = newest_usable_checkpoint(checkpoints_dir)
+    passed_over = "".join(f" ({path}: {problem})" for path, problem in skipped)
+    return (f"the loss is {loss_value} at step {step}; stopped before the optimizer step. Newest checkpoint with finite weights: "
+            f"{usable or 'none'}{passed_over}{'' if usable or skipped else ' (use --save-steps)'}. "
+            "Lower --lr, use --precision fp32 or bf16, or check the data")
+
+
+# ----------------------------------------------------------------------------------------------
+# One run per output folder: the lock, and what earlier runs left
+
+
+LOCK_NAME = ".lock"
+
+
+def take_output_lock(output_dir):
+    """Rank 0: create OUTPUT_DIR/.lock atomically, naming this run (host, pid, start time), and
+    remove it when the process ends. Returns None, or why the folder is taken. A lock whose
+    process is dead on this host (a run killed with SIGKILL), or that this very process left
+    (an earlier main() in a notebook), is taken over with a note."""
+    os.makedirs(output_dir, exist_ok=True)
+    path = os.path.join(output_dir, LOCK_NAME)
+    me = {"host": socket.gethostname(), "pid": os.getpid(), "started": datetime.datetime.now().isoformat(timespec="seconds")}
+    try:
+        fd = os.open(path, os.O_CREAT | os.O_EXCL | os.O_WRONLY)
+    except FileExistsError:
+        try:
+            with open(path) as f:
+                holder = json.load(f)
+        except (OSError, ValueError):
+            holder = {"host": me["host"], "pid": -1, "started": "?"}  # torn by a crash while it was written
+        if holder.get("host") != me["host"] or (holder.get("pid") != me["pid"] and process_alive(holder.get("pid"))):
+            return (f"--output-dir {output_dir} is in use by another run (host {holder.get('host')}, pid {holder.get('pid')}, since "
+                    f"{holder.get('started')}); wait for it to end, or choose another --output-dir. If that run is dead "
+                    f"on another host, remove {path}")
+        print(f"note: {path} was left by a run that is no longer alive (pid {holder.get('pid')}, since {holder.get('started')}); taking it over", flush=True)
+        os.remove(path)
+        fd = os.open(path, os.O_CREAT | os.O_EXCL | os.O_WRONLY)
+    with os.fdopen(fd, "w") as f:
+        json.dump(me, f)
+    atexit.register(release_output_lock, output_dir)  # also when the run fails with an exception
+    return None
+
+
+def process_alive(pid):
+    try:
+        os.kill(int(pid), 0)
+    except ProcessLookupError:
+        return False
+    except (PermissionError, TypeError, ValueError):
+        return True  # alive under another user, or unreadable: never take it over
+    return True
+
+
+def release_output_lock(output_dir):
+    """Rank 0: remove the lock if it is this process's (never another run's)."""
+    path = os.path.join(output_dir, LOCK_NAME)
+    try:
+        with open(path) as f:
+            if json.load(f).get("pid") == os.getpid():
+                os.remove(path)
+    except (OSError, ValueError):
+        pass
+
+
+def prepare_output_dir(cfg, checkpoints_dir):
+    """Rank 0, after the start-up checks: what earlier runs left that must not be kept."""
+    if cfg.overwrite:
+        shutil.rmtree(checkpoints_dir, ignore_errors=True)  # starting over: the old run's state must not be resumed
+    # Exports are written as NAME.tmp-PID and swapped in through NAME.old-PID: a process killed
+    # in between leaves these behind, never a half-written NAME.
+    for leftover in glob.glob(os.path.join(glob.escape(cfg.output_dir), "*.tmp-*")) + glob.glob(os.path.join(glob.escape(cfg.output_dir), "*.old-*")):
+        shutil.rmtree(leftover, ignore_errors=True)
+    # Checkpoints: a save killed before its rename, or a removal killed half-way (never resumed from).
+    for leftover in glob.glob(os.path.join(glob.escape(checkpoints_dir), ".incomplete-step-*")) + glob.glob(os.path.join(glob.escape(checkpoints_dir), ".deleting-*")):
+        shutil.rmtree(leftover, ignore_errors=True)

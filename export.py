@@ -1,0 +1,486 @@
+"""The export: a SentenceTransformer folder, written with no whole copy of the model on any rank.
+
+  - `export_model` (ALL ranks): under FSDP every rank stages the part of the weights it holds
+    (`stage_state_dict`, DCP; nothing is gathered) and rank 0 reads them back a file's worth at
+    a time (`read_staged`); LoRA adapters are merged into their layers; rank 0 alone writes;
+  - `export_sentence_transformer` (one writer, no collective): a folder that
+    `SentenceTransformer(path)` (sentence-transformers 2.x to 6.x) and
+    `AutoModel.from_pretrained(path)` both load, its weights in files of a bounded size;
+    `read_sentence_transformer_config` reads back what it writes (pooling, normalisation, max
+    length, casing, prompts), from such a folder or any other SentenceTransformer folder;
+  - `model_card`: the folder's README.md, with the run's settings and last evaluation.
+
+Usage (every rank calls stage_state_dict, the writer alone the rest):
+    export.stage_state_dict(model, staging)
+    if rank == 0:
+        names = list(export.staged_tensors(staging))
+        export.export_sentence_transformer(out_dir, [lambda: export.read_staged(staging, names)],
+                                           config, tokenizer, pooling_mode="mean", ...)
+
+Needs torch, transformers and safetensors, and fsdp_utils.py, lora.py and config.py (for
+`export_model` and the model card; `export_sentence_transformer` needs none of them).
+"""
+
+import copy
+import dataclasses
+import functools
+import importlib.metadata
+import json
+import math
+import os
+import re
+import shutil
+
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from safetensors.torch import save_file
+from torch.distributed.checkpoint.state_dict import get_model_state_dict
+
+import config
+import fsdp_utils
+import lora
+
+
+def export_model(model, loaded, out_dir, cfg, derived, summary, is_rank0):
+    """ALL ranks. Under FSDP each rank writes the part of the weights it holds beside the export
+    (a collective; nothing is gathered), and rank 0 reads it back one output file's worth at a
+    time: no rank ever holds the whole model. One process and DDP hold it whole already: rank 0
+    reads its own copy. Rank 0 alone writes the SentenceTransformer folder, with its model card."""
+    # A leftover of a killed run goes at the next start, as the other *.tmp-*.
+    staging = f"{out_dir}.tmp-staged"
+    sharded = fsdp_utils.is_fsdp1(model) or fsdp_utils.is_fsdp2(model)
+    if sharded:
+        stage_state_dict(model, staging)
+    if not is_rank0:
+        return
+    if sharded:
+        tensors_of = functools.partial(read_staged, staging)
+        shapes = staged_tensors(staging)
+    else:
+        state = loaded.model.state_dict()
+        # Copies: safetensors refuses tensors that share storage.
+        tensors_of = lambda names: {name: state[name].detach().clone() for name in names}  # noqa: E731
+        shapes = {name: (t.shape, t.dtype) for name, t in state.items()}
+    staged = sorted(shapes)
+    dtype = fsdp_utils.PRECISIONS[cfg.export_dtype]
+    weight_files = exported_files(tensors_of, shapes, loaded.untrained_state, cfg, dtype)
+    head = tensors_of([name for name in staged if name.startswith("classifier.")])
+    export_sentence_transformer(
+        out_dir,
+        weight_files,
+        loaded.export_config,
+        loaded.tokenizer,
+        pooling_mode=loaded.model.pooling,
+        normalize=loaded.model.normalize,
+        max_seq_length=loaded.max_seq_length,
+        do_lower_case=loaded.lowercase,
+        tokenizer_files=loaded.tokenizer_files,
+        model_card=model_card(cfg, loaded, derived, summary),
+        prompts=loaded.named_prompts,
+        dtype=dtype,
+        training_config={**dataclasses.asdict(cfg), **derived, **summary},
+        # The Softmax head is not part of a SentenceTransformer; keep it beside, not lost.
+        extra_tensor_files={"softmax_head.safetensors": {k.removeprefix("classifier."): v for k, v in head.items()}}
+        if head
+        else None,
+    )
+    if cfg.export_adapter:  # the adapters alone, for peft, on the base model
+        adapters = tensors_of([name for name in staged if name.endswith((".lora_A", ".lora_B"))])
+        lora.save_peft_adapter(
+            os.path.join(out_dir, "adapter"),
+            {k.removeprefix("encoder."): v for k, v in adapters.items()},
+            rank=cfg.lora_rank,
+            alpha=config.lora_alpha(cfg),
+            dropout=cfg.lora_dropout,
+            base_model=public_name(cfg.model),
+        )
+    shutil.rmtree(staging, ignore_errors=True)
+
+
+def exported_files(tensors_of, shapes, untrained_state, cfg, dtype):
+    """The export's weight files, as functions that each read one file's tensors (at most
+    --export-max-shard-size) through `tensors_of(names)`. Each exported tensor and the staged
+    ones it is made of: the encoder's under plain HF names; a LoRA layer's weight from its base
+    weight and adapters (merged: a plain model anyone loads); the untrained base tensors as
+    they came (`untrained_state`)."""
+    adapted = lora.adapted_modules(name.removeprefix("encoder.") for name in shapes)
+    sources, sizes = {}, {}
+    for name, (shape, _) in sorted(shapes.items()):
+        plain = lora.plain_name(name.removeprefix("encoder."), adapted)
+        if name.startswith("encoder.") and not name.endswith((".lora_A", ".lora_B")):
+            module = plain.rpartition(".")[0]
+            adapters = [f"encoder.{module}.lora_A", f"encoder.{module}.lora_B"] if module in adapted else []
+            sources[plain] = [name] + adapters
+            sizes[plain] = shape.numel() * dtype.itemsize
+    sizes.update({name: t.numel() * dtype.itemsize for name, t in untrained_state.items()})
+
+    def read(names):  # one output file's tensors
+        tensors = tensors_of(sorted({source for name in names if name in sources for source in sources[name]}))
+        tensors = {name.removeprefix("encoder."): t for name, t in tensors.items()}
+        if cfg.lora_rank:
+            tensors = lora.merge_lora(tensors, config.lora_alpha(cfg) / cfg.lora_rank)
+        tensors.update({name: t for name, t in untrained_state.items() if name in names})
+        return {name: tensors[name] for name in names}
+
+    groups = shard_groups(sizes, parse_size(cfg.export_max_shard_size))
+    return [functools.partial(read, names) for names in groups]
+
+
+def stage_state_dict(model, folder):
+    """Write the model's state dict to `folder` as it lies on the ranks: each rank its own shards
+    (FSDP), or each tensor once (DDP, one process). EVERY rank must call it (DCP's save is a
+    collective); when it returns, every rank's part is written."""
+    rank = dist.get_rank() if dist.is_initialized() else 0
+    if rank == 0:
+        shutil.rmtree(folder, ignore_errors=True)  # a leftover of a killed export
+        os.makedirs(folder)
+    fsdp_utils.barrier()  # all ranks: nobody writes into the folder before it exists
+    with fsdp_utils.quiet_checkpoint_warnings():
+        state = get_model_state_dict(model)  # sharded under FSDP: no gathering
+        dcp.save(state, storage_writer=dcp.HuggingFaceStorageWriter(folder, save_distributed=True, enable_consolidation=False))
+
+
+def staged_tensors(folder):
+    """{name: (shape, dtype)} of the tensors `stage_state_dict` wrote to `folder`."""
+    metadata = dcp.HuggingFaceStorageReader(folder).read_metadata()
+    return {name: (md.size, md.properties.dtype) for name, md in metadata.state_dict_metadata.items()}
+
+
+def read_staged(folder, names):
+    """The named tensors of a staged folder, whole (for the one writer: no collective)."""
+    shapes = staged_tensors(folder)
+    tensors = {name: torch.empty(shapes[name][0], dtype=shapes[name][1]) for name in names}
+    with fsdp_utils.quiet_checkpoint_warnings():
+        dcp.load(tensors, storage_reader=dcp.HuggingFaceStorageReader(folder), no_dist=True)
+    return tensors
+
+
+SIZE_UNITS = {"B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12, "KIB": 2**10, "MIB": 2**20, "GIB": 2**30, "TIB": 2**40}
+
+
+def parse_size(text):
+    """'5GB', '300MB', '1.5GiB' or a number of bytes -> bytes. GB is 10^9 bytes and GiB 2^30, as
+    in transformers' `max_shard_size`."""
+    match = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([A-Za-z]*)\s*", str(text))
+    unit = (match.group(2).upper() or "B") if match else None
+    if unit not in SIZE_UNITS:
+        raise ValueError(f"{text!r} is not a size: write it like 5GB, 300MB or 2GiB")
+    return int(float(match.group(1)) * SIZE_UNITS[unit])
+
+
+def shard_groups(sizes, max_bytes):
+    """The names of `sizes` ({name: bytes}), in order, grouped into files of at most `max_bytes`
+    each (a tensor larger than that gets a file of its own: tensors are never split)."""
+    groups, total = [], 0
+    for name, size in sizes.items():
+        if not groups or (groups[-1] and total + size > max_bytes):
+            groups.append([])
+            total = 0
+        groups[-1].append(name)
+        total += size
+    return groups
+
+
+# ----------------------------------------------------------------------------------------------
+# The SentenceTransformer folder format
+
+
+# The pooling modes this project trains and exports, and their key in 1_Pooling/config.json:
+# the one list of them (train.py's --pooling choices come from here).
+POOLING_KEYS = {"mean": "pooling_mode_mean_tokens", "cls": "pooling_mode_cls_token",
+                "max": "pooling_mode_max_tokens", "lasttoken": "pooling_mode_lasttoken"}
+
+
+POOLING_MODES = tuple(POOLING_KEYS)
+
+
+def pooling_config(pooling_mode, dim):
+    """1_Pooling/config.json. Only the keys every sentence-transformers version since 2.0
+    understands, plus `pooling_mode_lasttoken` when it is the mode (2.3+ knows it)."""
+    config = {"word_embedding_dimension": dim, "pooling_mode_mean_sqrt_len_tokens": False}
+    for mode in ("mean", "cls", "max"):
+        config[POOLING_KEYS[mode]] = pooling_mode == mode
+    if pooling_mode == "lasttoken":
+        config[POOLING_KEYS["lasttoken"]] = True
+    return config
+
+
+def read_sentence_transformer_config(path):
+    """What a SentenceTransformer folder (local or a hub id) says about how it embeds: the
+    transformer's subfolder, pooling mode, normalisation, max_seq_length, do_lower_case,
+    prompts, default_prompt_name and similarity_fn_name. A plain HF model (no modules.json)
+    gives the defaults: mean pooling, no normalisation, no max length of its own.
+    Raises ValueError for modules other than Transformer, Pooling and Normalize."""
+    import transformers
+
+    def read_json(filename):
+        file = transformers.utils.cached_file(path, filename, _raise_exceptions_for_missing_entries=False)
+        if file is None:
+            return None
+        with open(file, encoding="utf8") as f:
+            return json.load(f)
+
+    config = {"subfolder": "", "pooling": "mean", "normalize": False, "max_seq_length": None, "do_lower_case": False,
+              "prompts": {}, "default_prompt_name": None, "similarity_fn_name": "cosine"}
+    modules = read_json("modules.json")
+    if modules is None:
+        return config
+    for module in modules:
+        kind = module["type"].rsplit(".", 1)[-1]
+        if kind == "Transformer":
+            config["subfolder"] = module["path"]
+            bert_config = read_json(os.path.join(module["path"], "sentence_bert_config.json")) or {}
+            config["max_seq_length"] = bert_config.get("max_seq_length")
+            config["do_lower_case"] = bool(bert_config.get("do_lower_case", False))
+        elif kind == "Pooling":
+            pooling = read_json(os.path.join(module["path"], "config.json"))
+            if pooling is None:
+                raise ValueError(f"{path}: modules.json lists a Pooling module, but {os.path.join(module['path'], 'config.json')} is missing; "
+                                 "restore it from the original folder")
+            enabled = [k for k, v in pooling.items() if k.startswith("pooling_mode") and v]
+            modes = [mode for mode, key in POOLING_KEYS.items() if [key] == enabled]
+            if not modes:
+                raise ValueError(f"{path}: pooling {enabled} is not supported; one of {POOLING_MODES} is (or override with --pooling)")
+            config["pooling"] = modes[0]
+        elif kind == "Normalize":
+            config["normalize"] = True
+        else:
+            raise ValueError(f"{path}: module {module['type']} is not supported; only Transformer, Pooling and Normalize are")
+    st_config = read_json("config_sentence_transformers.json") or {}
+    for key in ("prompts", "default_prompt_name", "similarity_fn_name"):
+        if st_config.get(key) is not None:
+            config[key] = st_config[key]
+    return config
+
+
+def export_sentence_transformer(
+    out_dir,
+    weight_files,
+    encoder_config,
+    tokenizer,
+    *,
+    pooling_mode,
+    normalize,
+    max_seq_length,
+    do_lower_case=False,
+    model_card="",
+    training_config=None,
+    extra_tensor_files=None,
+    tokenizer_files=None,
+    prompts=None,
+    dtype=torch.float32,
+):
+    """Write a SentenceTransformer folder at `out_dir` (rank 0 only; no collective inside).
+
+    `weight_files` is a list of functions, one per weights file, each returning that file's
+    tensors: the transformer's weights with plain HF names (no "encoder." prefix), so the folder
+    is also a plain HF model (config.json, tokenizer files and model.safetensors, or with more
+    than one file model-0000i-of-0000N.safetensors and model.safetensors.index.json). They are
+    called one at a time, so only one file's tensors need be in memory (`[lambda: state_dict]`
+    for a state dict already there). Floating-point tensors are written in `dtype`, which
+    config.json states. Give it every tensor of the base checkpoint, the untrained ones too (a
+    BERT pooler), or every `from_pretrained` of the folder warns of newly initialised weights. The
+    tokenizer is saved with `model_max_length = max_seq_length`, so plain transformers truncates
+    where training did; `tokenizer_files` ({name: path}) are copied beside it unless saving wrote
+    them: the base model's slow-tokenizer files (vocab.txt, sentencepiece models), which older
+    transformers versions need. On top of that, the sentence-transformers files:
+        modules.json                      Transformer (path "") -> Pooling -> [Normalize]
+        sentence_bert_config.json         max_seq_length, do_lower_case (texts lowercased first)
+        1_Pooling/config.json             pooling mode and dimension
+        2_Normalize/                      (empty) when the model normalises
+        config_sentence_transformers.json versions, similarity function, `prompts` ({name: prefix},
+                                          for encode(texts, prompt_name=name))
+        README.md                         the model card
+    The folder is written next to `out_dir` and renamed into place at the end, so a crash
+    never leaves a half-written export, and an older export is replaced only by a whole one.
+    """
+    if pooling_mode not in POOLING_MODES:
+        raise ValueError(f"pooling mode {pooling_mode!r} cannot be exported; use one of {POOLING_MODES}")
+    out_dir = os.path.abspath(out_dir)
+    tmp_dir = f"{out_dir}.tmp-{os.getpid()}"
+    shutil.rmtree(tmp_dir, ignore_errors=True)
+    os.makedirs(tmp_dir)
+
+    # Plain HF layout, a file at a time. safetensors refuses tensors that are not contiguous.
+    weight_map, total_bytes = {}, 0
+    for i, read in enumerate(weight_files):
+        file = "model.safetensors" if len(weight_files) == 1 else f"model-{i + 1:05d}-of-{len(weight_files):05d}.safetensors"
+        tensors = read()
+        for name, t in tensors.items():
+            tensors[name] = (t.to(dtype) if t.is_floating_point() else t).detach().cpu().contiguous()
+            weight_map[name] = file
+            total_bytes += tensors[name].nbytes
+        save_file(tensors, os.path.join(tmp_dir, file), metadata={"format": "pt"})
+        del tensors  # before the next file's are read
+    if len(weight_files) > 1:
+        with open(os.path.join(tmp_dir, "model.safetensors.index.json"), "w", encoding="utf8") as f:
+            json.dump({"metadata": {"total_size": total_bytes}, "weight_map": weight_map}, f, indent=2)
+    encoder_config = copy.deepcopy(encoder_config)
+    encoder_config.dtype = dtype  # what from_pretrained(dtype="auto") loads it in
+    encoder_config.save_pretrained(tmp_dir)
+    tokenizer = copy.deepcopy(tokenizer)  # the caller's keeps its own limit
+    tokenizer.model_max_length = max_seq_length
+    tokenizer.save_pretrained(tmp_dir)
+    # Stated, not left to each transformers version's default (4.4x warns that its default will
+    # change): it only affects decoding, which then agrees everywhere.
+    tokenizer_config_path = os.path.join(tmp_dir, "tokenizer_config.json")
+    with open(tokenizer_config_path, encoding="utf8") as f:
+        tokenizer_config = json.load(f)
+    tokenizer_config.setdefault("clean_up_tokenization_spaces", bool(getattr(tokenizer, "clean_up_tokenization_spaces", False)))
+    with open(tokenizer_config_path, "w", encoding="utf8") as f:
+        json.dump(tokenizer_config, f, indent=2)
+    for name, source in (tokenizer_files or {}).items():
+        if not os.path.exists(os.path.join(tmp_dir, name)):
+            shutil.copyfile(source, os.path.join(tmp_dir, name))
+    # A WordPiece or BPE tokenizer writes its own slow files (vocab.txt; vocab.json + merges.txt)
+    # from its model, when neither saving nor the base folder gave them.
+    backend = getattr(tokenizer, "backend_tokenizer", None)
+    if backend is not None and type(backend.model).__name__ in ("WordPiece", "BPE"):
+        model_dir = os.path.join(tmp_dir, ".tokenizer-model")
+        os.makedirs(model_dir)
+        for file in backend.model.save(model_dir):
+            if not os.path.exists(os.path.join(tmp_dir, os.path.basename(file))):
+                os.rename(file, os.path.join(tmp_dir, os.path.basename(file)))
+        shutil.rmtree(model_dir)
+    for filename, file_tensors in (extra_tensor_files or {}).items():
+        file_tensors = {name: t.detach().cpu().contiguous().clone() for name, t in file_tensors.items()}
+        save_file(file_tensors, os.path.join(tmp_dir, filename))
+
+    # sentence-transformers module list: the classic `sentence_transformers.models.*` names,
+    # which 2.x loads natively and 3.x-6.x map to their current classes.
+    modules = [
+        {"idx": 0, "name": "0", "path": "", "type": "sentence_transformers.models.Transformer"},
+        {"idx": 1, "name": "1", "path": "1_Pooling", "type": "sentence_transformers.models.Pooling"},
+    ]
+    if normalize:
+        modules.append({"idx": 2, "name": "2", "path": "2_Normalize", "type": "sentence_transformers.models.Normalize"})
+        os.makedirs(os.path.join(tmp_dir, "2_Normalize"))
+    os.makedirs(os.path.join(tmp_dir, "1_Pooling"))
+    dim = encoder_config.hidden_size
+    files = {
+        "modules.json": modules,
+        "1_Pooling/config.json": pooling_config(pooling_mode, dim),
+        "sentence_bert_config.json": {"max_seq_length": max_seq_length, "do_lower_case": do_lower_case},
+        "config_sentence_transformers.json": {
+            # The oldest sentence-transformers version that reads this folder (lasttoken pooling
+            # came in 2.3.0); a newer number would make older versions warn "update your library".
+            "__version__": {"sentence_transformers": "2.3.0" if pooling_mode == "lasttoken" else "2.0.0",
+                            "transformers": importlib.metadata.version("transformers"), "pytorch": torch.__version__},
+            "prompts": prompts or {},
+            "default_prompt_name": None,
+            "similarity_fn_name": "cosine",
+        },
+    }
+    if training_config is not None:
+        files["training_config.json"] = training_config
+    for name, content in files.items():
+        with open(os.path.join(tmp_dir, name), "w", encoding="utf8") as f:
+            json.dump(content, f, indent=2)
+    with open(os.path.join(tmp_dir, "README.md"), "w", encoding="utf8") as f:
+        f.write(model_card)
+
+    # Swap into place: the old export (if any) is removed only once the new one is complete.
+    old_dir = f"{out_dir}.old-{os.getpid()}"
+    if os.path.exists(out_dir):
+        os.rename(out_dir, old_dir)
+    os.rename(tmp_dir, out_dir)
+    shutil.rmtree(old_dir, ignore_errors=True)
+
+
+# ----------------------------------------------------------------------------------------------
+# The model card
+
+
+def public_name(name):
+    """How the model card names a model or a data file: a hub id as it is, a local path by its
+    last component only (the training machine's folders mean nothing to a reader)."""
+    if name in ("all-MiniLM-L6-v2", "sentence-transformers/all-MiniLM-L6-v2"):
+        return "sentence-transformers/all-MiniLM-L6-v2"
+    return os.path.basename(os.path.normpath(name)) if os.path.exists(name) else name
+
+
+# Pooling by hand, for the model card's plain-transformers example: what `pool` does.
+POOLING_BY_HAND = {
+    "mean": "mask = batch[\"attention_mask\"].unsqueeze(-1).to(states.dtype)\nembeddings = (states * mask).sum(1) / mask.sum(1).clamp(min=1e-9)",
+    "cls": "embeddings = states[:, 0]",
+    "max": "mask = batch[\"attention_mask\"].unsqueeze(-1)\nembeddings = states.masked_fill(mask == 0, -1e9).max(1).values",
+    "lasttoken": "mask = batch[\"attention_mask\"]\nlast = mask.shape[1] - 1 - mask.flip(1).argmax(1)  # the last real token, left or right padding\n"
+                 "embeddings = states[torch.arange(len(last)), last]",
+}
+
+
+def last_evaluation(output_dir):
+    """The newest evaluation in OUTPUT_DIR/metrics.jsonl (rank 0 wrote it), or None."""
+    path = os.path.join(output_dir, "metrics.jsonl")
+    if not os.path.exists(path):
+        return None
+    with open(path) as f:
+        evals = [row["eval"] for row in map(json.loads, f) if "eval" in row]
+    return evals[-1] if evals else None
+
+
+def model_card(cfg, loaded, derived, summary):
+    base, pooling = public_name(cfg.model), loaded.model.pooling
+    base_is_hub = not os.path.exists(cfg.model) or base == "sentence-transformers/all-MiniLM-L6-v2"
+    settings = {**dataclasses.asdict(cfg), "model": base, "train_data": ",".join(public_name(p) for p in cfg.train_data.split(",")), "output_dir": public_name(cfg.output_dir),
+                "eval_data": ",".join(public_name(p) for p in cfg.eval_data.split(",") if p), "resume": public_name(cfg.resume) if cfg.resume else ""}
+    evaluation = summary.get("eval") or last_evaluation(cfg.output_dir)
+    rows = "\n".join(f"| {name} | {value:.4f} |" if value is not None and math.isfinite(value) else f"| {name} | not computable |"
+                     for name, value in (evaluation or {}).items())
+    evaluation_section = f"\n## Evaluation (step {summary.get('step', derived['total_steps'])})\n| metric | value |\n|---|---|\n{rows}\n" if evaluation else ""
+    prepare = "t.strip().lower()" if loaded.lowercase else "t.strip()"
+    losses_line = ", ".join(f"`{s['loss']}`" + (f" on {s['name']}" if len(derived["train_sets"]) > 1 else "") for s in derived["train_sets"])
+    sizes = config.matryoshka_sizes(cfg)
+    matryoshka = (f"\n- Matryoshka: trained at sizes {', '.join(map(str, sizes[0]))} (weights {', '.join(f'{w:g}' for w in sizes[1])}): "
+                  f"the first d dimensions of an embedding are an embedding too" if sizes else "")
+    truncated = (f"\n# Smaller embeddings, as trained: the first {min(sizes[0])} dimensions\n"
+                 f"small = SentenceTransformer(\"path/to/this/folder\", truncate_dim={min(sizes[0])})" if sizes else "")
+    normalize = "\nembeddings = torch.nn.functional.normalize(embeddings, dim=-1)" if loaded.model.normalize else ""
+    prompts = ("\n- Prompts, prepended to each column's texts in training (pass `prompt_name`): "
+               + ", ".join(f"`{name}`: {json.dumps(prefix)}" for name, prefix in loaded.prompts.items()) if loaded.prompts else "")
+    prompted = "".join(f"\n{name}_embeddings = model.encode([\"A text.\"], prompt_name=\"{name}\")" for name in loaded.prompts)
+    eos = "\n- Every text ends with the EOS token: the tokenizer appends it (after truncation)" if cfg.append_eos else ""
+    if cfg.lora_rank:
+        eos += (f"\n- LoRA: rank {cfg.lora_rank}, alpha {config.lora_alpha(cfg):g}, merged into these weights"
+                + (" (the adapters alone, for peft on the base model: `adapter/`)" if cfg.export_adapter else ""))
+    return f"""---
+library_name: sentence-transformers
+pipeline_tag: sentence-similarity
+tags: [sentence-transformers, feature-extraction, sentence-similarity, fsdp-embed]
+{f"base_model: {base}" if base_is_hub else ""}
+---
+# Sentence embedding model trained with fsdp-embed
+
+- Base model: `{base}`
+- Training data: `{settings["train_data"]}` ({derived['train_rows']} rows)
+- Loss: {losses_line}; pooling: `{pooling}`{", L2-normalised" if loaded.model.normalize else ""}; texts truncated at {loaded.max_seq_length} tokens
+- Steps: {derived['total_steps']} of global batch {derived['global_batch']} on {derived['world_size']} process(es)
+- Final training loss: {summary['final_loss']:.4f}{matryoshka}{prompts}{eos}
+{evaluation_section}
+## Use with sentence-transformers
+```python
+from sentence_transformers import SentenceTransformer
+model = SentenceTransformer("path/to/this/folder")
+embeddings = model.encode(["A sentence.", "Another one."]){prompted}{truncated}
+```
+
+## Use with plain transformers
+```python
+import torch
+from transformers import AutoModel, AutoTokenizer
+
+texts = ["A sentence.", "Another one."]
+tokenizer = AutoTokenizer.from_pretrained("path/to/this/folder")  # truncates at {loaded.max_seq_length} tokens
+model = AutoModel.from_pretrained("path/to/this/folder").eval()
+batch = tokenizer([{prepare} for t in texts], padding=True, truncation=True, return_tensors="pt")
+with torch.no_grad():
+    states = model(**batch).last_hidden_state
+{POOLING_BY_HAND[pooling]}{normalize}
+```
+
+## Hyper-parameters
+```json
+{json.dumps(settings, indent=2)}
+```
+"""

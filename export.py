@@ -81,7 +81,9 @@ def export_model(model, loaded, out_dir, cfg, derived, summary, is_rank0):
         dtype=dtype,
         training_config={**dataclasses.asdict(cfg), **derived, **summary},
         # The Softmax head is not part of a SentenceTransformer; keep it beside, not lost.
-        extra_tensor_files={"softmax_head.safetensors": {k.removeprefix("classifier."): v for k, v in head.items()}}
+        extra_tensor_files={
+            "softmax_head.safetensors": {k.removeprefix("classifier."): v for k, v in head.items()}
+        }
         if head
         else None,
     )
@@ -116,7 +118,9 @@ def exported_files(tensors_of, shapes, untrained_state, cfg, dtype):
     sizes.update({name: t.numel() * dtype.itemsize for name, t in untrained_state.items()})
 
     def read(names):  # one output file's tensors
-        tensors = tensors_of(sorted({source for name in names if name in sources for source in sources[name]}))
+        tensors = tensors_of(
+            sorted({source for name in names if name in sources for source in sources[name]})
+        )
         tensors = {name.removeprefix("encoder."): t for name, t in tensors.items()}
         if cfg.lora_rank:
             tensors = lora.merge_lora(tensors, config.lora_alpha(cfg) / cfg.lora_rank)
@@ -138,7 +142,12 @@ def stage_state_dict(model, folder):
     fsdp_utils.barrier()  # all ranks: nobody writes into the folder before it exists
     with fsdp_utils.quiet_checkpoint_warnings():
         state = get_model_state_dict(model)  # sharded under FSDP: no gathering
-        dcp.save(state, storage_writer=dcp.HuggingFaceStorageWriter(folder, save_distributed=True, enable_consolidation=False))
+        dcp.save(
+            state,
+            storage_writer=dcp.HuggingFaceStorageWriter(
+                folder, save_distributed=True, enable_consolidation=False
+            ),
+        )
 
 
 def staged_tensors(folder):
@@ -156,7 +165,17 @@ def read_staged(folder, names):
     return tensors
 
 
-SIZE_UNITS = {"B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12, "KIB": 2**10, "MIB": 2**20, "GIB": 2**30, "TIB": 2**40}
+SIZE_UNITS = {
+    "B": 1,
+    "KB": 10**3,
+    "MB": 10**6,
+    "GB": 10**9,
+    "TB": 10**12,
+    "KIB": 2**10,
+    "MIB": 2**20,
+    "GIB": 2**30,
+    "TIB": 2**40,
+}
 
 
 def parse_size(text):
@@ -188,8 +207,12 @@ def shard_groups(sizes, max_bytes):
 
 # The pooling modes this project trains and exports, and their key in 1_Pooling/config.json:
 # the one list of them (train.py's --pooling choices come from here).
-POOLING_KEYS = {"mean": "pooling_mode_mean_tokens", "cls": "pooling_mode_cls_token",
-                "max": "pooling_mode_max_tokens", "lasttoken": "pooling_mode_lasttoken"}
+POOLING_KEYS = {
+    "mean": "pooling_mode_mean_tokens",
+    "cls": "pooling_mode_cls_token",
+    "max": "pooling_mode_max_tokens",
+    "lasttoken": "pooling_mode_lasttoken",
+}
 
 
 POOLING_MODES = tuple(POOLING_KEYS)
@@ -198,12 +221,12 @@ POOLING_MODES = tuple(POOLING_KEYS)
 def pooling_config(pooling_mode, dim):
     """1_Pooling/config.json. Only the keys every sentence-transformers version since 2.0
     understands, plus `pooling_mode_lasttoken` when it is the mode (2.3+ knows it)."""
-    config = {"word_embedding_dimension": dim, "pooling_mode_mean_sqrt_len_tokens": False}
+    pooling = {"word_embedding_dimension": dim, "pooling_mode_mean_sqrt_len_tokens": False}
     for mode in ("mean", "cls", "max"):
-        config[POOLING_KEYS[mode]] = pooling_mode == mode
+        pooling[POOLING_KEYS[mode]] = pooling_mode == mode
     if pooling_mode == "lasttoken":
-        config[POOLING_KEYS["lasttoken"]] = True
-    return config
+        pooling[POOLING_KEYS["lasttoken"]] = True
+    return pooling
 
 
 def read_sentence_transformer_config(path):
@@ -221,37 +244,60 @@ def read_sentence_transformer_config(path):
         with open(file, encoding="utf8") as f:
             return json.load(f)
 
-    config = {"subfolder": "", "pooling": "mean", "normalize": False, "max_seq_length": None, "do_lower_case": False,
-              "prompts": {}, "default_prompt_name": None, "similarity_fn_name": "cosine"}
+    st_config = {
+        "subfolder": "",
+        "pooling": "mean",
+        "normalize": False,
+        "max_seq_length": None,
+        "do_lower_case": False,
+        "prompts": {},
+        "default_prompt_name": None,
+        "similarity_fn_name": "cosine",
+    }
     modules = read_json("modules.json")
     if modules is None:
-        return config
+        return st_config
     for module in modules:
         kind = module["type"].rsplit(".", 1)[-1]
         if kind == "Transformer":
-            config["subfolder"] = module["path"]
+            st_config["subfolder"] = module["path"]
             bert_config = read_json(os.path.join(module["path"], "sentence_bert_config.json")) or {}
-            config["max_seq_length"] = bert_config.get("max_seq_length")
-            config["do_lower_case"] = bool(bert_config.get("do_lower_case", False))
+            st_config["max_seq_length"] = bert_config.get("max_seq_length")
+            st_config["do_lower_case"] = bool(bert_config.get("do_lower_case", False))
         elif kind == "Pooling":
-            pooling = read_json(os.path.join(module["path"], "config.json"))
-            if pooling is None:
-                raise ValueError(f"{path}: modules.json lists a Pooling module, but {os.path.join(module['path'], 'config.json')} is missing; "
-                                 "restore it from the original folder")
-            enabled = [k for k, v in pooling.items() if k.startswith("pooling_mode") and v]
-            modes = [mode for mode, key in POOLING_KEYS.items() if [key] == enabled]
-            if not modes:
-                raise ValueError(f"{path}: pooling {enabled} is not supported; one of {POOLING_MODES} is (or override with --pooling)")
-            config["pooling"] = modes[0]
+            pooling_file = os.path.join(module["path"], "config.json")
+            st_config["pooling"] = pooling_mode_of(path, pooling_file, read_json(pooling_file))
         elif kind == "Normalize":
-            config["normalize"] = True
+            st_config["normalize"] = True
         else:
-            raise ValueError(f"{path}: module {module['type']} is not supported; only Transformer, Pooling and Normalize are")
-    st_config = read_json("config_sentence_transformers.json") or {}
+            raise ValueError(
+                f"{path}: module {module['type']} is not supported; "
+                "only Transformer, Pooling and Normalize are"
+            )
+    saved = read_json("config_sentence_transformers.json") or {}
     for key in ("prompts", "default_prompt_name", "similarity_fn_name"):
-        if st_config.get(key) is not None:
-            config[key] = st_config[key]
-    return config
+        if saved.get(key) is not None:
+            st_config[key] = saved[key]
+    return st_config
+
+
+def pooling_mode_of(path, pooling_file, pooling):
+    """The pooling mode that a Pooling module's config.json (`pooling_file` in the folder `path`,
+    its content `pooling`, None when it is missing) enables. Raises ValueError when it is missing
+    or enables anything but exactly one of POOLING_MODES."""
+    if pooling is None:
+        raise ValueError(
+            f"{path}: modules.json lists a Pooling module, but {pooling_file} is missing; "
+            "restore it from the original folder"
+        )
+    enabled = [k for k, v in pooling.items() if k.startswith("pooling_mode") and v]
+    modes = [mode for mode, key in POOLING_KEYS.items() if [key] == enabled]
+    if not modes:
+        raise ValueError(
+            f"{path}: pooling {enabled} is not supported; "
+            f"one of {POOLING_MODES} is (or override with --pooling)"
+        )
+    return modes[0]
 
 
 def export_sentence_transformer(
@@ -275,25 +321,16 @@ def export_sentence_transformer(
 
     `weight_files` is a list of functions, one per weights file, each returning that file's
     tensors: the transformer's weights with plain HF names (no "encoder." prefix), so the folder
-    is also a plain HF model (config.json, tokenizer files and model.safetensors, or with more
-    than one file model-0000i-of-0000N.safetensors and model.safetensors.index.json). They are
-    called one at a time, so only one file's tensors need be in memory (`[lambda: state_dict]`
+    is also a plain HF model (config.json, tokenizer files, weights: `write_weight_files`). They
+    are called one at a time, so only one file's tensors need be in memory (`[lambda: state_dict]`
     for a state dict already there). Floating-point tensors are written in `dtype`, which
     config.json states. Give it every tensor of the base checkpoint, the untrained ones too (a
-    BERT pooler), or every `from_pretrained` of the folder warns of newly initialised weights. The
-    tokenizer is saved with `model_max_length = max_seq_length`, so plain transformers truncates
-    where training did; `tokenizer_files` ({name: path}) are copied beside it unless saving wrote
-    them: the base model's slow-tokenizer files (vocab.txt, sentencepiece models), which older
-    transformers versions need. On top of that, the sentence-transformers files:
-        modules.json                      Transformer (path "") -> Pooling -> [Normalize]
-        sentence_bert_config.json         max_seq_length, do_lower_case (texts lowercased first)
-        1_Pooling/config.json             pooling mode and dimension
-        2_Normalize/                      (empty) when the model normalises
-        config_sentence_transformers.json versions, similarity function, `prompts` ({name: prefix},
-                                          for encode(texts, prompt_name=name))
-        README.md                         the model card
-    The folder is written next to `out_dir` and renamed into place at the end, so a crash
-    never leaves a half-written export, and an older export is replaced only by a whole one.
+    BERT pooler), or every `from_pretrained` of the folder warns of newly initialised weights.
+    The tokenizer, truncating at `max_seq_length`, and `tokenizer_files`: `write_tokenizer`;
+    `extra_tensor_files` ({filename: tensors}) go beside; on top of that, the sentence-transformers
+    files and README.md (`model_card`): `write_sentence_transformer_files`. The folder is written
+    next to `out_dir` and renamed into place at the end (`swap_into_place`), so a crash never
+    leaves a half-written export, and an older export is replaced only by a whole one.
     """
     if pooling_mode not in POOLING_MODES:
         raise ValueError(f"pooling mode {pooling_mode!r} cannot be exported; use one of {POOLING_MODES}")
@@ -301,11 +338,41 @@ def export_sentence_transformer(
     tmp_dir = f"{out_dir}.tmp-{os.getpid()}"
     shutil.rmtree(tmp_dir, ignore_errors=True)
     os.makedirs(tmp_dir)
+    write_weight_files(tmp_dir, weight_files, dtype)
+    encoder_config = copy.deepcopy(encoder_config)
+    encoder_config.dtype = dtype  # what from_pretrained(dtype="auto") loads it in
+    encoder_config.save_pretrained(tmp_dir)
+    write_tokenizer(tmp_dir, tokenizer, max_seq_length, tokenizer_files)
+    for filename, file_tensors in (extra_tensor_files or {}).items():
+        file_tensors = {name: t.detach().cpu().contiguous().clone() for name, t in file_tensors.items()}
+        save_file(file_tensors, os.path.join(tmp_dir, filename))
+    write_sentence_transformer_files(
+        tmp_dir,
+        encoder_config.hidden_size,
+        pooling_mode=pooling_mode,
+        normalize=normalize,
+        max_seq_length=max_seq_length,
+        do_lower_case=do_lower_case,
+        prompts=prompts,
+        training_config=training_config,
+        model_card=model_card,
+    )
+    swap_into_place(tmp_dir, out_dir)
 
-    # Plain HF layout, a file at a time. safetensors refuses tensors that are not contiguous.
+
+def write_weight_files(tmp_dir, weight_files, dtype):
+    """The weights in plain HF layout, a file at a time (`weight_files`: a function per file,
+    returning its tensors): model.safetensors, or with more than one file
+    model-0000i-of-0000N.safetensors and model.safetensors.index.json. Floating-point tensors
+    are written in `dtype`."""
+    # safetensors refuses tensors that are not contiguous.
     weight_map, total_bytes = {}, 0
     for i, read in enumerate(weight_files):
-        file = "model.safetensors" if len(weight_files) == 1 else f"model-{i + 1:05d}-of-{len(weight_files):05d}.safetensors"
+        file = (
+            "model.safetensors"
+            if len(weight_files) == 1
+            else f"model-{i + 1:05d}-of-{len(weight_files):05d}.safetensors"
+        )
         tensors = read()
         for name, t in tensors.items():
             tensors[name] = (t.to(dtype) if t.is_floating_point() else t).detach().cpu().contiguous()
@@ -316,9 +383,13 @@ def export_sentence_transformer(
     if len(weight_files) > 1:
         with open(os.path.join(tmp_dir, "model.safetensors.index.json"), "w", encoding="utf8") as f:
             json.dump({"metadata": {"total_size": total_bytes}, "weight_map": weight_map}, f, indent=2)
-    encoder_config = copy.deepcopy(encoder_config)
-    encoder_config.dtype = dtype  # what from_pretrained(dtype="auto") loads it in
-    encoder_config.save_pretrained(tmp_dir)
+
+
+def write_tokenizer(tmp_dir, tokenizer, max_seq_length, tokenizer_files):
+    """Save a copy of `tokenizer` with `model_max_length = max_seq_length` (the caller's keeps its
+    own limit), so plain transformers truncates where training did. `tokenizer_files` ({name:
+    path}) are copied beside it unless saving wrote them: the base model's slow-tokenizer files
+    (vocab.txt, sentencepiece models), which older transformers versions need."""
     tokenizer = copy.deepcopy(tokenizer)  # the caller's keeps its own limit
     tokenizer.model_max_length = max_seq_length
     tokenizer.save_pretrained(tmp_dir)
@@ -327,7 +398,9 @@ def export_sentence_transformer(
     tokenizer_config_path = os.path.join(tmp_dir, "tokenizer_config.json")
     with open(tokenizer_config_path, encoding="utf8") as f:
         tokenizer_config = json.load(f)
-    tokenizer_config.setdefault("clean_up_tokenization_spaces", bool(getattr(tokenizer, "clean_up_tokenization_spaces", False)))
+    tokenizer_config.setdefault(
+        "clean_up_tokenization_spaces", bool(getattr(tokenizer, "clean_up_tokenization_spaces", False))
+    )
     with open(tokenizer_config_path, "w", encoding="utf8") as f:
         json.dump(tokenizer_config, f, indent=2)
     for name, source in (tokenizer_files or {}).items():
@@ -343,10 +416,31 @@ def export_sentence_transformer(
             if not os.path.exists(os.path.join(tmp_dir, os.path.basename(file))):
                 os.rename(file, os.path.join(tmp_dir, os.path.basename(file)))
         shutil.rmtree(model_dir)
-    for filename, file_tensors in (extra_tensor_files or {}).items():
-        file_tensors = {name: t.detach().cpu().contiguous().clone() for name, t in file_tensors.items()}
-        save_file(file_tensors, os.path.join(tmp_dir, filename))
 
+
+def write_sentence_transformer_files(
+    tmp_dir,
+    dim,
+    *,
+    pooling_mode,
+    normalize,
+    max_seq_length,
+    do_lower_case,
+    prompts,
+    training_config,
+    model_card,
+):
+    """The sentence-transformers files of the folder `tmp_dir`, for a transformer of hidden size
+    `dim`:
+        modules.json                      Transformer (path "") -> Pooling -> [Normalize]
+        sentence_bert_config.json         max_seq_length, do_lower_case (texts lowercased first)
+        1_Pooling/config.json             pooling mode and dimension
+        2_Normalize/                      (empty) when the model normalises
+        config_sentence_transformers.json versions, similarity function, `prompts` ({name: prefix},
+                                          for encode(texts, prompt_name=name))
+        training_config.json              `training_config`, unless it is None
+        README.md                         the model card
+    """
     # sentence-transformers module list: the classic `sentence_transformers.models.*` names,
     # which 2.x loads natively and 3.x-6.x map to their current classes.
     modules = [
@@ -354,23 +448,16 @@ def export_sentence_transformer(
         {"idx": 1, "name": "1", "path": "1_Pooling", "type": "sentence_transformers.models.Pooling"},
     ]
     if normalize:
-        modules.append({"idx": 2, "name": "2", "path": "2_Normalize", "type": "sentence_transformers.models.Normalize"})
+        modules.append(
+            {"idx": 2, "name": "2", "path": "2_Normalize", "type": "sentence_transformers.models.Normalize"}
+        )
         os.makedirs(os.path.join(tmp_dir, "2_Normalize"))
     os.makedirs(os.path.join(tmp_dir, "1_Pooling"))
-    dim = encoder_config.hidden_size
     files = {
         "modules.json": modules,
         "1_Pooling/config.json": pooling_config(pooling_mode, dim),
         "sentence_bert_config.json": {"max_seq_length": max_seq_length, "do_lower_case": do_lower_case},
-        "config_sentence_transformers.json": {
-            # The oldest sentence-transformers version that reads this folder (lasttoken pooling
-            # came in 2.3.0); a newer number would make older versions warn "update your library".
-            "__version__": {"sentence_transformers": "2.3.0" if pooling_mode == "lasttoken" else "2.0.0",
-                            "transformers": importlib.metadata.version("transformers"), "pytorch": torch.__version__},
-            "prompts": prompts or {},
-            "default_prompt_name": None,
-            "similarity_fn_name": "cosine",
-        },
+        "config_sentence_transformers.json": config_sentence_transformers(pooling_mode, prompts),
     }
     if training_config is not None:
         files["training_config.json"] = training_config
@@ -380,7 +467,27 @@ def export_sentence_transformer(
     with open(os.path.join(tmp_dir, "README.md"), "w", encoding="utf8") as f:
         f.write(model_card)
 
-    # Swap into place: the old export (if any) is removed only once the new one is complete.
+
+def config_sentence_transformers(pooling_mode, prompts):
+    """config_sentence_transformers.json: versions, similarity function, `prompts` ({name: prefix},
+    for encode(texts, prompt_name=name))."""
+    return {
+        # The oldest sentence-transformers version that reads this folder (lasttoken pooling
+        # came in 2.3.0); a newer number would make older versions warn "update your library".
+        "__version__": {
+            "sentence_transformers": "2.3.0" if pooling_mode == "lasttoken" else "2.0.0",
+            "transformers": importlib.metadata.version("transformers"),
+            "pytorch": torch.__version__,
+        },
+        "prompts": prompts or {},
+        "default_prompt_name": None,
+        "similarity_fn_name": "cosine",
+    }
+
+
+def swap_into_place(tmp_dir, out_dir):
+    """Rename the finished folder `tmp_dir` to `out_dir`: the old export (if any) is removed only
+    once the new one is complete."""
     old_dir = f"{out_dir}.old-{os.getpid()}"
     if os.path.exists(out_dir):
         os.rename(out_dir, old_dir)
@@ -402,11 +509,20 @@ def public_name(name):
 
 # Pooling by hand, for the model card's plain-transformers example: what `pool` does.
 POOLING_BY_HAND = {
-    "mean": "mask = batch[\"attention_mask\"].unsqueeze(-1).to(states.dtype)\nembeddings = (states * mask).sum(1) / mask.sum(1).clamp(min=1e-9)",
+    "mean": (
+        'mask = batch["attention_mask"].unsqueeze(-1).to(states.dtype)\n'
+        "embeddings = (states * mask).sum(1) / mask.sum(1).clamp(min=1e-9)"
+    ),
     "cls": "embeddings = states[:, 0]",
-    "max": "mask = batch[\"attention_mask\"].unsqueeze(-1)\nembeddings = states.masked_fill(mask == 0, -1e9).max(1).values",
-    "lasttoken": "mask = batch[\"attention_mask\"]\nlast = mask.shape[1] - 1 - mask.flip(1).argmax(1)  # the last real token, left or right padding\n"
-                 "embeddings = states[torch.arange(len(last)), last]",
+    "max": (
+        'mask = batch["attention_mask"].unsqueeze(-1)\n'
+        "embeddings = states.masked_fill(mask == 0, -1e9).max(1).values"
+    ),
+    "lasttoken": (
+        'mask = batch["attention_mask"]\n'
+        "last = mask.shape[1] - 1 - mask.flip(1).argmax(1)  # the last real token, left or right padding\n"
+        "embeddings = states[torch.arange(len(last)), last]"
+    ),
 }
 
 
@@ -420,44 +536,21 @@ def last_evaluation(output_dir):
     return evals[-1] if evals else None
 
 
-def model_card(cfg, loaded, derived, summary):
-    base, pooling = public_name(cfg.model), loaded.model.pooling
-    base_is_hub = not os.path.exists(cfg.model) or base == "sentence-transformers/all-MiniLM-L6-v2"
-    settings = {**dataclasses.asdict(cfg), "model": base, "train_data": ",".join(public_name(p) for p in cfg.train_data.split(",")), "output_dir": public_name(cfg.output_dir),
-                "eval_data": ",".join(public_name(p) for p in cfg.eval_data.split(",") if p), "resume": public_name(cfg.resume) if cfg.resume else ""}
-    evaluation = summary.get("eval") or last_evaluation(cfg.output_dir)
-    rows = "\n".join(f"| {name} | {value:.4f} |" if value is not None and math.isfinite(value) else f"| {name} | not computable |"
-                     for name, value in (evaluation or {}).items())
-    evaluation_section = f"\n## Evaluation (step {summary.get('step', derived['total_steps'])})\n| metric | value |\n|---|---|\n{rows}\n" if evaluation else ""
-    prepare = "t.strip().lower()" if loaded.lowercase else "t.strip()"
-    losses_line = ", ".join(f"`{s['loss']}`" + (f" on {s['name']}" if len(derived["train_sets"]) > 1 else "") for s in derived["train_sets"])
-    sizes = config.matryoshka_sizes(cfg)
-    matryoshka = (f"\n- Matryoshka: trained at sizes {', '.join(map(str, sizes[0]))} (weights {', '.join(f'{w:g}' for w in sizes[1])}): "
-                  f"the first d dimensions of an embedding are an embedding too" if sizes else "")
-    truncated = (f"\n# Smaller embeddings, as trained: the first {min(sizes[0])} dimensions\n"
-                 f"small = SentenceTransformer(\"path/to/this/folder\", truncate_dim={min(sizes[0])})" if sizes else "")
-    normalize = "\nembeddings = torch.nn.functional.normalize(embeddings, dim=-1)" if loaded.model.normalize else ""
-    prompts = ("\n- Prompts, prepended to each column's texts in training (pass `prompt_name`): "
-               + ", ".join(f"`{name}`: {json.dumps(prefix)}" for name, prefix in loaded.prompts.items()) if loaded.prompts else "")
-    prompted = "".join(f"\n{name}_embeddings = model.encode([\"A text.\"], prompt_name=\"{name}\")" for name in loaded.prompts)
-    eos = "\n- Every text ends with the EOS token: the tokenizer appends it (after truncation)" if cfg.append_eos else ""
-    if cfg.lora_rank:
-        eos += (f"\n- LoRA: rank {cfg.lora_rank}, alpha {config.lora_alpha(cfg):g}, merged into these weights"
-                + (" (the adapters alone, for peft on the base model: `adapter/`)" if cfg.export_adapter else ""))
-    return f"""---
+# The model card (README.md), filled in by `model_card` with str.format.
+MODEL_CARD = """---
 library_name: sentence-transformers
 pipeline_tag: sentence-similarity
 tags: [sentence-transformers, feature-extraction, sentence-similarity, fsdp-embed]
-{f"base_model: {base}" if base_is_hub else ""}
+{base_model}
 ---
 # Sentence embedding model trained with fsdp-embed
 
 - Base model: `{base}`
-- Training data: `{settings["train_data"]}` ({derived['train_rows']} rows)
-- Loss: {losses_line}; pooling: `{pooling}`{", L2-normalised" if loaded.model.normalize else ""}; texts truncated at {loaded.max_seq_length} tokens
-- Steps: {derived['total_steps']} of global batch {derived['global_batch']} on {derived['world_size']} process(es)
-- Final training loss: {summary['final_loss']:.4f}{matryoshka}{prompts}{eos}
-{evaluation_section}
+- Training data: `{train_data}` ({train_rows} rows)
+- Loss: {losses}; pooling: `{pooling}`{normalised}; texts truncated at {max_seq_length} tokens
+- Steps: {total_steps} of global batch {global_batch} on {world_size} process(es)
+- Final training loss: {final_loss:.4f}{notes}
+{evaluation}
 ## Use with sentence-transformers
 ```python
 from sentence_transformers import SentenceTransformer
@@ -471,16 +564,117 @@ import torch
 from transformers import AutoModel, AutoTokenizer
 
 texts = ["A sentence.", "Another one."]
-tokenizer = AutoTokenizer.from_pretrained("path/to/this/folder")  # truncates at {loaded.max_seq_length} tokens
+tokenizer = AutoTokenizer.from_pretrained("path/to/this/folder")  # truncates at {max_seq_length} tokens
 model = AutoModel.from_pretrained("path/to/this/folder").eval()
 batch = tokenizer([{prepare} for t in texts], padding=True, truncation=True, return_tensors="pt")
 with torch.no_grad():
     states = model(**batch).last_hidden_state
-{POOLING_BY_HAND[pooling]}{normalize}
+{pooling_by_hand}{normalize}
 ```
 
 ## Hyper-parameters
 ```json
-{json.dumps(settings, indent=2)}
+{settings}
 ```
 """
+
+
+def model_card(cfg, loaded, derived, summary):
+    """The export's README.md: the run's base model, data, loss, settings and last evaluation,
+    and how to use the model with sentence-transformers and with plain transformers."""
+    base, pooling = public_name(cfg.model), loaded.model.pooling
+    base_is_hub = not os.path.exists(cfg.model) or base == "sentence-transformers/all-MiniLM-L6-v2"
+    settings = card_settings(cfg)
+    sizes = config.matryoshka_sizes(cfg)
+    multiple_sets = len(derived["train_sets"]) > 1
+    return MODEL_CARD.format(
+        base_model=f"base_model: {base}" if base_is_hub else "",
+        base=base,
+        train_data=settings["train_data"],
+        train_rows=derived["train_rows"],
+        losses=", ".join(
+            f"`{s['loss']}`" + (f" on {s['name']}" if multiple_sets else "") for s in derived["train_sets"]
+        ),
+        pooling=pooling,
+        normalised=", L2-normalised" if loaded.model.normalize else "",
+        max_seq_length=loaded.max_seq_length,
+        total_steps=derived["total_steps"],
+        global_batch=derived["global_batch"],
+        world_size=derived["world_size"],
+        final_loss=summary["final_loss"],
+        notes=card_notes(cfg, loaded, sizes),
+        evaluation=evaluation_section(
+            summary.get("eval") or last_evaluation(cfg.output_dir),
+            summary.get("step", derived["total_steps"]),
+        ),
+        prompted="".join(
+            f'\n{name}_embeddings = model.encode(["A text."], prompt_name="{name}")'
+            for name in loaded.prompts
+        ),
+        truncated=(
+            f"\n# Smaller embeddings, as trained: the first {min(sizes[0])} dimensions\n"
+            f'small = SentenceTransformer("path/to/this/folder", truncate_dim={min(sizes[0])})'
+            if sizes
+            else ""
+        ),
+        prepare="t.strip().lower()" if loaded.lowercase else "t.strip()",
+        pooling_by_hand=POOLING_BY_HAND[pooling],
+        normalize=(
+            "\nembeddings = torch.nn.functional.normalize(embeddings, dim=-1)"
+            if loaded.model.normalize
+            else ""
+        ),
+        settings=json.dumps(settings, indent=2),
+    )
+
+
+def card_settings(cfg):
+    """The model card's hyper-parameters: the run's settings, with local paths by their last
+    component only (`public_name`)."""
+    return {
+        **dataclasses.asdict(cfg),
+        "model": public_name(cfg.model),
+        "train_data": ",".join(public_name(p) for p in cfg.train_data.split(",")),
+        "output_dir": public_name(cfg.output_dir),
+        "eval_data": ",".join(public_name(p) for p in cfg.eval_data.split(",") if p),
+        "resume": public_name(cfg.resume) if cfg.resume else "",
+    }
+
+
+def card_notes(cfg, loaded, sizes):
+    """The model card's lines after the final loss, each starting with a newline: Matryoshka
+    sizes (`sizes`: config.matryoshka_sizes), prompts, the appended EOS token and LoRA."""
+    notes = ""
+    if sizes:
+        notes += (
+            f"\n- Matryoshka: trained at sizes {', '.join(map(str, sizes[0]))} "
+            f"(weights {', '.join(f'{w:g}' for w in sizes[1])}): "
+            "the first d dimensions of an embedding are an embedding too"
+        )
+    if loaded.prompts:
+        notes += (
+            "\n- Prompts, prepended to each column's texts in training (pass `prompt_name`): "
+            + ", ".join(f"`{name}`: {json.dumps(prefix)}" for name, prefix in loaded.prompts.items())
+        )
+    if cfg.append_eos:
+        notes += "\n- Every text ends with the EOS token: the tokenizer appends it (after truncation)"
+    if cfg.lora_rank:
+        notes += (
+            f"\n- LoRA: rank {cfg.lora_rank}, alpha {config.lora_alpha(cfg):g}, merged into these weights"
+        )
+        if cfg.export_adapter:
+            notes += " (the adapters alone, for peft on the base model: `adapter/`)"
+    return notes
+
+
+def evaluation_section(evaluation, step):
+    """The model card's table of the last evaluation ({metric: value}) at `step`; "" without one."""
+    if not evaluation:
+        return ""
+    rows = "\n".join(
+        f"| {name} | {value:.4f} |"
+        if value is not None and math.isfinite(value)
+        else f"| {name} | not computable |"
+        for name, value in evaluation.items()
+    )
+    return f"\n## Evaluation (step {step})\n| metric | value |\n|---|---|\n{rows}\n"

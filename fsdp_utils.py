@@ -48,7 +48,11 @@ import warnings
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
-from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict, set_model_state_dict
+from torch.distributed.checkpoint.state_dict import (
+    StateDictOptions,
+    get_model_state_dict,
+    set_model_state_dict,
+)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -78,10 +82,21 @@ def setup_dist(timeout_minutes):
     # group can read the dead attempt's addresses from it ("Gloo connectFullMesh failed ...
     # Connection refused"). Each attempt gets its own key space in the store.
     agent_hosts_store = os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True"
-    store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), world_size,
-                          is_master=rank == 0 and not agent_hosts_store, timeout=timeout)
+    store = dist.TCPStore(
+        os.environ["MASTER_ADDR"],
+        int(os.environ["MASTER_PORT"]),
+        world_size,
+        is_master=rank == 0 and not agent_hosts_store,
+        timeout=timeout,
+    )
     attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
-    dist.init_process_group(backend, store=dist.PrefixStore(f"attempt-{attempt}", store), rank=rank, world_size=world_size, timeout=timeout)
+    dist.init_process_group(
+        backend,
+        store=dist.PrefixStore(f"attempt-{attempt}", store),
+        rank=rank,
+        world_size=world_size,
+        timeout=timeout,
+    )
     return rank, world_size, device
 
 
@@ -110,7 +125,12 @@ def keep_freed_blocks(device, strategy):
     up to 1 GiB freed is kept, not given back, so FSDP runs (for models that do not fit: memory
     first) keep glibc's default. On a GPU PyTorch's caching allocator already keeps blocks.
     MALLOC_* variables set by the user win."""
-    if strategy == "fsdp" or device.type != "cpu" or not sys.platform.startswith("linux") or any(k.startswith("MALLOC_") for k in os.environ):
+    if (
+        strategy == "fsdp"
+        or device.type != "cpu"
+        or not sys.platform.startswith("linux")
+        or any(k.startswith("MALLOC_") for k in os.environ)
+    ):
         return
     import ctypes
 
@@ -136,7 +156,9 @@ def detect_layer_classes(model):
             if numel > best_numel:
                 best, best_numel = module, numel
     if best is None:
-        raise ValueError(f"{type(model).__name__} has no repeated block (no nn.ModuleList of layers); name the classes to wrap with --fsdp-layer-cls")
+        raise ValueError(
+            f"{type(model).__name__} has no repeated block (no nn.ModuleList of layers); name the classes to wrap with --fsdp-layer-cls"
+        )
     return sorted({type(m).__name__ for m in best})
 
 
@@ -150,7 +172,8 @@ def resolve_layer_classes(model, override=""):
         raise ValueError(
             f"--fsdp-layer-cls {','.join(missing)}: no such layer class in this {type(model).__name__}. "
             f"Its repeated block is {detect_layer_classes(model)}; leave --fsdp-layer-cls empty to use it "
-            f"(all classes in the model: {sorted(present)})")
+            f"(all classes in the model: {sorted(present)})"
+        )
     return {present[n] for n in names}
 
 
@@ -161,7 +184,12 @@ def resolve_layer_classes(model, override=""):
 PRECISIONS = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
 
-FSDP1_SHARDING = {"full_shard": "FULL_SHARD", "shard_grad_op": "SHARD_GRAD_OP", "hybrid_shard": "HYBRID_SHARD", "no_shard": "NO_SHARD"}
+FSDP1_SHARDING = {
+    "full_shard": "FULL_SHARD",
+    "shard_grad_op": "SHARD_GRAD_OP",
+    "hybrid_shard": "HYBRID_SHARD",
+    "no_shard": "NO_SHARD",
+}
 
 
 def hybrid_mesh(device):
@@ -173,11 +201,17 @@ def hybrid_mesh(device):
     world_size = dist.get_world_size()
     procs_per_node = int(os.environ.get("LOCAL_WORLD_SIZE", world_size))
     if world_size % procs_per_node:
-        raise ValueError(f"hybrid_shard: world size {world_size} is not a multiple of the {procs_per_node} processes per node")
-    return init_device_mesh(device.type, (world_size // procs_per_node, procs_per_node), mesh_dim_names=("replicate", "shard"))
+        raise ValueError(
+            f"hybrid_shard: world size {world_size} is not a multiple of the {procs_per_node} processes per node"
+        )
+    return init_device_mesh(
+        device.type, (world_size // procs_per_node, procs_per_node), mesh_dim_names=("replicate", "shard")
+    )
 
 
-def wrap_model(model, strategy, device, *, sharding="full_shard", fsdp_version=1, layer_cls="", precision="fp32"):
+def wrap_model(
+    model, strategy, device, *, sharding="full_shard", fsdp_version=1, layer_cls="", precision="fp32"
+):
     """Return the module the training loop calls: `model` itself, DDP, FSDP1 or FSDP2 around it.
 
     The wrapped module must own every trainable parameter (encoder, pooling, heads), and every
@@ -198,8 +232,12 @@ def wrap_model(model, strategy, device, *, sharding="full_shard", fsdp_version=1
         # (no BERT pooler), which DDP would otherwise refuse at the second step.
         # gradient_as_bucket_view: each .grad is a view into DDP's all-reduce buffer, so no
         # second copy of the whole gradient is kept and none is copied in and out each step.
-        ddp = torch.nn.parallel.DistributedDataParallel(model, device_ids=device_ids, gradient_as_bucket_view=True)
-        embeddings = [m.weight for m in model.modules() if isinstance(m, torch.nn.Embedding) and m.weight.requires_grad]
+        ddp = torch.nn.parallel.DistributedDataParallel(
+            model, device_ids=device_ids, gradient_as_bucket_view=True
+        )
+        embeddings = [
+            m.weight for m in model.modules() if isinstance(m, torch.nn.Embedding) and m.weight.requires_grad
+        ]
         ddp.register_comm_hook(EmbeddingRows(embeddings), all_reduce_embedding_rows)
         return ddp
     if strategy != "fsdp":
@@ -213,18 +251,31 @@ def wrap_model(model, strategy, device, *, sharding="full_shard", fsdp_version=1
         from torch.distributed.fsdp import FullyShardedDataParallel, MixedPrecision, ShardingStrategy
         from torch.distributed.fsdp.wrap import transformer_auto_wrap_policy
 
-        mixed = None if precision == "fp32" else MixedPrecision(param_dtype=low, reduce_dtype=torch.float32, buffer_dtype=low)
+        mixed = (
+            None
+            if precision == "fp32"
+            else MixedPrecision(param_dtype=low, reduce_dtype=torch.float32, buffer_dtype=low)
+        )
         if sharding == "no_shard":
             # FSDP1 marks NO_SHARD deprecated in favour of DDP (which --strategy ddp is) and warns
             # that its state dict is the full one; both are true and harmless for an explicit
             # choice, so they are said once here instead of on every rank at every save.
             if dist.get_rank() == 0:
-                print("note: --sharding no_shard is DDP through FSDP1 (deprecated by torch); --strategy ddp does the same", flush=True)
-            warnings.filterwarnings("ignore", message="The `NO_SHARD` sharding strategy is deprecated", category=FutureWarning)
-            warnings.filterwarnings("ignore", message="When using ``NO_SHARD`` for ``ShardingStrategy``", category=UserWarning)
+                print(
+                    "note: --sharding no_shard is DDP through FSDP1 (deprecated by torch); --strategy ddp does the same",
+                    flush=True,
+                )
+            warnings.filterwarnings(
+                "ignore", message="The `NO_SHARD` sharding strategy is deprecated", category=FutureWarning
+            )
+            warnings.filterwarnings(
+                "ignore", message="When using ``NO_SHARD`` for ``ShardingStrategy``", category=UserWarning
+            )
         return FullyShardedDataParallel(
             model,
-            auto_wrap_policy=functools.partial(transformer_auto_wrap_policy, transformer_layer_cls=layer_classes),
+            auto_wrap_policy=functools.partial(
+                transformer_auto_wrap_policy, transformer_layer_cls=layer_classes
+            ),
             sharding_strategy=getattr(ShardingStrategy, FSDP1_SHARDING[sharding]),
             device_mesh=hybrid_mesh(device) if sharding == "hybrid_shard" else None,
             mixed_precision=mixed,
@@ -241,9 +292,15 @@ def wrap_model(model, strategy, device, *, sharding="full_shard", fsdp_version=1
         # gathered parameters until backward; hybrid_shard = a 2-D mesh; no_shard has no FSDP2
         # form (use DDP).
         if sharding == "no_shard":
-            raise ValueError("--sharding no_shard has no FSDP2 form; use --strategy ddp (the same thing) or --fsdp-version 1")
+            raise ValueError(
+                "--sharding no_shard has no FSDP2 form; use --strategy ddp (the same thing) or --fsdp-version 1"
+            )
         mesh = hybrid_mesh(device) if sharding == "hybrid_shard" else None
-        mixed = MixedPrecisionPolicy() if precision == "fp32" else MixedPrecisionPolicy(param_dtype=low, reduce_dtype=torch.float32)
+        mixed = (
+            MixedPrecisionPolicy()
+            if precision == "fp32"
+            else MixedPrecisionPolicy(param_dtype=low, reduce_dtype=torch.float32)
+        )
         options = {"mesh": mesh, "mp_policy": mixed, "reshard_after_forward": sharding != "shard_grad_op"}
         for module in list(model.modules()):
             if isinstance(module, tuple(layer_classes)):
@@ -281,32 +338,36 @@ def all_reduce_embedding_rows(state, bucket):
         return dist.all_reduce(flat, async_op=True).get_future().then(lambda fut: fut.value()[0])
     pieces, offset = [], 0  # (gradient, is an embedding), in the bucket's own order
     for p in parameters:
-        grad = flat[offset:offset + p.numel()]
+        grad = flat[offset : offset + p.numel()]
         offset += p.numel()
         pieces.append((grad.view(p.shape[0], -1), True) if id(p) in state.ids else (grad, False))
     # A row is used when any of its entries is non-zero (or NaN): when its largest or its
     # smallest entry is. Two min/max passes read the table at memory speed; `ne(0).any(1)`
     # writes a boolean per entry first (MiniLM's table on one CPU thread: 3.4 ms against 13).
-    used = torch.cat([grad.amax(1).ne(0) | grad.amin(1).ne(0) for grad, is_table in pieces if is_table]).to(torch.uint8)
+    used = torch.cat([grad.amax(1).ne(0) | grad.amin(1).ne(0) for grad, is_table in pieces if is_table]).to(
+        torch.uint8
+    )
     dist.all_reduce(used, op=dist.ReduceOp.MAX)  # a row any rank touched is sent by every rank
     rows, start = [], 0
     for grad, is_table in pieces:
         if is_table:
-            rows.append(used[start:start + grad.shape[0]].nonzero().squeeze(1))
+            rows.append(used[start : start + grad.shape[0]].nonzero().squeeze(1))
             start += grad.shape[0]
         else:
             rows.append(None)
-    message = torch.cat([grad if r is None else grad.index_select(0, r).view(-1) for (grad, _), r in zip(pieces, rows)])
+    message = torch.cat(
+        [grad if r is None else grad.index_select(0, r).view(-1) for (grad, _), r in zip(pieces, rows)]
+    )
     # Divided before the sum, as DDP does (the same numbers, bit for bit), but only what is sent:
     # the rows no rank used are zero, and stay so.
     dist.all_reduce(message.div_(world_size))
     start = 0
     for (grad, _), r in zip(pieces, rows):
         if r is None:
-            grad.copy_(message[start:start + grad.numel()])
+            grad.copy_(message[start : start + grad.numel()])
             start += grad.numel()
         else:
-            grad.index_copy_(0, r, message[start:start + r.numel() * grad.shape[1]].view(-1, grad.shape[1]))
+            grad.index_copy_(0, r, message[start : start + r.numel() * grad.shape[1]].view(-1, grad.shape[1]))
             start += r.numel() * grad.shape[1]
     done = torch.futures.Future()
     done.set_result(bucket.buffer())
@@ -369,7 +430,9 @@ def grad_scaler(model, precision, device):
 
         # Under FSDP2 the scale (a 1-element tensor, the same on every rank) meets DTensor
         # gradients, and DTensor warns that it treats it as replicated: it is, so all is well.
-        warnings.filterwarnings("ignore", message="Found a non-scalar tensor with numel=1", category=UserWarning)
+        warnings.filterwarnings(
+            "ignore", message="Found a non-scalar tensor with numel=1", category=UserWarning
+        )
 
         return ShardedGradScaler(device.type)
     return torch.amp.GradScaler(device.type)
@@ -417,10 +480,17 @@ def load_pretrained_sharded(model, folder, file_names, fresh_tensors):
         if unknown:
             raise ValueError(f"no value for {sorted(unknown)[:3]}: neither in {folder} nor new")
         # Loaded in place, into the shards' own storage, read under the files' names.
-        dcp.load({file_names[name]: state[name] for name in file_names}, storage_reader=dcp.HuggingFaceStorageReader(folder))
-        set_model_state_dict(model, {name: state[name] for name in file_names}, options=StateDictOptions(strict=False))
+        dcp.load(
+            {file_names[name]: state[name] for name in file_names},
+            storage_reader=dcp.HuggingFaceStorageReader(folder),
+        )
+        set_model_state_dict(
+            model, {name: state[name] for name in file_names}, options=StateDictOptions(strict=False)
+        )
         if fresh_tensors:
-            set_model_state_dict(model, fresh_tensors, options=StateDictOptions(full_state_dict=True, strict=False))
+            set_model_state_dict(
+                model, fresh_tensors, options=StateDictOptions(full_state_dict=True, strict=False)
+            )
 
 
 @contextlib.contextmanager
@@ -429,7 +499,11 @@ def quiet_checkpoint_warnings():
     ShardedTensor, which torch deprecates (dozens of lines per save), and one process is told
     it is one process. Nothing a user can act on, so they are silenced here, and only here."""
     with warnings.catch_warnings():
-        for message in ("Please use DTensor instead and we are deprecating ShardedTensor", "`_get_pg_default_device` will be deprecated",
-                        "Multiple backends are registered with this ProcessGroup", "torch.distributed is disabled"):
+        for message in (
+            "Please use DTensor instead and we are deprecating ShardedTensor",
+            "`_get_pg_default_device` will be deprecated",
+            "Multiple backends are registered with this ProcessGroup",
+            "torch.distributed is disabled",
+        ):
             warnings.filterwarnings("ignore", message=message)
         yield

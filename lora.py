@@ -33,8 +33,12 @@ class LoRALinear(torch.nn.Module):
         # Beside a base waiting on the meta device (to be loaded into shards), the adapters are
         # still made, and drawn from the RNG, here: the same adapters as beside a loaded base.
         device = None if base.weight.is_meta else base.weight.device
-        self.lora_A = torch.nn.Parameter(torch.empty(rank, base.in_features, dtype=base.weight.dtype, device=device))
-        self.lora_B = torch.nn.Parameter(torch.zeros(base.out_features, rank, dtype=base.weight.dtype, device=device))
+        self.lora_A = torch.nn.Parameter(
+            torch.empty(rank, base.in_features, dtype=base.weight.dtype, device=device)
+        )
+        self.lora_B = torch.nn.Parameter(
+            torch.zeros(base.out_features, rank, dtype=base.weight.dtype, device=device)
+        )
         torch.nn.init.kaiming_uniform_(self.lora_A, a=math.sqrt(5))
         self.scaling = alpha / rank
         self.dropout = torch.nn.Dropout(dropout) if dropout > 0 else torch.nn.Identity()
@@ -51,7 +55,9 @@ def linear_names(model, block_classes, leaf_names=()):
     for block_name, block in model.named_modules():
         if isinstance(block, tuple(block_classes)):
             for name, module in block.named_modules():
-                if isinstance(module, torch.nn.Linear) and (not leaf_names or name.rsplit(".", 1)[-1] in leaf_names):
+                if isinstance(module, torch.nn.Linear) and (
+                    not leaf_names or name.rsplit(".", 1)[-1] in leaf_names
+                ):
                     names.append(f"{block_name}.{name}")
     return names
 
@@ -109,10 +115,25 @@ def save_peft_adapter(folder, state_dict, *, rank, alpha, dropout, base_model):
     tensors = {}
     for module in adapted:
         for part in ("lora_A", "lora_B"):
-            tensors[f"base_model.model.{module}.{part}.weight"] = state_dict[f"{module}.{part}"].detach().cpu().contiguous().clone()
+            tensors[f"base_model.model.{module}.{part}.weight"] = (
+                state_dict[f"{module}.{part}"].detach().cpu().contiguous().clone()
+            )
     save_file(tensors, os.path.join(folder, "adapter_model.safetensors"), metadata={"format": "pt"})
-    config = {"peft_type": "LORA", "task_type": "FEATURE_EXTRACTION", "base_model_name_or_path": base_model, "r": rank,
-              "lora_alpha": alpha, "lora_dropout": dropout, "target_modules": adapted, "bias": "none", "fan_in_fan_out": False,
-              "init_lora_weights": True, "inference_mode": True, "modules_to_save": None, "use_rslora": False, "use_dora": False}
+    config = {
+        "peft_type": "LORA",
+        "task_type": "FEATURE_EXTRACTION",
+        "base_model_name_or_path": base_model,
+        "r": rank,
+        "lora_alpha": alpha,
+        "lora_dropout": dropout,
+        "target_modules": adapted,
+        "bias": "none",
+        "fan_in_fan_out": False,
+        "init_lora_weights": True,
+        "inference_mode": True,
+        "modules_to_save": None,
+        "use_rslora": False,
+        "use_dora": False,
+    }
     with open(os.path.join(folder, "adapter_config.json"), "w", encoding="utf8") as f:
         json.dump(config, f, indent=2)

@@ -56,7 +56,9 @@ class _GatherWithGrad(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad_gathered):
-        grad_BD = grad_gathered.new_empty((grad_gathered.shape[0] // dist.get_world_size(), *grad_gathered.shape[1:]))
+        grad_BD = grad_gathered.new_empty(
+            (grad_gathered.shape[0] // dist.get_world_size(), *grad_gathered.shape[1:])
+        )
         _reduce_scatter(grad_BD, grad_gathered.contiguous(), op=dist.ReduceOp.SUM)
         return grad_BD
 
@@ -87,7 +89,9 @@ def gather_ids(ids_B):
 def duplicate_mask(query_ids_B, own_ids_B, candidate_ids_N, own_index_B):
     """(B, N) True where candidate j is the same text as row i's query or its own candidate
     (but not at j = own_index[i]): such a candidate is no negative for row i."""
-    same_BN = (candidate_ids_N[None, :] == query_ids_B[:, None]) | (candidate_ids_N[None, :] == own_ids_B[:, None])
+    same_BN = (candidate_ids_N[None, :] == query_ids_B[:, None]) | (
+        candidate_ids_N[None, :] == own_ids_B[:, None]
+    )
     same_BN[torch.arange(len(own_index_B), device=own_index_B.device), own_index_B] = False
     return same_BN
 
@@ -128,7 +132,9 @@ def mnrl_loss(emb_anchor_BD, emb_candidates, scale=20.0, gather=False, symmetric
     if text_ids is not None:
         anchor_ids_B = text_ids[0]
         cand_ids_N = torch.cat([gather_ids(ids) if gather else ids for ids in text_ids[1:]])
-        scores_BN = scores_BN.masked_fill(duplicate_mask(anchor_ids_B, cand_ids_N[labels_B], cand_ids_N, labels_B), float("-inf"))
+        scores_BN = scores_BN.masked_fill(
+            duplicate_mask(anchor_ids_B, cand_ids_N[labels_B], cand_ids_N, labels_B), float("-inf")
+        )
     loss = F.cross_entropy(scores_BN, labels_B)
     if not symmetric:
         return loss
@@ -137,7 +143,9 @@ def mnrl_loss(emb_anchor_BD, emb_candidates, scale=20.0, gather=False, symmetric
     scores_BM = scale * cosine_scores(emb_local_positive_BD, emb_all_anchors_MD)
     if text_ids is not None:
         all_anchor_ids_M = gather_ids(anchor_ids_B) if gather else anchor_ids_B
-        scores_BM = scores_BM.masked_fill(duplicate_mask(cand_ids_N[labels_B], anchor_ids_B, all_anchor_ids_M, labels_B), float("-inf"))
+        scores_BM = scores_BM.masked_fill(
+            duplicate_mask(cand_ids_N[labels_B], anchor_ids_B, all_anchor_ids_M, labels_B), float("-inf")
+        )
     return (loss + F.cross_entropy(scores_BM, labels_B)) / 2
 
 
@@ -162,8 +170,8 @@ def cosent_loss(emb_a_BD, emb_b_BD, scores_B, scale=20.0):
 def margin_mse_loss(emb_query_BD, emb_positive_BD, emb_negative_BD, margins_B):
     """MarginMSELoss (Hofstätter et al., 2020): distil a teacher's score margins.
 
-        margin_i = q_i . p_i - q_i . n_i          (dot products, as sentence-transformers)
-        loss     = mean_i (margin_i - teacher_margin_i)^2
+    margin_i = q_i . p_i - q_i . n_i          (dot products, as sentence-transformers)
+    loss     = mean_i (margin_i - teacher_margin_i)^2
     """
     predicted_B = (emb_query_BD * emb_positive_BD).sum(-1) - (emb_query_BD * emb_negative_BD).sum(-1)
     return F.mse_loss(predicted_B, margins_B.to(predicted_B.dtype))

@@ -31,17 +31,25 @@ class MetricsLog:
         if start_step and os.path.exists(path):
             with open(path, errors="replace") as f:
                 rows = [(line, parse_json_line(line)) for line in f]
-            kept = [(line, row) for line, row in rows if row is not None and "final_loss" not in row and row.get("step", 0) <= start_step]
+            kept = [
+                (line, row)
+                for line, row in rows
+                if row is not None and "final_loss" not in row and row.get("step", 0) <= start_step
+            ]
         self.file = open(path, "w")
         self.file.writelines(line for line, _ in kept)
         # The last logged loss, for the summary of a run resumed at its very last step.
-        self.last_loss = next((row["loss"] for _, row in reversed(kept) if row.get("loss") is not None), float("nan"))
+        self.last_loss = next(
+            (row["loss"] for _, row in reversed(kept) if row.get("loss") is not None), float("nan")
+        )
         self.tensorboard = None
         if cfg.report_to == "tensorboard":
             from torch.utils.tensorboard import SummaryWriter  # optional; its presence is checked at start-up
 
             # A resumed run drops what the broken one wrote after the checkpoint's step.
-            self.tensorboard = SummaryWriter(os.path.join(cfg.output_dir, "tensorboard"), purge_step=start_step + 1 if start_step else None)
+            self.tensorboard = SummaryWriter(
+                os.path.join(cfg.output_dir, "tensorboard"), purge_step=start_step + 1 if start_step else None
+            )
 
     def write(self, record):
         # NaN and inf are not JSON: they are written as null (a metric that could not be computed).
@@ -50,7 +58,13 @@ class MetricsLog:
         if self.tensorboard is not None:
             scalars = {f"eval/{k}": v for k, v in record.get("eval", {}).items()}
             prefix = "train" if "loss" in record else "summary"  # a logged step, or the run's totals
-            scalars.update({f"{prefix}/{k}": v for k, v in record.items() if k not in ("step", "eval") and isinstance(v, (int, float))})
+            scalars.update(
+                {
+                    f"{prefix}/{k}": v
+                    for k, v in record.items()
+                    if k not in ("step", "eval") and isinstance(v, (int, float))
+                }
+            )
             for name, value in scalars.items():
                 if math.isfinite(value):
                     self.tensorboard.add_scalar(name, value, record["step"])
@@ -112,7 +126,9 @@ class StepMeter:
         record = {"step": step, "epoch": round(epoch, 4), "loss": loss, "grad_norm": grad_norm, "lr": lr}
         record["samples_per_s"] = steps * self.global_batch / seconds
         if self.several_sets:
-            record.update({f"loss/{name}": self.loss_sums[name] / count for name, count in self.steps.items()})
+            record.update(
+                {f"loss/{name}": self.loss_sums[name] / count for name, count in self.steps.items()}
+            )
         self.loss_sums, self.steps = collections.Counter(), collections.Counter()
         self.last_time, self.paused_at_last = time.perf_counter(), paused
         return record

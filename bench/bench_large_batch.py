@@ -53,8 +53,25 @@ def repeated_data(folder, min_rows):
 
 
 def measure(data, batch, chunk, steps, out_dir):
-    args = ["--loss", "mnrl", "--train-data", data, "--per-device-batch-size", batch, "--max-steps", steps,
-            "--max-seq-length", 64, "--log-steps", steps, "--output-dir", out_dir, "--overwrite", "--warmup-ratio", 0]
+    args = [
+        "--loss",
+        "mnrl",
+        "--train-data",
+        data,
+        "--per-device-batch-size",
+        batch,
+        "--max-steps",
+        steps,
+        "--max-seq-length",
+        64,
+        "--log-steps",
+        steps,
+        "--output-dir",
+        out_dir,
+        "--overwrite",
+        "--warmup-ratio",
+        0,
+    ]
     if chunk:
         args += ["--cache-chunk-size", chunk]
     cmd = [sys.executable, os.path.abspath(__file__), "--child", "--", *map(str, args)]
@@ -64,11 +81,19 @@ def measure(data, batch, chunk, steps, out_dir):
         return {"batch": batch, "chunk": chunk, "error": proc.stderr.strip().splitlines()[-1:]}
     with open(os.path.join(out_dir, "metrics.jsonl")) as f:
         summary = [json.loads(line) for line in f][-1]
-    return {"batch": batch, "chunk": chunk, "steps": steps, "peak_rss_mb": peak[0] / 1024, "samples_per_s": summary["samples_per_s"]}
+    return {
+        "batch": batch,
+        "chunk": chunk,
+        "steps": steps,
+        "peak_rss_mb": peak[0] / 1024,
+        "samples_per_s": summary["samples_per_s"],
+    }
 
 
 def main():
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     parser.add_argument("--quick", action="store_true", help="batches up to 512 only")
     parser.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
     args, rest = parser.parse_known_args()
@@ -92,18 +117,29 @@ def main():
                 if "error" in r:
                     print(f"| {mode} | {batch} | {steps} | failed: {r['error']} | |", flush=True)
                 else:
-                    print(f"| {mode} | {batch} | {steps} | {r['peak_rss_mb']:.0f} | {r['samples_per_s']:.1f} |", flush=True)
+                    print(
+                        f"| {mode} | {batch} | {steps} | {r['peak_rss_mb']:.0f} | {r['samples_per_s']:.1f} |",
+                        flush=True,
+                    )
 
     def find(batch, chunk):
-        return next((r for r in results if r["batch"] == batch and r["chunk"] == chunk and "error" not in r), None)
+        return next(
+            (r for r in results if r["batch"] == batch and r["chunk"] == chunk and "error" not in r), None
+        )
 
     base, largest = find(32, 0), find(max(cached), 32)
     if base and largest:
-        print(f"\ncached peak RSS at {max(cached)} / plain at 32: {largest['peak_rss_mb'] / base['peak_rss_mb']:.2f} (target <= 1.5)")
+        print(
+            f"\ncached peak RSS at {max(cached)} / plain at 32: "
+            f"{largest['peak_rss_mb'] / base['peak_rss_mb']:.2f} (target <= 1.5)"
+        )
     for batch in PLAIN:
         plain, cache = find(batch, 0), find(batch, 32)
         if plain and cache:
-            print(f"batch {batch}: cached / plain samples/s = {cache['samples_per_s'] / plain['samples_per_s']:.2f} (target >= 0.67)")
+            print(
+                f"batch {batch}: cached / plain samples/s = "
+                f"{cache['samples_per_s'] / plain['samples_per_s']:.2f} (target >= 0.67)"
+            )
     os.makedirs(os.path.join(REPO_DIR, "bench", "results"), exist_ok=True)
     with open(os.path.join(REPO_DIR, "bench", "results", "large_batch.json"), "w") as f:
         json.dump(results, f, indent=2)

@@ -24,35 +24,71 @@ DIMS = [384, 128, 64, 32]
 
 
 def run(args, out):
-    subprocess.run([sys.executable, os.path.join(REPO_DIR, "train.py"), *map(str, args), "--output-dir", out], check=True,
-                   stdout=subprocess.DEVNULL)
+    subprocess.run(
+        [sys.executable, os.path.join(REPO_DIR, "train.py"), *map(str, args), "--output-dir", out],
+        check=True,
+        stdout=subprocess.DEVNULL,
+    )
 
 
 def scores(model, dev, out):
     """stsb-dev Spearman of `model` at each size, by the same --eval-only run for every model."""
-    run(["--model", model, "--eval-only", "--eval-data", dev, "--matryoshka-dims", ",".join(map(str, DIMS))], out)
+    run(
+        ["--model", model, "--eval-only", "--eval-data", dev, "--matryoshka-dims", ",".join(map(str, DIMS))],
+        out,
+    )
     with open(os.path.join(out, "metrics.jsonl")) as f:
         evaluation = [json.loads(line)["eval"] for line in f if '"eval"' in line][-1]
     return {d: round(evaluation[f"stsb-dev/spearman@{d}"], 2) for d in DIMS}
 
 
 def main():
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--max-steps", type=int, default=180, help="optimizer steps of batch 32 (180: one epoch of STS-B train)")
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument(
+        "--max-steps",
+        type=int,
+        default=180,
+        help="optimizer steps of batch 32 (180: one epoch of STS-B train)",
+    )
     args = parser.parse_args()
     dev = os.path.join(DATA_DIR, "stsb-dev.jsonl")
-    common = ["--loss", "cosent", "--train-data", os.path.join(DATA_DIR, "stsb-train.jsonl"), "--max-steps", args.max_steps,
-              "--per-device-batch-size", 32, "--lr", 2e-5, "--seed", 12]
-    results = {"model": "all-MiniLM-L6-v2", "loss": "cosent", "train": "stsb-train", "steps": args.max_steps, "batch": 32,
-               "metric": "stsb-dev spearman x 100 at the first d dimensions", "machine": platform.processor() or platform.machine()}
+    common = [
+        "--loss",
+        "cosent",
+        "--train-data",
+        os.path.join(DATA_DIR, "stsb-train.jsonl"),
+        "--max-steps",
+        args.max_steps,
+        "--per-device-batch-size",
+        32,
+        "--lr",
+        2e-5,
+        "--seed",
+        12,
+    ]
+    results = {
+        "model": "all-MiniLM-L6-v2",
+        "loss": "cosent",
+        "train": "stsb-train",
+        "steps": args.max_steps,
+        "batch": 32,
+        "metric": "stsb-dev spearman x 100 at the first d dimensions",
+        "machine": platform.processor() or platform.machine(),
+    }
     with tempfile.TemporaryDirectory() as tmp:
         results["base model"] = scores("all-MiniLM-L6-v2", dev, os.path.join(tmp, "base"))
         print("base model", results["base model"], flush=True)
         run(common, os.path.join(tmp, "plain"))
-        results["fine-tuned"] = scores(os.path.join(tmp, "plain", "final"), dev, os.path.join(tmp, "plain-eval"))
+        results["fine-tuned"] = scores(
+            os.path.join(tmp, "plain", "final"), dev, os.path.join(tmp, "plain-eval")
+        )
         print("fine-tuned", results["fine-tuned"], flush=True)
         run([*common, "--matryoshka-dims", ",".join(map(str, DIMS))], os.path.join(tmp, "matryoshka"))
-        results["fine-tuned with Matryoshka"] = scores(os.path.join(tmp, "matryoshka", "final"), dev, os.path.join(tmp, "matryoshka-eval"))
+        results["fine-tuned with Matryoshka"] = scores(
+            os.path.join(tmp, "matryoshka", "final"), dev, os.path.join(tmp, "matryoshka-eval")
+        )
         print("fine-tuned with Matryoshka", results["fine-tuned with Matryoshka"], flush=True)
     print("\n| model | " + " | ".join(f"{d} dims" for d in DIMS) + " |\n|---|" + "---|" * len(DIMS))
     for name in ("base model", "fine-tuned", "fine-tuned with Matryoshka"):

@@ -31,11 +31,13 @@ import config  # noqa: E402
 import data  # noqa: E402
 
 
-
 def synthetic_pairs(num_rows, seed=0):
     rng = random.Random(seed)
     pool = [f"text number {i}" for i in range(int(2 * num_rows * 0.98))]  # 2 texts a row, ~2% drawn twice
-    return {"anchor": [rng.choice(pool) for _ in range(num_rows)], "positive": [rng.choice(pool) for _ in range(num_rows)]}
+    return {
+        "anchor": [rng.choice(pool) for _ in range(num_rows)],
+        "positive": [rng.choice(pool) for _ in range(num_rows)],
+    }
 
 
 def best_of(repeats, fn):
@@ -48,7 +50,9 @@ def best_of(repeats, fn):
 
 
 def main():
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     parser.add_argument("--rows", type=int, default=500_000)
     parser.add_argument("--batch", type=int, default=8192)
     parser.add_argument("--repeats", type=int, default=3)
@@ -58,11 +62,19 @@ def main():
     columns = synthetic_pairs(args.rows)
     ds = datasets.Dataset.from_dict(columns)
     sets = [data.TrainSet("synthetic", ds, "mnrl", ["anchor", "positive"], None)]
-    results = {"rows": args.rows, "global_batch": args.batch, "machine": platform.processor() or platform.machine()}
+    results = {
+        "rows": args.rows,
+        "global_batch": args.batch,
+        "machine": platform.processor() or platform.machine(),
+    }
     for sampler in ("default", "no_duplicates"):
         cfg = config.Config(batch_sampler=sampler)
         seconds, plan = best_of(args.repeats, lambda: batches.epoch_batches(sets, cfg, args.batch, 0))
-        results[sampler] = {"seconds": round(seconds, 3), "batches": len(plan), "rows_used": sum(len(rows) for _, rows in plan)}
+        results[sampler] = {
+            "seconds": round(seconds, 3),
+            "batches": len(plan),
+            "rows_used": sum(len(rows) for _, rows in plan),
+        }
         if sampler == "no_duplicates":
             for _, rows in plan:
                 texts = [columns[c][i] for i in rows.tolist() for c in ("anchor", "positive")]
@@ -79,13 +91,23 @@ def main():
             from sentence_transformers.sampler import NoDuplicatesBatchSampler
 
         def st_plan():
-            sampler = NoDuplicatesBatchSampler(ds, batch_size=args.batch, drop_last=True, valid_label_columns=[],
-                                               generator=torch.Generator().manual_seed(0), seed=0)
+            sampler = NoDuplicatesBatchSampler(
+                ds,
+                batch_size=args.batch,
+                drop_last=True,
+                valid_label_columns=[],
+                generator=torch.Generator().manual_seed(0),
+                seed=0,
+            )
             return list(iter(sampler))
 
         seconds, plan = best_of(1, st_plan)
         results["sentence_transformers_no_duplicates"] = {"seconds": round(seconds, 3), "batches": len(plan)}
-        print(f"sentence-transformers NoDuplicatesBatchSampler (one device's batch): {seconds:.2f} s, {len(plan)} batches", flush=True)
+        print(
+            f"sentence-transformers NoDuplicatesBatchSampler (one device's batch): {seconds:.2f} s, "
+            f"{len(plan)} batches",
+            flush=True,
+        )
 
     os.makedirs(os.path.join(REPO_DIR, "bench", "results"), exist_ok=True)
     with open(os.path.join(REPO_DIR, "bench", "results", "no_duplicates.json"), "w") as f:

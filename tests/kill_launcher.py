@@ -25,7 +25,6 @@ sys.path.insert(0, str(REPO_DIR))
 import checkpoints  # noqa: E402
 
 
-
 def arm(where, step, rank, signal_name="KILL"):
     def die():
         os.kill(os.getpid(), getattr(signal, f"SIG{signal_name}"))
@@ -47,7 +46,9 @@ def arm(where, step, rank, signal_name="KILL"):
 
         def write_then_die(tensors, filename, *args, **kwargs):
             save_file(tensors, filename, *args, **kwargs)
-            if os.path.basename(os.path.dirname(filename)) == f".incomplete-step-{step}" and os.path.basename(filename).startswith("rng-rank-"):
+            if os.path.basename(os.path.dirname(filename)) == f".incomplete-step-{step}" and os.path.basename(
+                filename
+            ).startswith("rng-rank-"):
                 die()
 
         checkpoints.save_file = write_then_die

@@ -46,7 +46,9 @@ class LargestTensor(TorchDispatchMode):
         self.nbytes = 0
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        existing = {storage_of(x).data_ptr() for x in tree_leaves((args, kwargs)) if storage_of(x) is not None}
+        existing = {
+            storage_of(x).data_ptr() for x in tree_leaves((args, kwargs)) if storage_of(x) is not None
+        }
         out = func(*args, **(kwargs or {}))
         for storage in map(storage_of, tree_leaves(out)):
             if storage is not None and storage.data_ptr() not in existing:
@@ -59,7 +61,12 @@ def storage_of(x):
         return x.untyped_storage() if isinstance(x, torch.TypedStorage) else x
     if isinstance(x, DTensor):
         x = x._local_tensor
-    if not isinstance(x, torch.Tensor) or x.is_meta or type(x) is not torch.Tensor and not isinstance(x, torch.nn.Parameter):
+    if (
+        not isinstance(x, torch.Tensor)
+        or x.is_meta
+        or type(x) is not torch.Tensor
+        and not isinstance(x, torch.nn.Parameter)
+    ):
         return None  # no storage of its own (another wrapper subclass)
     return x.untyped_storage()
 
@@ -92,14 +99,18 @@ def watch_steps(micro_batches):
             if i > 0 and i % cfg.grad_accum_steps == 0:  # a step's first micro-step
                 step_starts()
             yield batch
+
     return watched
 
 
 def count_forwards(load_model):
     def watched(*args, **kwargs):
         loaded = load_model(*args, **kwargs)
-        loaded.model.encoder.register_forward_pre_hook(lambda *_: steps.update(forwards=steps["forwards"] + torch.is_grad_enabled()))
+        loaded.model.encoder.register_forward_pre_hook(
+            lambda *_: steps.update(forwards=steps["forwards"] + torch.is_grad_enabled())
+        )
         return loaded
+
     return watched
 
 
@@ -107,6 +118,7 @@ def during(phase, function):
     def watched(*args, **kwargs):
         with largest[phase]:
             return function(*args, **kwargs)
+
     return watched
 
 
@@ -117,7 +129,9 @@ embedding_model.init_non_persistent_buffers = during("load", embedding_model.ini
 fsdp_utils.load_pretrained_sharded = during("load", fsdp_utils.load_pretrained_sharded)
 export.export_model = during("export", export.export_model)
 clip_grad_norm = fsdp_utils.clip_grad_norm
-fsdp_utils.clip_grad_norm = lambda *args, **kwargs: (step_ends(), clip_grad_norm(*args, **kwargs))[1]  # backward is over
+fsdp_utils.clip_grad_norm = lambda *args, **kwargs: (step_ends(), clip_grad_norm(*args, **kwargs))[
+    1
+]  # backward is over
 
 cfg = config.parse_config()
 rank = int(os.environ["RANK"])
@@ -127,4 +141,11 @@ finally:
     if dist.is_initialized():
         dist.destroy_process_group()
 with open(os.path.join(cfg.output_dir, f"memory-rank-{rank}.json"), "w") as f:
-    json.dump({**{phase: mode.nbytes for phase, mode in largest.items()}, "step_rise": steps["rise"], "forwards": steps["forwards"]}, f)
+    json.dump(
+        {
+            **{phase: mode.nbytes for phase, mode in largest.items()},
+            "step_rise": steps["rise"],
+            "forwards": steps["forwards"],
+        },
+        f,
+    )

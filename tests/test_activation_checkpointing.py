@@ -16,8 +16,24 @@ import embedding_model
 
 import train
 
-ARGS = ["--train-data", data_file("sick-triplets-train.jsonl"), "--loss", "mnrl", "--max-steps", 3, "--max-seq-length", 32,
-        "--log-steps", 1, "--lr", 1e-3, "--dropout", 0.1, "--per-device-batch-size", 6]
+ARGS = [
+    "--train-data",
+    data_file("sick-triplets-train.jsonl"),
+    "--loss",
+    "mnrl",
+    "--max-steps",
+    3,
+    "--max-seq-length",
+    32,
+    "--log-steps",
+    1,
+    "--lr",
+    1e-3,
+    "--dropout",
+    0.1,
+    "--per-device-batch-size",
+    6,
+]
 
 
 def test_each_block_runs_twice_a_step_with_it(tmp_path, tiny_model, monkeypatch):
@@ -29,20 +45,53 @@ def test_each_block_runs_twice_a_step_with_it(tmp_path, tiny_model, monkeypatch)
         # A module inside each BertLayer: transformers checkpoints the layer's forward (the layer's
         # own hooks stay outside the checkpoint and run once), so what runs again is inside it.
         for layer in loaded.model.encoder.encoder.layer:
-            layer.intermediate.register_forward_hook(lambda *_, key=cfg.activation_checkpointing: calls.__setitem__(key, calls.get(key, 0) + 1))
+            layer.intermediate.register_forward_hook(
+                lambda *_, key=cfg.activation_checkpointing: calls.__setitem__(key, calls.get(key, 0) + 1)
+            )
         return loaded
 
     monkeypatch.setattr(embedding_model, "load_model", load_and_count)
     for flags in ([], ["--activation-checkpointing"]):
-        train.main(config.parse_config([str(a) for a in ["--model", tiny_model, *ARGS, *flags, "--output-dir", tmp_path / str(len(flags))]]))
+        train.main(
+            config.parse_config(
+                [
+                    str(a)
+                    for a in [
+                        "--model",
+                        tiny_model,
+                        *ARGS,
+                        *flags,
+                        "--output-dir",
+                        tmp_path / str(len(flags)),
+                    ]
+                ]
+            )
+        )
     # 3 steps x 2 layers, the three columns together in one or more length-sorted forwards
     assert calls[True] == 2 * calls[False] and calls[False] >= 3 * 2
     assert_same_training(tmp_path / "1", tmp_path / "0", num_steps=3)
 
 
-@pytest.mark.parametrize("strategy", [["--strategy", "ddp"], ["--strategy", "fsdp"],
-                                      ["--strategy", "fsdp", "--fsdp-version", 2, "--cache-chunk-size", 2, "--lora-rank", 4, "--lora-dropout", 0.1]],
-                         ids=["ddp", "fsdp1", "fsdp2-gradcache-lora"])
+@pytest.mark.parametrize(
+    "strategy",
+    [
+        ["--strategy", "ddp"],
+        ["--strategy", "fsdp"],
+        [
+            "--strategy",
+            "fsdp",
+            "--fsdp-version",
+            2,
+            "--cache-chunk-size",
+            2,
+            "--lora-rank",
+            4,
+            "--lora-dropout",
+            0.1,
+        ],
+    ],
+    ids=["ddp", "fsdp1", "fsdp2-gradcache-lora"],
+)
 def test_activation_checkpointing_at_world_2_gives_the_same_training(strategy, tmp_path, tiny_model):
     for flags, out in (([], "plain"), (["--activation-checkpointing"], "checkpointed")):
         run_train(["--model", tiny_model, *ARGS, *strategy, *flags, "--output-dir", tmp_path / out], nproc=2)

@@ -33,7 +33,15 @@ import math
 import pytest
 import torch
 import transformers
-from conftest import REPO_DIR, assert_same_training, data_file, export_weights, run_train, sentences, tiny_decoder
+from conftest import (
+    REPO_DIR,
+    assert_same_training,
+    data_file,
+    export_weights,
+    run_train,
+    sentences,
+    tiny_decoder,
+)
 from safetensors import safe_open
 
 import config
@@ -42,9 +50,30 @@ import embedding_model
 
 import train
 
-ARGS = ["--train-data", data_file("sick-pairs-train.jsonl"), "--loss", "mnrl", "--pooling", "lasttoken", "--append-eos",
-        "--normalize", "--max-seq-length", 32, "--max-steps", 3, "--lr", 1e-3, "--dropout", 0, "--log-steps", 1,
-        "--max-grad-norm", 0.1, "--seed", 5]
+ARGS = [
+    "--train-data",
+    data_file("sick-pairs-train.jsonl"),
+    "--loss",
+    "mnrl",
+    "--pooling",
+    "lasttoken",
+    "--append-eos",
+    "--normalize",
+    "--max-seq-length",
+    32,
+    "--max-steps",
+    3,
+    "--lr",
+    1e-3,
+    "--dropout",
+    0,
+    "--log-steps",
+    1,
+    "--max-grad-norm",
+    0.1,
+    "--seed",
+    5,
+]
 TEXTS = sentences(3000)[2990:]
 
 
@@ -61,8 +90,25 @@ def test_fsdp2_loads_and_exports_without_a_whole_parameter_on_the_other_rank(tmp
         assert "model.embed_tokens.weight" in f.keys() and "lm_head.weight" in f.keys()
         vocab, dim = f.get_slice("model.embed_tokens.weight").get_shape()
     # Shards of at most 40 KB: the embedding (vocab x 64 x 4 bytes, ~100 KB) alone, the rest grouped.
-    proc = run_train(["--model", model, *ARGS, "--per-device-batch-size", 4, "--strategy", "fsdp", "--fsdp-version", 2,
-                      "--export-max-shard-size", "40KB", "--output-dir", tmp_path / "fsdp2"], nproc=2, script=REPO_DIR / "tests" / "memory_worker.py")
+    proc = run_train(
+        [
+            "--model",
+            model,
+            *ARGS,
+            "--per-device-batch-size",
+            4,
+            "--strategy",
+            "fsdp",
+            "--fsdp-version",
+            2,
+            "--export-max-shard-size",
+            "40KB",
+            "--output-dir",
+            tmp_path / "fsdp2",
+        ],
+        nproc=2,
+        script=REPO_DIR / "tests" / "memory_worker.py",
+    )
     assert "loads the whole model" not in proc.stdout + proc.stderr
     other = json.loads((tmp_path / "fsdp2" / "memory-rank-1.json").read_text())
     writer = json.loads((tmp_path / "fsdp2" / "memory-rank-0.json").read_text())
@@ -77,7 +123,19 @@ def test_fsdp2_loads_and_exports_without_a_whole_parameter_on_the_other_rank(tmp
         with safe_open(tmp_path / "fsdp2" / "final" / file, framework="pt") as f:
             sizes = [math.prod(f.get_slice(k).get_shape()) * 4 for k in f.keys()]
         assert sum(sizes) <= 40_000 or len(sizes) == 1, (file, sizes)
-    run_train(["--model", model, *ARGS, "--per-device-batch-size", 4, "--grad-accum-steps", 2, "--output-dir", tmp_path / "one"])
+    run_train(
+        [
+            "--model",
+            model,
+            *ARGS,
+            "--per-device-batch-size",
+            4,
+            "--grad-accum-steps",
+            2,
+            "--output-dir",
+            tmp_path / "one",
+        ]
+    )
     assert_same_training(tmp_path / "fsdp2", tmp_path / "one", num_steps=3)
 
 
@@ -93,32 +151,92 @@ def test_fsdp2_training_never_holds_a_whole_gradient(tmp_path):
     The control: with --length-buckets 2 (two forwards before one backward) the same watch sees
     most of a whole gradient more (autograd keeps each block's gradient from the second forward
     until backward reaches the first forward's block)."""
-    model = tiny_decoder(tmp_path / "base", "qwen2", hidden_size=256, intermediate_size=1024, num_hidden_layers=24, num_attention_heads=4,
-                         num_key_value_heads=2)
+    model = tiny_decoder(
+        tmp_path / "base",
+        "qwen2",
+        hidden_size=256,
+        intermediate_size=1024,
+        num_hidden_layers=24,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+    )
     fp32 = 4 * sum(p.numel() for p in transformers.AutoModel.from_pretrained(model).parameters())
     beyond_shards = {}
-    for name, options, forwards in [("default", [], 1), ("two-forwards", ["--length-buckets", 2], 2),
-                                    ("accumulation", ["--grad-accum-steps", 2], 2)]:
+    for name, options, forwards in [
+        ("default", [], 1),
+        ("two-forwards", ["--length-buckets", 2], 2),
+        ("accumulation", ["--grad-accum-steps", 2], 2),
+    ]:
         out = tmp_path / name
-        run_train(["--model", model, *ARGS, "--per-device-batch-size", 2, "--strategy", "fsdp", "--fsdp-version", 2, "--activation-checkpointing",
-                   *options, "--output-dir", out], nproc=2, script=REPO_DIR / "tests" / "memory_worker.py",
-                  env={"MALLOC_MMAP_THRESHOLD_": "65536", "MALLOC_ARENA_MAX": "2"})
+        run_train(
+            [
+                "--model",
+                model,
+                *ARGS,
+                "--per-device-batch-size",
+                2,
+                "--strategy",
+                "fsdp",
+                "--fsdp-version",
+                2,
+                "--activation-checkpointing",
+                *options,
+                "--output-dir",
+                out,
+            ],
+            nproc=2,
+            script=REPO_DIR / "tests" / "memory_worker.py",
+            env={"MALLOC_MMAP_THRESHOLD_": "65536", "MALLOC_ARENA_MAX": "2"},
+        )
         for rank in (0, 1):
             watched = json.loads((out / f"memory-rank-{rank}.json").read_text())
             assert watched["forwards"] == 3 * forwards, (name, watched)  # 3 steps
             assert len(watched["step_rise"]) == 2
             beyond_shards[name, rank] = (max(watched["step_rise"]) - fp32 / 2) / fp32
-    print(f"largest rise in a step minus the gradient shards, x the fp32 model ({fp32 / 2**20:.0f} MiB):", beyond_shards)
-    assert all(beyond_shards["two-forwards", rank] >= 0.6 for rank in (0, 1)), beyond_shards  # the watch sees it
-    assert all(beyond_shards[name, rank] <= 0.4 for name in ("default", "accumulation") for rank in (0, 1)), beyond_shards
+    print(
+        f"largest rise in a step minus the gradient shards, x the fp32 model ({fp32 / 2**20:.0f} MiB):",
+        beyond_shards,
+    )
+    assert all(beyond_shards["two-forwards", rank] >= 0.6 for rank in (0, 1)), (
+        beyond_shards
+    )  # the watch sees it
+    assert all(beyond_shards[name, rank] <= 0.4 for name in ("default", "accumulation") for rank in (0, 1)), (
+        beyond_shards
+    )
 
 
 def test_llama_at_world_4_loaded_into_shards_trains_as_one_process(tmp_path):
     """FSDP2; FSDP1 at world 4 loads the same way in tests/test_equivalence.py (BERT)."""
     tiny_decoder(tmp_path / "base", "llama", padding_side="right")
-    run_train(["--model", tmp_path / "base", *ARGS, "--per-device-batch-size", 2, "--grad-accum-steps", 4, "--output-dir", tmp_path / "one"])
-    proc = run_train(["--model", tmp_path / "base", *ARGS, "--per-device-batch-size", 2, "--strategy", "fsdp", "--fsdp-version", 2,
-                      "--output-dir", tmp_path / "fsdp2"], nproc=4)
+    run_train(
+        [
+            "--model",
+            tmp_path / "base",
+            *ARGS,
+            "--per-device-batch-size",
+            2,
+            "--grad-accum-steps",
+            4,
+            "--output-dir",
+            tmp_path / "one",
+        ]
+    )
+    proc = run_train(
+        [
+            "--model",
+            tmp_path / "base",
+            *ARGS,
+            "--per-device-batch-size",
+            2,
+            "--strategy",
+            "fsdp",
+            "--fsdp-version",
+            2,
+            "--output-dir",
+            tmp_path / "fsdp2",
+        ],
+        nproc=4,
+    )
     assert "loads the whole model" not in proc.stdout + proc.stderr
     assert_same_training(tmp_path / "fsdp2", tmp_path / "one", num_steps=3)
 
@@ -133,8 +251,24 @@ def test_sharded_export_loads_in_sentence_transformers_and_automodel(dtype, tole
     from sentence_transformers import SentenceTransformer
 
     base = tiny_decoder(tmp_path / "base", "qwen2")
-    cfg = config.parse_config([str(a) for a in ["--model", base, *ARGS, "--per-device-batch-size", 8, "--export-max-shard-size", "40KB",
-                                                "--export-dtype", dtype, "--output-dir", tmp_path / "out"]])
+    cfg = config.parse_config(
+        [
+            str(a)
+            for a in [
+                "--model",
+                base,
+                *ARGS,
+                "--per-device-batch-size",
+                8,
+                "--export-max-shard-size",
+                "40KB",
+                "--export-dtype",
+                dtype,
+                "--output-dir",
+                tmp_path / "out",
+            ]
+        ]
+    )
     model = train.main(cfg)
     final = tmp_path / "out" / "final"
     index = json.loads((final / "model.safetensors.index.json").read_text())
@@ -150,7 +284,11 @@ def test_sharded_export_loads_in_sentence_transformers_and_automodel(dtype, tole
     assert auto.dtype == torch_dtype
     with torch.no_grad():
         for text, want in zip(TEXTS, ours):  # one text at a time: its last token is its EOS
-            got = auto(**tokenizer([text], truncation=True, return_tensors="pt")).last_hidden_state[0, -1].float()
+            got = (
+                auto(**tokenizer([text], truncation=True, return_tensors="pt"))
+                .last_hidden_state[0, -1]
+                .float()
+            )
             assert (torch.nn.functional.normalize(got, dim=0) - want).abs().max().item() <= tolerance
 
 
@@ -158,8 +296,26 @@ def test_a_bf16_checkpoint_trains_fp32_master_weights(tmp_path):
     base = tiny_decoder(tmp_path / "base", "llama")
     transformers.LlamaModel.from_pretrained(base, dtype=torch.bfloat16).save_pretrained(tmp_path / "base")
     # lr 1e-6: an update far below bf16's resolution, which bf16 weights would round away.
-    model = train.main(config.parse_config([str(a) for a in ["--model", base, *ARGS, "--per-device-batch-size", 8, "--lr", 1e-6,
-                                                            "--max-grad-norm", 0, "--output-dir", tmp_path / "out"]]))
+    model = train.main(
+        config.parse_config(
+            [
+                str(a)
+                for a in [
+                    "--model",
+                    base,
+                    *ARGS,
+                    "--per-device-batch-size",
+                    8,
+                    "--lr",
+                    1e-6,
+                    "--max-grad-norm",
+                    0,
+                    "--output-dir",
+                    tmp_path / "out",
+                ]
+            ]
+        )
+    )
     trained = export_weights(tmp_path / "out" / "final")
     with safe_open(base / "model.safetensors", framework="pt") as f:
         start = {k: f.get_tensor(k) for k in f.keys()}
@@ -175,12 +331,18 @@ def test_weights_that_cannot_be_read_by_slices_are_loaded_in_full_with_a_note(tm
     (tmp_path / "bin").mkdir()
     for file in ("config.json", "tokenizer.json", "tokenizer_config.json"):
         (tmp_path / "bin" / file).write_bytes((base / file).read_bytes())
-    with safe_open(base / "model.safetensors", framework="pt") as f:  # the older pickle format, which has no slices to read
+    with safe_open(
+        base / "model.safetensors", framework="pt"
+    ) as f:  # the older pickle format, which has no slices to read
         torch.save({k: f.get_tensor(k) for k in f.keys()}, tmp_path / "bin" / "pytorch_model.bin")
     on_meta = embedding_model.load_model(config.Config(model=str(base)), 0, on_meta=True)
     assert on_meta.pretrained_dir == str(base) and all(p.is_meta for p in on_meta.model.parameters())
-    assert on_meta.pretrained_names["encoder.layers.1.mlp.down_proj.weight"] == "layers.1.mlp.down_proj.weight"
+    assert (
+        on_meta.pretrained_names["encoder.layers.1.mlp.down_proj.weight"] == "layers.1.mlp.down_proj.weight"
+    )
     in_full = embedding_model.load_model(config.Config(model=str(tmp_path / "bin")), 0, on_meta=True)
-    assert in_full.pretrained_dir is None and "note: every rank loads the whole model" in capsys.readouterr().out
+    assert (
+        in_full.pretrained_dir is None and "note: every rank loads the whole model" in capsys.readouterr().out
+    )
     want = embedding_model.load_model(config.Config(model=str(base)), 0).model.state_dict()
     assert all(torch.equal(in_full.model.state_dict()[k], v) for k, v in want.items())

@@ -42,7 +42,13 @@ def faults(setting, env_extra=None):
     """The page faults of each of the last 6 of 12 backward passes."""
     env = {k: v for k, v in os.environ.items() if not k.startswith("MALLOC_")}
     env.update(env_extra or {})
-    out = subprocess.run([sys.executable, "-c", PROBE, str(REPO_DIR), setting], env=env, capture_output=True, text=True, check=True)
+    out = subprocess.run(
+        [sys.executable, "-c", PROBE, str(REPO_DIR), setting],
+        env=env,
+        capture_output=True,
+        text=True,
+        check=True,
+    )
     return json.loads(out.stdout.strip().splitlines()[-1])
 
 

@@ -41,7 +41,10 @@ class Tiny(torch.nn.Module):
         # Rows 4000-4099 and 4500-4599 (never in ids), chosen by rank and step: the gradient of a
         # row 4000 + k is negative in entry 0 and zero elsewhere (its largest entry is 0), that
         # of a row 4500 + k positive in entry 1 and zero elsewhere (its smallest entry is 0).
-        one_signed = self.words(ids[:1, :2] % 500 + 4000)[..., 0].sum() - self.words(ids[:1, 2:4] % 500 + 4500)[..., 1].sum()
+        one_signed = (
+            self.words(ids[:1, :2] % 500 + 4000)[..., 0].sum()
+            - self.words(ids[:1, 2:4] % 500 + 4500)[..., 1].sum()
+        )
         return torch.tanh(self.mix(x)).pow(2).sum() - one_signed
 
 
@@ -89,8 +92,11 @@ def worker(rank, port, results):
         for m in (model, reference):
             for p in m.parameters():
                 p.grad = None
-    results[rank] = {"worst": worst, "sent": sent_per_step,
-                     "dense": sum(p.numel() for p in model.parameters() if p.requires_grad)}
+    results[rank] = {
+        "worst": worst,
+        "sent": sent_per_step,
+        "dense": sum(p.numel() for p in model.parameters() if p.requires_grad),
+    }
     dist.destroy_process_group()
 
 

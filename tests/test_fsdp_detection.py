@@ -14,16 +14,36 @@ import embedding_model
 
 import fsdp_utils
 
-TINY = dict(vocab_size=128, hidden_size=32, num_hidden_layers=3, num_attention_heads=2, intermediate_size=64,
-            max_position_embeddings=64)
+TINY = dict(
+    vocab_size=128,
+    hidden_size=32,
+    num_hidden_layers=3,
+    num_attention_heads=2,
+    intermediate_size=64,
+    max_position_embeddings=64,
+)
 
 ARCHITECTURES = {  # config -> the block class FSDP must wrap
     "bert": (transformers.BertConfig(**TINY), "BertLayer"),
     "xlm-roberta": (transformers.XLMRobertaConfig(**TINY), "XLMRobertaLayer"),
     "roberta": (transformers.RobertaConfig(**TINY), "RobertaLayer"),
     "mpnet": (transformers.MPNetConfig(**TINY), "MPNetLayer"),
-    "distilbert": (transformers.DistilBertConfig(vocab_size=128, dim=32, n_layers=3, n_heads=2, hidden_dim=64), "TransformerBlock"),
-    "modernbert": (transformers.ModernBertConfig(**TINY, global_attn_every_n_layers=2, pad_token_id=0, bos_token_id=1, eos_token_id=2, cls_token_id=1, sep_token_id=2), "ModernBertEncoderLayer"),
+    "distilbert": (
+        transformers.DistilBertConfig(vocab_size=128, dim=32, n_layers=3, n_heads=2, hidden_dim=64),
+        "TransformerBlock",
+    ),
+    "modernbert": (
+        transformers.ModernBertConfig(
+            **TINY,
+            global_attn_every_n_layers=2,
+            pad_token_id=0,
+            bos_token_id=1,
+            eos_token_id=2,
+            cls_token_id=1,
+            sep_token_id=2,
+        ),
+        "ModernBertEncoderLayer",
+    ),
     "qwen2": (transformers.Qwen2Config(**TINY, num_key_value_heads=1), "Qwen2DecoderLayer"),
     "llama": (transformers.LlamaConfig(**TINY, num_key_value_heads=1), "LlamaDecoderLayer"),
 }
@@ -56,7 +76,9 @@ def test_detection_does_not_trust_no_split_modules():
 def test_detection_sees_through_a_wrapper_module():
     """Our EmbeddingModel holds the encoder as `.encoder`: detection runs on the whole model."""
 
-    wrapped = embedding_model.EmbeddingModel(tiny_model("qwen2"), pooling="lasttoken", normalize=True, num_labels=3)
+    wrapped = embedding_model.EmbeddingModel(
+        tiny_model("qwen2"), pooling="lasttoken", normalize=True, num_labels=3
+    )
     assert fsdp_utils.detect_layer_classes(wrapped) == ["Qwen2DecoderLayer"]
 
 

@@ -28,9 +28,33 @@ def test_fsdp_mixed_precision_trains_and_exports_fp32(version, precision, tmp_pa
     data = data_file("sick-nli-train.jsonl")
     # fp16 runs ~4 s a step on this CPU (no fp16 units): fewer steps, each twice the learning rate.
     steps, lr = (6, 2e-4) if precision == "fp16" else (12, 1e-4)
-    proc = run_train(["--loss", "softmax", "--train-data", data, "--max-steps", steps, "--per-device-batch-size", 8,
-                      "--lr", lr, "--max-seq-length", 48, "--log-steps", 4, "--output-dir", tmp_path,
-                      "--strategy", "fsdp", "--fsdp-version", version, "--precision", precision], nproc=2)
+    proc = run_train(
+        [
+            "--loss",
+            "softmax",
+            "--train-data",
+            data,
+            "--max-steps",
+            steps,
+            "--per-device-batch-size",
+            8,
+            "--lr",
+            lr,
+            "--max-seq-length",
+            48,
+            "--log-steps",
+            4,
+            "--output-dir",
+            tmp_path,
+            "--strategy",
+            "fsdp",
+            "--fsdp-version",
+            version,
+            "--precision",
+            precision,
+        ],
+        nproc=2,
+    )
     for warning in ("FutureWarning", "DeprecationWarning"):
         assert warning not in proc.stderr, proc.stderr[-3000:]
 
@@ -54,15 +78,39 @@ def test_fsdp_mixed_precision_trains_and_exports_fp32(version, precision, tmp_pa
     assert (ours - theirs).abs().max().item() <= 1e-5
 
 
-@pytest.mark.parametrize("extra", [[], ["--fsdp-version", 2, "--gather-negatives", "--symmetric", "--mask-duplicates"]],
-                         ids=["fsdp1", "fsdp2-gathered-negatives"])
+@pytest.mark.parametrize(
+    "extra",
+    [[], ["--fsdp-version", 2, "--gather-negatives", "--symmetric", "--mask-duplicates"]],
+    ids=["fsdp1", "fsdp2-gathered-negatives"],
+)
 def test_plain_fsdp_run_prints_no_torch_deprecation(tmp_path, tiny_model, extra):
     """Training, a checkpoint (torch's own DCP code warns about FSDP1's ShardedTensor unless
     silenced) and the export, on the tiny BERT; and gathered negatives (their all-gather and
     reduce-scatter, the text ids' all-gather: names torch 2.13 deprecated)."""
-    proc = run_train(["--model", tiny_model, "--loss", "mnrl", "--train-data", data_file("sick-pairs-train.jsonl"), "--max-steps", 2,
-                      "--per-device-batch-size", 4, "--max-seq-length", 32, "--output-dir", tmp_path,
-                      "--strategy", "fsdp", "--save-steps", 1, *extra], nproc=2)
+    proc = run_train(
+        [
+            "--model",
+            tiny_model,
+            "--loss",
+            "mnrl",
+            "--train-data",
+            data_file("sick-pairs-train.jsonl"),
+            "--max-steps",
+            2,
+            "--per-device-batch-size",
+            4,
+            "--max-seq-length",
+            32,
+            "--output-dir",
+            tmp_path,
+            "--strategy",
+            "fsdp",
+            "--save-steps",
+            1,
+            *extra,
+        ],
+        nproc=2,
+    )
     assert (tmp_path / "checkpoints" / "step-2" / "trainer_state.json").exists()
     for warning in ("FutureWarning", "DeprecationWarning", "UserWarning"):
         assert warning not in proc.stderr, proc.stderr[-3000:]

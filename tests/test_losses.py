@@ -55,7 +55,7 @@ def naive_mnrl(anchor, candidate_columns, scale=20.0):
     total = 0
     for i in range(len(anchor)):
         logits = [scale * cos(anchor[i], c) for c in candidates]
-        denominator = sum(torch.exp(l) for l in logits)
+        denominator = sum(torch.exp(logit) for logit in logits)
         total = total - torch.log(torch.exp(logits[i]) / denominator)
     return total / len(anchor)
 
@@ -182,7 +182,11 @@ def test_margin_mse_matches_naive_loop_and_sentence_transformers(st_model):
     ours = value_and_grads(lambda: losses.margin_mse_loss(q, p, n, margins), [q, p, n])
     assert_same(ours, value_and_grads(lambda: naive_margin_mse(q, p, n, margins), [q, p, n]), 1e-9)
     reference = st_losses.MarginMSELoss(st_model)
-    assert_same(ours, value_and_grads(lambda: reference.compute_loss_from_embeddings([q, p, n], margins), [q, p, n]), 1e-9)
+    assert_same(
+        ours,
+        value_and_grads(lambda: reference.compute_loss_from_embeddings([q, p, n], margins), [q, p, n]),
+        1e-9,
+    )
 
 
 @pytest.mark.parametrize("scale", [1.0, 7.5, 50.0])
@@ -190,12 +194,16 @@ def test_scale_matches_sentence_transformers(st_model, scale):
     a, p, n = embeddings((B, D), (B, D), (B, D), seed=5)
     mnrl = st_losses.MultipleNegativesRankingLoss(st_model, scale=scale)
     ours = value_and_grads(lambda: losses.mnrl_loss(a, [p, n], scale=scale), [a, p, n])
-    assert_same(ours, value_and_grads(lambda: mnrl.compute_loss_from_embeddings([a, p, n], None), [a, p, n]), 1e-6)
+    assert_same(
+        ours, value_and_grads(lambda: mnrl.compute_loss_from_embeddings([a, p, n], None), [a, p, n]), 1e-6
+    )
     assert_same(ours, value_and_grads(lambda: naive_mnrl(a, [p, n], scale=scale), [a, p, n]), 1e-9)
     scores = torch.tensor([0.2, 0.8, 0.8, 0.4, 1.0, 0.0, 0.6, 0.4], dtype=torch.float64)
     cosent = st_losses.CoSENTLoss(st_model, scale=scale)
     ours = value_and_grads(lambda: losses.cosent_loss(a, p, scores, scale=scale), [a, p])
-    assert_same(ours, value_and_grads(lambda: cosent.compute_loss_from_embeddings([a, p], scores), [a, p]), 1e-6)
+    assert_same(
+        ours, value_and_grads(lambda: cosent.compute_loss_from_embeddings([a, p], scores), [a, p]), 1e-6
+    )
 
 
 class ColumnEmbeddings(torch.nn.Module):
@@ -219,15 +227,25 @@ def test_matryoshka_matches_sentence_transformers(st_model, loss_name):
     patches the model's forward to truncate what it returns: the same values and gradients."""
     dims, weights = [16, 8, 4, 2], [1.0, 0.5, 2.0, 1.0]
     columns = embeddings(*[(B, D)] * 3, seed=6)
-    labels = {"mnrl": None, "cosent": torch.tensor([0.2, 0.8, 0.8, 0.4, 1.0, 0.0, 0.6, 0.4], dtype=torch.float64),
-              "margin_mse": torch.linspace(-1, 1, B, dtype=torch.float64)}[loss_name]
+    labels = {
+        "mnrl": None,
+        "cosent": torch.tensor([0.2, 0.8, 0.8, 0.4, 1.0, 0.0, 0.6, 0.4], dtype=torch.float64),
+        "margin_mse": torch.linspace(-1, 1, B, dtype=torch.float64),
+    }[loss_name]
     used = columns[:2] if loss_name == "cosent" else columns
-    inner = {"mnrl": lambda e: losses.mnrl_loss(e[0], e[1:]), "cosent": lambda e: losses.cosent_loss(e[0], e[1], labels),
-             "margin_mse": lambda e: losses.margin_mse_loss(e[0], e[1], e[2], labels)}[loss_name]
+    inner = {
+        "mnrl": lambda e: losses.mnrl_loss(e[0], e[1:]),
+        "cosent": lambda e: losses.cosent_loss(e[0], e[1], labels),
+        "margin_mse": lambda e: losses.margin_mse_loss(e[0], e[1], e[2], labels),
+    }[loss_name]
     ours = value_and_grads(lambda: losses.matryoshka_loss(inner, used, dims, weights), used)
 
     model = ColumnEmbeddings(used)
-    st_inner = {"mnrl": st_losses.MultipleNegativesRankingLoss, "cosent": st_losses.CoSENTLoss, "margin_mse": st_losses.MarginMSELoss}[loss_name](model)
+    st_inner = {
+        "mnrl": st_losses.MultipleNegativesRankingLoss,
+        "cosent": st_losses.CoSENTLoss,
+        "margin_mse": st_losses.MarginMSELoss,
+    }[loss_name](model)
     reference = st_losses.MatryoshkaLoss(model, st_inner, matryoshka_dims=dims, matryoshka_weights=weights)
     features = [{"column": i} for i in range(len(used))]
     ref = value_and_grads(lambda: reference(features, labels), used)
@@ -243,9 +261,11 @@ def naive_masked_mnrl(anchor, candidate_columns, ids, scale=20.0):
     candidate_ids = torch.cat(ids[1:]).tolist()
     total = 0
     for i in range(len(anchor)):
-        allowed = [j for j, t in enumerate(candidate_ids) if j == i or t not in (ids[0][i].item(), ids[1][i].item())]
+        allowed = [
+            j for j, t in enumerate(candidate_ids) if j == i or t not in (ids[0][i].item(), ids[1][i].item())
+        ]
         logits = {j: scale * cos(anchor[i], candidates[j]) for j in allowed}
-        total = total - torch.log(torch.exp(logits[i]) / sum(torch.exp(l) for l in logits.values()))
+        total = total - torch.log(torch.exp(logits[i]) / sum(torch.exp(logit) for logit in logits.values()))
     return total / len(anchor)
 
 
@@ -269,7 +289,9 @@ def test_masked_mnrl_matches_a_loop_over_the_allowed_candidates():
 def test_masked_mnrl_without_duplicates_is_bitwise_the_plain_loss(symmetric):
     a, p, n = embeddings((B, D), (B, D), (B, D), seed=8)
     ids = [torch.arange(0, B), torch.arange(100, 100 + B), torch.arange(200, 200 + B)]
-    masked = value_and_grads(lambda: losses.mnrl_loss(a, [p, n], symmetric=symmetric, text_ids=ids), [a, p, n])
+    masked = value_and_grads(
+        lambda: losses.mnrl_loss(a, [p, n], symmetric=symmetric, text_ids=ids), [a, p, n]
+    )
     plain = value_and_grads(lambda: losses.mnrl_loss(a, [p, n], symmetric=symmetric), [a, p, n])
     assert torch.equal(masked[0], plain[0]) and all(torch.equal(g, h) for g, h in zip(masked[1], plain[1]))
 

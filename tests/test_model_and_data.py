@@ -16,19 +16,25 @@ import data
 import embedding_model
 
 
-
 def test_mean_pooling_ignores_padding_by_hand():
-    token_states = torch.tensor([
-        [[1.0, 2.0], [3.0, 4.0], [100.0, 100.0]],   # row 0: two real tokens, one pad
-        [[5.0, -1.0], [7.0, 1.0], [9.0, 3.0]],      # row 1: three real tokens
-        [[-2.0, 8.0], [50.0, 50.0], [60.0, 60.0]],  # row 2: one real token
-    ])
+    token_states = torch.tensor(
+        [
+            [[1.0, 2.0], [3.0, 4.0], [100.0, 100.0]],  # row 0: two real tokens, one pad
+            [[5.0, -1.0], [7.0, 1.0], [9.0, 3.0]],  # row 1: three real tokens
+            [[-2.0, 8.0], [50.0, 50.0], [60.0, 60.0]],  # row 2: one real token
+        ]
+    )
     mask = torch.tensor([[1, 1, 0], [1, 1, 1], [1, 0, 0]])
     expected = torch.tensor([[(1 + 3) / 2, (2 + 4) / 2], [(5 + 7 + 9) / 3, (-1 + 1 + 3) / 3], [-2.0, 8.0]])
     assert torch.allclose(embedding_model.pool(token_states, mask, "mean"), expected)
     assert torch.equal(embedding_model.pool(token_states, mask, "cls"), token_states[:, 0])
-    assert torch.equal(embedding_model.pool(token_states, mask, "max"), torch.tensor([[3.0, 4.0], [9.0, 3.0], [-2.0, 8.0]]))
-    assert torch.equal(embedding_model.pool(token_states, mask, "lasttoken"), torch.tensor([[3.0, 4.0], [9.0, 3.0], [-2.0, 8.0]]))
+    assert torch.equal(
+        embedding_model.pool(token_states, mask, "max"), torch.tensor([[3.0, 4.0], [9.0, 3.0], [-2.0, 8.0]])
+    )
+    assert torch.equal(
+        embedding_model.pool(token_states, mask, "lasttoken"),
+        torch.tensor([[3.0, 4.0], [9.0, 3.0], [-2.0, 8.0]]),
+    )
     left_padded = torch.tensor([[0, 1, 1], [1, 1, 1], [0, 0, 1]])
     assert torch.equal(embedding_model.pool(token_states, left_padded, "lasttoken"), token_states[:, 2])
 
@@ -44,10 +50,13 @@ def test_micro_batches_cut_one_global_batch_the_same_way_for_any_split(world_siz
     perm = torch.randperm(num_rows, generator=torch.Generator().manual_seed(7 + 1)).tolist()
     assert order.tolist() == perm  # the seed alone defines it
     for step in range(num_rows // global_batch):
-        pieces = [batches.micro_batch_indices(order, step, r, j, per_device, world_size, grad_accum_steps)
-                  for j in range(grad_accum_steps) for r in range(world_size)]
+        pieces = [
+            batches.micro_batch_indices(order, step, r, j, per_device, world_size, grad_accum_steps)
+            for j in range(grad_accum_steps)
+            for r in range(world_size)
+        ]
         assert all(len(p) == per_device for p in pieces)
-        assert sum(pieces, []) == perm[step * global_batch:(step + 1) * global_batch]
+        assert sum(pieces, []) == perm[step * global_batch : (step + 1) * global_batch]
     assert sorted(perm) == list(range(num_rows))
     # A different epoch is a different order.
     assert batches.epoch_order(num_rows, seed=7, epoch=2).tolist() != perm
@@ -66,13 +75,16 @@ def test_columns_follow_sentence_transformers_conventions():
     assert data.data_columns(ds, "softmax") == (["premise", "hypothesis"], "label", 3)
 
 
-@pytest.mark.parametrize("loss,columns,message", [
-    ("cosent", dict(anchor=["a"], positive=["b"]), "needs two text columns and a target"),
-    ("mnrl", dict(sentence1=["a"], sentence2=["b"], score=[0.5]), "no target"),
-    ("softmax", dict(premise=["a"], hypothesis=["b"], label=[0.5]), "integer class labels"),
-    ("softmax", dict(premise=["a"], hypothesis=["b"], label=[-1]), "negative labels"),
-    ("cosent", dict(sentence1=["a"], sentence2=["b"], similarity=[0.5]), "not text"),
-])
+@pytest.mark.parametrize(
+    "loss,columns,message",
+    [
+        ("cosent", dict(anchor=["a"], positive=["b"]), "needs two text columns and a target"),
+        ("mnrl", dict(sentence1=["a"], sentence2=["b"], score=[0.5]), "no target"),
+        ("softmax", dict(premise=["a"], hypothesis=["b"], label=[0.5]), "integer class labels"),
+        ("softmax", dict(premise=["a"], hypothesis=["b"], label=[-1]), "negative labels"),
+        ("cosent", dict(sentence1=["a"], sentence2=["b"], similarity=[0.5]), "not text"),
+    ],
+)
 def test_bad_columns_name_the_problem(loss, columns, message):
     with pytest.raises(ValueError, match=message):
         data.data_columns(table(**columns), loss)

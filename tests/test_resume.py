@@ -27,25 +27,49 @@ import torch
 from conftest import data_file, read_metrics, run_train
 from safetensors.torch import load_file
 
-COMMON = ["--train-data", data_file("sick-triplets-train.jsonl"), "--max-steps", 6, "--save-steps", 2,
-          "--per-device-batch-size", 4, "--max-seq-length", 32, "--log-steps", 1, "--lr", 1e-3, "--seed", 5]
+COMMON = [
+    "--train-data",
+    data_file("sick-triplets-train.jsonl"),
+    "--max-steps",
+    6,
+    "--save-steps",
+    2,
+    "--per-device-batch-size",
+    4,
+    "--max-seq-length",
+    32,
+    "--log-steps",
+    1,
+    "--lr",
+    1e-3,
+    "--seed",
+    5,
+]
 
 
 def assert_bitwise_same_run(got_dir, want_dir):
     got, want = read_metrics(got_dir), read_metrics(want_dir)
     assert [r["step"] for r in got] == [r["step"] for r in want] == list(range(1, 7))
-    assert [(r["loss"], r["grad_norm"], r["lr"]) for r in got] == [(r["loss"], r["grad_norm"], r["lr"]) for r in want]
-    got_w, want_w = load_file(got_dir / "final" / "model.safetensors"), load_file(want_dir / "final" / "model.safetensors")
+    assert [(r["loss"], r["grad_norm"], r["lr"]) for r in got] == [
+        (r["loss"], r["grad_norm"], r["lr"]) for r in want
+    ]
+    got_w, want_w = (
+        load_file(got_dir / "final" / "model.safetensors"),
+        load_file(want_dir / "final" / "model.safetensors"),
+    )
     assert got_w.keys() == want_w.keys()
     assert all(torch.equal(got_w[k], want_w[k]) for k in want_w)
 
 
-@pytest.mark.parametrize("name,extra,nproc,kill,max_restarts", [
-    ("single", [], 1, "after-save:2:0", 0),
-    ("ddp", ["--save-total-limit", 1], 2, "after-save:4:1", 1),
-    ("fsdp1", ["--strategy", "fsdp"], 2, "in-save:4:1", 0),
-    ("fsdp2", ["--strategy", "fsdp", "--fsdp-version", 2], 2, "after-save:2:1", 1),
-])
+@pytest.mark.parametrize(
+    "name,extra,nproc,kill,max_restarts",
+    [
+        ("single", [], 1, "after-save:2:0", 0),
+        ("ddp", ["--save-total-limit", 1], 2, "after-save:4:1", 1),
+        ("fsdp1", ["--strategy", "fsdp"], 2, "in-save:4:1", 0),
+        ("fsdp2", ["--strategy", "fsdp", "--fsdp-version", 2], 2, "after-save:2:1", 1),
+    ],
+)
 def test_a_broken_run_resumes_exactly(tmp_path, tiny_model, name, extra, nproc, kill, max_restarts):
     straight, broken = tmp_path / "straight", tmp_path / "broken"
     run_train([*COMMON, "--model", tiny_model, *extra, "--output-dir", straight], nproc=nproc)
@@ -55,7 +79,14 @@ def test_a_broken_run_resumes_exactly(tmp_path, tiny_model, name, extra, nproc, 
         sts.write_text("".join(open(data_file("stsb-dev.jsonl")).readlines()[:40]))
         pairs = tmp_path / "pairs-dev.jsonl"
         pairs.write_text("".join(open(data_file("sick-pairs-train.jsonl")).readlines()[-40:]))
-        evaluation = ["--eval-data", f"{sts},{pairs}", "--eval-steps", 2, "--metric-for-best", "sts-dev/spearman"]
+        evaluation = [
+            "--eval-data",
+            f"{sts},{pairs}",
+            "--eval-steps",
+            2,
+            "--metric-for-best",
+            "sts-dev/spearman",
+        ]
     args = [*COMMON, "--model", tiny_model, *extra, *evaluation, "--output-dir", broken, "--resume", "auto"]
     first = run_train(args, nproc=nproc, kill=kill, max_restarts=max_restarts, check=max_restarts > 0)
     checkpoints = broken / "checkpoints"
@@ -76,8 +107,14 @@ def test_a_broken_run_resumes_exactly(tmp_path, tiny_model, name, extra, nproc, 
         rows = [json.loads(line) for line in (broken / "metrics.jsonl").read_text().splitlines()]
         evals = [r for r in rows if "eval" in r]
         assert [r["step"] for r in evals] == [2, 4, 6]
-        assert set(evals[0]["eval"]) == {"sts-dev/spearman", "sts-dev/pearson", "pairs-dev/mrr@10", "pairs-dev/ndcg@10",
-                                         "pairs-dev/recall@1", "pairs-dev/recall@10"}
+        assert set(evals[0]["eval"]) == {
+            "sts-dev/spearman",
+            "sts-dev/pearson",
+            "pairs-dev/mrr@10",
+            "pairs-dev/ndcg@10",
+            "pairs-dev/recall@1",
+            "pairs-dev/recall@10",
+        }
         assert (broken / "best" / "model.safetensors").exists()
     names = sorted(p.name for p in checkpoints.iterdir())
     assert names == (["step-6"] if "--save-total-limit" in extra else ["step-2", "step-4", "step-6"])
@@ -100,9 +137,30 @@ def test_a_non_finite_loss_stops_before_the_update_and_keeps_the_last_checkpoint
     import train
 
     out = tmp_path / "run"
-    cfg = config.parse_config([str(a) for a in [*COMMON, "--model", tiny_model, "--lr", 1e30, "--warmup-ratio", 0,
-                                               "--max-grad-norm", 0, "--save-steps", 1, "--output-dir", out]])
-    with pytest.raises(FloatingPointError, match=r"the loss is (nan|inf) at step 2; .*Newest checkpoint with finite weights: .*step-1\. "):
+    cfg = config.parse_config(
+        [
+            str(a)
+            for a in [
+                *COMMON,
+                "--model",
+                tiny_model,
+                "--lr",
+                1e30,
+                "--warmup-ratio",
+                0,
+                "--max-grad-norm",
+                0,
+                "--save-steps",
+                1,
+                "--output-dir",
+                out,
+            ]
+        ]
+    )
+    with pytest.raises(
+        FloatingPointError,
+        match=r"the loss is (nan|inf) at step 2; .*Newest checkpoint with finite weights: .*step-1\. ",
+    ):
         train.main(cfg)
     assert sorted(p.name for p in (out / "checkpoints").iterdir()) == ["step-1"]
     assert not (out / "final").exists()

@@ -23,15 +23,42 @@ RUNS = {  # loss -> (data file, learning rate: CoSENT's scale-20 gradients diver
 def test_training_lowers_the_loss_and_exports(loss, tmp_path):
     nproc = 2
     data, lr = data_file(RUNS[loss][0]), RUNS[loss][1]
-    run_train(["--loss", loss, "--train-data", data, "--max-steps", 20, "--per-device-batch-size", 8,
-               "--lr", lr, "--max-seq-length", 64, "--log-steps", 5, "--output-dir", tmp_path], nproc=nproc)
+    run_train(
+        [
+            "--loss",
+            loss,
+            "--train-data",
+            data,
+            "--max-steps",
+            20,
+            "--per-device-batch-size",
+            8,
+            "--lr",
+            lr,
+            "--max-seq-length",
+            64,
+            "--log-steps",
+            5,
+            "--output-dir",
+            tmp_path,
+        ],
+        nproc=nproc,
+    )
 
     metrics = read_metrics(tmp_path)
     assert [m["step"] for m in metrics] == [5, 10, 15, 20]
     assert all(m["loss"] > 0 and m["samples_per_s"] > 0 and m["lr"] > 0 for m in metrics)
     final = tmp_path / "final"
-    for name in ["model.safetensors", "config.json", "modules.json", "sentence_bert_config.json",
-                 "1_Pooling/config.json", "config_sentence_transformers.json", "README.md", "tokenizer.json"]:
+    for name in [
+        "model.safetensors",
+        "config.json",
+        "modules.json",
+        "sentence_bert_config.json",
+        "1_Pooling/config.json",
+        "config_sentence_transformers.json",
+        "README.md",
+        "tokenizer.json",
+    ]:
         assert (final / name).exists(), name
     config = json.loads((final / "training_config.json").read_text())
     assert config["world_size"] == nproc and config["global_batch"] == 8 * nproc and config["loss"] == loss

@@ -1,0 +1,54 @@
+"""The layout a reader meets holds its targets: train.py short, its loop near the top, no long
+function, no line wider than 110 characters, a short README, and every helper file copyable
+with the few project files its docstring names (bench/check_layout.py measures all of it).
+
+    python -m pytest tests/test_layout.py
+"""
+
+import subprocess
+import sys
+
+from conftest import REPO_DIR
+
+sys.path.insert(0, str(REPO_DIR / "bench"))
+
+import check_layout  # noqa: E402
+
+
+def test_the_layout_targets_hold():
+    proc = subprocess.run(
+        [sys.executable, str(REPO_DIR / "bench" / "check_layout.py")], capture_output=True, text=True
+    )
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    m = check_layout.measure()
+    assert m["train_lines"] <= 600 and m["main_lines"] <= 80 and m["loop_line"] <= 250, m
+    assert m["imports"]["losses.py"] == m["imports"]["eval_dist.py"] == m["imports"]["lora.py"] == []
+
+
+def test_the_checker_reports_what_it_should():
+    """A measurement that misses each target is reported (the checker can fail)."""
+    m = check_layout.measure()
+    broken = {
+        **m,
+        "train_lines": 601,
+        "main_lines": 81,
+        "loop_line": 251,
+        "longest_function": {"data.py": {"function": "load_data", "lines": 61}},
+        "lines_over_110": {"train.py": 1},
+        "readme_lines": 351,
+        "imports": {**m["imports"], "losses.py": ["train"]},
+        "imports_not_named_in_docstring": {"export.py": ["lora"]},
+    }
+    problems = "\n".join(check_layout.missed(broken))
+    for expected in (
+        "train_lines 601",
+        "main_lines 81",
+        "loop_line 251",
+        "load_data has 61 lines",
+        "train.py: 1 lines over",
+        "README.md has 351",
+        "losses.py imports train",
+        "export.py imports lora without naming it",
+    ):
+        assert expected in problems, (expected, problems)
+    assert check_layout.missed(m) == []

@@ -93,7 +93,10 @@ def checkpoint_problem(path):
         if not os.path.isfile(file):
             return f"{name} is missing"
         if os.path.getsize(file) != size:
-            return f"{name} has {os.path.getsize(file)} bytes where {size} were written (truncated or overwritten)"
+            return (
+                f"{name} has {os.path.getsize(file)} bytes where {size} were written "
+                "(truncated or overwritten)"
+            )
     return None
 
 
@@ -247,8 +250,9 @@ def diverged_message(loss_value, step, checkpoints_dir):
     usable, skipped = newest_usable_checkpoint(checkpoints_dir)
     passed_over = "".join(f" ({path}: {problem})" for path, problem in skipped)
     return (
-        f"the loss is {loss_value} at step {step}; stopped before the optimizer step. Newest checkpoint with finite weights: "
-        f"{usable or 'none'}{passed_over}{'' if usable or skipped else ' (use --save-steps)'}. "
+        f"the loss is {loss_value} at step {step}; stopped before the optimizer step. "
+        f"Newest checkpoint with finite weights: {usable or 'none'}{passed_over}"
+        f"{'' if usable or skipped else ' (use --save-steps)'}. "
         "Lower --lr, use --precision fp32 or bf16, or check the data"
     )
 
@@ -279,17 +283,20 @@ def take_output_lock(output_dir):
             with open(path) as f:
                 holder = json.load(f)
         except (OSError, ValueError):
-            holder = {"host": me["host"], "pid": -1, "started": "?"}  # torn by a crash while it was written
+            # torn by a crash while it was written
+            holder = {"host": me["host"], "pid": -1, "started": "?"}
         if holder.get("host") != me["host"] or (
             holder.get("pid") != me["pid"] and process_alive(holder.get("pid"))
         ):
             return (
-                f"--output-dir {output_dir} is in use by another run (host {holder.get('host')}, pid {holder.get('pid')}, since "
-                f"{holder.get('started')}); wait for it to end, or choose another --output-dir. If that run is dead "
-                f"on another host, remove {path}"
+                f"--output-dir {output_dir} is in use by another run "
+                f"(host {holder.get('host')}, pid {holder.get('pid')}, since {holder.get('started')}); "
+                "wait for it to end, or choose another --output-dir. "
+                f"If that run is dead on another host, remove {path}"
             )
         print(
-            f"note: {path} was left by a run that is no longer alive (pid {holder.get('pid')}, since {holder.get('started')}); taking it over",
+            f"note: {path} was left by a run that is no longer alive "
+            f"(pid {holder.get('pid')}, since {holder.get('started')}); taking it over",
             flush=True,
         )
         os.remove(path)

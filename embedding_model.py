@@ -117,12 +117,10 @@ class LoadedModel:
     # (a BERT pooler), and the base's slow-tokenizer files {name: path}.
     untrained_state: dict = dataclasses.field(default_factory=dict)
     tokenizer_files: dict = dataclasses.field(default_factory=dict)
-    prompts: dict = dataclasses.field(
-        default_factory=dict
-    )  # --prompts: {column: prefix}, applied by with_prompt
-    named_prompts: dict = dataclasses.field(
-        default_factory=dict
-    )  # the export's: the base folder's, then --prompts
+    # --prompts: {column: prefix}, applied by with_prompt; and the export's: the base folder's,
+    # then --prompts.
+    prompts: dict = dataclasses.field(default_factory=dict)
+    named_prompts: dict = dataclasses.field(default_factory=dict)
     # Built on the meta device (FSDP): the folder its weights are read from after wrapping, each
     # state-dict name's tensor name there, and the whole values of the new tensors (head, adapters).
     pretrained_dir: str = None
@@ -177,33 +175,10 @@ def load_model(cfg, num_labels, on_meta=False):
     # Two copies of the config: the encoder is built from one whose dropout rates --dropout may
     # rewrite, the export keeps the other as it came, so an exported model keeps its base's rates.
     export_config = transformers.AutoConfig.from_pretrained(path, subfolder=subfolder, **remote)
-    train_config = copy.deepcopy(export_config)
-    if cfg.dropout is not None:
-        for key, value in train_config.to_dict().items():
-            if "dropout" in key and isinstance(value, float):
-                setattr(train_config, key, cfg.dropout)
+    train_config = with_dropout(export_config, cfg.dropout)
     folder = os.path.join(path, subfolder) if subfolder else path
     encoder, missing_keys, file_names = build_encoder(path, subfolder, train_config, remote, on_meta)
-    # BERT-like models carry a pooler that no pooling mode uses, and DDP fails on parameters that
-    # get no gradient ("Expected to have finished reduction"): take it out where the class can
-    # run without one, and keep the base checkpoint's pooler tensors to export them unchanged,
-    # so loading the export reports no newly initialised weights. A class that always runs its
-    # pooler (remote code, for one) keeps it, frozen: no gradient is expected of it.
-    untrained_state = {}
-    if isinstance(getattr(encoder, "pooler", None), torch.nn.Module):
-        if "add_pooling_layer" not in inspect.signature(type(encoder).__init__).parameters:
-            encoder.pooler.requires_grad_(False)
-        else:
-            pooler_keys = [f"pooler.{k}" for k in encoder.pooler.state_dict()]
-            if not any(key in missing_keys for key in pooler_keys):  # a random pooler is not the base's
-                untrained_state = {
-                    key: value.detach().clone()
-                    for key, value in encoder.state_dict().items()
-                    if key in pooler_keys
-                }
-                if file_names is not None:  # on meta: read from the files (small)
-                    untrained_state = read_tensors(folder, {key: file_names[key] for key in pooler_keys})
-            encoder.pooler = None
+    untrained_state = drop_pooler(encoder, missing_keys, file_names, folder)
     export_config.architectures = [type(encoder).__name__]
     pooling = cfg.pooling or st_config["pooling"]
     normalize = st_config["normalize"] if cfg.normalize is None else cfg.normalize
@@ -211,21 +186,7 @@ def load_model(cfg, num_labels, on_meta=False):
     max_seq_length = (
         cfg.max_seq_length or st_config["max_seq_length"] or min(tokenizer.model_max_length, 512, positions)
     )
-    lora_names = []
-    if cfg.lora_rank:  # before wrapping: DDP/FSDP see the adapters as the trained parameters
-        lora_names = lora.linear_names(
-            encoder,
-            fsdp_utils.resolve_layer_classes(encoder, cfg.fsdp_layer_cls),
-            config.lora_leaf_names(cfg),
-        )
-        lora.add_lora(encoder, lora_names, cfg.lora_rank, config.lora_alpha(cfg), cfg.lora_dropout)
-    if (
-        cfg.activation_checkpointing
-    ):  # before wrapping; non-reentrant: the reentrant kind fails under FSDP1 ("mat2 must be a matrix")
-        if hasattr(encoder, "activation_checkpointing_enable"):  # its name from transformers 5.2x on
-            encoder.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
-        else:
-            encoder.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    lora_names = prepare_encoder(encoder, cfg)  # LoRA adapters drawn from the RNG, before the head
     model = EmbeddingModel(encoder, pooling, normalize, num_labels)
     model.train()  # from_pretrained returns eval mode: dropout would silently stay off
     prompts = config.prompts_of(cfg)
@@ -241,22 +202,84 @@ def load_model(cfg, num_labels, on_meta=False):
         {**st_config["prompts"], **prompts},
     )
     if file_names is not None:
-        # What the checkpoint does not hold (the Softmax head, adapters) was just drawn from the
-        # seeded RNG, exactly as without sharding: keep those values, then send it all to meta.
-        state = model.state_dict()
-        loaded.fresh_tensors = {
-            key: value.detach().clone() for key, value in state.items() if not value.is_meta
-        }
-        model.to("meta")
-        for key in state:
-            if (
-                key.startswith("encoder.") and key not in loaded.fresh_tensors
-            ):  # a LoRA layer's base: the plain layer's name
-                loaded.pretrained_names[key] = file_names[
-                    lora.plain_name(key.removeprefix("encoder."), lora_names)
-                ]
-        loaded.pretrained_dir = folder
+        to_meta(loaded, file_names, lora_names, folder)
     return loaded
+
+
+def with_dropout(model_config, dropout):
+    """A copy of `model_config` with every dropout rate set to `dropout` (None: as it came)."""
+    train_config = copy.deepcopy(model_config)
+    if dropout is not None:
+        for key, value in train_config.to_dict().items():
+            if "dropout" in key and isinstance(value, float):
+                setattr(train_config, key, dropout)
+    return train_config
+
+
+def drop_pooler(encoder, missing_keys, file_names, folder):
+    """Take the encoder's pooler out, or freeze it. Returns {name: tensor} of the base
+    checkpoint's pooler (empty when there is none to keep), the LoadedModel's untrained_state.
+
+    BERT-like models carry a pooler that no pooling mode uses, and DDP fails on parameters that
+    get no gradient ("Expected to have finished reduction"): take it out where the class can
+    run without one, and keep the base checkpoint's pooler tensors to export them unchanged,
+    so loading the export reports no newly initialised weights. A class that always runs its
+    pooler (remote code, for one) keeps it, frozen: no gradient is expected of it."""
+    untrained_state = {}
+    if isinstance(getattr(encoder, "pooler", None), torch.nn.Module):
+        if "add_pooling_layer" not in inspect.signature(type(encoder).__init__).parameters:
+            encoder.pooler.requires_grad_(False)
+        else:
+            pooler_keys = [f"pooler.{k}" for k in encoder.pooler.state_dict()]
+            if not any(key in missing_keys for key in pooler_keys):  # a random pooler is not the base's
+                untrained_state = {
+                    key: value.detach().clone()
+                    for key, value in encoder.state_dict().items()
+                    if key in pooler_keys
+                }
+                if file_names is not None:  # on meta: read from the files (small)
+                    untrained_state = read_tensors(folder, {key: file_names[key] for key in pooler_keys})
+            encoder.pooler = None
+    return untrained_state
+
+
+def prepare_encoder(encoder, cfg):
+    """What is set on the encoder before wrapping: the LoRA adapters (--lora-rank, drawn from the
+    seeded RNG), so DDP/FSDP see them as the trained parameters, and activation checkpointing.
+    Returns the names of the Linear layers that got adapters ([] without LoRA)."""
+    lora_names = []
+    if cfg.lora_rank:
+        lora_names = lora.linear_names(
+            encoder,
+            fsdp_utils.resolve_layer_classes(encoder, cfg.fsdp_layer_cls),
+            config.lora_leaf_names(cfg),
+        )
+        lora.add_lora(encoder, lora_names, cfg.lora_rank, config.lora_alpha(cfg), cfg.lora_dropout)
+    # Non-reentrant: the reentrant kind fails under FSDP1 ("mat2 must be a matrix").
+    if cfg.activation_checkpointing:
+        if hasattr(encoder, "activation_checkpointing_enable"):  # its name from transformers 5.2x on
+            encoder.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
+        else:
+            encoder.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    return lora_names
+
+
+def to_meta(loaded, file_names, lora_names, folder):
+    """A model whose encoder was built on the meta device: keep the values of the tensors the
+    checkpoint does not hold, send the whole model to meta, and note where in `folder` each
+    pretrained tensor is read from after wrapping (fsdp_utils.load_pretrained_sharded)."""
+    # What the checkpoint does not hold (the Softmax head, adapters) was just drawn from the
+    # seeded RNG, exactly as without sharding: keep those values, then send it all to meta.
+    state = loaded.model.state_dict()
+    loaded.fresh_tensors = {key: value.detach().clone() for key, value in state.items() if not value.is_meta}
+    loaded.model.to("meta")
+    for key in state:
+        # A LoRA layer's base is read under the plain layer's name.
+        if key.startswith("encoder.") and key not in loaded.fresh_tensors:
+            loaded.pretrained_names[key] = file_names[
+                lora.plain_name(key.removeprefix("encoder."), lora_names)
+            ]
+    loaded.pretrained_dir = folder
 
 
 def build_encoder(path, subfolder, train_config, remote, on_meta):
@@ -269,7 +292,8 @@ def build_encoder(path, subfolder, train_config, remote, on_meta):
         if file_keys:
             with torch.device("meta"):
                 encoder = transformers.AutoModel.from_config(train_config, **remote).float()
-            # A task model's checkpoint (Qwen2ForCausalLM: model.layers...) holds the base model under its prefix.
+            # A task model's checkpoint (Qwen2ForCausalLM: model.layers...) holds the base model
+            # under its prefix.
             file_names = {}
             for key in encoder.state_dict():
                 file_names[key] = next(
@@ -277,14 +301,13 @@ def build_encoder(path, subfolder, train_config, remote, on_meta):
                 )
             missing = [key for key, name in file_names.items() if name is None]
             poolerless = "add_pooling_layer" in inspect.signature(type(encoder).__init__).parameters
-            if all(
-                key.startswith("pooler.") and poolerless for key in missing
-            ):  # a missing pooler is dropped anyway
+            # a missing pooler is dropped anyway
+            if all(key.startswith("pooler.") and poolerless for key in missing):
                 return encoder, missing, file_names
             reason = f"its safetensors files lack {missing[0]}"
         fsdp_utils.print0(f"note: every rank loads the whole model before FSDP shards it: {reason}")
     verbosity = transformers.logging.get_verbosity()
-    transformers.logging.set_verbosity_error()  # a base without a pooler is fine: see load_model
+    transformers.logging.set_verbosity_error()  # a base without a pooler is fine: see drop_pooler
     transformers.logging.disable_progress_bar()
     # The RNG is set back after: a tensor the checkpoint lacks (a pooler) is drawn from it, and
     # the new head drawn next must not depend on that, nor on whether loading was sharded.
@@ -347,7 +370,8 @@ def append_eos(tokenizer):
         )
     if tokenizer("a")["input_ids"][-1] != eos_id:
         raise ValueError(
-            f"--append-eos: the {type(tokenizer).__name__} did not take the EOS post-processor; drop --append-eos"
+            f"--append-eos: the {type(tokenizer).__name__} did not take the EOS post-processor; "
+            "drop --append-eos"
         )
 
 

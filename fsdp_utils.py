@@ -26,13 +26,15 @@ Usage (every rank calls each of these):
     fsdp_utils.cleanup_dist()
 
 FSDP1 -> FSDP2, as this file shows them side by side:
-    FullyShardedDataParallel(model, auto_wrap_policy=...)   ->  fully_shard(block) for each block, fully_shard(model)
-    ShardingStrategy.FULL_SHARD / SHARD_GRAD_OP             ->  reshard_after_forward=True / False
-    ShardingStrategy.HYBRID_SHARD + device_mesh             ->  fully_shard(..., mesh=2-D mesh)
-    MixedPrecision(param_dtype, reduce_dtype)               ->  MixedPrecisionPolicy(param_dtype, reduce_dtype)
-    model.no_sync()                                         ->  model.set_requires_gradient_sync(False) (neither used here: gradient_sync)
-    model.clip_grad_norm_(max_norm)                         ->  torch.nn.utils.clip_grad_norm_ (on DTensors)
-    FSDP.state_dict_type(...) + state_dict()                ->  get_model_state_dict (serves both, and DDP)
+    FullyShardedDataParallel(model, auto_wrap_policy=...)  ->  fully_shard(block) for each block,
+                                                               then fully_shard(model)
+    ShardingStrategy.FULL_SHARD / SHARD_GRAD_OP            ->  reshard_after_forward=True / False
+    ShardingStrategy.HYBRID_SHARD + device_mesh            ->  fully_shard(..., mesh=2-D mesh)
+    MixedPrecision(param_dtype, reduce_dtype)              ->  MixedPrecisionPolicy(param_dtype, reduce_dtype)
+    model.no_sync()                                        ->  model.set_requires_gradient_sync(False)
+                                                               (neither used here: gradient_sync)
+    model.clip_grad_norm_(max_norm)                        ->  torch.nn.utils.clip_grad_norm_ (on DTensors)
+    FSDP.state_dict_type(...) + state_dict()               ->  get_model_state_dict (serves both, and DDP)
 
 Left out on purpose: CPU offload of parameters, resuming at another world size (refused at
 start-up). Activation checkpointing is the model's own (transformers' gradient checkpointing).
@@ -157,7 +159,8 @@ def detect_layer_classes(model):
                 best, best_numel = module, numel
     if best is None:
         raise ValueError(
-            f"{type(model).__name__} has no repeated block (no nn.ModuleList of layers); name the classes to wrap with --fsdp-layer-cls"
+            f"{type(model).__name__} has no repeated block (no nn.ModuleList of layers); "
+            "name the classes to wrap with --fsdp-layer-cls"
         )
     return sorted({type(m).__name__ for m in best})
 
@@ -202,7 +205,8 @@ def hybrid_mesh(device):
     procs_per_node = int(os.environ.get("LOCAL_WORLD_SIZE", world_size))
     if world_size % procs_per_node:
         raise ValueError(
-            f"hybrid_shard: world size {world_size} is not a multiple of the {procs_per_node} processes per node"
+            f"hybrid_shard: world size {world_size} is not a multiple of the {procs_per_node} "
+            "processes per node"
         )
     return init_device_mesh(
         device.type, (world_size // procs_per_node, procs_per_node), mesh_dim_names=("replicate", "shard")
@@ -227,89 +231,107 @@ def wrap_model(
     if strategy == "single":
         return model
     if strategy == "ddp":
-        device_ids = [device.index] if device.type == "cuda" else None
-        # find_unused_parameters stays False: the model is built with no unused parameters
-        # (no BERT pooler), which DDP would otherwise refuse at the second step.
-        # gradient_as_bucket_view: each .grad is a view into DDP's all-reduce buffer, so no
-        # second copy of the whole gradient is kept and none is copied in and out each step.
-        ddp = torch.nn.parallel.DistributedDataParallel(
-            model, device_ids=device_ids, gradient_as_bucket_view=True
-        )
-        embeddings = [
-            m.weight for m in model.modules() if isinstance(m, torch.nn.Embedding) and m.weight.requires_grad
-        ]
-        ddp.register_comm_hook(EmbeddingRows(embeddings), all_reduce_embedding_rows)
-        return ddp
+        return wrap_ddp(model, device)
     if strategy != "fsdp":
         raise ValueError(f"unknown strategy {strategy!r}: expected single, ddp or fsdp")
     layer_classes = resolve_layer_classes(model, layer_cls)  # fails here, before any wrapping
-    low = PRECISIONS[precision]
+    low = None if precision == "fp32" else PRECISIONS[precision]
     on_meta = any(p.is_meta for p in model.parameters())
     if fsdp_version == 1:
-        import functools
-
-        from torch.distributed.fsdp import FullyShardedDataParallel, MixedPrecision, ShardingStrategy
-        from torch.distributed.fsdp.wrap import transformer_auto_wrap_policy
-
-        mixed = (
-            None
-            if precision == "fp32"
-            else MixedPrecision(param_dtype=low, reduce_dtype=torch.float32, buffer_dtype=low)
-        )
-        if sharding == "no_shard":
-            # FSDP1 marks NO_SHARD deprecated in favour of DDP (which --strategy ddp is) and warns
-            # that its state dict is the full one; both are true and harmless for an explicit
-            # choice, so they are said once here instead of on every rank at every save.
-            if dist.get_rank() == 0:
-                print(
-                    "note: --sharding no_shard is DDP through FSDP1 (deprecated by torch); --strategy ddp does the same",
-                    flush=True,
-                )
-            warnings.filterwarnings(
-                "ignore", message="The `NO_SHARD` sharding strategy is deprecated", category=FutureWarning
-            )
-            warnings.filterwarnings(
-                "ignore", message="When using ``NO_SHARD`` for ``ShardingStrategy``", category=UserWarning
-            )
-        return FullyShardedDataParallel(
-            model,
-            auto_wrap_policy=functools.partial(
-                transformer_auto_wrap_policy, transformer_layer_cls=layer_classes
-            ),
-            sharding_strategy=getattr(ShardingStrategy, FSDP1_SHARDING[sharding]),
-            device_mesh=hybrid_mesh(device) if sharding == "hybrid_shard" else None,
-            mixed_precision=mixed,
-            device_id=device,  # on CPU too: without it FSDP1 looks for an accelerator and fails
-            use_orig_params=True,  # named parameters keep their names: optimizer groups, clipping, state dicts
-            # A meta model: storage for each unit's shard only, left uninitialised (FSDP1's own
-            # default would run reset_parameters and draw from the RNG: other dropout masks).
-            param_init_fn=(lambda module: module.to_empty(device=device, recurse=False)) if on_meta else None,
-        )
+        return wrap_fsdp1(model, device, layer_classes, sharding, low, on_meta)
     if fsdp_version == 2:
-        from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
-
-        # FSDP1 strategy -> FSDP2: full_shard = reshard after forward; shard_grad_op = keep the
-        # gathered parameters until backward; hybrid_shard = a 2-D mesh; no_shard has no FSDP2
-        # form (use DDP).
-        if sharding == "no_shard":
-            raise ValueError(
-                "--sharding no_shard has no FSDP2 form; use --strategy ddp (the same thing) or --fsdp-version 1"
-            )
-        mesh = hybrid_mesh(device) if sharding == "hybrid_shard" else None
-        mixed = (
-            MixedPrecisionPolicy()
-            if precision == "fp32"
-            else MixedPrecisionPolicy(param_dtype=low, reduce_dtype=torch.float32)
-        )
-        options = {"mesh": mesh, "mp_policy": mixed, "reshard_after_forward": sharding != "shard_grad_op"}
-        for module in list(model.modules()):
-            if isinstance(module, tuple(layer_classes)):
-                fully_shard(module, **options)
-        fully_shard(model, **options)  # the root: embeddings, final norm, heads
-        if on_meta:
-            model.to_empty(device=device)  # each rank's shards only, uninitialised
-        return model
+        return wrap_fsdp2(model, device, layer_classes, sharding, low, on_meta)
     raise ValueError(f"--fsdp-version {fsdp_version}: expected 1 or 2")
+
+
+def wrap_ddp(model, device):
+    """DDP around `model`, its embedding tables' gradients all-reduced by the rows some rank used
+    (`all_reduce_embedding_rows`)."""
+    device_ids = [device.index] if device.type == "cuda" else None
+    # find_unused_parameters stays False: the model is built with no unused parameters
+    # (no BERT pooler), which DDP would otherwise refuse at the second step.
+    # gradient_as_bucket_view: each .grad is a view into DDP's all-reduce buffer, so no
+    # second copy of the whole gradient is kept and none is copied in and out each step.
+    ddp = torch.nn.parallel.DistributedDataParallel(
+        model, device_ids=device_ids, gradient_as_bucket_view=True
+    )
+    embeddings = [
+        m.weight for m in model.modules() if isinstance(m, torch.nn.Embedding) and m.weight.requires_grad
+    ]
+    ddp.register_comm_hook(EmbeddingRows(embeddings), all_reduce_embedding_rows)
+    return ddp
+
+
+def wrap_fsdp1(model, device, layer_classes, sharding, low, on_meta):
+    """FSDP1: `FullyShardedDataParallel` around `model`, each block of `layer_classes` its own
+    unit. `low`: the compute dtype of mixed precision (None: fp32, no mixed precision);
+    `on_meta`: the model is on the meta device, and each unit gets storage for its shard only."""
+    import functools
+
+    from torch.distributed.fsdp import FullyShardedDataParallel, MixedPrecision, ShardingStrategy
+    from torch.distributed.fsdp.wrap import transformer_auto_wrap_policy
+
+    mixed = (
+        None if low is None else MixedPrecision(param_dtype=low, reduce_dtype=torch.float32, buffer_dtype=low)
+    )
+    if sharding == "no_shard":
+        # FSDP1 marks NO_SHARD deprecated in favour of DDP (which --strategy ddp is) and warns
+        # that its state dict is the full one; both are true and harmless for an explicit
+        # choice, so they are said once here instead of on every rank at every save.
+        if dist.get_rank() == 0:
+            print(
+                "note: --sharding no_shard is DDP through FSDP1 (deprecated by torch); "
+                "--strategy ddp does the same",
+                flush=True,
+            )
+        warnings.filterwarnings(
+            "ignore", message="The `NO_SHARD` sharding strategy is deprecated", category=FutureWarning
+        )
+        warnings.filterwarnings(
+            "ignore", message="When using ``NO_SHARD`` for ``ShardingStrategy``", category=UserWarning
+        )
+    return FullyShardedDataParallel(
+        model,
+        auto_wrap_policy=functools.partial(transformer_auto_wrap_policy, transformer_layer_cls=layer_classes),
+        sharding_strategy=getattr(ShardingStrategy, FSDP1_SHARDING[sharding]),
+        device_mesh=hybrid_mesh(device) if sharding == "hybrid_shard" else None,
+        mixed_precision=mixed,
+        device_id=device,  # on CPU too: without it FSDP1 looks for an accelerator and fails
+        # named parameters keep their names: optimizer groups, clipping, state dicts
+        use_orig_params=True,
+        # A meta model: storage for each unit's shard only, left uninitialised (FSDP1's own
+        # default would run reset_parameters and draw from the RNG: other dropout masks).
+        param_init_fn=(lambda module: module.to_empty(device=device, recurse=False)) if on_meta else None,
+    )
+
+
+def wrap_fsdp2(model, device, layer_classes, sharding, low, on_meta):
+    """FSDP2: `fully_shard` on each block of `layer_classes`, then on the root. `low`: the
+    compute dtype of mixed precision (None: fp32, no mixed precision); `on_meta`: the model is
+    on the meta device, and each rank gets uninitialised storage for its own shards only."""
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+    # FSDP1 strategy -> FSDP2: full_shard = reshard after forward; shard_grad_op = keep the
+    # gathered parameters until backward; hybrid_shard = a 2-D mesh; no_shard has no FSDP2
+    # form (use DDP).
+    if sharding == "no_shard":
+        raise ValueError(
+            "--sharding no_shard has no FSDP2 form; use --strategy ddp (the same thing) or --fsdp-version 1"
+        )
+    mesh = hybrid_mesh(device) if sharding == "hybrid_shard" else None
+    mixed = (
+        MixedPrecisionPolicy()
+        if low is None
+        else MixedPrecisionPolicy(param_dtype=low, reduce_dtype=torch.float32)
+    )
+    options = {"mesh": mesh, "mp_policy": mixed, "reshard_after_forward": sharding != "shard_grad_op"}
+    for module in list(model.modules()):
+        if isinstance(module, tuple(layer_classes)):
+            fully_shard(module, **options)
+    fully_shard(model, **options)  # the root: embeddings, final norm, heads
+    if on_meta:
+        model.to_empty(device=device)  # each rank's shards only, uninitialised
+    return model
 
 
 class EmbeddingRows:

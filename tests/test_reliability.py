@@ -412,8 +412,8 @@ def test_a_diverged_run_names_the_newest_checkpoint_with_finite_weights(tmp_path
     assert len(errors) == 1 and "at step 3" in errors[0], errors
     assert (
         f"Newest checkpoint with finite weights: {checkpoints / 'step-1'} "
-        f"({checkpoints / 'step-2'}: its weights are not finite" in errors[0]
-    ), errors[0]
+        f"({checkpoints / 'step-2'}: its weights are not finite"
+    ) in errors[0], errors[0]
     states = {
         n: json.loads((checkpoints / n / "trainer_state.json").read_text())["weights_finite"]
         for n in ("step-1", "step-2")

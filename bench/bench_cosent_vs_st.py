@@ -236,13 +236,13 @@ def floor(task, precision, max_steps, work_dir, repeats=3, timed_batches=20):
     columns = [c for c in ds.column_names if c != "score"]
     order = batches.epoch_order(len(ds), SETTINGS["seed"], 0)
     num_steps = min(max_steps, len(ds) // SETTINGS["batch"])
-    batches = [
+    step_rows = [
         ds[order[k * SETTINGS["batch"] : (k + 1) * SETTINGS["batch"]].tolist()] for k in range(num_steps)
     ]
     started = time.perf_counter()
-    features = [[loaded.tokenize(rows[c]) for c in columns] for rows in batches]
+    features = [[loaded.tokenize(rows[c]) for c in columns] for rows in step_rows]
     tokenize_s = (time.perf_counter() - started) / num_steps
-    labels = [torch.tensor(rows["score"]) if "score" in rows else None for rows in batches]
+    labels = [torch.tensor(rows["score"]) if "score" in rows else None for rows in step_rows]
     real_tokens = sum(int(t["attention_mask"].sum()) for f in features for t in f)
     autocast = lambda: torch.autocast("cpu", dtype=torch.bfloat16, enabled=precision == "bf16")  # noqa: E731
 

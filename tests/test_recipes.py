@@ -169,7 +169,7 @@ def test_margin_mse_distils_a_teachers_margins_under_ddp(tmp_path, tiny_model, m
 
 
 def test_scale_reaches_the_loss(tmp_path, tiny_model):
-    data = data_file("sick-triplets-train.jsonl")
+    data_path = data_file("sick-triplets-train.jsonl")
     out = tmp_path / "out"
     train.main(
         config.parse_config(
@@ -179,7 +179,7 @@ def test_scale_reaches_the_loss(tmp_path, tiny_model):
                     "--model",
                     tiny_model,
                     "--train-data",
-                    data,
+                    data_path,
                     "--max-steps",
                     1,
                     "--per-device-batch-size",
@@ -199,7 +199,7 @@ def test_scale_reaches_the_loss(tmp_path, tiny_model):
         )
     )
     logged = read_metrics(out)[0]["loss"]
-    ds = data.load_data(data, "train")
+    ds = data.load_data(data_path, "train")
     rows = ds[batches.epoch_order(len(ds), seed=12, epoch=0)[:8].tolist()]
     loaded = embedding_model.load_model(
         config.Config(model=str(tiny_model), dropout=0.0, max_seq_length=32), 0

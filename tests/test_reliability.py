@@ -525,8 +525,8 @@ def test_a_checkpoint_is_checked_against_its_manifest(tmp_path, capsys):
     optimizer = torch.optim.AdamW(model.parameters())
     model(torch.ones(1, 4)).sum().backward()
     optimizer.step()
-    checkpoints = tmp_path / "checkpoints"
-    pristine = Path(checkpoints.save_checkpoint(model, optimizer, str(checkpoints), 1, {"note": "x"}))
+    checkpoints_dir = tmp_path / "checkpoints"
+    pristine = Path(checkpoints.save_checkpoint(model, optimizer, str(checkpoints_dir), 1, {"note": "x"}))
     manifest = json.loads((pristine / "manifest.json").read_text())["files"]
     assert manifest == {p.name: p.stat().st_size for p in pristine.iterdir() if p.name != "manifest.json"}
     assert {"trainer_state.json", "rng-rank-0.safetensors"} < set(
@@ -549,21 +549,21 @@ def test_a_checkpoint_is_checked_against_its_manifest(tmp_path, capsys):
         (lambda p: (p / "trainer_state.json").write_text("{}"), "trainer_state.json has 2 bytes where"),
     ]
     for step, (damage, expected) in enumerate(damages, start=2):
-        folder = checkpoints / f"step-{step}"
+        folder = checkpoints_dir / f"step-{step}"
         shutil.copytree(pristine, folder)
         damage(folder)
         assert expected in checkpoints.checkpoint_problem(str(folder))
-    assert checkpoints.complete_checkpoints(str(checkpoints)) == [(1, str(pristine))]
+    assert checkpoints.complete_checkpoints(str(checkpoints_dir)) == [(1, str(pristine))]
     assert [
-        (step, problem is None) for step, _, problem in checkpoints.list_checkpoints(str(checkpoints))
+        (step, problem is None) for step, _, problem in checkpoints.list_checkpoints(str(checkpoints_dir))
     ] == [(1, True)] + [(step, False) for step in range(2, 2 + len(damages))]
 
     capsys.readouterr()
-    checkpoints.save_checkpoint(model, optimizer, str(checkpoints), 1, {"note": "again"})
+    checkpoints.save_checkpoint(model, optimizer, str(checkpoints_dir), 1, {"note": "again"})
     checkpoints.save_checkpoint(
-        model, optimizer, str(checkpoints), 1, {"note": "and again"}
+        model, optimizer, str(checkpoints_dir), 1, {"note": "and again"}
     )  # within the same second, likely
-    aside = sorted(p for p in checkpoints.iterdir() if p.name.startswith("step-1.replaced-"))
+    aside = sorted(p for p in checkpoints_dir.iterdir() if p.name.startswith("step-1.replaced-"))
     assert len(aside) == 2 and all(checkpoints.checkpoint_problem(str(p)) is None for p in aside)
     assert json.loads((pristine / "trainer_state.json").read_text())["note"] == "and again"
     assert capsys.readouterr().err.count(f"warning: {pristine} was in the way of this save; moved to") == 2

@@ -151,7 +151,16 @@ def save_checkpoint(model, optimizer, checkpoints_dir, step, trainer_state, keep
     fsdp_utils.barrier()  # all ranks: every file is written before rank 0 lists them and renames
 
     if rank == 0:
-        # The folder is a shared file system's: rank 0 sees every rank's files, now complete.
+        # The folder is a shared file system's (the start-up checks refuse --save-steps where it is
+        # not): rank 0 sees every rank's files, now complete. A rank's file missing here means it
+        # wrote elsewhere: no manifest, so this step never looks complete.
+        world_size = dist.get_world_size() if dist.is_initialized() else 1
+        missing = [
+            r
+            for r in range(world_size)
+            if not os.path.exists(os.path.join(tmp_dir, f"rng-rank-{r}.safetensors"))
+        ]
+        assert not missing, f"{tmp_dir} lacks the files of ranks {missing}: is it on a disk every host sees?"
         files = {name: os.path.getsize(os.path.join(tmp_dir, name)) for name in sorted(os.listdir(tmp_dir))}
         with open(os.path.join(tmp_dir, MANIFEST), "w") as f:
             json.dump({"files": files}, f, indent=1)
@@ -264,17 +273,20 @@ def diverged_message(loss_value, step, checkpoints_dir):
 LOCK_NAME = ".lock"
 
 
-def take_output_lock(output_dir):
-    """Rank 0: create OUTPUT_DIR/.lock atomically, naming this run (host, pid, start time), and
-    remove it when the process ends. Returns None, or why the folder is taken. A lock whose
-    process is dead on this host (a run killed with SIGKILL), or that this very process left
-    (an earlier main() in a notebook), is taken over with a note."""
+def take_output_lock(output_dir, run_id=""):
+    """Rank 0: create OUTPUT_DIR/.lock atomically, naming this run (host, pid, start time,
+    `run_id`), and remove it when the process ends. Returns None, or why the folder is taken. A
+    lock whose process is dead on this host (a run killed with SIGKILL), or that this very
+    process left (an earlier main() in a notebook), is taken over with a note. A lock from
+    another host is never taken over, even when its pid is ours: pids repeat across hosts, and
+    whether that run lives cannot be told from here."""
     os.makedirs(output_dir, exist_ok=True)
     path = os.path.join(output_dir, LOCK_NAME)
     me = {
         "host": socket.gethostname(),
         "pid": os.getpid(),
         "started": datetime.datetime.now().isoformat(timespec="seconds"),
+        "run": run_id,
     }
     try:
         fd = os.open(path, os.O_CREAT | os.O_EXCL | os.O_WRONLY)
@@ -305,6 +317,15 @@ def take_output_lock(output_dir):
         json.dump(me, f)
     atexit.register(release_output_lock, output_dir)  # also when the run fails with an exception
     return None
+
+
+def read_output_lock(output_dir):
+    """The text of OUTPUT_DIR/.lock as this process sees it ("" when there is none)."""
+    try:
+        with open(os.path.join(output_dir, LOCK_NAME)) as f:
+            return f.read()
+    except OSError:
+        return ""
 
 
 def process_alive(pid):

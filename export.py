@@ -24,6 +24,7 @@ Needs torch, transformers and safetensors, and fsdp_utils.py, lora.py and config
 import copy
 import dataclasses
 import functools
+import glob
 import importlib.metadata
 import json
 import math
@@ -42,16 +43,18 @@ import fsdp_utils
 import lora
 
 
-def export_model(model, loaded, out_dir, cfg, derived, summary, is_rank0):
+def export_model(model, loaded, out_dir, cfg, derived, summary, is_rank0, sees_output_dir=(True,)):
     """ALL ranks. Under FSDP each rank writes the part of the weights it holds beside the export
     (a collective; nothing is gathered), and rank 0 reads it back one output file's worth at a
-    time: no rank ever holds the whole model. One process and DDP hold it whole already: rank 0
-    reads its own copy. Rank 0 alone writes the SentenceTransformer folder, with its model card."""
+    time: no rank ever holds the whole model. A rank on a host without rank 0's disk
+    (sees_output_dir[rank] False) writes its part on its own disk and sends the file to rank 0
+    over the process group. One process and DDP hold the model whole already: rank 0 reads its
+    own copy. Rank 0 alone writes the SentenceTransformer folder, with its model card."""
     # A leftover of a killed run goes at the next start, as the other *.tmp-*.
     staging = f"{out_dir}.tmp-staged"
     sharded = fsdp_utils.is_fsdp1(model) or fsdp_utils.is_fsdp2(model)
     if sharded:
-        stage_state_dict(model, staging)
+        stage_state_dict(model, staging, sees_output_dir)
     if not is_rank0:
         return
     if sharded:
@@ -131,15 +134,19 @@ def exported_files(tensors_of, shapes, untrained_state, cfg, dtype):
     return [functools.partial(read, names) for names in groups]
 
 
-def stage_state_dict(model, folder):
+def stage_state_dict(model, folder, sees_output_dir=(True,)):
     """Write the model's state dict to `folder` as it lies on the ranks: each rank its own shards
     (FSDP), or each tensor once (DDP, one process). EVERY rank must call it (DCP's save is a
-    collective); when it returns, every rank's part is written."""
+    collective); when it returns, every rank's part is in rank 0's `folder`: a rank that does
+    not see rank 0's disk (sees_output_dir[rank] False) sends its file there."""
     rank = dist.get_rank() if dist.is_initialized() else 0
+    on_rank0_disk = sees_output_dir[rank]
     if rank == 0:
         shutil.rmtree(folder, ignore_errors=True)  # a leftover of a killed export
         os.makedirs(folder)
     fsdp_utils.barrier()  # all ranks: nobody writes into the folder before it exists
+    if not on_rank0_disk:
+        os.makedirs(folder, exist_ok=True)  # this host's own staging folder
     with fsdp_utils.quiet_checkpoint_warnings():
         state = get_model_state_dict(model)  # sharded under FSDP: no gathering
         dcp.save(
@@ -148,6 +155,15 @@ def stage_state_dict(model, folder):
                 folder, save_distributed=True, enable_consolidation=False
             ),
         )
+    if all(sees_output_dir):
+        return
+    # DCP names each rank's file shard-{rank + 1}-...; rank 0's reader takes every file it finds.
+    own = glob.glob(os.path.join(glob.escape(folder), f"shard-{rank + 1:05d}-*.safetensors"))
+    # Rank 0 and the ranks on other hosts: the file travels over the process group.
+    fsdp_utils.send_files_to_rank0(folder, [] if on_rank0_disk else own, [not s for s in sees_output_dir])
+    fsdp_utils.barrier()  # all ranks: every file is sent before any host clears its own copy
+    if not on_rank0_disk:
+        shutil.rmtree(folder, ignore_errors=True)
 
 
 def staged_tensors(folder):

@@ -2,6 +2,7 @@
 
   - `setup_dist` / `cleanup_dist`: the process group under torchrun (gloo on CPU, NCCL on CUDA),
     one process without it; `print0` prints once; `keep_freed_blocks`: the CPU allocator setting;
+    `send_files_to_rank0`: files from ranks on other hosts, over the process group;
   - `detect_layer_classes` / `resolve_layer_classes`: the repeated transformer block that
     FSDP wraps, found in the model itself (or named, and checked, by the user);
   - `wrap_model`: nothing (one process), DDP, FSDP1 (`FullyShardedDataParallel` with
@@ -42,6 +43,7 @@ start-up). Activation checkpointing is the model's own (transformers' gradient c
 
 import contextlib
 import datetime
+import json
 import os
 import signal
 import sys
@@ -111,6 +113,36 @@ def barrier():
     """Wait for every rank (ALL ranks must call it); nothing to wait for in one process."""
     if dist.is_initialized():
         dist.barrier()
+
+
+def send_files_to_rank0(folder, paths, senders, chunk_bytes=64 * 2**20):
+    """Rank 0 receives into `folder` the files `paths` of every rank r with senders[r] (ranks on
+    another host, whose disk rank 0 cannot read), over the process group, `chunk_bytes` at a
+    time: no rank holds more than one chunk. Rank 0 and the senders must call it, with the same
+    `senders` (the others may, and return at once); each sender passes its own `paths`."""
+    rank = dist.get_rank()
+    device = torch.device("cuda", torch.cuda.current_device()) if dist.get_backend() == "nccl" else None
+    device = device or torch.device("cpu")
+    for source in [r for r, sends in enumerate(senders) if sends and r != 0]:  # the same order on all
+        if rank == source:
+            header = json.dumps({os.path.basename(p): os.path.getsize(p) for p in paths}).encode()
+            dist.send(torch.tensor([len(header)], device=device), dst=0)
+            dist.send(torch.frombuffer(bytearray(header), dtype=torch.uint8).to(device), dst=0)
+            for path in paths:
+                with open(path, "rb") as f:
+                    while chunk := f.read(chunk_bytes):
+                        dist.send(torch.frombuffer(bytearray(chunk), dtype=torch.uint8).to(device), dst=0)
+        elif rank == 0:
+            length = torch.zeros(1, dtype=torch.int64, device=device)
+            dist.recv(length, src=source)
+            header = torch.empty(int(length), dtype=torch.uint8, device=device)
+            dist.recv(header, src=source)
+            for name, size in json.loads(bytes(header.cpu().numpy())).items():
+                with open(os.path.join(folder, name), "wb") as f:
+                    for start in range(0, size, chunk_bytes):
+                        chunk = torch.empty(min(chunk_bytes, size - start), dtype=torch.uint8, device=device)
+                        dist.recv(chunk, src=source)
+                        f.write(chunk.cpu().numpy().tobytes())
 
 
 def print0(*args, **kwargs):

@@ -19,6 +19,8 @@ import importlib.util
 import json
 import math
 import os
+import secrets
+import socket
 
 import torch
 import torch.distributed as dist
@@ -50,6 +52,8 @@ class StartUp:
     eval_sets: list = dataclasses.field(default_factory=list)
     # row counts and hashes of the training data, saved to refuse changed data on resume
     data_fingerprint: str = ""
+    # by rank: whether that rank sees the --output-dir rank 0 writes (False: another host's disk)
+    sees_output_dir: list = dataclasses.field(default_factory=lambda: [True])
 
 
 class StartUpError(ValueError):
@@ -66,13 +70,64 @@ def agreed_start_up(cfg, rank, world_size, device):
     error = agree_on_error(error, rank, device)  # all ranks
     if error is not None:
         raise StartUpError(error)
+    # The export lives on rank 0's disk, which other hosts may not see: rank 0's view decides.
+    if broadcast_text("finished" if plan.finished else "", rank, device) == "finished":  # all ranks
+        return StartUp(finished=True)
     # One run per output folder: rank 0 takes the lock once every check passed (a refused run
-    # writes nothing), and all ranks hear whether it got it.
-    error = checkpoints.take_output_lock(cfg.output_dir) if rank == 0 and not plan.finished else None
+    # writes nothing), and all ranks hear whether it got it. The lock names this run (`run_id`).
+    run_id = secrets.token_hex(8)
+    error = checkpoints.take_output_lock(cfg.output_dir, run_id) if rank == 0 else None
+    error = agree_on_error(error, rank, device)  # all ranks
+    if error is not None:
+        raise StartUpError(error)
+    # Which ranks share rank 0's disk: those that find rank 0's lock, with this run's id, in
+    # their own --output-dir. Hosts without a shared file system do not (and a stale lock in
+    # another host's folder has another id).
+    lock = broadcast_text(checkpoints.read_output_lock(cfg.output_dir) if rank == 0 else "", rank, device)
+    sees = checkpoints.read_output_lock(cfg.output_dir) == lock
+    plan.sees_output_dir = all_ranks_flags(sees, rank, device)  # all ranks
+    error = None if sees else unshared_output_dir_problem(cfg, plan, rank, json.loads(lock)["host"])
     error = agree_on_error(error, rank, device)  # all ranks
     if error is not None:
         raise StartUpError(error)
     return plan
+
+
+def broadcast_text(text, rank, device, size=4096):
+    """Rank 0's `text` on every rank (ALL ranks must call it). Bytes in a tensor: no pickling."""
+    if not dist.is_initialized():
+        return text
+    buffer = torch.zeros(size, dtype=torch.uint8, device=device)
+    if rank == 0:
+        encoded = text.encode()[:size]
+        buffer[: len(encoded)] = torch.tensor(list(encoded), dtype=torch.uint8)
+    dist.broadcast(buffer, src=0)  # all ranks
+    return bytes(buffer[buffer != 0].tolist()).decode(errors="replace")
+
+
+def all_ranks_flags(flag, rank, device):
+    """[flag of rank 0, flag of rank 1, ...] on every rank (ALL ranks must call it)."""
+    if not dist.is_initialized():
+        return [bool(flag)]
+    flags = torch.zeros(dist.get_world_size(), device=device)
+    flags[rank] = float(flag)
+    dist.all_reduce(flags)  # all ranks
+    return [bool(f) for f in flags.tolist()]
+
+
+def unshared_output_dir_problem(cfg, plan, rank, writer_host):
+    """Why this rank, which does not see rank 0's --output-dir, cannot run as asked (or None).
+    The export travels to rank 0 over the process group; checkpoints do not: a resume needs
+    every rank's shard, and each rank reads its own from the one folder."""
+    if not (cfg.save_steps or plan.resume_dir):
+        return None
+    what = f"--save-steps {cfg.save_steps}" if cfg.save_steps else f"resuming from {plan.resume_dir}"
+    return (
+        f"{what} needs one --output-dir that every host sees: rank {rank} (host "
+        f"{socket.gethostname()}) does not see the {cfg.output_dir} that rank 0 (host {writer_host}) "
+        "writes. Put --output-dir on a file system all hosts share (NFS, Lustre, a mounted bucket), "
+        "or train without --save-steps (the export needs no shared disk)"
+    )
 
 
 def agree_on_error(message, rank, device):

@@ -130,7 +130,7 @@ def main(cfg):
 
     summary = meter.summary(last_loss, total_steps - start_step)
     with metrics.timed(summary, "export_seconds"):  # ALL ranks: each stages its shards, rank 0 writes
-        export.export_model(model, loaded, final_dir, cfg, derived, summary, is_rank0)
+        export.export_model(model, loaded, final_dir, cfg, derived, summary, is_rank0, plan.sees_output_dir)
     fsdp_utils.print0(json.dumps(summary))
     if is_rank0:
         close_log(log, {"step": total_steps, **summary}, cfg.output_dir)
@@ -485,7 +485,9 @@ def evaluate_and_log(
             best_value = value
             summary = {"step": step, "eval": scores, "final_loss": last_loss, "samples_per_s": float("nan")}
             best_dir = os.path.join(cfg.output_dir, "best")
-            export.export_model(model, loaded, best_dir, cfg, derived, summary, log is not None)
+            export.export_model(
+                model, loaded, best_dir, cfg, derived, summary, log is not None, plan.sees_output_dir
+            )
     return best_value
 
 

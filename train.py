@@ -37,6 +37,7 @@ import functools
 import json
 import math
 import os
+import socket
 import sys
 from dataclasses import dataclass
 
@@ -575,6 +576,19 @@ def save_state(model, optimizer, scheduler, scaler, cfg, derived, step, best_val
     )
 
 
+def lost_peer_message(lost, cfg):
+    """The one line a rank prints when another rank, its host or its link is gone mid-run."""
+    usable, _ = checkpoints.newest_usable_checkpoint(os.path.join(cfg.output_dir, "checkpoints"))
+    rank = os.environ.get("RANK", "0")
+    return (
+        f"rank {rank} on host {socket.gethostname()} lost contact with the other ranks "
+        f"({lost}; --dist-timeout-minutes {cfg.dist_timeout_minutes:g}): a host, its network link or "
+        "one of its processes is gone. Newest complete checkpoint: "
+        f"{usable or 'none (use --save-steps)'}. Once every host is back, run the same command "
+        "on every host with --resume auto (set FSDP_EMBED_TRACEBACK=1 for the stack)"
+    )
+
+
 if __name__ == "__main__":
     # A crash in native code (a segfault in a collective, a kernel, a tokenizer) prints every
     # thread's Python stack to stderr before the process dies; torchrun alone reports only
@@ -594,5 +608,16 @@ if __name__ == "__main__":
     except FloatingPointError as e:
         fsdp_utils.print0(f"\nerror: {e}", file=sys.stderr)  # on a line of its own, after the progress bar
         sys.exit(3)
+    except RuntimeError as e:
+        lost = fsdp_utils.lost_peer(e)
+        if lost is None:
+            raise
+        # Every rank that sees it says it (the one that knows which peer); exit 4: resumable.
+        print(f"\nerror: {lost_peer_message(lost, cfg)}", file=sys.stderr, flush=True)
+        if os.environ.get("FSDP_EMBED_TRACEBACK"):
+            raise
+        checkpoints.release_output_lock(cfg.output_dir)  # rank 0's, if this is rank 0 (no atexit below)
+        fsdp_utils.stop_launcher()
+        os._exit(4)  # no teardown: destroying a process group whose peer is gone can block
     finally:
         fsdp_utils.cleanup_dist()

@@ -119,6 +119,22 @@ def complete_checkpoints(checkpoints_dir):
     return [(step, path) for step, path, problem in list_checkpoints(checkpoints_dir) if problem is None]
 
 
+def _write_manifest(tmp_dir):
+    """Rank 0, once every rank has written: the manifest (each file's size), which makes the
+    folder a complete checkpoint. The folder is a shared file system's (the start-up checks refuse
+    --save-steps where it is not): rank 0 sees every rank's files, now complete. A rank's file
+    missing here means it wrote elsewhere: no manifest, so this step never looks complete."""
+    world_size = dist.get_world_size() if dist.is_initialized() else 1
+    expected = [os.path.join(tmp_dir, f"rng-rank-{r}.safetensors") for r in range(world_size)]
+    missing = [r for r, path in enumerate(expected) if not os.path.exists(path)]
+    assert not missing, f"{tmp_dir} lacks the files of ranks {missing}: is it on a disk every host sees?"
+    files = {name: os.path.getsize(os.path.join(tmp_dir, name)) for name in sorted(os.listdir(tmp_dir))}
+    with open(os.path.join(tmp_dir, MANIFEST), "w") as f:
+        json.dump({"files": files}, f, indent=1)
+        f.flush()
+        os.fsync(f.fileno())
+
+
 def save_checkpoint(model, optimizer, checkpoints_dir, step, trainer_state, keep_last=0):
     """Save model, optimizer, every rank's RNG and `trainer_state` (a JSON-able dict) as
     `checkpoints_dir/step-{step}`. EVERY rank must call it: gathering the state dict, the DCP
@@ -151,21 +167,7 @@ def save_checkpoint(model, optimizer, checkpoints_dir, step, trainer_state, keep
     fsdp_utils.barrier()  # all ranks: every file is written before rank 0 lists them and renames
 
     if rank == 0:
-        # The folder is a shared file system's (the start-up checks refuse --save-steps where it is
-        # not): rank 0 sees every rank's files, now complete. A rank's file missing here means it
-        # wrote elsewhere: no manifest, so this step never looks complete.
-        world_size = dist.get_world_size() if dist.is_initialized() else 1
-        missing = [
-            r
-            for r in range(world_size)
-            if not os.path.exists(os.path.join(tmp_dir, f"rng-rank-{r}.safetensors"))
-        ]
-        assert not missing, f"{tmp_dir} lacks the files of ranks {missing}: is it on a disk every host sees?"
-        files = {name: os.path.getsize(os.path.join(tmp_dir, name)) for name in sorted(os.listdir(tmp_dir))}
-        with open(os.path.join(tmp_dir, MANIFEST), "w") as f:
-            json.dump({"files": files}, f, indent=1)
-            f.flush()
-            os.fsync(f.fileno())
+        _write_manifest(tmp_dir)
         if os.path.exists(final_dir):
             aside = stamped = f"{final_dir}.replaced-{time.strftime('%Y%m%d-%H%M%S')}"
             for n in itertools.count(2):
@@ -263,6 +265,20 @@ def diverged_message(loss_value, step, checkpoints_dir):
         f"Newest checkpoint with finite weights: {usable or 'none'}{passed_over}"
         f"{'' if usable or skipped else ' (use --save-steps)'}. "
         "Lower --lr, use --precision fp32 or bf16, or check the data"
+    )
+
+
+def lost_peer_message(lost, output_dir, dist_timeout_minutes):
+    """The one line a rank prints when another rank, its host or its link is gone mid-run
+    (`lost`: fsdp_utils.lost_peer's words): which rank and host saw it, the newest complete
+    checkpoint, and how to go on."""
+    usable, _ = newest_usable_checkpoint(os.path.join(output_dir, "checkpoints"))
+    return (
+        f"rank {os.environ.get('RANK', '0')} on host {socket.gethostname()} lost contact with the "
+        f"other ranks ({lost}; --dist-timeout-minutes {dist_timeout_minutes:g}): a host, its network "
+        f"link or one of its processes is gone. Newest complete checkpoint: "
+        f"{usable or 'none (use --save-steps)'}. Once every host is back, run the same command "
+        "on every host with --resume auto (set FSDP_EMBED_TRACEBACK=1 for the stack)"
     )
 
 

@@ -37,7 +37,6 @@ import functools
 import json
 import math
 import os
-import socket
 import sys
 from dataclasses import dataclass
 
@@ -151,15 +150,8 @@ def build_model(cfg, plan, device):
     loaded = embedding_model.load_model(cfg, plan.num_labels, on_meta=plan.strategy == "fsdp")
     raw_model = loaded.model if loaded.pretrained_dir else loaded.model.to(device)
     no_decay_names = {name for name, param in raw_model.named_parameters() if param.ndim < 2}
-    model = fsdp_utils.wrap_model(
-        raw_model,
-        plan.strategy,
-        device,
-        sharding=cfg.sharding,
-        fsdp_version=cfg.fsdp_version,
-        layer_cls=cfg.fsdp_layer_cls,
-        precision=cfg.precision,
-    )
+    options = {"sharding": cfg.sharding, "fsdp_version": cfg.fsdp_version, "layer_cls": cfg.fsdp_layer_cls}
+    model = fsdp_utils.wrap_model(raw_model, plan.strategy, device, precision=cfg.precision, **options)
     if loaded.pretrained_dir:  # ALL ranks: each reads the slices of the weights its shards hold
         embedding_model.init_non_persistent_buffers(raw_model.encoder)
         fsdp_utils.load_pretrained_sharded(
@@ -329,16 +321,13 @@ def log_step(meter, log, progress, step, epoch, grad_norm, lr):
 def embed_columns(model, features, groups=None):
     """The embeddings of each text column, in batch order, through the wrapped `model` (DDP/FSDP
     hook their gradient synchronisation, and FSDP its parameter gathering, into each forward).
-    The columns' rows are embedded together, as one pool (all columns first to last, as
-    pool_columns makes it), in one call of the wrapped model: `groups` (from sub_batches) are
-    row sets of that pool, one encoder pass each, each without the positions that are padding
-    in all its rows; None: one pass for the whole pool. Fewer passes than one per column
-    matters beyond speed: a parameter that two forwards used gets its gradient only when
-    backward has gone through both (autograd sums the two before the parameter's gradient is
-    done), so with a forward per column the first backward pass holds a whole unsharded
-    gradient until the second one reaches each block, and under FSDP that is a full copy of
-    the model's gradients on every rank. The losses run in
-    fp32 even when the encoder computes in bf16/fp16."""
+    All columns' rows are embedded as one pool (batches.pool_columns), in one call: `groups`
+    (from sub_batches) are row sets of that pool, one encoder pass each, each without the
+    positions that are padding in all its rows; None: one pass for the whole pool. Fewer passes
+    matter beyond speed: a parameter used by two forwards gets its gradient only when backward
+    has gone through both, so with a forward per column FSDP would hold a whole unsharded copy
+    of the gradients on every rank. The losses run in fp32 even when the encoder computes in
+    bf16/fp16."""
     embs = model(**batches.pool_columns(features), groups=groups).float()  # in pool order
     return list(embs.split(len(features[0]["input_ids"])))
 
@@ -576,19 +565,6 @@ def save_state(model, optimizer, scheduler, scaler, cfg, derived, step, best_val
     )
 
 
-def lost_peer_message(lost, cfg):
-    """The one line a rank prints when another rank, its host or its link is gone mid-run."""
-    usable, _ = checkpoints.newest_usable_checkpoint(os.path.join(cfg.output_dir, "checkpoints"))
-    rank = os.environ.get("RANK", "0")
-    return (
-        f"rank {rank} on host {socket.gethostname()} lost contact with the other ranks "
-        f"({lost}; --dist-timeout-minutes {cfg.dist_timeout_minutes:g}): a host, its network link or "
-        "one of its processes is gone. Newest complete checkpoint: "
-        f"{usable or 'none (use --save-steps)'}. Once every host is back, run the same command "
-        "on every host with --resume auto (set FSDP_EMBED_TRACEBACK=1 for the stack)"
-    )
-
-
 if __name__ == "__main__":
     # A crash in native code (a segfault in a collective, a kernel, a tokenizer) prints every
     # thread's Python stack to stderr before the process dies; torchrun alone reports only
@@ -613,7 +589,8 @@ if __name__ == "__main__":
         if lost is None:
             raise
         # Every rank that sees it says it (the one that knows which peer); exit 4: resumable.
-        print(f"\nerror: {lost_peer_message(lost, cfg)}", file=sys.stderr, flush=True)
+        message = checkpoints.lost_peer_message(lost, cfg.output_dir, cfg.dist_timeout_minutes)
+        print(f"\nerror: {message}", file=sys.stderr, flush=True)
         if os.environ.get("FSDP_EMBED_TRACEBACK"):
             raise
         checkpoints.release_output_lock(cfg.output_dir)  # rank 0's, if this is rank 0 (no atexit below)

@@ -70,6 +70,15 @@ def agreed_start_up(cfg, rank, world_size, device):
     error = agree_on_error(error, rank, device)  # all ranks
     if error is not None:
         raise StartUpError(error)
+    # Hosts without a shared disk read their own copies of the data: each rank checks that its
+    # copy is rank 0's (rows and contents), or every rank would train on other batches.
+    # (An empty one: --eval-only, or a run already finished, which reads no training data.)
+    theirs = broadcast_text(plan.data_fingerprint, rank, device)  # all ranks
+    differs = theirs and plan.data_fingerprint and theirs != plan.data_fingerprint
+    error = different_data_problem(cfg, plan, rank, theirs) if differs else None
+    error = agree_on_error(error, rank, device)  # all ranks
+    if error is not None:
+        raise StartUpError(error)
     # The export lives on rank 0's disk, which other hosts may not see: rank 0's view decides.
     if broadcast_text("finished" if plan.finished else "", rank, device) == "finished":  # all ranks
         return StartUp(finished=True)
@@ -113,6 +122,15 @@ def all_ranks_flags(flag, rank, device):
     flags[rank] = float(flag)
     dist.all_reduce(flags)  # all ranks
     return [bool(f) for f in flags.tolist()]
+
+
+def different_data_problem(cfg, plan, rank, rank0_fingerprint):
+    """Why this rank's --train-data is not rank 0's (another copy, on another host)."""
+    return (
+        f"--train-data {cfg.train_data} on host {socket.gethostname()} (rank {rank}) is not the "
+        f"data rank 0 reads: {plan.data_fingerprint} here, {rank0_fingerprint} on rank 0. "
+        "Copy the same files to every host (or put them on a disk all hosts share)"
+    )
 
 
 def unshared_output_dir_problem(cfg, plan, rank, writer_host):

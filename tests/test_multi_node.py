@@ -3,9 +3,11 @@ a veth cable; one torchrun per host, c10d rendezvous at hosta, gloo on each host
 
 - without a shared disk (each host its own --output-dir), FSDP2, FSDP1 and DDP export the same
   model as one host at the same world size, and nothing is left on hostb; with a shared one too;
-- --save-steps without a shared disk is refused at start-up with one error line, nothing written;
-- hybrid_shard on 2 hosts x 2 processes trains as one host at world 4, and sends at most half of
-  full_shard's bytes over the cable (counted on the veth);
+- --save-steps without a shared disk is refused at start-up with one error line, nothing written,
+  and so is another copy of the training data on one host;
+- hybrid_shard (and full_shard) on 2 hosts x 2 processes trains as one host with the same rows in
+  every micro-batch (world 2, 2 accumulation steps; test_equivalence.py shows that equals world 4),
+  and hybrid sends at most half of full_shard's bytes over the cable (counted on the veth);
 - the cable pulled out mid-run: every process on both hosts exits non-zero within
   --dist-timeout-minutes plus a margin, each host printing an error line, and every checkpoint
   that looks complete is;
@@ -16,6 +18,7 @@ Skipped, with the reason, where namespaces cannot be made (not root, no iproute2
 Run: python -m pytest tests/test_multi_node.py   (as root)
 """
 
+import json
 import re
 import time
 from pathlib import Path
@@ -32,11 +35,14 @@ NUM_STEPS = 5
 TRAIN = str(REPO_DIR / "train.py")
 
 
-def common_args(model, per_device_batch_size=4, steps=NUM_STEPS):
+def common_args(model, grad_accum_steps=2, steps=NUM_STEPS):
+    """A global batch of 8 at world 2 (2 rows x 2 accumulation steps), or at world 4 with
+    grad_accum_steps 1: the same rows in every micro-batch either way (batches.py)."""
     return [
         *("--model", model, "--loss", "mnrl", "--train-data", data_file("sick-triplets-train.jsonl")),
-        *("--max-steps", steps, "--per-device-batch-size", per_device_batch_size, "--lr", 1e-4),
-        *("--dropout", 0, "--max-seq-length", 48, "--log-steps", 1, "--seed", 3, "--max-grad-norm", 0.1),
+        *("--max-steps", steps, "--per-device-batch-size", 2, "--grad-accum-steps", grad_accum_steps),
+        *("--lr", 1e-4, "--dropout", 0, "--max-seq-length", 48, "--log-steps", 1, "--seed", 3),
+        *("--max-grad-norm", 0.1),
     ]
 
 
@@ -52,7 +58,8 @@ def files_under(folder):
 
 @pytest.fixture(scope="module")
 def one_host_world_2(tmp_path_factory, tiny_model):
-    """The reference: one host, two processes, the same global batch."""
+    """The reference: one host, two processes, the same global batch (and the same rows in each
+    micro-batch as at world 4 without accumulation)."""
     out = tmp_path_factory.mktemp("one-host")
     run_train([*common_args(tiny_model), "--output-dir", out], nproc=2)
     return out
@@ -76,6 +83,10 @@ def test_two_hosts_export_what_one_host_does(tmp_path, tiny_model, one_host_worl
         )
     assert codes == [0, 0], outputs
     assert_same_training(out_a, one_host_world_2, NUM_STEPS)
+    # Progress, metrics and the summary come from global rank 0 (hosta) alone.
+    (out_a_text, err_a), (out_b_text, err_b) = outputs
+    assert "train: 100%" in err_a and "exported" in out_a_text, (out_a_text, err_a[-2000:])
+    assert "train:" not in err_b and "exported" not in out_b_text and '"final_loss"' not in out_b_text
     if not shared:
         assert files_under(out_b) == []  # hostb's staged shards went to rank 0 and were removed
     from sentence_transformers import SentenceTransformer
@@ -98,32 +109,44 @@ def test_save_steps_without_a_shared_disk_is_refused(tmp_path, tiny_model):
     assert files_under(tmp_path) == []  # no checkpoint, no export, no lock left
 
 
-@pytest.fixture(scope="module")
-def one_host_world_4(tmp_path_factory, tiny_model):
-    out = tmp_path_factory.mktemp("one-host-4")
-    run_train(
-        [*common_args(tiny_model, 2), "--output-dir", out, "--strategy", "fsdp", "--fsdp-version", "2"],
-        nproc=4,
-    )
-    return out
+def test_another_copy_of_the_data_on_one_host_is_refused(tmp_path, tiny_model):
+    """Without a shared disk each host reads its own copy: one edited line on hostb would give
+    every rank other batches than the run's, silently."""
+    rows = [
+        json.loads(line) for line in Path(data_file("sick-triplets-train.jsonl")).read_text().splitlines()
+    ]
+    rows[-1]["anchor"] += " (edited)"
+    edited = tmp_path / "hostb-copy.jsonl"
+    edited.write_text("".join(json.dumps(row) + "\n" for row in rows))
+    args = [*common_args(tiny_model), "--strategy", "fsdp", "--fsdp-version", "2"]
+    args_b = [*args, "--train-data", edited, "--output-dir", tmp_path / "b"]  # the later flag wins
+    with two_hosts.TwoHosts() as hosts:
+        codes, outputs, _ = run_two_hosts(hosts, [*args, "--output-dir", tmp_path / "a"], args_b)
+    assert all(code != 0 for code in codes), codes
+    errors = [line for _, err in outputs for line in err.splitlines() if line.startswith("error:")]
+    assert len(errors) == 1, errors
+    assert f"--train-data {edited} on host hostb (rank 1) is not the data rank 0 reads" in errors[0]
+    assert "Copy the same files to every host" in errors[0]
+    assert [f for f in files_under(tmp_path) if f != edited.name] == []
 
 
 def test_hybrid_shard_across_hosts_trains_as_one_host_and_halves_the_traffic(
-    tmp_path, tiny_model, one_host_world_4
+    tmp_path, tiny_model, one_host_world_2
 ):
     sent = {}
     for sharding in ("hybrid_shard", "full_shard"):
         out = tmp_path / sharding
-        args = [*common_args(tiny_model, 2), "--strategy", "fsdp", "--fsdp-version", "2"]
+        args = [*common_args(tiny_model, grad_accum_steps=1), "--strategy", "fsdp", "--fsdp-version", "2"]
         args += ["--sharding", sharding, "--output-dir", out, "--dist-timeout-minutes", 2]
         with two_hosts.TwoHosts() as hosts:
             before = hosts.wire_bytes()
             codes, outputs, _ = run_two_hosts(hosts, args, args, nproc=2)
             sent[sharding] = hosts.wire_bytes() - before
         assert codes == [0, 0], outputs
-        assert_same_training(out, one_host_world_4, NUM_STEPS)
+        assert_same_training(out, one_host_world_2, NUM_STEPS)
     # Hybrid: parameters are gathered and gradients reduce-scattered within a host; only the
     # gradient all-reduce of each shard crosses the cable.
+    print("bytes over the cable", sent, "hybrid/full", sent["hybrid_shard"] / sent["full_shard"])
     assert sent["hybrid_shard"] <= 0.5 * sent["full_shard"], sent
 
 
@@ -139,6 +162,7 @@ def test_a_lost_host_stops_every_process_with_an_error_line(tmp_path, tiny_model
         assert all(p.poll() is None for p in procs), "the run ended before the cable was pulled"
         hosts.link_down(1)
         codes, outputs, seconds = hosts.wait(procs, timeout=120)
+    print("every process stopped", seconds, "s after the cable was pulled; exit codes", codes)
     assert all(code != 0 for code in codes), codes
     # gloo's timeout is 15 s; the margin covers hostb's agent, which its worker ends 5 s after SIGTERM.
     assert seconds <= 15 + 30, seconds

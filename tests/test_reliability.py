@@ -174,13 +174,17 @@ def test_a_nan_metric_is_written_as_null_and_never_chosen_as_best(tmp_path, tiny
 
 def test_a_lock_held_by_a_live_process_is_never_taken_over(tmp_path):
     """In-process: a lock naming a live process on this host (here: this test's parent) refuses;
-    one naming a dead pid is taken over; one naming another host refuses (its liveness is unknowable)."""
+    one naming a dead pid is taken over; one naming another host refuses, even with this very
+    pid (its liveness is unknowable)."""
     out = tmp_path / "out"
     out.mkdir()
     lock = out / ".lock"
     lock.write_text(json.dumps({"host": socket.gethostname(), "pid": os.getppid(), "started": "then"}))
     assert "is in use by another run" in checkpoints.take_output_lock(str(out))
     lock.write_text(json.dumps({"host": "another-host", "pid": 1, "started": "then"}))
+    assert "host another-host" in checkpoints.take_output_lock(str(out))
+    # Our own pid on another host (pids repeat across hosts) is another run, not a leftover of ours.
+    lock.write_text(json.dumps({"host": "another-host", "pid": os.getpid(), "started": "then"}))
     assert "host another-host" in checkpoints.take_output_lock(str(out))
     dead = subprocess.Popen([sys.executable, "-c", "pass"])
     dead.wait()

@@ -56,6 +56,11 @@ def files_under(folder):
     return sorted(str(p.relative_to(folder)) for p in Path(folder).rglob("*") if p.is_file())
 
 
+def largest_difference(run_dir, reference_dir):
+    weights, reference = export_weights(run_dir / "final"), export_weights(reference_dir / "final")
+    return max((weights[k] - reference[k]).abs().max().item() for k in reference)
+
+
 @pytest.fixture(scope="module")
 def one_host_world_2(tmp_path_factory, tiny_model):
     """The reference: one host, two processes, the same global batch (and the same rows in each
@@ -83,6 +88,7 @@ def test_two_hosts_export_what_one_host_does(tmp_path, tiny_model, one_host_worl
         )
     assert codes == [0, 0], outputs
     assert_same_training(out_a, one_host_world_2, NUM_STEPS)
+    print(name, "largest weight difference to one host", largest_difference(out_a, one_host_world_2))
     # Progress, metrics and the summary come from global rank 0 (hosta) alone.
     (out_a_text, err_a), (out_b_text, err_b) = outputs
     assert "train: 100%" in err_a and "exported" in out_a_text, (out_a_text, err_a[-2000:])
@@ -189,5 +195,4 @@ def test_a_worker_killed_on_one_host_heals_across_hosts(tmp_path, tiny_model, on
     assert codes == [0, 0], outputs
     assert "resuming from" in outputs[0][0] + outputs[0][1]
     assert_same_training(out, one_host_world_2, NUM_STEPS)
-    weights, reference = export_weights(out / "final"), export_weights(one_host_world_2 / "final")
-    print("largest weight difference", max((weights[k] - reference[k]).abs().max().item() for k in reference))
+    print("healed: largest weight difference to one host", largest_difference(out, one_host_world_2))

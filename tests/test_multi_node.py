@@ -1,9 +1,9 @@
 """Two real hosts (tests/two_hosts.py: network + UTS namespaces with their own hostnames, joined by
 a veth cable; one torchrun per host, c10d rendezvous at hosta, gloo on each host's cable):
 
-- without a shared disk (each host its own --output-dir), FSDP2, FSDP1 and DDP export the same
-  model as one host at the same world size, and nothing is left on hostb (on a shared disk: the
-  healing test below);
+- without a shared disk (each host its own --output-dir), FSDP2 (2 processes a host), FSDP1 and
+  DDP export the same model as one host with the same global batch, and nothing is left on
+  hostb (on a shared disk: the healing test below);
 - --save-steps without a shared disk is refused at start-up with one error line, nothing written,
   and so is another copy of the training data on one host;
 - hybrid_shard (and full_shard) on 2 hosts x 2 processes trains as one host with the same rows in
@@ -72,21 +72,21 @@ def one_host_world_2(tmp_path_factory, tiny_model):
 
 
 @pytest.mark.parametrize(
-    "name,extra",
+    "name,extra,nproc",
     [
-        ("fsdp2", ["--strategy", "fsdp", "--fsdp-version", "2"]),
-        ("fsdp1", ["--strategy", "fsdp", "--fsdp-version", "1"]),
-        ("ddp", []),
+        ("fsdp2-2x2", ["--strategy", "fsdp", "--fsdp-version", "2"], 2),  # two ranks send from hostb
+        ("fsdp1", ["--strategy", "fsdp", "--fsdp-version", "1"], 1),
+        ("ddp", [], 1),
     ],
 )
 def test_two_hosts_without_a_shared_disk_export_what_one_host_does(
-    tmp_path, tiny_model, one_host_world_2, name, extra
+    tmp_path, tiny_model, one_host_world_2, name, extra, nproc
 ):
     out_a, out_b = tmp_path / "a", tmp_path / "b"
-    args = [*common_args(tiny_model), *extra, "--dist-timeout-minutes", 2]
+    args = [*common_args(tiny_model, grad_accum_steps=3 - nproc), *extra, "--dist-timeout-minutes", 2]
     with two_hosts.TwoHosts() as hosts:
         codes, outputs, _ = run_two_hosts(
-            hosts, [*args, "--output-dir", out_a], [*args, "--output-dir", out_b]
+            hosts, [*args, "--output-dir", out_a], [*args, "--output-dir", out_b], nproc=nproc
         )
     assert codes == [0, 0], outputs
     assert_same_training(out_a, one_host_world_2, NUM_STEPS)
@@ -160,7 +160,7 @@ def test_hybrid_shard_across_hosts_trains_as_one_host_and_halves_the_traffic(
 def test_a_lost_host_stops_every_process_with_an_error_line(tmp_path, tiny_model):
     out = tmp_path / "shared"
     args = [*common_args(tiny_model, steps=100000), "--strategy", "fsdp", "--fsdp-version", "2"]
-    args += ["--save-steps", 5, "--output-dir", out, "--dist-timeout-minutes", 0.25]
+    args += ["--save-steps", 2, "--output-dir", out, "--dist-timeout-minutes", 0.15]
     with two_hosts.TwoHosts() as hosts:
         procs = hosts.torchrun([TRAIN, *args], nproc=1)
         deadline = time.monotonic() + 180
@@ -171,13 +171,13 @@ def test_a_lost_host_stops_every_process_with_an_error_line(tmp_path, tiny_model
         codes, outputs, seconds = hosts.wait(procs, timeout=120)
     print("every process stopped", seconds, "s after the cable was pulled; exit codes", codes)
     assert all(code != 0 for code in codes), codes
-    # gloo's timeout is 15 s; the margin covers hostb's agent, which its worker ends 5 s after SIGTERM.
-    assert seconds <= 15 + 30, seconds
+    # gloo's timeout is 9 s; the margin covers hostb's agent, which its worker ends 5 s after SIGTERM.
+    assert seconds <= 9 + 30, seconds
     for host, (_, err) in zip(("hosta", "hostb"), outputs):
         errors = [line for line in err.splitlines() if line.startswith("error:")]
         assert len(errors) == 1, err[-3000:]
         assert re.match(rf"error: rank \d on host {host} lost contact with the other ranks \(", errors[0])
-        assert "Timed out waiting 15000ms" in errors[0] and "--dist-timeout-minutes 0.25" in errors[0]
+        assert "Timed out waiting 9000ms" in errors[0] and "--dist-timeout-minutes 0.15" in errors[0]
         assert "Newest complete checkpoint: " + str(out / "checkpoints" / "step-") in errors[0]
     for _, path, problem in checkpoints.list_checkpoints(out / "checkpoints"):
         assert problem is None, (path, problem)  # a save cut by the lost host left no step-N folder

@@ -186,6 +186,17 @@ class Config:
         "mnrl: also rank each positive against the anchors, and average the two losses "
         "(MultipleNegativesSymmetricRankingLoss)",
     )
+    mnrl_directions: str = arg(
+        "query_to_doc",
+        "mnrl: which similarities give each anchor's negatives, comma-separated: query_to_doc (always), "
+        "query_to_query, doc_to_query, doc_to_doc; all four: GTE's improved contrastive loss",
+    )
+    mnrl_partition: str = arg(
+        "joint",
+        "mnrl with --mnrl-directions: one softmax over every direction's scores (joint), or one per "
+        "direction, averaged (per_direction: with query_to_doc and doc_to_query only)",
+        choices=("joint", "per_direction"),
+    )
     cache_chunk_size: int = arg(
         0,
         "GradCache: embed each micro-batch in chunks of this many rows (memory of one chunk, same "
@@ -415,6 +426,19 @@ def matryoshka_sizes(cfg):
         [float(w) for w in cfg.matryoshka_weights.split(",")] if cfg.matryoshka_weights else [1.0] * len(dims)
     )
     return dims, weights
+
+
+MNRL_DIRECTIONS = ("query_to_doc", "query_to_query", "doc_to_query", "doc_to_doc")
+
+
+def mnrl_options(cfg):
+    """mnrl_loss's directions and partition from --mnrl-directions/--mnrl-partition (checked at
+    start-up): query_to_doc first, the others in their fixed order."""
+    named = {d.strip() for d in cfg.mnrl_directions.split(",")}
+    return {
+        "directions": tuple(d for d in MNRL_DIRECTIONS if d in named | {"query_to_doc"}),
+        "partition": cfg.mnrl_partition,
+    }
 
 
 def prompts_of(cfg):

@@ -96,36 +96,48 @@ def duplicate_mask(query_ids_B, own_ids_B, candidate_ids_N, own_index_B):
     return same_BN
 
 
-def mnrl_loss(emb_anchor_BD, emb_candidates, scale=20.0, gather=False, symmetric=False, text_ids=None):
+MNRL_DIRECTIONS = ("query_to_doc", "query_to_query", "doc_to_query", "doc_to_doc")
+
+
+def mnrl_loss(
+    emb_anchor_BD,
+    emb_candidates,
+    scale=20.0,
+    gather=False,
+    symmetric=False,
+    text_ids=None,
+    directions=("query_to_doc",),
+    partition="joint",
+):
     """MultipleNegativesRankingLoss (InfoNCE with in-batch negatives).
 
-    `emb_candidates` is a list of (B, D) tensors: the positives first, then any number of
-    hard-negative columns. Row i's positive is candidate i; every other candidate (the other
-    rows' positives and all hard negatives) is a negative for it:
+    `emb_candidates`: (B, D) tensors, the positives, then any hard-negative columns. Row i's positive
+    is candidate i; every other candidate (other rows' positives, all negatives) is a negative:
 
         scores_BN = scale * cos(a_i, c_j)    with c = concat(positives, negatives...)
         loss      = mean_i  -log( exp(scores[i, i]) / sum_j exp(scores[i, j]) )
 
-    gather=True (cross-device negatives): the candidates (and, for `symmetric`, the anchors)
-    of all W ranks are gathered, so N = W * B * (1 + negatives); anchors stay local and
-    row i's positive sits at rank * B + i. With the sampler's contiguous slices, rank r's
-    rows are exactly rows r*B..(r+1)*B of the single-process batch of W * B rows.
+    gather=True (cross-device negatives): the candidates (and, for `symmetric`, the anchors) of
+    all W ranks are gathered, N = W * B * (1 + negatives); anchors stay local, row i's positive
+    at rank * B + i: with the sampler's contiguous slices, the single-process batch of W * B rows.
 
-    symmetric=True adds the positive -> anchors direction and averages the two
-    (sentence-transformers' MultipleNegativesSymmetricRankingLoss):
-        loss = ( CE(a_i -> all candidates) + CE(p_i -> all anchors) ) / 2
+    symmetric=True (sentence-transformers' MultipleNegativesSymmetricRankingLoss) averages it
+    with the positive -> anchors direction: ( CE(a_i -> all candidates) + CE(p_i -> all anchors) ) / 2
 
-    text_ids (duplicate-safe negatives): one (B,) integer tensor per column, equal where the
-    texts are equal (e.g. a hash of each text). A candidate with the text of row i's anchor or
-    of its own positive is then no negative for row i (its score becomes -inf), on every rank
-    when gathered: the same text on two rows, or two ranks, never pushes itself away.
+    text_ids (duplicate-safe negatives): one (B,) integer tensor per column, equal where the texts
+    are (e.g. a hash of each text). A candidate with the text of row i's anchor or positive is no
+    negative for row i (score -inf), on every rank when gathered: a text never pushes itself away.
+
+    directions, partition: more negatives for each pair, as sentence-transformers' `directions`
+    and `partition_mode` (see `_mnrl_directions`). Not with `symmetric` or `text_ids`.
     """
+    if tuple(directions) != ("query_to_doc",):
+        assert not symmetric and text_ids is None, "mnrl_loss: directions, not with symmetric or text_ids"
+        return _mnrl_directions(emb_anchor_BD, emb_candidates, scale, gather, directions, partition)
     num_rows = emb_anchor_BD.shape[0]
+    offset = dist.get_rank() * num_rows if gather and dist.is_initialized() else 0
     if gather:
         emb_candidates = [gather_with_grad(emb) for emb in emb_candidates]
-        offset = dist.get_rank() * num_rows if dist.is_initialized() else 0
-    else:
-        offset = 0
     labels_B = torch.arange(offset, offset + num_rows, device=emb_anchor_BD.device)
     emb_cand_ND = torch.cat(emb_candidates, dim=0)
     scores_BN = scale * cosine_scores(emb_anchor_BD, emb_cand_ND)
@@ -147,6 +159,48 @@ def mnrl_loss(emb_anchor_BD, emb_candidates, scale=20.0, gather=False, symmetric
             duplicate_mask(cand_ids_N[labels_B], anchor_ids_B, all_anchor_ids_M, labels_B), float("-inf")
         )
     return (loss + F.cross_entropy(scores_BM, labels_B)) / 2
+
+
+def _mnrl_directions(emb_anchor_BD, emb_candidates, scale, gather, directions, partition):
+    """mnrl_loss with more directions than query_to_doc; -inf marks what is no negative.
+
+    directions (sentence-transformers' `directions`; GTE's "improved contrastive loss" is all
+    four): more negatives for row i's positive pair, all at `scale`, from
+        query_to_doc    a_i against every candidate (always on)
+        query_to_query  a_i against every other anchor
+        doc_to_query    p_i against every anchor
+        doc_to_doc      p_i against every candidate but row i's own (its positive and negatives)
+    partition "joint": one softmax over all of them; "per_direction": one normaliser per
+    direction, their log-sum-exps averaged: only with query_to_doc and doc_to_query, the
+    directions whose candidates hold the positive pair.
+    """
+    num_rows = emb_anchor_BD.shape[0]
+    offset = dist.get_rank() * num_rows if gather and dist.is_initialized() else 0
+    all_candidates = [gather_with_grad(emb) for emb in emb_candidates] if gather else emb_candidates
+    # The anchors of every rank, where a direction ranks against them (ALL ranks gather alike).
+    uses_anchors = "query_to_query" in directions or "doc_to_query" in directions
+    all_anchors_MD = gather_with_grad(emb_anchor_BD) if gather and uses_anchors else emb_anchor_BD
+    cand_ND, rows_B = torch.cat(all_candidates), torch.arange(num_rows, device=emb_anchor_BD.device)
+    own_M = rows_B + offset  # row i's place among the gathered rows of one column
+    positive_BD = all_candidates[0][own_M]
+    scores = {"query_to_doc": cosine_scores(emb_anchor_BD, cand_ND)}
+    if "query_to_query" in directions:
+        own_anchor_BM = F.one_hot(own_M, all_anchors_MD.shape[0]).bool()
+        scores["query_to_query"] = cosine_scores(emb_anchor_BD, all_anchors_MD).masked_fill(
+            own_anchor_BM, float("-inf")
+        )
+    if "doc_to_query" in directions:
+        scores["doc_to_query"] = cosine_scores(positive_BD, all_anchors_MD)
+    if "doc_to_doc" in directions:
+        own_docs_BN = F.one_hot(own_M, all_candidates[0].shape[0]).bool().repeat(1, len(all_candidates))
+        scores["doc_to_doc"] = cosine_scores(positive_BD, cand_ND).masked_fill(own_docs_BN, float("-inf"))
+    scores = {name: scale * s for name, s in scores.items()}
+    positive_B = scores["query_to_doc"][rows_B, own_M]
+    if partition == "joint":
+        log_z_B = torch.logsumexp(torch.cat(list(scores.values()), dim=1), dim=1)
+    else:
+        log_z_B = torch.stack([torch.logsumexp(s, dim=1) for s in scores.values()]).mean(0)
+    return (log_z_B - positive_B).mean()
 
 
 def cosent_loss(emb_a_BD, emb_b_BD, scores_B, scale=20.0):

@@ -334,6 +334,36 @@ def check_output_dir(output_dir):
         )
 
 
+def check_mnrl_directions(cfg, losses_used):
+    """--mnrl-directions: known names, an mnrl file to train, and the flags they combine with."""
+    unknown = sorted({d.strip() for d in cfg.mnrl_directions.split(",")} - set(config.MNRL_DIRECTIONS))
+    if unknown:
+        raise ValueError(
+            f"--mnrl-directions {cfg.mnrl_directions}: unknown {', '.join(unknown)}; "
+            f"choose from {', '.join(config.MNRL_DIRECTIONS)}"
+        )
+    directions = config.mnrl_options(cfg)["directions"]
+    if len(directions) == 1:
+        return
+    if "mnrl" not in losses_used:
+        raise ValueError(
+            "--mnrl-directions needs a --train-data file that trains with mnrl "
+            f"(losses: {', '.join(losses_used)})"
+        )
+    if cfg.symmetric or cfg.mask_duplicates:
+        flag = (
+            "--symmetric (use --mnrl-directions query_to_doc,doc_to_query)"
+            if cfg.symmetric
+            else "--mask-duplicates"
+        )
+        raise ValueError(f"--mnrl-directions {cfg.mnrl_directions} does not combine with {flag}")
+    if cfg.mnrl_partition == "per_direction" and not set(directions) <= {"query_to_doc", "doc_to_query"}:
+        raise ValueError(
+            "--mnrl-partition per_direction needs every direction's candidates to hold the positive pair: "
+            "query_to_query and doc_to_doc never do; use --mnrl-partition joint"
+        )
+
+
 def check_losses(cfg, train_sets, world_size):
     """The flags that need a loss, against the losses the files train with."""
     losses_used = sorted({ts.loss for ts in train_sets})
@@ -349,6 +379,7 @@ def check_losses(cfg, train_sets, world_size):
             f"{flag} works on MNRL's candidates, and no --train-data file trains with mnrl "
             f"(losses: {', '.join(losses_used)})"
         )
+    check_mnrl_directions(cfg, losses_used)
     if cfg.matryoshka_dims and "softmax" in losses_used:
         raise ValueError(
             "--matryoshka-dims: the Softmax head reads embeddings of one fixed size, "

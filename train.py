@@ -8,7 +8,6 @@ embedding_model, losses, eval_dist, checkpoints, export, metrics, fsdp_utils, lo
 Run it:
     python train.py                                   # one process (CPU or one GPU)
     torchrun --nproc_per_node=2 train.py              # DDP: gloo on CPU, NCCL on CUDA
-    torchrun --nproc_per_node=2 train.py --loss cosent --train-data stsb-train.jsonl --output-dir runs/stsb
     torchrun --nproc_per_node=4 train.py --strategy fsdp                  # FSDP1, full_shard
     torchrun --nproc_per_node=4 train.py --strategy fsdp --fsdp-version 2 --precision bf16
     torchrun --nproc_per_node=4 train.py --per-device-batch-size 1024 --cache-chunk-size 64 --gather-negatives
@@ -344,21 +343,22 @@ def embeddings_loss(
     matryoshka=None,
     text_ids=None,
     idle_head=False,
+    mnrl=None,
 ):
     """The loss of one micro-batch from its column embeddings (each (B, D), fp32). `model` is
     only used for the Softmax head, which runs through the wrapped root (FSDP gathers it).
     `matryoshka`: (dims, weights), the loss summed over truncated sizes; `text_ids`: one id
-    tensor per column, for MNRL's duplicate-safe negatives. `idle_head`: the model has a
-    Softmax head that this loss does not use (another set's, in a mix): it is touched with a
-    zero, so its gradient is 0 on every rank and in every strategy (DDP reduces only what the
-    backward reaches, and would wait for it)."""
+    tensor per column, for MNRL's duplicate-safe negatives; `mnrl`: mnrl_loss's directions and
+    partition. `idle_head`: the model has a Softmax head that this loss does not use (another
+    set's, in a mix): it is touched with a zero, so its gradient is 0 on every rank and in
+    every strategy (DDP reduces only what the backward reaches, and would wait for it)."""
     touch = None
     if idle_head and loss_name != "softmax":
         touch = 0.0 * model(head_input=embs[0].detach()[:1].repeat(1, 3)).float().sum()
 
     def loss_of(embs):
         if loss_name == "mnrl":
-            mnrl_options = {"gather": gather, "symmetric": symmetric, "text_ids": text_ids}
+            mnrl_options = {"gather": gather, "symmetric": symmetric, "text_ids": text_ids, **(mnrl or {})}
             return losses.mnrl_loss(embs[0], embs[1:], scale=scale, **mnrl_options)
         if loss_name == "cosent":
             return losses.cosent_loss(embs[0], embs[1], labels, scale=scale)
@@ -378,7 +378,7 @@ def compute_loss(model, features, labels, loss_name, gather=False, symmetric=Fal
 
 def loss_options(cfg):
     """embeddings_loss's settings from the config (the same in training and evaluation)."""
-    return {"scale": cfg.scale, "matryoshka": config.matryoshka_sizes(cfg)}
+    return {"scale": cfg.scale, "matryoshka": config.matryoshka_sizes(cfg), "mnrl": config.mnrl_options(cfg)}
 
 
 def cached_backward(

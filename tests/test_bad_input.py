@@ -194,6 +194,33 @@ IN_PROCESS_CASES = [
         "--gather-negatives works on MNRL's candidates",
     ),
     (
+        "unknown mnrl direction",
+        lambda t: ["--mnrl-directions", "query_to_doc,doc_to_doc_to_query"],
+        "--mnrl-directions query_to_doc,doc_to_doc_to_query: unknown doc_to_doc_to_query; choose from",
+    ),
+    (
+        "mnrl directions without mnrl",
+        lambda t: [
+            "--loss",
+            "cosent",
+            "--train-data",
+            data_file("stsb-dev.jsonl"),
+            "--mnrl-directions",
+            "doc_to_query",
+        ],
+        "--mnrl-directions needs a --train-data file that trains with mnrl (losses: cosent)",
+    ),
+    (
+        "mnrl directions with symmetric",
+        lambda t: ["--mnrl-directions", "doc_to_query", "--symmetric"],
+        "does not combine with --symmetric (use --mnrl-directions query_to_doc,doc_to_query)",
+    ),
+    (
+        "per-direction partition without the positive",
+        lambda t: ["--mnrl-directions", "query_to_query", "--mnrl-partition", "per_direction"],
+        "--mnrl-partition per_direction needs every direction's candidates to hold the positive pair",
+    ),
+    (
         "data that is not UTF-8",
         lambda t: ["--train-data", latin1_line(t / "p.jsonl", pairs(40))],
         "line 41 is not UTF-8 (byte 0xe9); save the file as UTF-8",

@@ -149,6 +149,21 @@ def test_cached_gradient_equals_plain_with_matryoshka(loss):
     assert abs(want[0] - plain_loss[0] * 3.5) > 1e-3  # the truncated sizes count
 
 
+def test_cached_gradient_equals_plain_with_mnrl_directions():
+    """--mnrl-directions (all four, as train.py passes them from the flags) is a function of the
+    embeddings too: GradCache gives the plain gradient, and the directions change the loss."""
+    model, features, labels = model_for("mnrl", dropout=0.0)
+    cfg = config.parse_config(["--mnrl-directions", "doc_to_doc,query_to_query,doc_to_query"])
+    options = {"mnrl": train.loss_options(cfg)["mnrl"]}
+    assert options["mnrl"]["directions"] == losses.MNRL_DIRECTIONS
+    want = grads_after(model, lambda: plain(model, features, labels, "mnrl", **options))
+    for chunk_size in (1, 3, B):
+        assert_same_grads(
+            grads_after(model, lambda: cached(model, features, labels, "mnrl", chunk_size, **options)), want
+        )
+    assert abs(want[0] - grads_after(model, lambda: plain(model, features, labels, "mnrl"))[0]) > 1e-3
+
+
 @pytest.mark.parametrize("loss", list(DATA))
 def test_cached_gradient_with_dropout_replays_the_same_masks(loss):
     model, features, labels = model_for(loss, dropout=0.1)

@@ -5,6 +5,10 @@ Run: python -m pytest tests/test_losses.py
 """
 
 import math
+import os
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -311,3 +315,61 @@ def test_masked_symmetric_mnrl_masks_both_directions():
 
     ours = value_and_grads(lambda: losses.mnrl_loss(a, [p], symmetric=True, text_ids=ids), [a, p])
     assert_same(ours, value_and_grads(naive, [a, p]), 1e-9)
+
+
+DIRECTION_SETS = [
+    ("query_to_doc", "doc_to_query"),
+    ("query_to_doc", "query_to_query"),
+    ("query_to_doc", "doc_to_doc"),
+    losses.MNRL_DIRECTIONS,  # GTE's improved contrastive loss
+]
+
+
+@pytest.mark.parametrize(
+    "directions,partition",
+    [(d, "joint") for d in DIRECTION_SETS] + [(DIRECTION_SETS[0], "per_direction")],
+    ids=["-".join(d[1:]) for d in DIRECTION_SETS] + ["doc_to_query-per_direction"],
+)
+@pytest.mark.parametrize("num_negative_columns", [0, 2])
+def test_mnrl_directions_match_sentence_transformers(st_model, directions, partition, num_negative_columns):
+    """Per direction (one normaliser each) only where every direction's candidates hold the
+    positive pair: sentence-transformers refuses it with query_to_query or doc_to_doc, and so
+    does the start-up check here."""
+    tensors = embeddings(*[(B, D)] * (2 + num_negative_columns), seed=7)
+    reference = st_losses.MultipleNegativesRankingLoss(
+        st_model, directions=directions, partition_mode=partition
+    )
+    options = {"directions": directions, "partition": partition}
+    ours = value_and_grads(lambda: losses.mnrl_loss(tensors[0], tensors[1:], **options), tensors)
+    ref = value_and_grads(lambda: reference.compute_loss_from_embeddings(tensors, None), tensors)
+    assert_same(ours, ref, 1e-6)
+    plain = value_and_grads(lambda: losses.mnrl_loss(tensors[0], tensors[1:]), tensors)
+    assert abs(ours[0] - plain[0]) > 1e-3  # the directions add negatives: another loss
+
+
+def test_mnrl_directions_with_gathered_negatives_equal_one_process(tmp_path):
+    """World 2 x B rows with --gather-negatives: the mean of the ranks' losses is the one-process
+    loss of the 2B rows, and each rank's gradient is the world size times that loss's gradient
+    on its rows (the reduce-scatter sums the gradients of every rank's loss)."""
+    from safetensors.torch import load_file
+
+    worker = Path(__file__).resolve().parent / "loss_worker.py"
+    rows, columns, world, directions = 3, 3, 2, losses.MNRL_DIRECTIONS  # GTE's four, hard negatives
+    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={world}"]
+    command += [str(worker), str(tmp_path), str(rows), str(columns), ",".join(directions), "joint"]
+    subprocess.run(
+        command, check=True, timeout=120, capture_output=True, env={**os.environ, "OMP_NUM_THREADS": "1"}
+    )
+    generator = torch.Generator().manual_seed(11)
+    full = [
+        torch.randn(world * rows, 16, generator=generator, dtype=torch.float64).requires_grad_()
+        for _ in range(columns)
+    ]
+    value, grads = value_and_grads(lambda: losses.mnrl_loss(full[0], full[1:], directions=directions), full)
+    ranks = [load_file(tmp_path / f"rank-{r}.safetensors") for r in range(world)]
+    assert abs(sum(r["loss"].item() for r in ranks) / world - value.item()) <= 1e-10
+    for r, saved in enumerate(ranks):
+        for i, grad in enumerate(grads):
+            mine = grad[r * rows : (r + 1) * rows] * world
+            assert (saved[f"grad-{i}"] - mine).abs().max().item() <= 1e-10, (r, i)
+            assert mine.abs().max() > 1e-4

@@ -7,7 +7,8 @@ size, and 16 launches of the real all-MiniLM-L6-v2 took 5 minutes):
 - FSDP1 and FSDP2, full_shard and shard_grad_op, at 2 ranks == the same (Softmax loss: its head
   lives in the FSDP root, outside the wrapped blocks);
 - at 4 ranks: FSDP1 full_shard, and hybrid_shard on a 2 x 2 mesh (two torchrun "nodes" of 2
-  processes), FSDP1 and FSDP2 == one process with 4 accumulation steps == DDP at 4 ranks.
+  processes), FSDP1 and FSDP2 == one process with 4 accumulation steps (DDP at 4 ranks: the
+  gathered-negatives runs of test_gradcache_gather.py).
 
 Same means (conftest.assert_same_training): per-step losses and gradient norms to 1e-5
 (relative) and every exported tensor to 1e-5 (absolute).
@@ -94,8 +95,3 @@ def test_fsdp_four_ranks_equals_one_process(runs, name, extra, nproc, nnodes):
     to NO_SHARD with unreduced gradients on CPU, and the losses would part from step 2 on."""
     reference = runs("accum4", "softmax", 4, ["--grad-accum-steps", 4])
     assert_same_training(runs(name, "softmax", 4, extra, nproc=nproc, nnodes=nnodes), reference, NUM_STEPS)
-
-
-def test_ddp_four_ranks_exports_what_fsdp_four_ranks_exports(runs):
-    ddp = runs("ddp4", "softmax", 4, nproc=4)
-    assert_same_training(runs("fsdp1-full-4", "softmax", 4, ["--strategy", "fsdp"], nproc=4), ddp, NUM_STEPS)

@@ -1,9 +1,10 @@
 """Two real hosts (tests/two_hosts.py: network + UTS namespaces with their own hostnames, joined by
 a veth cable; one torchrun per host, c10d rendezvous at hosta, gloo on each host's cable):
 
-- without a shared disk (each host its own --output-dir), FSDP2 (2 processes a host), FSDP1 and
-  DDP export the same model as one host with the same global batch, and nothing is left on
-  hostb (on a shared disk: the healing test below);
+- without a shared disk (each host its own --output-dir), FSDP2 (2 processes a host; FSDP1 stages
+  and sends its shards through the same export code) and DDP export the same model as one host
+  with the same global batch, and nothing is left on hostb (on a shared disk: the healing test
+  below);
 - --save-steps without a shared disk is refused at start-up with one error line, nothing written,
   and so is another copy of the training data on one host;
 - hybrid_shard (and full_shard) on 2 hosts x 2 processes trains as one host with the same rows in
@@ -75,7 +76,6 @@ def one_host_world_2(tmp_path_factory, tiny_model):
     "name,extra,nproc",
     [
         ("fsdp2-2x2", ["--strategy", "fsdp", "--fsdp-version", "2"], 2),  # two ranks send from hostb
-        ("fsdp1", ["--strategy", "fsdp", "--fsdp-version", "1"], 1),
         ("ddp", [], 1),
     ],
 )

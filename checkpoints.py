@@ -127,7 +127,8 @@ def _write_manifest(tmp_dir):
     world_size = dist.get_world_size() if dist.is_initialized() else 1
     expected = [os.path.join(tmp_dir, f"rng-rank-{r}.safetensors") for r in range(world_size)]
     missing = [r for r, path in enumerate(expected) if not os.path.exists(path)]
-    assert not missing, f"{tmp_dir} lacks the files of ranks {missing}: is it on a disk every host sees?"
+    if missing:  # not an assert: it must hold under `python -O` too
+        raise RuntimeError(f"{tmp_dir} lacks the files of ranks {missing}: is it on a disk every host sees?")
     files = {name: os.path.getsize(os.path.join(tmp_dir, name)) for name in sorted(os.listdir(tmp_dir))}
     with open(os.path.join(tmp_dir, MANIFEST), "w") as f:
         json.dump({"files": files}, f, indent=1)
@@ -355,12 +356,14 @@ def process_alive(pid):
 
 
 def release_output_lock(output_dir):
-    """Rank 0: remove the lock if it is this process's (never another run's)."""
+    """Rank 0: remove the lock if it is this process's (never another run's: on a folder that
+    several hosts share, a rank on another host may have rank 0's pid)."""
     path = os.path.join(output_dir, LOCK_NAME)
     try:
         with open(path) as f:
-            if json.load(f).get("pid") == os.getpid():
-                os.remove(path)
+            holder = json.load(f)
+        if holder.get("pid") == os.getpid() and holder.get("host") == socket.gethostname():
+            os.remove(path)
     except (OSError, ValueError):
         pass
 

@@ -428,6 +428,7 @@ def matryoshka_sizes(cfg):
     return dims, weights
 
 
+# losses.MNRL_DIRECTIONS, in its order (config.py imports no other project file).
 MNRL_DIRECTIONS = ("query_to_doc", "query_to_query", "doc_to_query", "doc_to_doc")
 
 

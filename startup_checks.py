@@ -102,15 +102,15 @@ def agreed_start_up(cfg, rank, world_size, device):
     return plan
 
 
-def broadcast_text(text, rank, device, size=4096):
-    """Rank 0's `text` on every rank (ALL ranks must call it). Bytes in a tensor: no pickling."""
+def broadcast_text(text, rank, device, src=0, size=4096):
+    """Rank `src`'s `text` on every rank (ALL ranks must call it). Bytes in a tensor: no pickling."""
     if not dist.is_initialized():
         return text
     buffer = torch.zeros(size, dtype=torch.uint8, device=device)
-    if rank == 0:
+    if rank == src:
         encoded = text.encode()[:size]
         buffer[: len(encoded)] = torch.tensor(list(encoded), dtype=torch.uint8)
-    dist.broadcast(buffer, src=0)  # all ranks
+    dist.broadcast(buffer, src=src)  # all ranks
     return bytes(buffer[buffer != 0].tolist()).decode(errors="replace")
 
 
@@ -154,18 +154,11 @@ def agree_on_error(message, rank, device):
     ALL ranks must call it (two collectives). Text travels as bytes in a tensor: no pickling."""
     if not dist.is_initialized():
         return message
-    failed = torch.zeros(dist.get_world_size(), device=device)
-    failed[rank] = message is not None
-    dist.all_reduce(failed)  # all ranks
-    if not failed.any():
+    failed = all_ranks_flags(message is not None, rank, device)  # all ranks
+    if not any(failed):
         return None
-    source = int(failed.nonzero()[0])
-    text = torch.zeros(4096, dtype=torch.uint8, device=device)
-    if rank == source:
-        encoded = message.encode()[: len(text)]
-        text[: len(encoded)] = torch.tensor(list(encoded), dtype=torch.uint8)
-    dist.broadcast(text, src=source)  # all ranks
-    message = bytes(text[text != 0].tolist()).decode(errors="replace")
+    source = failed.index(True)
+    message = broadcast_text(message if rank == source else "", rank, device, src=source)  # all ranks
     return message if source == 0 else f"(found by rank {source}) {message}"
 
 

@@ -186,6 +186,8 @@ def test_a_lock_held_by_a_live_process_is_never_taken_over(tmp_path):
     # Our own pid on another host (pids repeat across hosts) is another run, not a leftover of ours.
     lock.write_text(json.dumps({"host": "another-host", "pid": os.getpid(), "started": "then"}))
     assert "host another-host" in checkpoints.take_output_lock(str(out))
+    checkpoints.release_output_lock(str(out))  # and it is not ours to remove
+    assert json.loads(lock.read_text())["host"] == "another-host"
     dead = subprocess.Popen([sys.executable, "-c", "pass"])
     dead.wait()
     lock.write_text(json.dumps({"host": socket.gethostname(), "pid": dead.pid, "started": "then"}))

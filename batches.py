@@ -21,6 +21,7 @@ import dataclasses
 import hashlib
 import itertools
 import math
+import random
 
 import torch
 
@@ -150,11 +151,36 @@ def with_prompt(texts, prompts, column):
     return [prefix + text for text in texts] if prefix else texts
 
 
-def collate(rows, text_columns, target, loss_name, tokenize, device, prompts=None):
-    """The text columns (each with its prompt), one dict of tokens per column, and the targets.
-    All columns are tokenized in one call, so they share one padded length (and padding side)
-    and embed_columns can run rows of different columns in the same forward."""
-    texts = [with_prompt(rows[column], prompts or {}, column) for column in text_columns]
+def grouped_rows(rows, indices, group_size, seed, step):
+    """Grouped rows {query, pos: [...], neg: [...]} as the text columns query, pos, neg_1 ..
+    neg_{G-1} (and, with pos_scores/neg_scores, `scores`: the teacher's score of each). Each row
+    draws one positive and G-1 negatives (without repeats while it has enough; with fewer, its
+    list repeated, as FlagEmbedding does) from (seed, step, row index) alone: any rank, any
+    split of the step, and a resumed run draw the same group, and each epoch draws anew."""
+    columns = {"query": list(rows["query"]), "pos": [], **{f"neg_{g}": [] for g in range(1, group_size)}}
+    scores = []
+    for i, row in enumerate(indices):
+        draw = random.Random(f"{seed} {step} {row}")  # a string seed is hashed the same in every process
+        pos, neg = rows["pos"][i], rows["neg"][i]
+        p = draw.randrange(len(pos))
+        wanted = group_size - 1
+        pool = list(range(len(neg))) * (math.ceil(wanted / len(neg)) if neg else 0)
+        picked = draw.sample(pool, wanted) if wanted else []
+        columns["pos"].append(pos[p])
+        for g, n in enumerate(picked, start=1):
+            columns[f"neg_{g}"].append(neg[n])
+        if "pos_scores" in rows:
+            scores.append([rows["pos_scores"][i][p], *(rows["neg_scores"][i][n] for n in picked)])
+    return {**columns, "scores": scores} if "pos_scores" in rows else columns
+
+
+def collate(rows, text_columns, target, loss_name, tokenize, device, prompts=None, prompt_columns=None):
+    """The text columns (each with its prompt: `prompt_columns` names each column's --prompts
+    key, when not the column itself), one dict of tokens per column, and the targets. All
+    columns are tokenized in one call, so they share one padded length (and padding side) and
+    embed_columns can run rows of different columns in the same forward."""
+    keys = prompt_columns or text_columns
+    texts = [with_prompt(rows[column], prompts or {}, key) for column, key in zip(text_columns, keys)]
     tokens = tokenize([text for column in texts for text in column])
     features = [
         {k: v[i * len(texts[0]) : (i + 1) * len(texts[0])].to(device) for k, v in tokens.items()}
@@ -185,11 +211,12 @@ def micro_batches(plan, cfg, loaded, rank, world_size, start_step):
             batch_rows, 0, rank, micro_step, cfg.per_device_batch_size, world_size, cfg.grad_accum_steps
         )
         rows = ts.ds[indices]
-        return (
-            ts,
-            rows,
-            *collate(rows, ts.text_columns, ts.target, ts.loss, own.tokenize, "cpu", own.prompts),
+        if ts.group_size:
+            rows = grouped_rows(rows, indices, ts.group_size, cfg.seed, step)
+        features, labels = collate(
+            rows, ts.text_columns, ts.target, ts.loss, own.tokenize, "cpu", own.prompts, ts.prompt_columns
         )
+        return ts, rows, features, labels
 
     order = [
         (step, micro_step)

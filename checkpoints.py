@@ -60,15 +60,16 @@ def _tensor_state(model, optimizer):
     return tensors, hyper
 
 
-def _rng_states():
-    """This process's random-number generator states (CPU, and CUDA where present)."""
+def rng_states():
+    """This process's random-number generator states (CPU, and the current CUDA device's where
+    present): what a checkpoint keeps, and what GradCache restores before re-running a chunk."""
     states = {"cpu": torch.get_rng_state()}
     if torch.cuda.is_available():
         states["cuda"] = torch.cuda.get_rng_state()
     return states
 
 
-def _set_rng_states(states):
+def set_rng_states(states):
     torch.set_rng_state(states["cpu"])
     if "cuda" in states:
         torch.cuda.set_rng_state(states["cuda"])
@@ -161,7 +162,7 @@ def save_checkpoint(model, optimizer, checkpoints_dir, step, trainer_state, keep
                 tmp_dir, save_distributed=True, enable_consolidation=False
             ),
         )
-    save_file(_rng_states(), os.path.join(tmp_dir, f"rng-rank-{rank}.safetensors"))
+    save_file(rng_states(), os.path.join(tmp_dir, f"rng-rank-{rank}.safetensors"))
     if rank == 0:
         with open(os.path.join(tmp_dir, "trainer_state.json"), "w") as f:
             json.dump({**trainer_state, "step": step, "optimizer_hyperparameters": hyper}, f, indent=1)
@@ -212,7 +213,7 @@ def load_checkpoint(model, optimizer, checkpoint_dir):
             optim_state_dict=optim_state,
             options=CHECKPOINT_OPTIONS,
         )
-    _set_rng_states(load_file(os.path.join(checkpoint_dir, f"rng-rank-{rank}.safetensors")))
+    set_rng_states(load_file(os.path.join(checkpoint_dir, f"rng-rank-{rank}.safetensors")))
     return trainer_state
 
 

@@ -53,9 +53,17 @@ class Config:
     loss: str = arg(
         "",
         "mnrl: (anchor, positive, [negatives]); cosent: (text, text, score); softmax: (premise, "
-        "hypothesis, label); margin_mse: (query, positive, negative, label = the teacher's score margin). "
-        "One name for every --train-data file, or one per file (mnrl,cosent). Empty: each file's from its "
-        "columns (score: cosent; label: softmax, or margin_mse with three texts; otherwise mnrl)",
+        "hypothesis, label); margin_mse: (query, positive, negative, label = the teacher's score margin); "
+        "distill_kl: (query, positive, negatives..., scores = the teacher's score of each). One name for "
+        "every --train-data file, or one per file (mnrl,cosent). Empty: each file's from its columns "
+        "(score: cosent; label: softmax, or margin_mse with three texts; scores: distill_kl; otherwise "
+        "mnrl). Grouped rows (query, pos, neg[, pos_scores, neg_scores]): distill_kl with scores, else mnrl",
+    )
+    group_size: int = arg(
+        8,
+        "grouped rows {query, pos: [...], neg: [...]}: each step a query trains with one of its positives "
+        "and G-1 of its negatives, drawn from the seed (repeated where it has fewer); 1: no negatives",
+        at_least=1,
     )
     mix: str = arg(
         "proportional",
@@ -170,6 +178,12 @@ class Config:
     matryoshka_weights: str = arg(
         "", "Matryoshka: one weight per --matryoshka-dims size, e.g. 1,1,0.5,0.5; empty: all 1"
     )
+    student_temperature: float = arg(
+        1.0,
+        "distill_kl: the student's scores are divided by this (the loss multiplied by its square)",
+        above=0,
+    )
+    teacher_temperature: float = arg(1.0, "distill_kl: the teacher's scores are divided by this", above=0)
     mask_duplicates: bool = arg(
         False,
         "mnrl: a candidate with the same text as the row's anchor or positive is never its negative (on "
@@ -414,7 +428,7 @@ def check_field_rules(cfg):
             raise ValueError(f"{flag} must be {broken} (got {value}): {field.metadata['help']}")
 
 
-LOSS_NAMES = ("mnrl", "cosent", "softmax", "margin_mse")
+LOSS_NAMES = ("mnrl", "cosent", "softmax", "margin_mse", "distill_kl")
 
 
 def matryoshka_sizes(cfg):

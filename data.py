@@ -131,7 +131,12 @@ def root_cause(error):
 # Columns: sentence-transformers' conventions, checked against the loss
 
 
-TARGET_COLUMNS = ("label", "score")
+TARGET_COLUMNS = ("label", "score", "scores")
+# Grouped rows (BGE's and tevatron's format): a query, lists of positives and negatives, and
+# optionally a teacher's score for each. Each step draws a fixed-size group from each row
+# (batches.grouped_rows), so the text columns are made up: query, pos, neg_1 .. neg_{G-1}.
+GROUPED_COLUMNS = ("query", "pos", "neg")
+GROUP_SCORES = ("pos_scores", "neg_scores")
 
 
 # What each --eval-type reports, and the loss whose column rules its data follows.
@@ -156,6 +161,19 @@ class TrainSet:
     text_columns: list
     target: str | None
     num_labels: int = 0
+    group_size: int = 0  # grouped rows: the texts drawn per query each step; 0: the rows as they are
+
+    @property
+    def prompt_columns(self):
+        """The --prompts key of each text column: a grouped set's neg_1 .. neg_{G-1} all take 'neg'."""
+        return [c.split("_")[0] if self.group_size else c for c in self.text_columns]
+
+    @property
+    def read_columns(self):
+        """The columns the run reads, as the file has them (what data_fingerprint hashes)."""
+        if self.group_size:
+            return self.ds.column_names
+        return self.text_columns + ([self.target] if self.target else [])
 
 
 @dataclass
@@ -171,6 +189,10 @@ class EvalSet:
 def loss_from_columns(columns):
     """The loss a file's columns call for, when --loss leaves it open."""
     texts = [c for c in columns if c not in TARGET_COLUMNS]
+    if set(GROUPED_COLUMNS) <= set(columns):
+        return "distill_kl" if set(GROUP_SCORES) <= set(columns) else "mnrl"
+    if "scores" in columns:
+        return "distill_kl"
     if "score" in columns:
         return "cosent"
     if "label" in columns:
@@ -197,21 +219,19 @@ def load_train_sets(cfg):
             if names
             else loss_from_columns(ds.column_names)
         )
+        grouped = set(GROUPED_COLUMNS) <= set(ds.column_names)
         try:
-            text_columns, target, num_labels = data_columns(ds, loss)
+            if grouped:
+                text_columns, target, num_labels = grouped_columns(ds, loss, cfg.group_size)
+            else:
+                text_columns, target, num_labels = data_columns(ds, loss)
         except ValueError as e:
             raise ValueError(f"{flag}: {e}") from e
-        check_rows(ds, text_columns, target, flag)
-        train_sets.append(
-            TrainSet(
-                os.path.splitext(os.path.basename(path.rstrip("/")))[0],
-                ds,
-                loss,
-                text_columns,
-                target,
-                num_labels,
-            )
-        )
+        if not grouped:
+            check_rows(ds, text_columns, target, flag)
+        name = os.path.splitext(os.path.basename(path.rstrip("/")))[0]
+        group_size = cfg.group_size if grouped else 0
+        train_sets.append(TrainSet(name, ds, loss, text_columns, target, num_labels, group_size))
     stems = [ts.name for ts in train_sets]
     if len(set(stems)) < len(stems):
         raise ValueError(
@@ -234,16 +254,12 @@ def load_eval_sets(cfg, num_labels):
         flag = f"--eval-data {path}"
         ds = load_data(path, "validation", flag=flag)
         columns = ds.column_names
-        # A 'label' with three text columns is a teacher's margin (margin_mse): that file's metric is
-        # the loss.
-        texts = [c for c in columns if c not in TARGET_COLUMNS]
-        kind = cfg.eval_type or (
-            "sts"
-            if "score" in columns
-            else ("loss" if len(texts) == 3 else "nli")
-            if "label" in columns
-            else "retrieval"
-        )
+        if set(GROUPED_COLUMNS) <= set(columns):
+            raise ValueError(
+                f"{flag}: grouped rows (query, pos, neg) are for training; evaluate on pairs (retrieval) "
+                "or on (query, positive, negative ..., scores) rows (the distill_kl loss)"
+            )
+        kind = cfg.eval_type or eval_kind(columns)
         # Scored by its loss: --loss when it names one, else the file's columns decide (as for training).
         loss = cfg.loss if cfg.loss and "," not in cfg.loss else loss_from_columns(columns)
         try:
@@ -289,6 +305,18 @@ def load_eval_sets(cfg, num_labels):
     return eval_sets
 
 
+def eval_kind(columns):
+    """What an evaluation file's columns call for when --eval-type leaves it open. A 'label' with
+    three text columns is a teacher's margin (margin_mse), and 'scores' a teacher's scores
+    (distill_kl): such a file's metric is the loss."""
+    texts = [c for c in columns if c not in TARGET_COLUMNS]
+    if "score" in columns:
+        return "sts"
+    if "scores" in columns or ("label" in columns and len(texts) == 3):
+        return "loss"
+    return "nli" if "label" in columns else "retrieval"
+
+
 def data_columns(ds, loss_name):
     """Split the columns into text columns (in order) and the target column, and check that
     they fit the loss. Returns (text_columns, target_column or None, num_labels or 0)."""
@@ -311,6 +339,13 @@ def data_columns(ds, loss_name):
                 "--loss mnrl needs (anchor, positive[, negative ...]) text columns and no target; got "
                 f"{ds.column_names}"
             )
+    elif loss_name == "distill_kl":
+        if len(texts) < 3 or target is None:
+            raise ValueError(
+                "--loss distill_kl needs (query, positive, negative[, negative ...]) text columns and a "
+                f"'scores' (or 'label') list with the teacher's score of each; got {ds.column_names}"
+            )
+        check_score_lists(ds[target][:], target, len(texts) - 1)
     elif loss_name == "margin_mse":
         if len(texts) != 3 or target is None:
             raise ValueError(
@@ -335,6 +370,64 @@ def data_columns(ds, loss_name):
         )
     num_labels = softmax_classes(ds, target) if loss_name == "softmax" else 0
     return texts, target, num_labels
+
+
+def is_score_list(value, length):
+    """A list of `length` finite numbers (a teacher's scores)."""
+    return (
+        isinstance(value, list)
+        and len(value) == length
+        and all(isinstance(x, (int, float)) and not isinstance(x, bool) and math.isfinite(x) for x in value)
+    )
+
+
+def check_score_lists(values, column, length):
+    """Every row's `column` lists one finite teacher score per text after the query."""
+    for i, value in enumerate(values):
+        if not is_score_list(value, length):
+            raise ValueError(
+                f"row {i} has {column} = {value!r}; it must list {length} finite numbers, the teacher's "
+                "score of each text after the query"
+            )
+
+
+def grouped_columns(ds, loss_name, group_size):
+    """A grouped data set's (made-up text columns, target, 0), after checking every row: a
+    non-empty query, at least one positive, at least one negative when the group needs any,
+    and (with distill_kl) one finite teacher score per positive and per negative."""
+    if len(ds) == 0:
+        raise ValueError("the data set holds no rows")
+    has_scores = set(GROUP_SCORES) <= set(ds.column_names)
+    if loss_name not in ("mnrl", "distill_kl") or (loss_name == "distill_kl" and not has_scores):
+        raise ValueError(
+            f"grouped rows {GROUPED_COLUMNS} train with --loss mnrl, or distill_kl with the teacher's "
+            f"{' and '.join(GROUP_SCORES)}; got --loss {loss_name} and columns {ds.column_names}"
+        )
+    if loss_name == "distill_kl" and group_size < 2:
+        raise ValueError(
+            "--loss distill_kl over groups needs --group-size 2 or more (a positive and a negative)"
+        )
+    for i, (query, pos, neg) in enumerate(zip(*(ds[c][:] for c in GROUPED_COLUMNS))):
+        if not isinstance(query, str) or not query.strip():
+            raise ValueError(f"row {i} has {'no' if query is None else 'an empty'} query; remove or fill it")
+        for column, texts, needed in (("pos", pos, 1), ("neg", neg, 1 if group_size > 1 else 0)):
+            if not isinstance(texts, list) or len(texts) < needed:
+                raise ValueError(
+                    f"row {i} has {column} = {texts!r}; it must be a list of at least {needed} text(s)"
+                    + (f" for --group-size {group_size}" if column == "neg" else "")
+                )
+            if not all(isinstance(t, str) and t.strip() for t in texts):
+                raise ValueError(f"row {i}: {column} holds a null or empty text; remove or fill it")
+    if loss_name == "distill_kl":
+        for column, texts_column in zip(GROUP_SCORES, GROUPED_COLUMNS[1:]):
+            for i, (values, texts) in enumerate(zip(ds[column][:], ds[texts_column][:])):
+                if not is_score_list(values, len(texts)):
+                    raise ValueError(
+                        f"row {i} has {column} = {values!r}; it must list {len(texts)} finite numbers, "
+                        f"the teacher's score of each text in {texts_column}"
+                    )
+    negatives = [f"neg_{g}" for g in range(1, group_size)]
+    return ["query", "pos", *negatives], "scores" if loss_name == "distill_kl" else None, 0
 
 
 def softmax_classes(ds, target):
@@ -390,6 +483,8 @@ def check_rows(ds, text_columns, target, flag):
     if target is None:
         return
     for i, value in enumerate(ds[target][:]):
+        if isinstance(value, list):  # a teacher's scores (distill_kl): checked by check_score_lists
+            continue
         if value is None or not math.isfinite(value):
             raise ValueError(f"{flag}: row {i} has {target} = {value}; every row needs a finite {target}")
 

@@ -9,11 +9,12 @@ Shape legend (suffixes on tensor names):
     B  batch size (rows of one micro-batch on one rank)
     D  embedding dimension
     N  number of candidates for MNRL: B * (1 + number of hard-negative columns)
+    G  a query's group for listwise distillation: its positive and hard negatives
     C  number of classes (Softmax loss)
 
 Each function returns a scalar: the mean over the batch (CoSENT: one log-sum-exp over all
 pairs of the batch), matching sentence-transformers' MultipleNegativesRankingLoss, CoSENTLoss,
-SoftmaxLoss, MarginMSELoss and MatryoshkaLoss on the same embeddings, values and gradients.
+SoftmaxLoss, MarginMSELoss, DistillKLDivLoss and MatryoshkaLoss on the same embeddings, values and gradients.
 
 Usage (one process, CPU is fine):
     import losses
@@ -229,6 +230,25 @@ def margin_mse_loss(emb_query_BD, emb_positive_BD, emb_negative_BD, margins_B):
     """
     predicted_B = (emb_query_BD * emb_positive_BD).sum(-1) - (emb_query_BD * emb_negative_BD).sum(-1)
     return F.mse_loss(predicted_B, margins_B.to(predicted_B.dtype))
+
+
+def distill_kl_loss(emb_query_BD, emb_group, teacher_BG, student_temperature=1.0, teacher_temperature=1.0):
+    """DistillKLDivLoss (Lin et al., 2020): listwise distillation. The student's score
+    distribution over each query's group (its positive and hard negatives, `emb_group`: G
+    columns of (B, D)) is matched to a teacher's scores over the same texts (`teacher_BG`).
+
+        s_ig = q_i . d_ig / T_student          (dot products, as sentence-transformers)
+        p_i  = softmax_g(teacher_ig / T_teacher)
+        loss = T_student^2 * mean_i KL(p_i || softmax_g(s_i))
+
+    T_student^2 keeps the gradient's size comparable across temperatures (Hinton et al.). Each
+    row sees its own group only, so the loss is a mean of per-row terms: no negatives from
+    other rows or ranks."""
+    student_BG = torch.stack([(emb_query_BD * emb_BD).sum(-1) for emb_BD in emb_group], dim=1)
+    teacher_probs_BG = torch.softmax(teacher_BG.to(student_BG.dtype) / teacher_temperature, dim=1)
+    log_probs_BG = torch.log_softmax(student_BG / student_temperature, dim=1)
+    kl = F.kl_div(log_probs_BG, teacher_probs_BG, reduction="batchmean")
+    return kl * student_temperature**2
 
 
 def matryoshka_loss(loss_of, embs, dims, weights):

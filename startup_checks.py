@@ -178,10 +178,7 @@ def start_up_checks(cfg, world_size, device):
     train_sets = data.load_train_sets(cfg)
     check_losses(cfg, train_sets, world_size)
     # One set: 'N rows, sha256 H', as before several sets could train together.
-    fingerprint = "; ".join(
-        data.data_fingerprint(ts.ds, ts.text_columns + ([ts.target] if ts.target else []))
-        for ts in train_sets
-    )
+    fingerprint = "; ".join(data.data_fingerprint(ts.ds, ts.read_columns) for ts in train_sets)
     resume_dir = checkpoint_to_resume(cfg, world_size, fingerprint)
     if resume_dir == "finished":
         return StartUp(finished=True)
@@ -377,7 +374,13 @@ def check_losses(cfg, train_sets, world_size):
         raise ValueError(
             "--matryoshka-dims: the Softmax head reads embeddings of one fixed size, "
             "so it cannot train truncated ones; "
-            "use --loss mnrl, cosent or margin_mse"
+            "use --loss mnrl, cosent, margin_mse or distill_kl"
+        )
+    grouped = [ts.name for ts in train_sets if ts.group_size]
+    if grouped and cfg.batch_sampler == "no_duplicates":
+        raise ValueError(
+            f"--batch-sampler no_duplicates: the grouped rows of {', '.join(grouped)} draw their texts each "
+            "step, so no batch can be checked in advance; use --mask-duplicates (mnrl) instead"
         )
     for ts in train_sets:
         candidates = (
@@ -396,7 +399,9 @@ def check_losses(cfg, train_sets, world_size):
 def check_prompt_columns(cfg, train_sets, eval_sets):
     """Every --prompts key names a text column of some training or evaluation file: a typo
     would otherwise train without the prompt, silently."""
-    columns = sorted({c for s in [*train_sets, *eval_sets] for c in s.text_columns})
+    columns = sorted(
+        {c for s in train_sets for c in s.prompt_columns} | {c for s in eval_sets for c in s.text_columns}
+    )
     for column in config.prompts_of(cfg):
         if column not in columns:
             raise ValueError(

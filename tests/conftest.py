@@ -263,6 +263,31 @@ def export_weights(folder, name="model.safetensors"):
     return load_file(Path(folder) / name)
 
 
+def grouped_file(path, num_rows=120):
+    """Grouped rows {query, pos, neg, pos_scores, neg_scores} made from SICK triplets: each
+    anchor's positive (and every third row, a second one), its own negative and those of the
+    next rows (1 to 6 negatives: some rows have fewer than a group needs), and made-up teacher
+    scores (any numbers serve an equivalence)."""
+    with open(data_file("sick-triplets-train.jsonl")) as f:
+        rows = [json.loads(line) for line in f]
+    lines = []
+    for i, r in enumerate(rows[:num_rows]):
+        pos = [r["positive"]] + ([rows[(i + 1) % len(rows)]["positive"]] if i % 3 == 0 else [])
+        neg = [rows[(i + j) % len(rows)]["negative"] for j in range(1 + i % 6)]
+        pos_scores = [round(5 + ((i * 13 + k * 7) % 10) / 3, 3) for k in range(len(pos))]
+        neg_scores = [round(((i * 31 + k * 17) % 23) / 5, 3) for k in range(len(neg))]
+        group = {
+            "query": r["anchor"],
+            "pos": pos,
+            "neg": neg,
+            "pos_scores": pos_scores,
+            "neg_scores": neg_scores,
+        }
+        lines.append(json.dumps(group) + "\n")
+    Path(path).write_text("".join(lines))
+    return path
+
+
 def sentences(n=2000):
     """Real sentences (STS-B's first column): what the tiny decoders' tokenizers are trained on."""
     with open(data_file("stsb-train.jsonl")) as f:

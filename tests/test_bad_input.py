@@ -52,6 +52,21 @@ def nli(n, **override):
     ]
 
 
+def groups(n, **override):
+    """Grouped rows with a teacher's scores; row 5 takes `override`."""
+    return [
+        {
+            "query": f"q {i}",
+            "pos": [f"p {i}"],
+            "neg": [f"n {i}", f"m {i}"],
+            "pos_scores": [0.9],
+            "neg_scores": [0.2, 0.1],
+            **(override if i == 5 else {}),
+        }
+        for i in range(n)
+    ]
+
+
 def fake_checkpoint(out, world_size=2, seed=12, fingerprint=None, damaged=False):
     """A complete-looking checkpoint folder: what resuming reads before loading anything (its
     manifest, then trainer_state.json). `damaged`: the manifest lists a shard cut short."""
@@ -531,6 +546,66 @@ IN_PROCESS_CASES = [
             write_jsonl(t / "p.jsonl", [{"anchor": "same", "positive": f"p {i}"} for i in range(40)]),
         ],
         "makes no global batch of 32 rows with no text twice (--batch-sampler no_duplicates)",
+    ),
+    # Grouped rows and listwise distillation
+    (
+        "grouped row without a positive",
+        lambda t: ["--train-data", write_jsonl(t / "g.jsonl", groups(40, pos=[], pos_scores=[]))],
+        "row 5 has pos = []; it must be a list of at least 1 text(s)",
+    ),
+    (
+        "grouped row without negatives for the group size",
+        lambda t: ["--train-data", write_jsonl(t / "g.jsonl", groups(40, neg=[], neg_scores=[]))],
+        "row 5 has neg = []; it must be a list of at least 1 text(s) for --group-size 8",
+    ),
+    (
+        "a teacher score missing in a grouped row",
+        lambda t: ["--train-data", write_jsonl(t / "g.jsonl", groups(40, neg_scores=[0.3]))],
+        "row 5 has neg_scores = [0.3]; it must list 2 finite numbers, the teacher's score of each text",
+    ),
+    (
+        "distill_kl on groups without scores",
+        lambda t: [
+            "--loss",
+            "distill_kl",
+            "--train-data",
+            write_jsonl(t / "g.jsonl", [{k: r[k] for k in ("query", "pos", "neg")} for r in groups(40)]),
+        ],
+        "train with --loss mnrl, or distill_kl with the teacher's pos_scores and neg_scores",
+    ),
+    (
+        "distill_kl on a group of one",
+        lambda t: ["--group-size", 1, "--train-data", write_jsonl(t / "g.jsonl", groups(40))],
+        "--loss distill_kl over groups needs --group-size 2 or more",
+    ),
+    (
+        "no_duplicates on grouped rows",
+        lambda t: [
+            "--batch-sampler",
+            "no_duplicates",
+            "--train-data",
+            write_jsonl(t / "g.jsonl", groups(40)),
+        ],
+        "no batch can be checked in advance; use --mask-duplicates",
+    ),
+    (
+        "a teacher score list of the wrong length",
+        lambda t: [
+            "--train-data",
+            write_jsonl(
+                t / "k.jsonl",
+                [
+                    {"query": f"q {i}", "positive": f"p {i}", "negative": f"n {i}", "scores": [1.0]}
+                    for i in range(40)
+                ],
+            ),
+        ],
+        "row 0 has scores = [1.0]; it must list 2 finite numbers",
+    ),
+    (
+        "grouped rows as evaluation data",
+        lambda t: ["--eval-data", write_jsonl(t / "g.jsonl", groups(40))],
+        "grouped rows (query, pos, neg) are for training",
     ),
     # Resuming: what the checkpoint holds must be whole, and the data the same.
     (

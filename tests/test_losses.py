@@ -193,6 +193,37 @@ def test_margin_mse_matches_naive_loop_and_sentence_transformers(st_model):
     )
 
 
+def naive_distill_kl(q, docs, teacher, student_t, teacher_t):
+    """KL(teacher || student) over each row's group, summed term by term, mean over rows."""
+    total = 0
+    for i in range(len(q)):
+        s = [q[i] @ d[i] / student_t for d in docs]
+        log_z = torch.log(sum(torch.exp(x) for x in s))
+        t = [torch.exp(x / teacher_t) for x in teacher[i]]
+        p = [x / sum(t) for x in t]
+        total = total + sum(p[g] * (torch.log(p[g]) - (s[g] - log_z)) for g in range(len(docs)))
+    return total / len(q) * student_t**2
+
+
+@pytest.mark.parametrize("student_t, teacher_t", [(1.0, 1.0), (0.5, 2.0), (3.0, 0.25)])
+def test_distill_kl_matches_naive_loop_and_sentence_transformers(st_model, student_t, teacher_t):
+    """Listwise distillation over a group of a positive and 3 negatives, at a shared and at
+    separate student and teacher temperatures."""
+    q, *docs = embeddings(*[(B, D)] * 5, seed=9)
+    teacher = torch.randn(B, 4, generator=torch.Generator().manual_seed(10), dtype=torch.float64) * 3
+    ours = value_and_grads(lambda: losses.distill_kl_loss(q, docs, teacher, student_t, teacher_t), [q, *docs])
+    naive = lambda: naive_distill_kl(q, docs, teacher, student_t, teacher_t)  # noqa: E731
+    assert_same(ours, value_and_grads(naive, [q, *docs]), 1e-9)
+    reference = st_losses.DistillKLDivLoss(
+        st_model, student_temperature=student_t, teacher_temperature=teacher_t
+    )
+    st_value = lambda: reference.compute_loss_from_embeddings([q, *docs], teacher)  # noqa: E731
+    assert_same(ours, value_and_grads(st_value, [q, *docs]), 1e-9)
+    # The teacher's scores matter: another teacher gives another loss.
+    other = losses.distill_kl_loss(q, docs, teacher.flip(1), student_t, teacher_t)
+    assert abs(other.item() - ours[0].item()) > 1e-3
+
+
 @pytest.mark.parametrize("scale", [1.0, 7.5, 50.0])
 def test_scale_matches_sentence_transformers(st_model, scale):
     a, p, n = embeddings((B, D), (B, D), (B, D), seed=5)

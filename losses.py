@@ -204,6 +204,20 @@ def _mnrl_directions(emb_anchor_BD, emb_candidates, scale, gather, directions, p
     return (log_z_B - positive_B).mean()
 
 
+def own_negatives_loss(emb_anchor_BD, emb_candidates, scale=20.0):
+    """MNRL against each row's own texts only: anchor i is ranked against its positive and its
+    own hard negatives (the columns of `emb_candidates`, positive first), never against other
+    rows' texts. For data where other rows are no negatives (classes, clusters: another row of
+    the same class would be pushed away).
+
+        s_ig = scale * cos(a_i, c_ig)        loss = mean_i -log softmax_g(s_i)[positive]
+    """
+    scores_BG = scale * torch.stack(
+        [F.cosine_similarity(emb_anchor_BD, c, dim=-1) for c in emb_candidates], 1
+    )
+    return F.cross_entropy(scores_BG, scores_BG.new_zeros(len(scores_BG), dtype=torch.long))
+
+
 def cosent_loss(emb_a_BD, emb_b_BD, scores_B, scale=20.0):
     """CoSENTLoss (Su, 2022): rank the pairs' cosine similarities like their gold scores.
 

@@ -106,16 +106,20 @@ class StepMeter:
     spent training, for samples/s. Evaluation and saving are not training: they are timed into
     `paused` (timed(meter.paused, "eval")) and left out."""
 
-    def __init__(self, global_batch, several_sets):
-        self.global_batch, self.several_sets = global_batch, several_sets
+    def __init__(self, several_sets):
+        self.several_sets = several_sets
         self.paused = {"eval": 0.0, "save": 0.0}
         self.start = self.last_time = time.perf_counter()
         self.paused_at_last = 0.0
         self.loss_sums, self.steps = collections.Counter(), collections.Counter()
+        self.rows = self.total_rows = 0  # since the last log line; since the start
 
-    def add(self, set_name, step_loss):
+    def add(self, set_name, step_loss, global_batch):
+        """One step of set `set_name`: its loss (the mean over ranks) and its rows (all ranks')."""
         self.loss_sums[set_name] += step_loss
         self.steps[set_name] += 1
+        self.rows += global_batch
+        self.total_rows += global_batch
 
     def record(self, step, epoch, grad_norm, lr):
         """The log line of the steps since the last one (with several training sets, each set's
@@ -124,22 +128,22 @@ class StepMeter:
         seconds = time.perf_counter() - self.last_time - (paused - self.paused_at_last)
         loss = sum(self.loss_sums.values()) / steps
         record = {"step": step, "epoch": round(epoch, 4), "loss": loss, "grad_norm": grad_norm, "lr": lr}
-        record["samples_per_s"] = steps * self.global_batch / seconds
+        record["samples_per_s"] = self.rows / seconds
         if self.several_sets:
             record.update(
                 {f"loss/{name}": self.loss_sums[name] / count for name, count in self.steps.items()}
             )
-        self.loss_sums, self.steps = collections.Counter(), collections.Counter()
+        self.loss_sums, self.steps, self.rows = collections.Counter(), collections.Counter(), 0
         self.last_time, self.paused_at_last = time.perf_counter(), paused
         return record
 
-    def summary(self, final_loss, steps_run):
+    def summary(self, final_loss):
         """The run's totals, for the last line of metrics.jsonl and the export."""
         train_seconds = time.perf_counter() - self.start - sum(self.paused.values())
         return {
             "final_loss": final_loss,
             "train_seconds": train_seconds,
-            "samples_per_s": steps_run * self.global_batch / train_seconds,
+            "samples_per_s": self.total_rows / train_seconds,
             "eval_seconds": self.paused["eval"],
             "checkpoint_seconds": self.paused["save"],
         }

@@ -184,13 +184,14 @@ def start_up_checks(cfg, world_size, device):
         return StartUp(finished=True)
     global_batch = cfg.per_device_batch_size * world_size * cfg.grad_accum_steps
     for ts in train_sets:
-        if len(ts.ds) < global_batch:
+        ts.global_batch = ts.per_device_batch_size * world_size * cfg.grad_accum_steps
+        if len(ts.ds) < ts.global_batch:
             raise ValueError(
-                f"--train-data {ts.name}: {len(ts.ds)} rows make no global batch of {global_batch} "
-                f"(= {cfg.per_device_batch_size} per device x {world_size} processes x "
+                f"--train-data {ts.name}: {len(ts.ds)} rows make no global batch of {ts.global_batch} "
+                f"(= {ts.per_device_batch_size} per device x {world_size} processes x "
                 f"{cfg.grad_accum_steps} accumulation); lower --per-device-batch-size"
             )
-    schedule = batches.training_schedule(train_sets, cfg, global_batch)
+    schedule = batches.training_schedule(train_sets, cfg)
     # the Softmax set's classes (at most one set has them)
     num_labels = max(ts.num_labels for ts in train_sets)
     eval_sets = data.load_eval_sets(cfg, num_labels)
@@ -237,11 +238,6 @@ def check_flags(cfg, world_size, device):
     check_matryoshka(cfg)
     config.prompts_of(cfg)
     check_export_flags(cfg)
-    if cfg.cache_chunk_size > cfg.per_device_batch_size:
-        raise ValueError(
-            f"--cache-chunk-size {cfg.cache_chunk_size} must be between 1 and "
-            f"--per-device-batch-size {cfg.per_device_batch_size} (0 turns GradCache off)"
-        )
     check_run_mode_flags(cfg)
     return strategy
 
@@ -383,9 +379,10 @@ def check_losses(cfg, train_sets, world_size):
             "step, so no batch can be checked in advance; use --mask-duplicates (mnrl) instead"
         )
     for ts in train_sets:
+        check_set_settings(cfg, ts)
         candidates = (
-            cfg.per_device_batch_size
-            * (world_size if cfg.gather_negatives else 1)
+            ts.per_device_batch_size
+            * (world_size if cfg.gather_negatives and not ts.own_negatives else 1)
             * (len(ts.text_columns) - 1)
         )
         if ts.loss == "mnrl" and candidates == 1:
@@ -394,6 +391,26 @@ def check_losses(cfg, train_sets, world_size):
                 "against its own positive alone: the loss is 0 and nothing trains. "
                 "Raise --per-device-batch-size, add a negative column, or use --gather-negatives"
             )
+
+
+def check_set_settings(cfg, ts):
+    """A training set's own settings (--dataset-settings), against its loss and columns."""
+    if cfg.cache_chunk_size > ts.per_device_batch_size:
+        raise ValueError(
+            f"--cache-chunk-size {cfg.cache_chunk_size} must be between 1 and the per-device batch size "
+            f"({ts.per_device_batch_size}, {ts.name}'s); 0 turns GradCache off"
+        )
+    if ts.own_negatives and (ts.loss != "mnrl" or len(ts.text_columns) < 3):
+        raise ValueError(
+            f"--dataset-settings {ts.name}: own_negatives ranks each anchor against its own positive and "
+            f"hard negatives, so it needs --loss mnrl and a negative column (it has {ts.loss}, columns "
+            f"{ts.text_columns})"
+        )
+    if ts.weight != 1 and cfg.mix == "round_robin":
+        raise ValueError(
+            f"--dataset-settings {ts.name}: a weight sets its share of a proportional mix; "
+            "--mix round_robin takes the sets in turn (use --mix proportional)"
+        )
 
 
 def check_prompt_columns(cfg, train_sets, eval_sets):
@@ -409,6 +426,14 @@ def check_prompt_columns(cfg, train_sets, eval_sets):
                 f"(they have: {', '.join(columns)}); "
                 "key each prompt by the column it is for"
             )
+    own = json.loads(cfg.dataset_settings or "{}")
+    for ts in train_sets:
+        for column in own.get(ts.name, {}).get("prompts", {}):
+            if column not in ts.prompt_columns:
+                raise ValueError(
+                    f"--dataset-settings {ts.name}: prompts names {column!r}, no text column of its file "
+                    f"(it has: {', '.join(dict.fromkeys(ts.prompt_columns))})"
+                )
 
 
 # ----------------------------------------------------------------------------------------------
@@ -705,7 +730,7 @@ def derived_values(cfg, plan, loaded, world_size, device):
         "global_batch": plan.global_batch,
         "train_rows": sum(len(ts.ds) for ts in plan.train_sets),
         "train_data_fingerprint": plan.data_fingerprint,
-        "steps_per_epoch": len(batches.epoch_batches(plan.train_sets, cfg, plan.global_batch, 0)),
+        "steps_per_epoch": len(batches.epoch_batches(plan.train_sets, cfg, 0)),
         "total_steps": total_steps,
         "warmup_steps": math.ceil(cfg.warmup_ratio * total_steps),
         "max_seq_length_used": loaded.max_seq_length,
@@ -718,6 +743,11 @@ def derived_values(cfg, plan, loaded, world_size, device):
                 "loss": ts.loss,
                 "text_columns": ts.text_columns,
                 "target_column": ts.target,
+                "per_device_batch_size": ts.per_device_batch_size,
+                "global_batch": ts.global_batch,
+                "weight": ts.weight,
+                "own_negatives": ts.own_negatives,
+                "prompts": ts.prompts,
                 "steps": sum(1 for _, i, _ in plan.schedule if i == index),
             }
             for index, ts in enumerate(plan.train_sets)

@@ -84,7 +84,7 @@ def main(cfg):
     )
     fsdp_utils.print0(json.dumps({**dataclasses.asdict(cfg), **derived}, indent=2))
     log = open_log(cfg, start_step) if is_rank0 else None  # rank 0 writes the metrics
-    meter = metrics.StepMeter(derived["global_batch"], several_sets=len(plan.train_sets) > 1)
+    meter = metrics.StepMeter(several_sets=len(plan.train_sets) > 1)
     if cfg.eval_on_start and start_step == 0:  # ALL ranks: evaluation is collective
         with metrics.timed(meter.paused, "eval"):
             best_value = evaluate_and_log(model, loaded, plan, cfg, derived, device, 0, best_value, log)
@@ -116,7 +116,7 @@ def main(cfg):
         # ALL ranks: clipping is a collective under FSDP (the norm of sharded gradients).
         grad_norm, lr = clip_and_step(model, optimizer, scheduler, scaler, cfg.max_grad_norm)
         progress.update(1)
-        meter.add(train_set.name, step_loss_value)
+        meter.add(train_set.name, step_loss_value, train_set.global_batch)
         if step % cfg.log_steps == 0 or step == total_steps:  # no collective: rank 0 writes
             last_loss = log_step(meter, log, progress, step, plan.schedule[step - 1][0], grad_norm, lr)
         if plan.eval_sets and ((cfg.eval_steps and step % cfg.eval_steps == 0) or step == total_steps):
@@ -129,7 +129,7 @@ def main(cfg):
                 save_state(model, optimizer, scheduler, scaler, cfg, derived, step, best_value, device)
     progress.close()
 
-    summary = meter.summary(last_loss, total_steps - start_step)
+    summary = meter.summary(last_loss)
     with metrics.timed(summary, "export_seconds"):  # ALL ranks: each stages its shards, rank 0 writes
         export.export_model(model, loaded, final_dir, cfg, derived, summary, is_rank0, plan.sees_output_dir)
     fsdp_utils.print0(json.dumps(summary))
@@ -193,12 +193,9 @@ def build_optimizer(model, no_decay_names, lr, weight_decay, fused=True):
         (no_decay if plain_name in no_decay_names else decay).append(param)
     # An empty group (LoRA trains no bias or LayerNorm) is left out: torch's flattened optimizer
     # state dict cannot load one back ("list index out of range" on resume).
-    groups = [
-        g
-        for g in ({"params": decay, "weight_decay": weight_decay}, {"params": no_decay, "weight_decay": 0.0})
-        if g["params"]
-    ]
-    return torch.optim.AdamW(groups, lr=lr, fused=fused)  # fused: ~6% faster on CPU than the loop
+    groups = [{"params": decay, "weight_decay": weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
+    # fused: ~6% faster on CPU than the loop
+    return torch.optim.AdamW([g for g in groups if g["params"]], lr=lr, fused=fused)
 
 
 def linear_schedule(warmup_steps, total_steps):
@@ -267,6 +264,7 @@ def forward_backward(model, train_set, rows, features, labels, opts, device, syn
 
     def loss_of(embs):  # the micro-batch's loss from its column embeddings (GradCache: cached ones)
         kwargs = {"text_ids": ids, "idle_head": opts.idle_head, **opts.loss}
+        kwargs["own_negatives"] = train_set.own_negatives  # MNRL over each row's own texts only
         return embeddings_loss(model, embs, labels, train_set.loss, **kwargs) / opts.grad_accum_steps
 
     if opts.cache_chunk_size:
@@ -347,12 +345,14 @@ def embeddings_loss(
     idle_head=False,
     mnrl=None,
     temperatures=(1.0, 1.0),
+    own_negatives=False,
 ):
     """The loss of one micro-batch from its column embeddings (each (B, D), fp32). `model` is
     only used for the Softmax head, which runs through the wrapped root (FSDP gathers it).
     `matryoshka`: (dims, weights), the loss summed over truncated sizes; `text_ids`: one id
     tensor per column, for MNRL's duplicate-safe negatives; `mnrl`: mnrl_loss's directions and
-    partition; `temperatures`: distill_kl's (student, teacher). `idle_head`: the model has a
+    partition; `temperatures`: distill_kl's (student, teacher); `own_negatives`: MNRL against each
+    row's own positive and hard negatives only (own_negatives_loss). `idle_head`: the model has a
     Softmax head that this loss does not use (another set's, in a mix): it is touched with a
     zero, so its gradient is 0 on every rank and in every strategy (DDP reduces only what the
     backward reaches, and would wait for it)."""
@@ -361,6 +361,8 @@ def embeddings_loss(
         touch = 0.0 * model(head_input=embs[0].detach()[:1].repeat(1, 3)).float().sum()
 
     def loss_of(embs):
+        if loss_name == "mnrl" and own_negatives:
+            return losses.own_negatives_loss(embs[0], embs[1:], scale=scale)
         if loss_name == "mnrl":
             mnrl_options = {"gather": gather, "symmetric": symmetric, "text_ids": text_ids, **(mnrl or {})}
             return losses.mnrl_loss(embs[0], embs[1:], scale=scale, **mnrl_options)

@@ -147,7 +147,7 @@ IN_PROCESS_CASES = [
     (
         "chunk larger than the batch",
         lambda t: ["--cache-chunk-size", 64],
-        "--cache-chunk-size 64 must be between 1 and --per-device-batch-size 16",
+        "--cache-chunk-size 64 must be between 1 and the per-device batch size (16, example-pairs's)",
     ),
     (
         "unfinished run in the output folder",
@@ -606,6 +606,32 @@ IN_PROCESS_CASES = [
         "grouped rows as evaluation data",
         lambda t: ["--eval-data", write_jsonl(t / "g.jsonl", groups(40))],
         "grouped rows (query, pos, neg) are for training",
+    ),
+    # Settings of each training set
+    (
+        "settings for a file that is not trained",
+        lambda t: ["--dataset-settings", '{"nli": {"weight": 2}}'],
+        "--dataset-settings: 'nli' is no --train-data file (their stems: example-pairs)",
+    ),
+    (
+        "an unknown setting of a training set",
+        lambda t: ["--dataset-settings", '{"example-pairs": {"batch": 2}}'],
+        "--dataset-settings example-pairs: unknown setting 'batch'; choose from per_device_batch_size",
+    ),
+    (
+        "own negatives on pairs without a negative",
+        lambda t: ["--dataset-settings", '{"example-pairs": {"own_negatives": true}}'],
+        "own_negatives ranks each anchor against its own positive and hard negatives, so it needs",
+    ),
+    (
+        "a weight with round-robin mixing",
+        lambda t: ["--mix", "round_robin", "--dataset-settings", '{"example-pairs": {"weight": 2}}'],
+        "a weight sets its share of a proportional mix",
+    ),
+    (
+        "a set's prompt for a column it lacks",
+        lambda t: ["--dataset-settings", '{"example-pairs": {"prompts": {"query": "q: "}}}'],
+        "--dataset-settings example-pairs: prompts names 'query', no text column of its file",
     ),
     # Resuming: what the checkpoint holds must be whole, and the data the same.
     (

@@ -224,6 +224,24 @@ def test_distill_kl_matches_naive_loop_and_sentence_transformers(st_model, stude
     assert abs(other.item() - ours[0].item()) > 1e-3
 
 
+def test_own_negatives_is_mnrl_over_each_row_alone(st_model):
+    """MNRL with each row's own texts only equals sentence-transformers' MNRL on batches of one
+    row (where no other row exists), averaged; and differs from in-batch MNRL."""
+    a, p, n1, n2 = embeddings(*[(B, D)] * 4, seed=11)
+    ours = value_and_grads(lambda: losses.own_negatives_loss(a, [p, n1, n2], scale=7.0), [a, p, n1, n2])
+    mnrl = st_losses.MultipleNegativesRankingLoss(st_model, scale=7.0)
+
+    def one_row_batches():
+        rows = [
+            mnrl.compute_loss_from_embeddings([e[i : i + 1] for e in (a, p, n1, n2)], None) for i in range(B)
+        ]
+        return sum(rows) / B
+
+    assert_same(ours, value_and_grads(one_row_batches, [a, p, n1, n2]), 1e-9)
+    in_batch = losses.mnrl_loss(a, [p, n1, n2], scale=7.0)
+    assert abs(in_batch.item() - ours[0].item()) > 1e-2
+
+
 @pytest.mark.parametrize("scale", [1.0, 7.5, 50.0])
 def test_scale_matches_sentence_transformers(st_model, scale):
     a, p, n = embeddings((B, D), (B, D), (B, D), seed=5)

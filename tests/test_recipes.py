@@ -220,8 +220,40 @@ def test_scale_reaches_the_loss(tmp_path, tiny_model):
 def schedule_for(args, world_size=1):
     cfg = config.parse_config([str(a) for a in args])
     sets = data.load_train_sets(cfg)
+    for ts in sets:  # as the start-up checks set it
+        ts.global_batch = ts.per_device_batch_size * world_size * cfg.grad_accum_steps
     global_batch = cfg.per_device_batch_size * world_size * cfg.grad_accum_steps
-    return sets, batches.training_schedule(sets, cfg, global_batch), global_batch, cfg
+    return sets, batches.training_schedule(sets, cfg), global_batch, cfg
+
+
+def test_each_set_has_its_own_batch_size_and_weight(tmp_path):
+    """--dataset-settings: STS-B at 6 rows per device and weight 0.5, the pairs at 16 and weight
+    2.5: each global batch has its set's size; an epoch holds round(weight x batches) of each,
+    the pairs' rows from three shuffles (each row at most 3 times, no row twice in one batch),
+    STS-B's from one (each row at most once)."""
+    pairs, sts = data_file("sick-pairs-train.jsonl"), data_file("stsb-train.jsonl")
+    settings = {
+        "stsb-train": {"per_device_batch_size": 6, "weight": 0.5},
+        "sick-pairs-train": {"weight": 2.5},
+    }
+    args = ["--train-data", f"{pairs},{sts}", "--per-device-batch-size", 16, "--epochs", 1]
+    sets, schedule, _, _ = schedule_for([*args, "--dataset-settings", json.dumps(settings)], world_size=2)
+    assert [ts.global_batch for ts in sets] == [32, 12]
+    plain = [len(ts.ds) // ts.global_batch for ts in sets]
+    assert [sum(i == k for _, i, _ in schedule) for k in (0, 1)] == [
+        round(2.5 * plain[0]),
+        round(0.5 * plain[1]),
+    ]
+    for k, most in ((0, 3), (1, 1)):
+        rows = [r for _, i, r in schedule if i == k]
+        assert all(len(r) == sets[k].global_batch and len(r.unique()) == len(r) for r in rows)
+        assert torch.cat(rows).bincount().max().item() == most
+    # Without settings: the plain schedule, whose first set keeps the one-set order.
+    _, unweighted, _, _ = schedule_for(args, world_size=2)
+    assert [sum(i == k for _, i, _ in unweighted) for k in (0, 1)] == [
+        len(sets[0].ds) // 32,
+        len(sets[1].ds) // 32,
+    ]
 
 
 def test_the_mix_deals_whole_global_batches_from_one_set(tmp_path):
@@ -299,9 +331,17 @@ def test_no_duplicates_sampler_keeps_every_text_once_per_global_batch(tmp_path):
     )  # the default sampler does repeat
 
 
+MIX_SETTINGS = {
+    "stsb-train": {"per_device_batch_size": 4, "weight": 0.25, "prompts": {"sentence1": "first: "}},
+    "sick-triplets-train": {"own_negatives": True, "weight": 30},
+}
 MIX = [
     "--train-data",
-    f"{data_file('sick-pairs-train.jsonl')},{data_file('stsb-train.jsonl')}",
+    ",".join(
+        data_file(f) for f in ("sick-pairs-train.jsonl", "stsb-train.jsonl", "sick-triplets-train.jsonl")
+    ),
+    "--dataset-settings",
+    json.dumps(MIX_SETTINGS),
     "--max-steps",
     6,
     "--save-steps",
@@ -320,9 +360,10 @@ MIX = [
 
 
 def test_a_mix_at_world_2_equals_one_process_and_resumes_exactly(tmp_path, tiny_model):
-    """mnrl (SICK pairs) + cosent (STS-B), no-duplicates batches: DDP 2 ranks x 8 == one process x 8
-    x 2 accumulation steps; killed after step 4 and resumed, bitwise equal to the straight run;
-    each set's loss is logged under its name."""
+    """mnrl (SICK pairs) + cosent (STS-B, 4 rows per device, weight 0.25, its own prompt) + mnrl
+    with own negatives only (SICK triplets, weight 30), no-duplicates batches: DDP 2 ranks x 8 ==
+    one process x 8 x 2 accumulation steps; killed after step 4 and resumed, bitwise equal to the
+    straight run; each set's loss is logged under its name."""
     from conftest import assert_same_training
 
     single, straight, broken = tmp_path / "single", tmp_path / "straight", tmp_path / "broken"
@@ -348,15 +389,17 @@ def test_a_mix_at_world_2_equals_one_process_and_resumes_exactly(tmp_path, tiny_
     assert_same_training(straight, single, 6)
     rows = read_metrics(straight)
     names = {k for r in rows for k in r if k.startswith("loss/")}
-    assert names == {"loss/sick-pairs-train", "loss/stsb-train"}, names
+    assert names == {"loss/sick-pairs-train", "loss/stsb-train", "loss/sick-triplets-train"}, names
     assert all(
         r["loss"] == r[next(k for k in r if k.startswith("loss/"))] for r in rows
     )  # one step a log: its set's loss
     config = json.loads((straight / "final" / "training_config.json").read_text())
-    assert [(s["name"], s["loss"]) for s in config["train_sets"]] == [
-        ("sick-pairs-train", "mnrl"),
-        ("stsb-train", "cosent"),
+    assert [(s["name"], s["loss"], s["global_batch"], s["own_negatives"]) for s in config["train_sets"]] == [
+        ("sick-pairs-train", "mnrl", 16, False),
+        ("stsb-train", "cosent", 8, False),
+        ("sick-triplets-train", "mnrl", 16, True),
     ]
+    assert [s["prompts"] for s in config["train_sets"]] == [{}, {"sentence1": "first: "}, {}]
     assert sum(s["steps"] for s in config["train_sets"]) == 6 and all(
         s["steps"] > 0 for s in config["train_sets"]
     )

@@ -191,13 +191,17 @@ def grouped_rows(rows, indices, group_size, seed, step):
 
 
 def collate(rows, text_columns, target, loss_name, tokenize, device, prompts=None, prompt_columns=None):
-    """The text columns (each with its prompt: `prompt_columns` names each column's --prompts
-    key, when not the column itself), one dict of tokens per column, and the targets. All
+    """The text columns (each with its prompt and length: `prompt_columns` names each column's
+    --prompts and --max-seq-length key, when not the column itself), one dict of tokens per
+    column, and the targets. `tokenize(texts, columns)`: LoadedModel.tokenize. All
     columns are tokenized in one call, so they share one padded length (and padding side) and
     embed_columns can run rows of different columns in the same forward."""
     keys = prompt_columns or text_columns
     texts = [with_prompt(rows[column], prompts or {}, key) for column, key in zip(text_columns, keys)]
-    tokens = tokenize([text for column in texts for text in column])
+    # Each text's column key too: --max-seq-length may cut columns at lengths of their own.
+    tokens = tokenize(
+        [text for column in texts for text in column], [k for k, t in zip(keys, texts) for _ in t]
+    )
     features = [
         {k: v[i * len(texts[0]) : (i + 1) * len(texts[0])].to(device) for k, v in tokens.items()}
         for i in range(len(texts))

@@ -99,8 +99,11 @@ class Config:
     max_seq_length: int = arg(
         0,
         "truncate texts to this many tokens; 0: the model's own (sentence_bert_config.json, else the "
-        "tokenizer's limit, at most 512 and the model's positions)",
+        "tokenizer's limit, at most 512 and the model's positions). Or per column, as a JSON object, e.g. "
+        "'{\"anchor\": 64}' (queries short, the other columns the model's own; grouped rows: query, pos, "
+        "neg). The export keeps the model's own (a SentenceTransformer has one length)",
         at_least=0,
+        type=lambda text: int(text) if text.strip().isdigit() else text,
     )
     pooling: str = arg(
         "",
@@ -462,6 +465,23 @@ def mnrl_options(cfg):
         "directions": tuple(d for d in MNRL_DIRECTIONS if d in named | {"query_to_doc"}),
         "partition": cfg.mnrl_partition,
     }
+
+
+def column_lengths(cfg):
+    """--max-seq-length as (tokens, {column: tokens}): an integer applies to every column (0: the
+    model's own); a JSON object names columns, the others keep the model's own. Raises ValueError."""
+    if isinstance(cfg.max_seq_length, int):
+        return cfg.max_seq_length, {}
+    flag, example = f"--max-seq-length {cfg.max_seq_length}", """'{"anchor": 64}'"""
+    try:
+        lengths = json.loads(cfg.max_seq_length)
+    except ValueError as e:
+        raise ValueError(f"{flag}: neither a number nor JSON ({e}); e.g. 128 or {example}") from e
+    if not isinstance(lengths, dict) or not all(
+        isinstance(v, int) and not isinstance(v, bool) and v > 0 for v in lengths.values()
+    ):
+        raise ValueError(f"{flag}: must map columns to token counts above 0, e.g. {example}")
+    return 0, lengths
 
 
 def prompts_of(cfg):

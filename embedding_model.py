@@ -111,7 +111,7 @@ class LoadedModel:
     model: EmbeddingModel
     tokenizer: object
     export_config: object  # the base model's config as it came (see load_model)
-    max_seq_length: int
+    max_seq_length: int  # every column's, but those that --max-seq-length names
     lowercase: bool  # the SentenceTransformer folder's do_lower_case
     # Exported unchanged beside the trained weights: base-checkpoint tensors no pooling mode uses
     # (a BERT pooler), and the base's slow-tokenizer files {name: path}.
@@ -126,22 +126,43 @@ class LoadedModel:
     pretrained_dir: str = None
     pretrained_names: dict = dataclasses.field(default_factory=dict)
     fresh_tensors: dict = dataclasses.field(default_factory=dict)
+    column_lengths: dict = dataclasses.field(default_factory=dict)  # --max-seq-length's {column: tokens}
 
     def prepare(self, texts):
         """Strip, and lowercase where the model was trained so, as sentence-transformers'
         Transformer module does (so the export embeds identically)."""
         return [t.strip().lower() if self.lowercase else t.strip() for t in texts]
 
-    def tokenize(self, texts):
+    def tokenize(self, texts, columns=None):
         """The one place texts become token ids, for training and evaluation alike, so the two
-        never disagree: prepare, truncate, pad to the longest row."""
-        return self.tokenizer(
-            self.prepare(texts),
-            padding=True,
-            truncation=True,
-            max_length=self.max_seq_length,
-            return_tensors="pt",
-        )
+        never disagree: prepare, truncate, pad to the longest row. `columns` (one per text) names
+        the column each text comes from, where --max-seq-length gives columns their own lengths:
+        each text is cut at its column's, and all are padded together, as one call would."""
+        lengths = [self.column_lengths.get(c, self.max_seq_length) for c in columns or [None] * len(texts)]
+        if len(set(lengths)) <= 1:
+            return self.tokenizer(
+                self.prepare(texts), padding=True, truncation=True, max_length=lengths[0], return_tensors="pt"
+            )
+        encoded = [None] * len(texts)
+        for length in set(lengths):
+            rows = [i for i, row_length in enumerate(lengths) if row_length == length]
+            tokens = self.tokenizer(
+                self.prepare([texts[i] for i in rows]), truncation=True, max_length=length
+            )
+            for j, i in enumerate(rows):
+                encoded[i] = {k: v[j] for k, v in tokens.items()}
+        longest = max(len(e["input_ids"]) for e in encoded)
+        batch = {}
+        for key in encoded[0]:
+            pad = self.tokenizer.pad_token_id if key == "input_ids" else 0
+            padded = [
+                (e[key] + [pad] * (longest - len(e[key])))
+                if self.tokenizer.padding_side == "right"
+                else ([pad] * (longest - len(e[key])) + e[key])
+                for e in encoded
+            ]
+            batch[key] = torch.tensor(padded)
+        return batch
 
 
 def resolve_model_path(name):
@@ -183,8 +204,9 @@ def load_model(cfg, num_labels, on_meta=False):
     pooling = cfg.pooling or st_config["pooling"]
     normalize = st_config["normalize"] if cfg.normalize is None else cfg.normalize
     positions = getattr(train_config, "max_position_embeddings", None) or 512
+    own_length, column_lengths = config.column_lengths(cfg)
     max_seq_length = (
-        cfg.max_seq_length or st_config["max_seq_length"] or min(tokenizer.model_max_length, 512, positions)
+        own_length or st_config["max_seq_length"] or min(tokenizer.model_max_length, 512, positions)
     )
     lora_names = prepare_encoder(encoder, cfg)  # LoRA adapters drawn from the RNG, before the head
     model = EmbeddingModel(encoder, pooling, normalize, num_labels)
@@ -200,6 +222,7 @@ def load_model(cfg, num_labels, on_meta=False):
         base_tokenizer_files(path, subfolder),
         prompts,
         {**st_config["prompts"], **prompts},
+        column_lengths=column_lengths,
     )
     if file_names is not None:
         to_meta(loaded, file_names, lora_names, folder)

@@ -563,7 +563,7 @@ tags: [sentence-transformers, feature-extraction, sentence-similarity, fsdp-embe
 
 - Base model: `{base}`
 - Training data: `{train_data}` ({train_rows} rows)
-- Loss: {losses}; pooling: `{pooling}`{normalised}; texts truncated at {max_seq_length} tokens
+- Loss: {losses}; pooling: `{pooling}`{normalised}; texts truncated at {max_seq_length} tokens{column_lengths}
 - Steps: {total_steps} of global batch {global_batch} on {world_size} process(es)
 - Final training loss: {final_loss:.4f}{notes}
 {evaluation}
@@ -614,6 +614,11 @@ def model_card(cfg, loaded, derived, summary):
         pooling=pooling,
         normalised=", L2-normalised" if loaded.model.normalize else "",
         max_seq_length=loaded.max_seq_length,
+        column_lengths=(
+            " (in training: " + ", ".join(f"{c} at {n}" for c, n in loaded.column_lengths.items()) + ")"
+            if loaded.column_lengths
+            else ""
+        ),
         total_steps=derived["total_steps"],
         global_batch=derived["global_batch"],
         world_size=derived["world_size"],

@@ -237,6 +237,7 @@ def check_flags(cfg, world_size, device):
         )
     check_matryoshka(cfg)
     config.prompts_of(cfg)
+    config.column_lengths(cfg)
     check_export_flags(cfg)
     check_run_mode_flags(cfg)
     return strategy
@@ -414,18 +415,21 @@ def check_set_settings(cfg, ts):
 
 
 def check_prompt_columns(cfg, train_sets, eval_sets):
-    """Every --prompts key names a text column of some training or evaluation file: a typo
-    would otherwise train without the prompt, silently."""
+    """Every --prompts (and --max-seq-length) key names a text column of some training or
+    evaluation file: a typo would otherwise train without the prompt (the length), silently."""
     columns = sorted(
         {c for s in train_sets for c in s.prompt_columns} | {c for s in eval_sets for c in s.text_columns}
     )
-    for column in config.prompts_of(cfg):
-        if column not in columns:
-            raise ValueError(
-                f"--prompts: {column!r} is no text column of --train-data or --eval-data "
-                f"(they have: {', '.join(columns)}); "
-                "key each prompt by the column it is for"
-            )
+    for flag, keys in (
+        ("--prompts", config.prompts_of(cfg)),
+        ("--max-seq-length", config.column_lengths(cfg)[1]),
+    ):
+        for column in keys:
+            if column not in columns:
+                raise ValueError(
+                    f"{flag}: {column!r} is no text column of --train-data or --eval-data "
+                    f"(they have: {', '.join(columns)}); key each by the column it is for"
+                )
     own = json.loads(cfg.dataset_settings or "{}")
     for ts in train_sets:
         for column in own.get(ts.name, {}).get("prompts", {}):
@@ -456,7 +460,8 @@ def check_model(cfg, strategy):
             f"use sizes up to {width}"
         )
     positions = getattr(model_config, "max_position_embeddings", None)
-    if positions and cfg.max_seq_length > positions:
+    own_length, column_lengths = config.column_lengths(cfg)
+    if positions and max(own_length, *column_lengths.values()) > positions:
         raise ValueError(
             f"--max-seq-length {cfg.max_seq_length} is beyond the {positions} positions {cfg.model} has; "
             f"use at most {positions}"

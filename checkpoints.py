@@ -33,18 +33,19 @@ import time
 
 import torch
 import torch.distributed as dist
-import torch.distributed.checkpoint as dcp
 from safetensors.torch import load_file, save_file
-from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict, set_state_dict
 
 import fsdp_utils
+
+# torch.distributed.checkpoint is imported by the functions that use it: 0.9 s of start-up that
+# runs without FSDP or checkpoints never need.
 
 
 # Flattened optimizer state ("state.<param>.exp_avg", ...): the same keys on every rank even when
 # a rank holds no elements of a parameter. FSDP1 at 4 ranks needs it: unflattened, loading fails
 # with "Missing key in checkpoint state_dict: optim.param_groups" (and allow_partial_load=True
 # would "work" by silently dropping the learning rate).
-CHECKPOINT_OPTIONS = StateDictOptions(flatten_optimizer_state_dict=True)
+CHECKPOINT_OPTIONS = {"flatten_optimizer_state_dict": True}  # StateDictOptions(**this)
 
 
 CHECKPOINT_NAME = re.compile(r"^step-(\d+)$")
@@ -52,7 +53,11 @@ CHECKPOINT_NAME = re.compile(r"^step-(\d+)$")
 
 def _tensor_state(model, optimizer):
     """(tensors for DCP, non-tensor optimizer entries). A collective under FSDP: all ranks."""
-    model_state, optim_state = get_state_dict(model, optimizer, options=CHECKPOINT_OPTIONS)
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict
+
+    model_state, optim_state = get_state_dict(
+        model, optimizer, options=StateDictOptions(**CHECKPOINT_OPTIONS)
+    )
     tensors = {"model." + k: v for k, v in model_state.items()}
     tensors.update({"optim." + k: v for k, v in optim_state.items() if isinstance(v, torch.Tensor)})
     # The hyper-parameters of each group (lr, betas, ...): plain numbers, kept as JSON.
@@ -144,6 +149,8 @@ def save_checkpoint(model, optimizer, checkpoints_dir, step, trainer_state, keep
     A folder already named step-{step} (a damaged one, or one a resume from an older step is
     about to replace) is moved aside to step-{step}.replaced-TIME, never deleted.
     `keep_last` > 0 removes older checkpoints beyond that many, after the new one is complete."""
+    import torch.distributed.checkpoint as dcp
+
     rank = dist.get_rank() if dist.is_initialized() else 0
     final_dir = os.path.join(checkpoints_dir, f"step-{step}")
     tmp_dir = os.path.join(checkpoints_dir, f".incomplete-step-{step}")
@@ -197,6 +204,9 @@ def save_checkpoint(model, optimizer, checkpoints_dir, step, trainer_state, keep
 def load_checkpoint(model, optimizer, checkpoint_dir):
     """Load what `save_checkpoint` wrote into `model` and `optimizer` (built the same way, same
     world size) and this rank's RNG; return the trainer state dict. EVERY rank must call it."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, set_state_dict
+
     rank = dist.get_rank() if dist.is_initialized() else 0
     with open(os.path.join(checkpoint_dir, "trainer_state.json")) as f:
         trainer_state = json.load(f)
@@ -211,7 +221,7 @@ def load_checkpoint(model, optimizer, checkpoint_dir):
             optimizer,
             model_state_dict=model_state,
             optim_state_dict=optim_state,
-            options=CHECKPOINT_OPTIONS,
+            options=StateDictOptions(**CHECKPOINT_OPTIONS),
         )
     set_rng_states(load_file(os.path.join(checkpoint_dir, f"rng-rank-{rank}.safetensors")))
     return trainer_state

@@ -34,9 +34,7 @@ import shutil
 
 import torch
 import torch.distributed as dist
-import torch.distributed.checkpoint as dcp
 from safetensors.torch import save_file
-from torch.distributed.checkpoint.state_dict import get_model_state_dict
 
 import config
 import fsdp_utils
@@ -147,6 +145,9 @@ def stage_state_dict(model, folder, sees_output_dir=(True,)):
     fsdp_utils.barrier()  # all ranks: nobody writes into the folder before it exists
     if not on_rank0_disk:
         os.makedirs(folder, exist_ok=True)  # this host's own staging folder
+    import torch.distributed.checkpoint as dcp  # (imported here: see the top of checkpoints.py)
+    from torch.distributed.checkpoint.state_dict import get_model_state_dict
+
     with fsdp_utils.quiet_checkpoint_warnings():
         state = get_model_state_dict(model)  # sharded under FSDP: no gathering
         dcp.save(
@@ -168,12 +169,16 @@ def stage_state_dict(model, folder, sees_output_dir=(True,)):
 
 def staged_tensors(folder):
     """{name: (shape, dtype)} of the tensors `stage_state_dict` wrote to `folder`."""
+    import torch.distributed.checkpoint as dcp
+
     metadata = dcp.HuggingFaceStorageReader(folder).read_metadata()
     return {name: (md.size, md.properties.dtype) for name, md in metadata.state_dict_metadata.items()}
 
 
 def read_staged(folder, names):
     """The named tensors of a staged folder, whole (for the one writer: no collective)."""
+    import torch.distributed.checkpoint as dcp
+
     shapes = staged_tensors(folder)
     tensors = {name: torch.empty(shapes[name][0], dtype=shapes[name][1]) for name in names}
     with fsdp_utils.quiet_checkpoint_warnings():

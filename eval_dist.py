@@ -7,13 +7,16 @@ Evaluators (each returns a flat dict of python floats, identical on every rank):
                           InformationRetrievalEvaluator), the corpus sharded across ranks
   - `evaluate_nli`        accuracy (x 100) of a classification head over (u, v, |u - v|)
   - `evaluate_loss`       the training loss on held-out rows, in world-size-independent batches
-and the pieces they share: `encode`, `encode_local`, `shard_bounds`, `retrieval_from_pairs`.
+and the pieces they share: `encode`, `encode_local`, `shard_bounds`, `retrieval_from_pairs`;
+`top_k_sharded` (each query's best k corpus rows when the corpus is sharded, in chunks of
+queries) serves hard-negative mining (mine.py).
 
 Shape legend (suffixes on tensor names):
     N  texts (or pairs) in the whole evaluation set      D  embedding dimension
     R  rows this rank encoded (its shard of N)           B  rows of one batch
     Q  queries    K  hits kept per query (k)             W  world size    U  distinct texts
     C  candidates per query after the merge (W * K)      S  rows of this rank's slice
+    H  queries of one chunk (top_k_sharded)              L  corpus rows of one block of the shard
 
 Use it (one process, or every rank under torchrun; gloo on CPU, NCCL on CUDA):
     import eval_dist
@@ -49,8 +52,8 @@ trains exactly like one that does not.
 
 This file imports only the standard library and torch, never the rest of this project, so it
 can be copied alone. Left out on purpose: similarity functions other than cosine, query chunking
-for very large retrieval sets (each rank holds a queries x (corpus / world) score matrix),
-caching embeddings between evaluations, writing CSV files.
+in evaluate_retrieval (each rank holds a queries x (corpus / world) score matrix; top_k_sharded
+chunks), caching embeddings between evaluations, writing CSV files.
 """
 
 import contextlib
@@ -106,11 +109,13 @@ def model_device(model):
 # Encoding: each rank embeds its share of global batches
 
 
-def encode_local(model, tokenize, texts, batch_size=32, device=None):
+def encode_local(model, tokenize, texts, batch_size=32, device=None, columns=None):
     """Embed this rank's share of `texts`. Returns (rows_R, emb_RD): the indices of the texts this
     rank encoded (ascending) and their float32 embeddings. Every rank must call it: each runs
     ceil(ceil(N / batch_size) / world) forwards, whatever its share (rule 1 of the docstring).
-    `tokenize(list of texts) -> dict of (B, T) tensors`, padded; `device=None`: the model's."""
+    `tokenize(list of texts) -> dict of (B, T) tensors`, padded; `device=None`: the model's.
+    `columns`: one name per text, which tokenize then gets too, `tokenize(texts, columns)`, for a
+    tokenizer that treats columns differently (truncating queries shorter than passages)."""
     if len(texts) == 0:
         raise ValueError("nothing to encode: the list of texts is empty")
     rank, world_size = rank_and_world()
@@ -126,7 +131,8 @@ def encode_local(model, tokenize, texts, batch_size=32, device=None):
             batch_index = step * world_size + rank  # global batches r, r + world, r + 2 world, ...
             is_dummy = batch_index >= len(batches)
             batch_rows = [0] if is_dummy else batches[batch_index]
-            tokens = tokenize([texts[i] for i in batch_rows])
+            batch_columns = [[columns[i] for i in batch_rows]] if columns else []
+            tokens = tokenize([texts[i] for i in batch_rows], *batch_columns)
             # All ranks run this forward num_steps times: under FSDP it all-gathers parameters, a
             # collective that hangs if one rank skips it. A dummy's result is dropped.
             emb_BD = model(**{k: v.to(device) for k, v in tokens.items()}).float()
@@ -140,16 +146,92 @@ def encode_local(model, tokenize, texts, batch_size=32, device=None):
     return rows_R, torch.cat(embs)[order_R]
 
 
-def encode(model, tokenize, texts, batch_size=32, device=None):
+def encode(model, tokenize, texts, batch_size=32, device=None, columns=None):
     """Embed all `texts` -> float32 (N, D), identical on every rank. Every rank must call it."""
     rank, world_size = rank_and_world()
-    rows_R, emb_RD = encode_local(model, tokenize, texts, batch_size, device)
+    rows_R, emb_RD = encode_local(model, tokenize, texts, batch_size, device, columns)
     emb_ND = emb_RD.new_zeros(len(texts), emb_RD.shape[1])
     emb_ND[rows_R] = emb_RD
     if world_size > 1:
         # All ranks: every row was written by exactly one rank, so the sum IS that row (x + 0).
         dist.all_reduce(emb_ND, op=dist.ReduceOp.SUM)
     return emb_ND
+
+
+# ----------------------------------------------------------------------------------------------
+# Top k over a sharded corpus, in chunks of queries
+
+
+def top_k_sharded(query_QD, local_RD, rows_R, k, chunk_size=1024, block_size=16384):
+    """Each query's k best corpus rows by the score query . row (normalise both for cosine), when
+    the corpus is sharded: this rank holds the rows rows_R (global indices, ascending; as
+    encode_local returns them) as local_RD, the other ranks the rest. Returns (scores_QK,
+    rows_QK), the same on every rank: scores descending, EXACT ties broken by the lower corpus
+    index (so the answer does not depend on the world size), padded with score -inf and row -1
+    when the whole corpus has fewer than k rows.
+
+    Memory: `chunk_size` queries at a time are scored against `block_size` rows of the shard at
+    a time, keeping a running top k, so no rank ever holds more than a chunk x block score
+    matrix (beside the Q x k answer), however large the corpus. ALL ranks must call it, with the
+    same Q, k and chunk_size: every chunk ends in one all_reduce, ceil(Q / chunk_size) of them."""
+    rank, world_size = rank_and_world()
+    device = query_QD.device
+    scores, rows = [], []
+    for start in range(0, query_QD.shape[0], chunk_size):
+        chunk_HD = query_QD[start : start + chunk_size]
+        offer_scores_HK, offer_rows_HK = _local_top_k(chunk_HD, local_RD, rows_R, k, block_size)
+        # A fixed-size (world, H, k, 2) buffer, zero except this rank's slot; float64 holds the
+        # float32 scores and the row indices (< 2^53) exactly, so ONE collective carries both.
+        offers_WHK2 = torch.zeros(world_size, len(chunk_HD), k, 2, dtype=torch.float64, device=device)
+        offers_WHK2[rank, :, :, 0] = offer_scores_HK
+        offers_WHK2[rank, :, :, 1] = offer_rows_HK
+        if world_size > 1:
+            # All ranks, once per chunk (the same number of chunks everywhere): slot r holds rank
+            # r's offer and zeros elsewhere, so the SUM is every offer, exactly (-inf + 0 = -inf).
+            dist.all_reduce(offers_WHK2, op=dist.ReduceOp.SUM)
+        cand_HC2 = offers_WHK2.permute(1, 0, 2, 3).reshape(len(chunk_HD), world_size * k, 2)
+        best_scores_HK, best_rows_HK = _best_k(cand_HC2[..., 0], cand_HC2[..., 1].long(), k)
+        scores.append(best_scores_HK.to(query_QD.dtype))
+        rows.append(best_rows_HK)
+    if not scores:
+        return query_QD.new_zeros(0, k), torch.zeros(0, k, dtype=torch.long, device=device)
+    return torch.cat(scores), torch.cat(rows)
+
+
+def _local_top_k(chunk_HD, local_RD, rows_R, k, block_size):
+    """The best k of this rank's rows for each query of the chunk, as (scores_HK, rows_HK) in
+    _best_k's order; -inf and -1 where the shard has fewer than k rows. No collective."""
+    best_scores_HK = chunk_HD.new_full((len(chunk_HD), k), float("-inf"))
+    best_rows_HK = torch.full((len(chunk_HD), k), -1, dtype=torch.long, device=chunk_HD.device)
+    for start in range(0, len(rows_R), block_size):
+        scores_HL = chunk_HD @ local_RD[start : start + block_size].T
+        top_scores_HK, top_pos_HK = _stable_top_k(scores_HL, min(k, scores_HL.shape[1]))
+        best_scores_HK, best_rows_HK = _best_k(
+            torch.cat([best_scores_HK, top_scores_HK], 1),
+            torch.cat([best_rows_HK, rows_R[start + top_pos_HK]], 1),
+            k,
+        )
+    return best_scores_HK, best_rows_HK
+
+
+def _stable_top_k(scores_HL, k):
+    """torch.topk, except that where the k-th score ties with a score left out, the lower column
+    wins (torch.topk picks among ties arbitrarily): such rows, rare, get a stable full sort."""
+    top_scores_HK, top_pos_HK = torch.topk(scores_HL, k, dim=1)
+    tied_H = (scores_HL >= top_scores_HK[:, -1:]).sum(1) > k
+    if tied_H.any():
+        sorted_scores, sorted_pos = torch.sort(scores_HL[tied_H], dim=1, descending=True, stable=True)
+        top_scores_HK[tied_H], top_pos_HK[tied_H] = sorted_scores[:, :k], sorted_pos[:, :k]
+    return top_scores_HK, top_pos_HK
+
+
+def _best_k(scores_HC, rows_HC, k):
+    """The first k candidates by score descending, then corpus row ascending: sort by row first,
+    then a stable sort by score keeps that order among equal scores (as _rank_corpus merges)."""
+    by_row_HC = rows_HC.argsort(dim=1, stable=True)
+    scores_HC, rows_HC = scores_HC.gather(1, by_row_HC), rows_HC.gather(1, by_row_HC)
+    by_score_HC = scores_HC.argsort(dim=1, descending=True, stable=True)[:, :k]
+    return scores_HC.gather(1, by_score_HC), rows_HC.gather(1, by_score_HC)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -189,11 +271,14 @@ def spearman(x_N, y_N):
 # Evaluators: every rank calls each one; each returns the same dict on every rank
 
 
-def evaluate_sts(model, tokenize, sentences1, sentences2, scores, *, batch_size=32, device=None, dims=()):
+def evaluate_sts(
+    model, tokenize, sentences1, sentences2, scores, *, batch_size=32, device=None, dims=(), columns=None
+):
     """Semantic textual similarity: Spearman and Pearson (x 100) of cos(u_i, v_i) vs scores[i],
     as sentence-transformers' EmbeddingSimilarityEvaluator (its "spearman_cosine" /
     "pearson_cosine", which are not x 100). `dims` (Matryoshka): also "spearman@d" and
-    "pearson@d" for the embeddings truncated to their first d dimensions, from the same encoding."""
+    "pearson@d" for the embeddings truncated to their first d dimensions, from the same encoding.
+    `columns`: the two columns' names, for tokenize (encode_local)."""
     num_pairs = len(sentences1)
     if num_pairs != len(sentences2) or num_pairs != len(scores):
         raise ValueError(
@@ -201,7 +286,8 @@ def evaluate_sts(model, tokenize, sentences1, sentences2, scores, *, batch_size=
             "they must be equally long"
         )
     # One encode for both columns: one set of forwards, fuller batches.
-    emb_2ND = encode(model, tokenize, list(sentences1) + list(sentences2), batch_size, device).double()
+    names = [columns[0]] * num_pairs + [columns[1]] * num_pairs if columns else None
+    emb_2ND = encode(model, tokenize, list(sentences1) + list(sentences2), batch_size, device, names).double()
     gold_N = torch.tensor(scores, dtype=torch.float64, device=emb_2ND.device)
     metrics = {}
     for suffix, dim in [("", emb_2ND.shape[-1])] + [(f"@{d}", d) for d in dims]:
@@ -237,7 +323,7 @@ def retrieval_from_pairs(anchors, positives):
 
 
 def evaluate_retrieval(
-    model, tokenize, queries, corpus, relevant, *, batch_size=32, device=None, k=10, dims=()
+    model, tokenize, queries, corpus, relevant, *, batch_size=32, device=None, k=10, dims=(), columns=None
 ):
     """Retrieve the top k corpus entries for each query by cosine similarity and score them:
     mrr@k, ndcg@k, recall@1, recall@k (fractions in [0, 1]), with exactly the definitions of
@@ -251,7 +337,7 @@ def evaluate_retrieval(
     tie exactly by construction, wherever they sit. (Two ranks, or two positions of one matrix
     product, need not compute bitwise-equal floats for the same text; CPUs differ there.)
     `dims` (Matryoshka): also every metric at each truncated size d ("mrr@10@64", ...), from the
-    same encoding."""
+    same encoding. `columns`: the queries' and the corpus' column names, for tokenize."""
     if len(relevant) != len(queries):
         raise ValueError(
             f"evaluate_retrieval: {len(queries)} queries but {len(relevant)} relevant sets; "
@@ -265,12 +351,16 @@ def evaluate_retrieval(
     if any(not 0 <= i < len(corpus) for rel in relevant for i in rel):
         raise ValueError(f"evaluate_retrieval: relevant indices must lie in 0..{len(corpus) - 1}")
     rank, world_size = rank_and_world()
-    full_query_QD = encode(model, tokenize, queries, batch_size, device).double()
+    query_names = [columns[0]] * len(queries) if columns else None
+    full_query_QD = encode(model, tokenize, queries, batch_size, device, query_names).double()
     distinct = {}  # text -> its index among the distinct texts, in first-seen order
     distinct_of_row_N = torch.tensor(
         [distinct.setdefault(text, len(distinct)) for text in corpus], device=full_query_QD.device
     )
-    local_U, full_corpus_UD = encode_local(model, tokenize, list(distinct), batch_size, device)
+    distinct_names = [columns[1]] * len(distinct) if columns else None
+    local_U, full_corpus_UD = encode_local(
+        model, tokenize, list(distinct), batch_size, device, distinct_names
+    )
     metrics = {}
     for suffix, dim in [("", full_query_QD.shape[-1])] + [(f"@{d}", d) for d in dims]:
         query_QD = F.normalize(full_query_QD[:, :dim], dim=-1)
@@ -338,7 +428,9 @@ def _rank_corpus(scores_QU, local_U, num_distinct, distinct_of_row_N, relevant, 
     }
 
 
-def evaluate_nli(model, tokenize, premises, hypotheses, labels, classify, *, batch_size=32, device=None):
+def evaluate_nli(
+    model, tokenize, premises, hypotheses, labels, classify, *, batch_size=32, device=None, columns=None
+):
     """Accuracy (x 100) of a classification head: argmax classify(u, v) vs labels, with u, v the
     embeddings of premise and hypothesis. `classify(u_BD, v_BD) -> logits_BC` is supplied by the
     caller and must run the head through the wrapped model (train.py builds the head input with
@@ -356,7 +448,8 @@ def evaluate_nli(model, tokenize, premises, hypotheses, labels, classify, *, bat
             "they must be equally long"
         )
     rank, world_size = rank_and_world()
-    emb_2ND = encode(model, tokenize, list(premises) + list(hypotheses), batch_size, device)
+    names = [columns[0]] * num_rows + [columns[1]] * num_rows if columns else None
+    emb_2ND = encode(model, tokenize, list(premises) + list(hypotheses), batch_size, device, names)
     start, end = shard_bounds(num_rows, rank, world_size)
     with evaluating(model):
         # All ranks, once each, even with an empty slice: under FSDP the head forward is a collective.

@@ -485,11 +485,11 @@ def evaluate(model, eval_sets, loaded, cfg, device):
     """Every evaluation set, every metric, the same dict on every rank. ALL ranks must call it:
     each encodes its shard through the wrapped model (a collective under FSDP) and eval_dist
     combines the shards with all_reduce. Dropout off, RNG and training mode left untouched.
-    Texts get their column's prompt and are tokenized by `loaded.tokenize`, as in training."""
+    Texts get their column's prompt and length (`loaded.tokenize`), as in training."""
     results = {}
-    options = {"batch_size": cfg.eval_batch_size, "device": device}
     dims = (config.matryoshka_sizes(cfg) or [()])[0]  # Matryoshka: every metric at every size too
     for es in eval_sets:
+        options = {"batch_size": cfg.eval_batch_size, "device": device, "columns": es.text_columns}
         texts = [batches.with_prompt(es.ds[c][:], loaded.prompts, c) for c in es.text_columns]
         if es.kind == "sts":
             scores = eval_dist.evaluate_sts(

@@ -15,6 +15,8 @@ import data
 
 import embedding_model
 
+import eval_dist
+
 
 def test_mean_pooling_ignores_padding_by_hand():
     token_states = torch.tensor(
@@ -93,8 +95,9 @@ def test_groups_are_drawn_from_the_seed_step_and_row_alone():
 
 def test_each_column_is_cut_at_its_own_length_as_sentence_transformers_would():
     """--max-seq-length '{"anchor": 6}': the anchors of a batch are cut at 6 tokens, the positives
-    at the model's own 256, and all are padded together. Their embeddings equal
-    sentence-transformers' with max_seq_length 6 for the anchors and 256 for the positives."""
+    at the model's own 256, and all are padded together. Their embeddings, in training and in
+    evaluation, equal sentence-transformers' with max_seq_length 6 for the anchors and 256 for
+    the positives."""
     import config
     from sentence_transformers import SentenceTransformer
 
@@ -118,6 +121,10 @@ def test_each_column_is_cut_at_its_own_length_as_sentence_transformers_would():
     st.max_seq_length = 6
     want_anchors = st.encode(rows["anchor"], convert_to_tensor=True)
     assert (anchors - want_anchors).abs().max() < 1e-5 and (positives - want_positives).abs().max() < 1e-5
+    # Evaluation encodes each column at its own length too (in batches mixing the columns).
+    texts, names = rows["anchor"] + rows["positive"], ["anchor"] * 2 + ["positive"] * 2
+    encoded = eval_dist.encode(loaded.model, loaded.tokenize, texts, batch_size=3, columns=names)
+    assert (encoded - torch.cat([want_anchors, want_positives])).abs().max() < 1e-5
     with torch.no_grad():  # the control: the anchors at the model's own length
         uncut = loaded.model(**loaded.tokenize(rows["anchor"]))
     assert (uncut - anchors).abs().max() > 1e-2

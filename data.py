@@ -9,8 +9,9 @@
   - `data_fingerprint`: what a resume compares, so it never continues on changed data.
 Every rank loads the same rows; what to do with them step by step is batches.py.
 
-Needs datasets, and config.py (`matryoshka_sizes` for the names of Matryoshka metrics,
-`prompts_of` and `dataset_settings_of` for each file's settings).
+Needs datasets, config.py (`matryoshka_sizes` for the names of Matryoshka metrics,
+`prompts_of` and `dataset_settings_of` for each file's settings) and eval_dist.py
+(`retrieval_from_pairs`).
 """
 
 import hashlib
@@ -22,6 +23,7 @@ from dataclasses import dataclass
 import datasets
 
 import config
+import eval_dist
 
 
 # ----------------------------------------------------------------------------------------------
@@ -144,6 +146,7 @@ GROUP_SCORES = ("pos_scores", "neg_scores")
 EVAL_METRICS = {
     "sts": ("spearman", "pearson"),
     "retrieval": ("mrr@10", "ndcg@10", "recall@1", "recall@10"),
+    "beir": ("mrr@10", "ndcg@10", "recall@1", "recall@10", "recall@100", "map@100"),
     "nli": ("accuracy",),
     "loss": ("loss",),
 }
@@ -187,11 +190,38 @@ class TrainSet:
 @dataclass
 class EvalSet:
     name: str  # the file's stem; it prefixes the metrics: stsb-dev/spearman
-    kind: str  # sts, retrieval, nli or loss
+    kind: str  # sts, retrieval, nli, loss or beir
     ds: datasets.Dataset
     text_columns: list
     target: str | None
     loss: str = ""  # for kind "loss": the loss it is scored with
+    beir: "BeirSet" = None  # for kind "beir": a corpus, its queries and their graded relevance
+
+    @property
+    def metric_names(self):
+        return EVAL_METRICS[self.kind]
+
+    def retrieval_set(self, texts):
+        """(queries, corpus, relevant) of a retrieval evaluation, from its (prompted) `texts`."""
+        if self.beir:
+            return texts[0], texts[1], self.beir.relevance
+        return eval_dist.retrieval_from_pairs(texts[0], texts[1])
+
+    def texts(self):
+        """Each text column's texts (a BEIR set: its queries, then its documents)."""
+        if self.beir:
+            return [self.beir.queries, self.beir.corpus]
+        return [self.ds[c][:] for c in self.text_columns]
+
+
+@dataclass
+class BeirSet:
+    """A BEIR-layout folder: corpus.jsonl ({_id, title, text}), queries.jsonl ({_id, text}) and
+    qrels/test.tsv (query-id, corpus-id, score), read as lists and indices."""
+
+    queries: list  # the text of each query that has a relevant document
+    corpus: list  # title and text of each document, joined by a space (as BEIR and MTEB do)
+    relevance: list  # per query, {corpus index: graded relevance > 0}
 
 
 def loss_from_columns(columns):
@@ -266,6 +296,12 @@ def load_eval_sets(cfg, num_labels):
     eval_sets = []
     for path in [p for p in cfg.eval_data.split(",") if p]:
         flag = f"--eval-data {path}"
+        if os.path.isfile(os.path.join(path, "corpus.jsonl")):
+            name = os.path.basename(os.path.normpath(path))
+            eval_sets.append(
+                EvalSet(name, "beir", None, ["query", "document"], None, beir=load_beir(path, flag))
+            )
+            continue
         ds = load_data(path, "validation", flag=flag)
         columns = ds.column_names
         if set(GROUPED_COLUMNS) <= set(columns):
@@ -300,6 +336,12 @@ def load_eval_sets(cfg, num_labels):
             )
         name = os.path.splitext(os.path.basename(path.rstrip("/")))[0]
         eval_sets.append(EvalSet(name, kind, ds, text_columns, target, loss))
+    check_eval_names(cfg, eval_sets)
+    return eval_sets
+
+
+def check_eval_names(cfg, eval_sets):
+    """Distinct evaluation names, and --metric-for-best among the metrics they make."""
     stems = [es.name for es in eval_sets]
     if len(set(stems)) < len(stems):
         twice = sorted({stem for stem in stems if stems.count(stem) > 1})
@@ -312,11 +354,48 @@ def load_eval_sets(cfg, num_labels):
         f"{es.name}/{metric}{size}"
         for es in eval_sets
         for metric in EVAL_METRICS[es.kind]
-        for size in (sizes if es.kind in ("sts", "retrieval") else [""])
+        for size in (sizes if es.kind in ("sts", "retrieval", "beir") else [""])
     ]
     if cfg.metric_for_best and cfg.metric_for_best not in names:
         raise ValueError(f"--metric-for-best {cfg.metric_for_best}: not among this run's metrics {names}")
-    return eval_sets
+
+
+def load_beir(folder, flag):
+    """A BEIR-layout folder as a BeirSet: qrels/test.tsv, else the folder's only qrels file.
+    Relevance 0 means judged not relevant; queries with no relevant document are left out, as
+    sentence-transformers' InformationRetrievalEvaluator does."""
+    qrels_dir = os.path.join(folder, "qrels")
+    files = sorted(f for f in os.listdir(qrels_dir) if f.endswith(".tsv")) if os.path.isdir(qrels_dir) else []
+    qrels = "test.tsv" if "test.tsv" in files else files[0] if len(files) == 1 else None
+    if qrels is None:
+        raise ValueError(f"{flag}: a BEIR folder needs qrels/test.tsv (or one qrels/*.tsv); found {files}")
+    corpus_rows = load_data(os.path.join(folder, "corpus.jsonl"), "train", flag=flag)
+    query_rows = load_data(os.path.join(folder, "queries.jsonl"), "train", flag=flag)
+    for rows, needed in ((corpus_rows, ("_id", "text")), (query_rows, ("_id", "text"))):
+        if not set(needed) <= set(rows.column_names):
+            raise ValueError(f"{flag}: BEIR rows need the columns {needed}; found {rows.column_names}")
+    titles = corpus_rows["title"][:] if "title" in corpus_rows.column_names else [""] * len(corpus_rows)
+    corpus = [f"{title or ''} {text or ''}".strip() for title, text in zip(titles, corpus_rows["text"][:])]
+    corpus_index = {str(i): n for n, i in enumerate(corpus_rows["_id"][:])}
+    query_text = {str(i): t for i, t in zip(query_rows["_id"][:], query_rows["text"][:])}
+    relevance = {}
+    with open(os.path.join(qrels_dir, qrels), encoding="utf-8") as f:
+        for line_number, line in enumerate(f, start=1):
+            fields = line.rstrip("\n").split("\t")
+            if line_number == 1 and fields[0] == "query-id":
+                continue
+            known = len(fields) == 3 and fields[0] in query_text and fields[1] in corpus_index
+            if not known or not fields[2].strip().lstrip("-").replace(".", "", 1).isdigit():
+                raise ValueError(
+                    f"{flag}: qrels/{qrels} line {line_number} is not 'query-id<TAB>corpus-id<TAB>score' "
+                    f"of a known query and document: {line.strip()!r}"
+                )
+            if float(fields[2]) > 0:
+                relevance.setdefault(fields[0], {})[corpus_index[fields[1]]] = float(fields[2])
+    if not relevance:
+        raise ValueError(f"{flag}: qrels/{qrels} marks no document relevant to any query")
+    queries = [q for q in query_text if q in relevance]
+    return BeirSet([query_text[q] for q in queries], corpus, [relevance[q] for q in queries])
 
 
 def eval_kind(columns):

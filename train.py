@@ -490,16 +490,15 @@ def evaluate(model, eval_sets, loaded, cfg, device):
     dims = (config.matryoshka_sizes(cfg) or [()])[0]  # Matryoshka: every metric at every size too
     for es in eval_sets:
         options = {"batch_size": cfg.eval_batch_size, "device": device, "columns": es.text_columns}
-        texts = [batches.with_prompt(es.ds[c][:], loaded.prompts, c) for c in es.text_columns]
+        texts = [batches.with_prompt(t, loaded.prompts, c) for c, t in zip(es.text_columns, es.texts())]
         if es.kind == "sts":
             scores = eval_dist.evaluate_sts(
                 model, loaded.tokenize, texts[0], texts[1], es.ds[es.target][:], dims=dims, **options
             )
-        elif es.kind == "retrieval":
-            queries, corpus, relevant = eval_dist.retrieval_from_pairs(texts[0], texts[1])
-            scores = eval_dist.evaluate_retrieval(
-                model, loaded.tokenize, queries, corpus, relevant, dims=dims, **options
-            )
+        elif es.kind in ("retrieval", "beir"):  # pairs, or a BEIR folder with graded relevance
+            retrieval = es.retrieval_set(texts)  # (queries, corpus, relevant)
+            options.update(dims=dims, metrics=es.metric_names)
+            scores = eval_dist.evaluate_retrieval(model, loaded.tokenize, *retrieval, **options)
         elif es.kind == "nli":
             # The head runs through the wrapped root, like in training (FSDP gathers it there).
             classify = lambda u, v: model(head_input=losses.softmax_features(u, v)).float()  # noqa: E731

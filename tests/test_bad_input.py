@@ -23,6 +23,7 @@ import config
 
 
 def write_jsonl(path, rows):
+    path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text("".join(json.dumps(r) + "\n" for r in rows))
     return path
 
@@ -606,6 +607,14 @@ IN_PROCESS_CASES = [
         "grouped rows as evaluation data",
         lambda t: ["--eval-data", write_jsonl(t / "g.jsonl", groups(40))],
         "grouped rows (query, pos, neg) are for training",
+    ),
+    (
+        "a BEIR folder without qrels",
+        lambda t: [
+            "--eval-data",
+            write_jsonl(t / "beir" / "corpus.jsonl", [{"_id": "d1", "text": "a"}]) and t / "beir",
+        ],
+        "a BEIR folder needs qrels/test.tsv (or one qrels/*.tsv); found []",
     ),
     # Lengths per column
     (

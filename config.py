@@ -267,9 +267,20 @@ class Config:
         0,
         "embed a micro-batch's texts (all its columns together) in this many forwards of similar length "
         "(each padded to its own longest row, the embeddings put back in batch order: the loss sees the "
-        "same batch, less padding is computed); 0: chosen per micro-batch (at most 8), except under FSDP "
-        "(where every rank must run as many): 1; 1: one padded forward",
+        "same batch, less padding is computed) where packed rows are not used (--packing); 0: chosen per "
+        "micro-batch (at most 8), except under FSDP (where every rank must run as many): 1; 1: one padded "
+        "forward. Setting it turns packing off",
         at_least=0,
+        resume_may_change=True,
+    )
+    packing: str = arg(
+        "auto",
+        "auto: embed a micro-batch's texts (all its columns) in ONE forward over packed rows, texts end to "
+        "end, attention kept within each text: no padding computed, the same embeddings, under every "
+        "strategy (the log says which path runs); used where the model supports it (sdpa or eager "
+        "attention, transformers' mask builders) and neither --length-buckets nor --cache-chunk-size is "
+        "set. off: --length-buckets' sub-batches",
+        choices=("auto", "off"),
         resume_may_change=True,
     )
     # evaluation (all ranks take part: each encodes its shard, eval_dist.py)

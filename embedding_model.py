@@ -9,8 +9,8 @@ Under FSDP it builds the model on the meta device when the weights can be read s
 so no rank ever holds the whole model (fsdp_utils.load_pretrained_sharded fills the shards).
 `LoadedModel.tokenize` is the one place texts become token ids, in training and evaluation.
 
-Needs transformers, safetensors, and config.py, fsdp_utils.py, lora.py and export.py
-(`read_sentence_transformer_config`).
+Needs transformers, safetensors, and config.py, batches.py (`Packing`), fsdp_utils.py, lora.py
+and export.py (`read_sentence_transformer_config`).
 """
 
 import copy
@@ -23,6 +23,7 @@ import torch
 import torch.nn.functional as F
 import transformers
 
+import batches
 import config
 import export
 import fsdp_utils
@@ -60,11 +61,19 @@ class EmbeddingModel(torch.nn.Module):
         # in (rotary ones see only relative positions); counting positions from the mask makes it
         # the same in any batch, and in any length-sorted sub-batch.
         self.takes_positions = "position_ids" in inspect.signature(encoder.forward).parameters
+        # Packed rows (embed_packed) need the attention kind and the first position, read here
+        # before any wrapper hides the encoder's class.
+        self.cannot_pack = packing_support(encoder, self.takes_positions)
+        self.causal = any(getattr(m, "is_causal", False) is True for m in encoder.modules())
+        embeddings = getattr(encoder, "embeddings", None)  # RoBERTa's family counts from padding_idx + 1
+        from_pad = hasattr(embeddings, "create_position_ids_from_inputs_embeds")
+        self.first_position = embeddings.padding_idx + 1 if from_pad else 0
 
     def forward(self, input_ids=None, attention_mask=None, token_type_ids=None, head_input=None, groups=None):
         """Token batch -> embeddings (B, D), in batch order. `groups` (row-index tensors that
         together hold every row once: sub_batches) runs the encoder once per group, each without
-        the positions that are padding in all its rows; None runs it once. Or, with `head_input`
+        the positions that are padding in all its rows; a batches.Packing runs it once over packed
+        rows (embed_packed); None runs it once. Or, with `head_input`
         (B, 3D), the Softmax head's logits. The head goes through forward too, so the wrapper
         sees every parameter used."""
         if head_input is not None:
@@ -84,6 +93,8 @@ class EmbeddingModel(torch.nn.Module):
             tokens["token_type_ids"] = token_type_ids
         if groups is None:
             return self.embed(tokens)
+        if isinstance(groups, batches.Packing):
+            return self.embed_packed(tokens, groups)
         pieces = [self.embed(select_rows(tokens, rows)) for rows in groups]
         return torch.cat(pieces)[torch.argsort(torch.cat(groups))]
 
@@ -91,9 +102,63 @@ class EmbeddingModel(torch.nn.Module):
         mask_BT = tokens["attention_mask"]
         if self.takes_positions and not bool(mask_BT[:, 0].all()):  # left padding
             tokens = {**tokens, "position_ids": (mask_BT.long().cumsum(1) - 1).clamp(min=0)}
-        token_states_BTD = self.encoder(**tokens).last_hidden_state
+        return self.pooled(self.encoder(**tokens).last_hidden_state, mask_BT)
+
+    def pooled(self, token_states_BTD, mask_BT):
         emb_BD = pool(token_states_BTD, mask_BT, self.pooling)
         return F.normalize(emb_BD, p=2, dim=-1) if self.normalize else emb_BD
+
+    def embed_packed(self, tokens, packing):
+        """One encoder pass over packed rows (batches.pack): each slot takes its token's looked-up
+        embedding and its position within its own text, and attends only to its own text's slots
+        (causal models: only the earlier ones); empty slots attend to each other, and no text reads
+        them. The states are put back where the padded batch has them and pooled as there, so each
+        embedding is the padded batch's (tests/test_packing.py: to 1e-5, encoders and decoders)."""
+        device = tokens["inputs_embeds"].device
+        take_PL = packing.take_PL.clamp(min=0).to(device)
+        text_PL = packing.text_PL.to(device)
+        allowed_P1LL = (text_PL[:, :, None] == text_PL[:, None, :]).unsqueeze(1)
+        if self.causal:
+            allowed_P1LL = allowed_P1LL.tril()
+        mask_P1LL = allowed_P1LL  # sdpa takes it as it is; eager adds it to the scores
+        if self.encoder.config._attn_implementation == "eager":
+            dtype = tokens["inputs_embeds"].dtype
+            mask_P1LL = torch.zeros(allowed_P1LL.shape, dtype=dtype, device=device)
+            mask_P1LL.masked_fill_(~allowed_P1LL, torch.finfo(dtype).min)
+        # A ready 4D mask goes through transformers' mask builders unchanged (packing_support).
+        packed = {k: v.flatten(0, 1)[take_PL] for k, v in tokens.items() if k != "attention_mask"}
+        packed["attention_mask"] = mask_P1LL
+        packed["position_ids"] = packing.position_PL.to(device) + self.first_position
+        states_QD = self.encoder(**packed).last_hidden_state.flatten(0, 1)
+        return self.pooled(states_QD[packing.put_NT.to(device)], tokens["attention_mask"])
+
+
+def packing_support(encoder, takes_positions):
+    """Why `encoder` cannot run packed rows, or None where it can: it must take position ids,
+    attend with sdpa or eager (which take any mask; flash and flex attention are not wired here),
+    and build its mask with transformers' masking utilities, which pass a ready 4D mask through
+    unchanged (BERT, XLM-R, Qwen2, Llama; MPNet and older model code build their own)."""
+    attention = encoder.config._attn_implementation
+    if attention not in ("sdpa", "eager"):
+        return f"attention implementation {attention!r}"
+    if not takes_positions:
+        return f"{type(encoder).__name__} takes no position_ids"
+    source = inspect.getsource(inspect.getmodule(type(encoder)))
+    if "create_bidirectional_mask" not in source and "create_causal_mask" not in source:
+        return f"{type(encoder).__name__} builds its own attention mask"
+    return None
+
+
+def use_packing(cfg, model):
+    """Whether training runs packed rows, and a line in the log saying which path runs and why."""
+    why_not = model.cannot_pack
+    if cfg.packing == "off" or cfg.length_buckets or cfg.cache_chunk_size:
+        why_not = "--packing off" if cfg.packing == "off" else "--length-buckets or --cache-chunk-size set"
+    if why_not is None:
+        fsdp_utils.print0("forwards: one per micro-batch over packed rows (no padding computed)")
+    else:
+        fsdp_utils.print0(f"forwards: length-sorted sub-batches, not packed rows ({why_not})")
+    return why_not is None
 
 
 def select_rows(tokens, rows):

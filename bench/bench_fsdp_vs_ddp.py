@@ -56,7 +56,7 @@ def train(task, precision, strategy, args, out):
     if done.returncode != 0:
         sys.exit(f"error: train.py exited {done.returncode}:\n{done.stderr[-3000:]}")
     lines = [json.loads(line) for line in Path(out, "metrics.jsonl").read_text().splitlines()]
-    spearman = [v for line in lines for k, v in line.items() if k.endswith("spearman")][-1]
+    spearman = [v for line in lines for k, v in line.get("eval", {}).items() if k.endswith("spearman")][-1]
     sharding = next((line for line in done.stdout.splitlines() if line.startswith("sharding:")), "")
     return lines[-1]["samples_per_s"], spearman, sharding  # train.py logs it x 100
 

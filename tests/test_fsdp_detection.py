@@ -1,14 +1,15 @@
 """Wrap-class detection for FSDP's auto-wrap policy, on tiny randomly initialised models of each
-architecture we support (built from a config: nothing is downloaded), and the error a wrong
---fsdp-layer-cls gives before any wrapping.
+architecture we support (built from a config: nothing is downloaded), the error a wrong
+--fsdp-layer-cls gives before any wrapping, and what --sharding auto chooses.
 
 Run: python -m pytest tests/test_fsdp_detection.py
 """
 
 import pytest
 import torch
+import torch.distributed as dist
 import transformers
-from conftest import REPO_DIR  # noqa: F401  (puts the repository on sys.path)
+from conftest import REPO_DIR, free_port  # noqa: F401  (REPO_DIR puts the repository on sys.path)
 
 import embedding_model
 
@@ -98,3 +99,32 @@ def test_wrong_override_fails_before_wrapping_naming_the_real_classes():
     assert "BertLayer" in message and "no such layer class" in message
     assert "['XLMRobertaLayer']" in message  # the block it does contain
     assert not any(type(m).__name__.startswith("FullySharded") for m in model.modules())
+
+
+@pytest.fixture
+def one_process_group():
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{free_port()}", rank=0, world_size=1)
+    yield
+    dist.destroy_process_group()
+
+
+def test_auto_sharding_keeps_gathered_weights_only_for_a_model_small_against_free_memory(
+    one_process_group, monkeypatch
+):
+    """shard_grad_op when a gathered copy of the weights, in the compute dtype, takes at most 10%
+    of the free memory; full_shard above that, and when free memory cannot be read."""
+    model = transformers.AutoModel.from_config(ARCHITECTURES["bert"][0])
+    fp32 = 4 * sum(p.numel() for p in model.parameters())
+    cpu = torch.device("cpu")
+    for free, low, expected in [
+        (10 * fp32 + 10, None, "shard_grad_op"),
+        (10 * fp32 - 10, None, "full_shard"),
+        (5 * fp32 + 10, torch.bfloat16, "shard_grad_op"),  # bf16 weights: half the bytes
+        (5 * fp32 - 10, torch.bfloat16, "full_shard"),
+        (None, None, "full_shard"),
+    ]:
+        monkeypatch.setattr(fsdp_utils, "free_memory_per_process", lambda device, free=free: free)
+        sharding, why = fsdp_utils.auto_sharding(model, cpu, low)
+        assert sharding == expected and why.startswith(f"sharding: auto -> {expected}"), (free, low, why)
+    monkeypatch.undo()  # this machine's own free memory: a tiny model is small against it
+    assert fsdp_utils.auto_sharding(model, cpu, None)[0] == "shard_grad_op"

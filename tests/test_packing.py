@@ -210,4 +210,6 @@ def test_training_packed_at_world_2_equals_one_process_with_one_padded_forward(
 ):
     packed = run_train([*common_args(tiny_model), *strategy, "--output-dir", tmp_path], nproc=2)
     assert "forwards: one per micro-batch over packed rows" in packed.stdout
+    if "fsdp" in strategy:  # --sharding auto, on a model this small (tests/test_fsdp_detection.py)
+        assert "sharding: auto -> shard_grad_op" in packed.stdout
     assert_same_training(tmp_path, padded_reference, 3)

@@ -7,6 +7,7 @@ sum by hand. At world size 2 a ring's sum is a + b, the all-reduce's too: equal 
 rounding. Sub-groups of 2 (hybrid sharding's shard groups, whose ranks are not the global ones)
 and sizes that do not divide evenly by 4 are covered. Then FSDP2 itself: a model wrapped by
 `wrap_model` never calls gloo's all-gather or reduce-scatter, and its gradients equal DDP's.
+And --sharding auto: when one rank is short of memory, every rank shards fully.
 """
 
 import os
@@ -122,6 +123,11 @@ def worker(rank, world_size, port, results):
             out[f"group {ranks_list}"] = check_group(mine, rank, 3, 33, torch.float32)
     else:
         out["fsdp2"] = fsdp2_against_ddp(rank)
+        # --sharding auto: rank 1 alone short of memory for a gathered copy: both ranks shard fully.
+        model = Tiny()
+        fp32 = 4 * sum(p.numel() for p in model.parameters())
+        fsdp_utils.free_memory_per_process = lambda device: 10**12 if rank == 0 else 5 * fp32
+        out["auto"] = fsdp_utils.auto_sharding(model, torch.device("cpu"), None)[0]
     results[rank] = out
     dist.destroy_process_group()
 
@@ -136,7 +142,9 @@ def test_rings_at_two_ranks_equal_gloo_bit_for_bit_and_fsdp2_uses_them():
     results = run(2)
     for rank, out in results.items():
         for case, value in out.items():
-            if case == "fsdp2":
+            if case == "auto":
+                assert value == "full_shard", (rank, value)  # the ranks agree on the least memory
+            elif case == "fsdp2":
                 gloo_calls, worst = value
                 assert gloo_calls == 0, (rank, value)  # every FSDP2 collective went through the rings
                 assert worst <= 1e-6, (rank, value)  # and the gradients are DDP's

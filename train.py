@@ -8,7 +8,7 @@ embedding_model, losses, eval_dist, checkpoints, export, metrics, fsdp_utils, lo
 Run it:
     python train.py                                   # one process (CPU or one GPU)
     torchrun --nproc_per_node=2 train.py              # DDP: gloo on CPU, NCCL on CUDA
-    torchrun --nproc_per_node=4 train.py --strategy fsdp                  # FSDP1, full_shard
+    torchrun --nproc_per_node=4 train.py --strategy fsdp                  # FSDP1, --sharding auto
     torchrun --nproc_per_node=4 train.py --strategy fsdp --fsdp-version 2 --precision bf16
     torchrun --nproc_per_node=4 train.py --per-device-batch-size 1024 --cache-chunk-size 64 --gather-negatives
     torchrun --nproc_per_node=4 --max-restarts=3 train.py --save-steps 500 --resume auto

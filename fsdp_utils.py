@@ -209,10 +209,12 @@ def set_cpu_allocator(device, strategy, sharding):
     blocks kept (DDP: 976). The cost: up to 1 GiB freed is kept, not given back.
 
     Memory first: with glibc's defaults, freed blocks stay in the heaps of several arenas, and a
-    random ~270M-parameter decoder under FSDP2 at 8 processes held 1.91x the fp32 model above
-    its start on the ranks that do not write, against 0.76x when every block above 64 KiB is
-    mapped apart (and unmapped when freed) with 2 arenas. The price is speed: every such block
-    is faulted in again each time (MiniLM, full_shard: 2,300 ms a step against 1,536)."""
+    random 211M-parameter decoder training under FSDP2 at 8 processes held 2.41-2.49x the fp32
+    model above its start on the ranks that do not write (measured when train.py still ran one
+    forward per column), against 0.74-0.76x now when every block above 64 KiB is mapped apart
+    (and unmapped when freed) with 2 arenas (bench/bench_big_model.py; docs/big-models.md).
+    The price is speed: every such block is faulted in again each time (MiniLM, full_shard: 2,300
+    ms a step against 1,536)."""
     if device.type != "cpu" or not sys.platform.startswith("linux"):
         return None
     if any(k.startswith("MALLOC_") for k in os.environ):
@@ -477,9 +479,9 @@ def wrap_fsdp2(model, device, layer_classes, sharding, low, on_meta):
 
 class RingAllGather:
     """FSDP2's all-gather over gloo as a ring of point-to-point messages, straight into the
-    gathered buffer. gloo's own `all_gather_into_tensor` copies through a list of outputs: on
-    2 CPU processes, a MiniLM block (1.8M fp32 values) took 7.9 ms, and 5.2 ms as a ring; the
-    word embeddings (11.9M) 82 ms against 31. The values are the ones sent: the same result.
+    gathered buffer. On 2 CPU processes gloo's own `all_gather_into_tensor` took 7.9 ms for a
+    MiniLM block (1.8M fp32 values), the ring 5.2 ms; for the word embeddings (11.9M) 82 ms
+    against 31. The values are the ones sent: the same result.
 
     FSDP2 calls it on every rank of `group` in the same order (one per block, forward and
     backward), as it calls its own collectives. `input_tensor` is this rank's slot of

@@ -205,8 +205,8 @@ def set_cpu_allocator(device, strategy, sharding):
     (vocabulary x width: 47 MB for MiniLM), is mapped again and each of its pages faulted in
     again, every step (its backward on one thread: 19 ms, then 5 ms with blocks kept). FSDP
     makes and frees a gathered block and its gradient for every block, every step: FSDP2 with
-    shard_grad_op on MiniLM at 2 processes took 1,367 ms a step with glibc's defaults, 999 with
-    blocks kept (DDP: 976). The cost: up to 1 GiB freed is kept, not given back.
+    shard_grad_op on MiniLM at 2 processes took 1,367 ms a step with glibc's defaults, 999-1,109
+    with blocks kept (DDP: 910-976). The cost: up to 1 GiB freed is kept, not given back.
 
     Memory first: with glibc's defaults, freed blocks stay in the heaps of several arenas, and a
     random 211M-parameter decoder training under FSDP2 at 8 processes held 2.41-2.49x the fp32

@@ -14,8 +14,6 @@ padded batch (tests/test_packing.py), so the runs train the same model up to flo
 Run (a quiet machine; about 10 minutes on 2 CPU cores with the defaults):
     python bench/bench_packing.py --data-dir DATA      # DATA: stsb-train.jsonl, sick-pairs-train.jsonl
     python bench/bench_packing.py --data-dir DATA --tasks cosent --precisions bf16 --rounds 3
-    python bench/bench_packing.py --data-dir DATA --strategies ddp,fsdp2,fsdp2_shard_grad_op
-It ends with FSDP's throughput against DDP's, both with packed rows.
 """
 
 import argparse
@@ -83,14 +81,6 @@ def main():
                 results.append({"task": task, "precision": precision, "strategy": strategy, **speeds})
                 row = f"| {task} | {precision} | {strategy} | {packed:.1f} | {plain:.1f}"
                 print(f"{row} | {packed / plain:.2f}x |")
-    # FSDP against DDP, both with packed rows: the throughput ratio.
-    print("\n| task | precision | strategy | samples/s | DDP samples/s | ratio to DDP |")
-    print("|---|---|---|---:|---:|---:|")
-    mean = {(r["task"], r["precision"], r["strategy"]): sum(r["auto"]) / len(r["auto"]) for r in results}
-    for (task, precision, strategy), speed in mean.items():
-        ddp = mean.get((task, precision, "ddp"))
-        if strategy != "ddp" and ddp:
-            print(f"| {task} | {precision} | {strategy} | {speed:.1f} | {ddp:.1f} | {speed / ddp:.2f} |")
     if args.json:
         Path(args.json).write_text(json.dumps(results, indent=2))
 

@@ -16,11 +16,13 @@ is resumable state only; the model people use is the export (export.py).
 
 One run per output folder: rank 0 holds OUTPUT_DIR/.lock while it runs (`take_output_lock`).
 
-Needs safetensors and fsdp_utils.py (`print0`, the quiet checkpoint warnings).
+Needs safetensors, fsdp_utils.py (`print0`, the quiet checkpoint warnings) and faults.py (the
+disk's room, writes agreed across ranks).
 """
 
 import atexit
 import datetime
+import functools
 import glob
 import itertools
 import json
@@ -35,6 +37,7 @@ import torch
 import torch.distributed as dist
 from safetensors.torch import load_file, save_file
 
+import faults
 import fsdp_utils
 
 # torch.distributed.checkpoint is imported by the functions that use it: 0.9 s of start-up that
@@ -145,60 +148,80 @@ def _write_manifest(tmp_dir):
 def save_checkpoint(model, optimizer, checkpoints_dir, step, trainer_state, keep_last=0):
     """Save model, optimizer, every rank's RNG and `trainer_state` (a JSON-able dict) as
     `checkpoints_dir/step-{step}`. EVERY rank must call it: gathering the state dict, the DCP
-    save and the barriers are collectives. Only rank 0 writes the JSON files and renames.
+    save and the agreements between the writes are collectives. Only rank 0 writes the JSON files and renames.
     A folder already named step-{step} (a damaged one, or one a resume from an older step is
     about to replace) is moved aside to step-{step}.replaced-TIME, never deleted.
-    `keep_last` > 0 removes older checkpoints beyond that many, after the new one is complete."""
+    `keep_last` > 0 removes older checkpoints beyond that many, after the new one is complete.
+    A disk without room for it stops every rank before anything is written, and a write that
+    fails on any rank stops every rank with the half-written folder removed (faults.DiskFull);
+    the older checkpoints are then untouched."""
     import torch.distributed.checkpoint as dcp
 
     rank = dist.get_rank() if dist.is_initialized() else 0
     final_dir = os.path.join(checkpoints_dir, f"step-{step}")
     tmp_dir = os.path.join(checkpoints_dir, f".incomplete-step-{step}")
-    if rank == 0:
-        shutil.rmtree(tmp_dir, ignore_errors=True)  # a leftover of a save that was killed
-        os.makedirs(tmp_dir)
-    fsdp_utils.barrier()  # all ranks: nobody writes into the folder before it exists
-
     with fsdp_utils.quiet_checkpoint_warnings():
         tensors, hyper = _tensor_state(model, optimizer)  # all ranks (collective under FSDP)
-        # All ranks: each writes the tensors (or shards) it is assigned; safetensors files, so
-        # loading them back runs no pickle.
-        dcp.save(
-            tensors,
-            storage_writer=dcp.HuggingFaceStorageWriter(
-                tmp_dir, save_distributed=True, enable_consolidation=False
-            ),
-        )
-    save_file(rng_states(), os.path.join(tmp_dir, f"rng-rank-{rank}.safetensors"))
-    if rank == 0:
-        with open(os.path.join(tmp_dir, "trainer_state.json"), "w") as f:
-            json.dump({**trainer_state, "step": step, "optimizer_hyperparameters": hyper}, f, indent=1)
-    fsdp_utils.barrier()  # all ranks: every file is written before rank 0 lists them and renames
+    # ALL ranks: when the disk cannot hold it, stop before writing anything (RNG states, JSON and
+    # safetensors headers: a few kB a rank, within the 1% + 1 MiB).
+    need = int(1.01 * faults.global_bytes(tensors.values())) + 2**20
+    what = f"checkpoint step-{step}"
+    faults.check_space(checkpoints_dir, need, what)
 
-    if rank == 0:
-        _write_manifest(tmp_dir)
-        if os.path.exists(final_dir):
-            aside = stamped = f"{final_dir}.replaced-{time.strftime('%Y%m%d-%H%M%S')}"
-            for n in itertools.count(2):
-                if not os.path.exists(aside):
-                    break
-                aside = f"{stamped}-{n}"
-            os.rename(final_dir, aside)
-            # On a line of its own: a progress bar may hold the current one.
-            print(
-                f"\nwarning: {final_dir} was in the way of this save; moved to {aside}",
-                file=sys.stderr,
-                flush=True,
+    # ALL ranks, each `agreed_writes` an all_reduce: a write that fails on any rank (a full disk)
+    # stops every rank, with the half-written folder removed. Each is also a barrier: nobody
+    # writes into the folder before it exists, nor lists the files before all are written.
+    remove_tmp = functools.partial(shutil.rmtree, tmp_dir, ignore_errors=True)
+    with faults.agreed_writes(what, checkpoints_dir, remove_tmp):
+        if rank == 0:
+            shutil.rmtree(tmp_dir, ignore_errors=True)  # a leftover of a save that was killed
+            os.makedirs(tmp_dir)
+    with faults.agreed_writes(what, checkpoints_dir, remove_tmp):
+        with fsdp_utils.quiet_checkpoint_warnings():
+            # All ranks: each writes the tensors (or shards) it is assigned; safetensors files,
+            # so loading them back runs no pickle. A failed write raises on every rank.
+            dcp.save(
+                tensors,
+                storage_writer=dcp.HuggingFaceStorageWriter(
+                    tmp_dir, save_distributed=True, enable_consolidation=False
+                ),
             )
-        os.rename(tmp_dir, final_dir)  # atomic: from here on step-N is complete
-        older = complete_checkpoints(checkpoints_dir)[:-keep_last] if keep_last > 0 else []
-        for _, path in older:
-            # Hide first, then delete: a crash mid-delete must not leave a step-N that looks whole.
-            hidden = os.path.join(checkpoints_dir, ".deleting-" + os.path.basename(path))
-            os.rename(path, hidden)
-            shutil.rmtree(hidden)
-    fsdp_utils.barrier()  # all ranks: nobody goes on (or dies) before the checkpoint is visible
+        save_file(rng_states(), os.path.join(tmp_dir, f"rng-rank-{rank}.safetensors"))
+        if rank == 0:
+            with open(os.path.join(tmp_dir, "trainer_state.json"), "w") as f:
+                json.dump({**trainer_state, "step": step, "optimizer_hyperparameters": hyper}, f, indent=1)
+
+    # Rank 0 writes the manifest, renames, and removes the oldest; the others wait for it.
+    with faults.agreed_writes(what, checkpoints_dir, remove_tmp):
+        if rank == 0:
+            _make_complete(tmp_dir, final_dir, checkpoints_dir, keep_last)
     return final_dir
+
+
+def _make_complete(tmp_dir, final_dir, checkpoints_dir, keep_last):
+    """Rank 0, once every rank has written: the manifest, the rename to step-N (a folder in the
+    way moved aside), and the removal of the checkpoints beyond the newest `keep_last`."""
+    _write_manifest(tmp_dir)
+    if os.path.exists(final_dir):
+        aside = stamped = f"{final_dir}.replaced-{time.strftime('%Y%m%d-%H%M%S')}"
+        for n in itertools.count(2):
+            if not os.path.exists(aside):
+                break
+            aside = f"{stamped}-{n}"
+        os.rename(final_dir, aside)
+        # On a line of its own: a progress bar may hold the current one.
+        print(
+            f"\nwarning: {final_dir} was in the way of this save; moved to {aside}",
+            file=sys.stderr,
+            flush=True,
+        )
+    os.rename(tmp_dir, final_dir)  # atomic: from here on step-N is complete
+    older = complete_checkpoints(checkpoints_dir)[:-keep_last] if keep_last > 0 else []
+    for _, path in older:
+        # Hide first, then delete: a crash mid-delete must not leave a step-N that looks whole.
+        hidden = os.path.join(checkpoints_dir, ".deleting-" + os.path.basename(path))
+        os.rename(path, hidden)
+        shutil.rmtree(hidden)
 
 
 def load_checkpoint(model, optimizer, checkpoint_dir):
@@ -277,20 +300,6 @@ def diverged_message(loss_value, step, checkpoints_dir):
         f"Newest checkpoint with finite weights: {usable or 'none'}{passed_over}"
         f"{'' if usable or skipped else ' (use --save-steps)'}. "
         "Lower --lr, use --precision fp32 or bf16, or check the data"
-    )
-
-
-def lost_peer_message(lost, output_dir, dist_timeout_minutes):
-    """The one line a rank prints when another rank, its host or its link is gone mid-run
-    (`lost`: fsdp_utils.lost_peer's words): which rank and host saw it, the newest complete
-    checkpoint, and how to go on."""
-    usable, _ = newest_usable_checkpoint(os.path.join(output_dir, "checkpoints"))
-    return (
-        f"rank {os.environ.get('RANK', '0')} on host {socket.gethostname()} lost contact with the "
-        f"other ranks ({lost}; --dist-timeout-minutes {dist_timeout_minutes:g}): a host, its network "
-        f"link or one of its processes is gone. Newest complete checkpoint: "
-        f"{usable or 'none (use --save-steps)'}. Once every host is back, run the same command "
-        "on every host with --resume auto (set FSDP_EMBED_TRACEBACK=1 for the stack)"
     )
 
 

@@ -201,6 +201,8 @@ class LoadedModel:
     pretrained_names: dict = dataclasses.field(default_factory=dict)
     fresh_tensors: dict = dataclasses.field(default_factory=dict)
     column_lengths: dict = dataclasses.field(default_factory=dict)  # --max-seq-length's {column: tokens}
+    # (all, trainable) parameter counts, taken before wrapping (FSDP1 leaves each rank its part)
+    parameter_counts: tuple = (0, 0)
 
     def prepare(self, texts):
         """Strip, and lowercase where the model was trained so, as sentence-transformers'
@@ -297,6 +299,10 @@ def load_model(cfg, num_labels, on_meta=False):
         prompts,
         {**st_config["prompts"], **prompts},
         column_lengths=column_lengths,
+        parameter_counts=(
+            sum(p.numel() for p in model.parameters()),
+            sum(p.numel() for p in model.parameters() if p.requires_grad),
+        ),
     )
     if file_names is not None:
         to_meta(loaded, file_names, lora_names, folder)

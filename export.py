@@ -17,8 +17,8 @@ Usage (every rank calls stage_state_dict, the writer alone the rest):
         export.export_sentence_transformer(out_dir, [lambda: export.read_staged(staging, names)],
                                            config, tokenizer, pooling_mode="mean", ...)
 
-Needs torch, transformers and safetensors, and fsdp_utils.py, lora.py and config.py (for
-`export_model` and the model card; `export_sentence_transformer` needs none of them).
+Needs torch, transformers and safetensors, and fsdp_utils.py, lora.py, config.py and faults.py
+(for `export_model` and the model card; `export_sentence_transformer` needs none of them).
 """
 
 import copy
@@ -37,6 +37,7 @@ import torch.distributed as dist
 from safetensors.torch import save_file
 
 import config
+import faults
 import fsdp_utils
 import lora
 
@@ -47,15 +48,44 @@ def export_model(model, loaded, out_dir, cfg, derived, summary, is_rank0, sees_o
     time: no rank ever holds the whole model. A rank on a host without rank 0's disk
     (sees_output_dir[rank] False) writes its part on its own disk and sends the file to rank 0
     over the process group. One process and DDP hold the model whole already: rank 0 reads its
-    own copy. Rank 0 alone writes the SentenceTransformer folder, with its model card."""
+    own copy. Rank 0 alone writes the SentenceTransformer folder, with its model card.
+    A disk without room for it stops every rank before anything is written, and a write that
+    fails stops every rank with what was half written removed (faults.DiskFull): an older export
+    at `out_dir` is then untouched."""
     # A leftover of a killed run goes at the next start, as the other *.tmp-*.
     staging = f"{out_dir}.tmp-staged"
     sharded = fsdp_utils.is_fsdp1(model) or fsdp_utils.is_fsdp2(model)
-    if sharded:
-        stage_state_dict(model, staging, sees_output_dir)
-    if not is_rank0:
-        return
-    if sharded:
+    folder, what = os.path.dirname(os.path.abspath(out_dir)), f"the export {out_dir}"
+    faults.check_space(folder, size_estimate(loaded, cfg, sharded), what)  # ALL ranks: a broadcast
+
+    def remove_half_written():  # rank 0's, after a failed write
+        for path in (staging, f"{os.path.abspath(out_dir)}.tmp-{os.getpid()}"):
+            shutil.rmtree(path, ignore_errors=True)
+
+    # ALL ranks: staging is collective; the others then wait for rank 0's writes to end well.
+    with faults.agreed_writes(what, folder, remove_half_written):
+        if sharded:
+            stage_state_dict(model, staging, sees_output_dir)
+        if is_rank0:
+            write_export(loaded, out_dir, cfg, derived, summary, staging if sharded else None)
+
+
+def size_estimate(loaded, cfg, sharded):
+    """About the bytes an export takes while it is written: the weights in --export-dtype, under
+    FSDP the staged fp32 copy beside them, and the tokenizer (its tokenizer.json as text, twice
+    for the slow files saved beside it, and the base's slow files), with 1 MB to spare."""
+    dtype_bytes = {"fp32": 4, "bf16": 2, "fp16": 2}[cfg.export_dtype]
+    weights = loaded.parameter_counts[0] * (dtype_bytes + (4 if sharded else 0))
+    backend = getattr(loaded.tokenizer, "backend_tokenizer", None)
+    tokenizer = 2 * len(backend.to_str()) if backend is not None else 0
+    tokenizer += sum(os.path.getsize(path) for path in loaded.tokenizer_files.values())
+    return weights + tokenizer + 10**6
+
+
+def write_export(loaded, out_dir, cfg, derived, summary, staging):
+    """Rank 0: the SentenceTransformer folder, its weights read from `staging` (FSDP: what
+    stage_state_dict wrote) or, when None, from the model itself (one process, DDP)."""
+    if staging:
         tensors_of = functools.partial(read_staged, staging)
         shapes = staged_tensors(staging)
     else:
@@ -98,7 +128,8 @@ def export_model(model, loaded, out_dir, cfg, derived, summary, is_rank0, sees_o
             dropout=cfg.lora_dropout,
             base_model=public_name(cfg.model),
         )
-    shutil.rmtree(staging, ignore_errors=True)
+    if staging:
+        shutil.rmtree(staging, ignore_errors=True)
 
 
 def exported_files(tensors_of, shapes, untrained_state, cfg, dtype):
@@ -139,10 +170,12 @@ def stage_state_dict(model, folder, sees_output_dir=(True,)):
     not see rank 0's disk (sees_output_dir[rank] False) sends its file there."""
     rank = dist.get_rank() if dist.is_initialized() else 0
     on_rank0_disk = sees_output_dir[rank]
-    if rank == 0:
-        shutil.rmtree(folder, ignore_errors=True)  # a leftover of a killed export
-        os.makedirs(folder)
-    fsdp_utils.barrier()  # all ranks: nobody writes into the folder before it exists
+    # ALL ranks: nobody writes into the folder before it exists (an all_reduce: a folder that
+    # cannot be made stops every rank, faults.py).
+    with faults.agreed_writes(f"the staged weights {folder}", os.path.dirname(folder)):
+        if rank == 0:
+            shutil.rmtree(folder, ignore_errors=True)  # a leftover of a killed export
+            os.makedirs(folder)
     if not on_rank0_disk:
         os.makedirs(folder, exist_ok=True)  # this host's own staging folder
     import torch.distributed.checkpoint as dcp  # (imported here: see the top of checkpoints.py)

@@ -48,7 +48,6 @@ import json
 import os
 import signal
 import sys
-import time
 import warnings
 
 import torch
@@ -103,54 +102,6 @@ def setup_dist(timeout_minutes):
 def cleanup_dist():
     if dist.is_initialized():
         dist.destroy_process_group()
-
-
-# What gloo and NCCL say when a peer is gone (its host, its link, or its process): a collective
-# that waited out the process group's timeout, or a connection the other side closed.
-LOST_PEER_SIGNS = (
-    "Timed out waiting",  # gloo: no answer within the timeout
-    "Connection closed by peer",  # gloo: the peer's process died (its kernel closed the socket)
-    "Connection reset by peer",
-    "Application timeout caused pair closure",  # gloo: another thread's collective timed out
-    "NCCL communicator was aborted",
-    "Watchdog caught collective operation timeout",  # NCCL
-    "The client socket has failed to connect",  # the store, before any collective
-)
-
-
-def lost_peer(error):
-    """The first line of `error` when it says a peer rank is gone (timed out, or its connection
-    closed), else None."""
-    text = str(error)
-    if not isinstance(error, RuntimeError) or not any(sign in text for sign in LOST_PEER_SIGNS):
-        return None
-    first = text.strip().splitlines()[0]
-    return first.split("] ", 1)[1] if first.startswith("[/") else first  # without gloo's source path
-
-
-def stop_launcher(grace_seconds=5.0):
-    """End torchrun's agent (this process's parent) when it has no restart left. Otherwise, on a
-    host whose link is down, it waits on for the rendezvous store on the other side after its
-    last worker is gone (measured: over 4 minutes, inside a store call that SIGTERM does not
-    interrupt). SIGTERM first (the agent stops its workers and exits non-zero), SIGKILL after
-    `grace_seconds`; the agent's other workers then get SIGTERM from Linux (see setup_dist).
-    With restarts left the agent restarts the workers, and is left alone."""
-    restarts = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", 0))
-    if "TORCHELASTIC_MAX_RESTARTS" not in os.environ or restarts < int(
-        os.environ["TORCHELASTIC_MAX_RESTARTS"]
-    ):
-        return
-    agent = os.getppid()
-    for sig in (signal.SIGTERM, signal.SIGKILL):
-        try:
-            os.kill(agent, sig)
-        except OSError:
-            return
-        deadline = time.monotonic() + grace_seconds
-        while os.getppid() == agent and time.monotonic() < deadline:
-            time.sleep(0.1)
-        if os.getppid() != agent:
-            return  # gone: this process now has another parent
 
 
 def barrier():

@@ -51,6 +51,7 @@ import config
 import embedding_model
 import eval_dist
 import export
+import faults
 import fsdp_utils
 import losses
 import metrics
@@ -97,6 +98,7 @@ def main(cfg):
 
     # ---- the loop
     for step in range(start_step + 1, total_steps + 1):  # optimizer steps, counted from 1
+        faults.HEARTBEAT.at_step(step)  # should a collective time out, who went silent, and when
         step_loss = torch.zeros((), device=device)
         for micro_step in range(cfg.grad_accum_steps):
             train_set, rows, features, labels = next(micro_batches)  # one set per step, on every rank
@@ -150,6 +152,8 @@ def build_model(cfg, plan, device):
     loaded = embedding_model.load_model(cfg, plan.num_labels, on_meta=plan.strategy == "fsdp")
     raw_model = loaded.model if loaded.pretrained_dir else loaded.model.to(device)
     no_decay_names = {name for name, param in raw_model.named_parameters() if param.ndim < 2}
+    export_bytes = export.size_estimate(loaded, cfg, sharded=plan.strategy == "fsdp")
+    faults.warn_space(cfg, loaded.parameter_counts, len(plan.schedule), export_bytes)  # rank 0 prints
     options = {"sharding": cfg.sharding, "fsdp_version": cfg.fsdp_version, "layer_cls": cfg.fsdp_layer_cls}
     model = fsdp_utils.wrap_model(raw_model, plan.strategy, device, precision=cfg.precision, **options)
     if loaded.pretrained_dir:  # ALL ranks: each reads the slices of the weights its shards hold
@@ -573,27 +577,19 @@ if __name__ == "__main__":
     cfg = config.parse_config(description=__doc__)
     try:
         main(cfg)
-    except ValueError as e:
-        fsdp_utils.print0(f"error: {e}", file=sys.stderr)  # bad input: rank 0 says it once
+    except Exception as e:
+        # A fault: its one error: line and exit code (faults.py). Anything else is a bug: its traceback.
+        checkpoints_dir = os.path.join(cfg.output_dir, "checkpoints")
+        code = faults.end_run(e, cfg, lambda: checkpoints.newest_usable_checkpoint(checkpoints_dir)[0])
+        if code is None or os.environ.get("FSDP_EMBED_TRACEBACK"):
+            raise
+        if code == faults.LOST_PEER:
+            checkpoints.release_output_lock(cfg.output_dir)  # rank 0's, if this is rank 0 (no atexit)
+            faults.end_job(code)  # no teardown; the silent ranks on this host, or the launcher, ended
         if isinstance(e, startup_checks.StartUpError) and dist.is_initialized():
             # All ranks agreed on this error, so all are here: wait until rank 0 has printed,
             # because torchrun stops the other ranks as soon as one exits.
             dist.barrier()
-        sys.exit(2)
-    except FloatingPointError as e:
-        fsdp_utils.print0(f"\nerror: {e}", file=sys.stderr)  # on a line of its own, after the progress bar
-        sys.exit(3)
-    except RuntimeError as e:
-        lost = fsdp_utils.lost_peer(e)
-        if lost is None:
-            raise
-        # Every rank that sees it says it (the one that knows which peer); exit 4: resumable.
-        message = checkpoints.lost_peer_message(lost, cfg.output_dir, cfg.dist_timeout_minutes)
-        print(f"\nerror: {message}", file=sys.stderr, flush=True)
-        if os.environ.get("FSDP_EMBED_TRACEBACK"):
-            raise
-        checkpoints.release_output_lock(cfg.output_dir)  # rank 0's, if this is rank 0 (no atexit below)
-        fsdp_utils.stop_launcher()
-        os._exit(4)  # no teardown: destroying a process group whose peer is gone can block
+        sys.exit(code)
     finally:
         fsdp_utils.cleanup_dist()

@@ -1,0 +1,373 @@
+"""Faults in the middle of a run: each ends with one `error:` line and an exit code that tells a
+scheduler what to do. Start-up problems end the same way (startup_checks.py, exit 2).
+
+  exit  what happened                                         what to do
+  2     bad input: flags, data, model files, output folder    fix it; a retry fails the same way
+  3     the loss turned NaN or inf                            do not retry as is: lower --lr, ...
+  4     a peer rank lost or silent (its host, link, process)  retry: --resume auto goes on from
+                                                              the newest complete checkpoint
+  5     the output disk full (or failing) in a save or export free space, then retry as for 4
+  1     anything else: a bug, with its traceback
+
+The line says what happened and where, the newest complete checkpoint, and the fix;
+FSDP_EMBED_TRACEBACK=1 adds the stack. Under torchrun the rank that prints the line also writes it
+to that worker's error file (TORCHELASTIC_ERROR_FILE, set by torchrun), so torchrun's failure
+summary shows it. torchrun itself exits 1 when any worker fails; a torchrun started with its own
+TORCHELASTIC_ERROR_FILE=PATH copies the worker's exit code to "errorCode" in PATH.
+
+  - `end_run(error, cfg, newest_checkpoint)`: the exception a run ended with -> line and code;
+  - the disk: `check_space` before a checkpoint or an export is written (ALL ranks),
+    `agreed_writes` around its writes (ALL ranks: a write that failed on any rank stops every
+    rank, with nothing left looking complete), `warn_space` at start-up;
+  - a lost or silent peer: `lost_peer`, `Heartbeat` (who went silent, when, at which step),
+    `end_job`, `stop_launcher`.
+
+Needs torch only (the newest checkpoint comes from the caller: checkpoints.py in train.py).
+"""
+
+import contextlib
+import datetime
+import json
+import os
+import signal
+import socket
+import sys
+import threading
+import time
+
+import torch
+import torch.distributed as dist
+
+BAD_INPUT, DIVERGED, LOST_PEER, DISK = 2, 3, 4, 5
+MB = 10**6
+
+
+# ----------------------------------------------------------------------------------------------
+# The disk: room checked before writing, writes agreed after
+
+
+class DiskFull(Exception):
+    """A checkpoint or an export did not fit, or its writes failed (exit 5)."""
+
+    def __init__(self, what, folder, need=None, cause=None, room=None):
+        self.what, self.folder, self.need, self.cause = what, folder, need, cause
+        self.room = room  # (bytes, inodes) free when it was found, if measured then
+        super().__init__(f"{what} at {folder}")
+
+
+def free_space(folder):
+    """(bytes, inodes) a process may still use on the file system of `folder` (or of its nearest
+    existing parent, for a folder not made yet)."""
+    path = os.path.abspath(folder)
+    while not os.path.exists(path):
+        path = os.path.dirname(path)
+    stat = os.statvfs(path)
+    return stat.f_bavail * stat.f_frsize, stat.f_favail
+
+
+def global_bytes(tensors):
+    """Bytes of the tensors whole: a DTensor's (FSDP2) or ShardedTensor's (FSDP1) shape is the
+    whole tensor's, so this is what all ranks together write, each replicated tensor once (DCP
+    writes a tensor that every rank holds whole, as under DDP, from one rank)."""
+    return sum(t.shape.numel() * t.dtype.itemsize for t in tensors)
+
+
+def flag_device():
+    """Where the ranks' flags meet: the current CUDA device under NCCL, else the CPU."""
+    nccl = dist.is_initialized() and dist.get_backend() == "nccl"
+    return torch.device("cuda", torch.cuda.current_device()) if nccl else torch.device("cpu")
+
+
+def check_space(folder, need, what):
+    """ALL ranks (a broadcast): stop every rank with DiskFull, before anything is written, when
+    rank 0 finds less than `need` bytes free at `folder` (checkpoints and exports are on a disk
+    that rank 0 sees: the start-up checks make sure)."""
+    short, room = torch.zeros(1, device=flag_device()), None
+    if not dist.is_initialized() or dist.get_rank() == 0:
+        room = free_space(folder)
+        short[0] = float(room[0] < need)
+    if dist.is_initialized():
+        dist.broadcast(short, src=0)
+    if short.item():
+        raise DiskFull(what, folder, need, room=room)
+
+
+WRITE_ERROR_SIGNS = ("No space left on device", "Disk quota exceeded", "Errno 28", "StorageFull")
+
+
+def is_write_error(error):
+    """Whether `error` is the disk's: an OSError, or what DCP (CheckpointException, every rank's
+    failure as text) or safetensors (SafetensorError) make of one."""
+    if isinstance(error, (OSError, DiskFull)):  # DiskFull: from an agreement inside another
+        return True
+    return any(sign in str(error) for sign in WRITE_ERROR_SIGNS)
+
+
+@contextlib.contextmanager
+def agreed_writes(what, folder, clean_up=lambda: None):
+    """ALL ranks: run this rank's writes (the block), then learn whether any rank's failed (an
+    all_reduce, which is also a barrier). Without it a rank whose write failed would leave the
+    others waiting in the next collective until --dist-timeout-minutes. A failure anywhere:
+    rank 0 runs `clean_up` (removes what was half written), then every rank raises DiskFull
+    (a disk error) or its own error."""
+    error = None
+    try:
+        yield
+    except (KeyboardInterrupt, SystemExit):
+        raise
+    except BaseException as e:  # DCP's CheckpointException is a BaseException
+        error = e  # every rank must reach the all_reduce below
+    code = 0.0 if error is None else 1.0 if is_write_error(error) else 2.0
+    failed = torch.tensor([code], device=flag_device())
+    if dist.is_initialized():
+        dist.all_reduce(failed, op=dist.ReduceOp.MAX)
+    if failed.item() == 0:
+        return
+    room = None
+    if not dist.is_initialized() or dist.get_rank() == 0:
+        room = free_space(folder)  # as the failed write left it
+        clean_up()
+    if isinstance(error, DiskFull) or (error is not None and not is_write_error(error)):
+        raise error
+    if failed.item() == 2:
+        raise RuntimeError(f"another rank failed while writing {what} at {folder}")
+    raise DiskFull(what, folder, cause=error, room=room)
+
+
+def disk_message(error, newest_checkpoint):
+    """The exit-5 line: what did not fit where, how much is free and needed, what is safe."""
+    free, inodes = error.room or free_space(error.folder)
+    room = f"{free / MB:.0f} MB free" + (", no free inodes" if inodes == 0 else "")
+    need = f", about {error.need / MB:.0f} MB needed" if error.need else ""
+    seen = f" ({first_line(error.cause)})" if error.cause else ""
+    done = "nothing was written" if error.need else "what was half written is removed"
+    full = error.need or inodes == 0 or any(sign in str(error.cause) for sign in WRITE_ERROR_SIGNS)
+    return (
+        f"the disk {'is full' if full else 'failed'} writing {error.what}: {error.folder} has "
+        f"{room}{need}{seen}; {done}. "
+        f"Newest complete checkpoint: {newest_checkpoint or 'none (use --save-steps)'}. Free space "
+        "(or lower --save-total-limit, or choose another --output-dir), then run the same command "
+        "with --resume auto"
+    )
+
+
+def first_line(error):
+    """The line of `error` that says what the disk said (DCP puts every rank's traceback in its
+    CheckpointException), else its first line."""
+    lines = [line.strip() for line in str(error).strip().splitlines() if line.strip()]
+    said = [line for line in lines if any(sign in line for sign in WRITE_ERROR_SIGNS)]
+    return (said or lines or [type(error).__name__])[-1 if said else 0][:300]
+
+
+def warn_space(cfg, parameter_counts, total_steps, export_bytes):
+    """Rank 0, at start-up: a warning line when the output folder's free space cannot hold what
+    the run will write: the checkpoints it keeps (one more while a save replaces the oldest; fp32
+    weights and AdamW's two fp32 moments for each trainable weight) and its exports of
+    `export_bytes` (final/, and best/ with --metric-for-best)."""
+    if dist.is_initialized() and dist.get_rank() != 0:
+        return
+    params, trainable = parameter_counts
+    checkpoint = 4 * params + 8 * trainable
+    saves = total_steps // cfg.save_steps if cfg.save_steps else 0
+    kept = min(saves, cfg.save_total_limit + 1) if cfg.save_total_limit else saves
+    export = export_bytes * (2 if cfg.metric_for_best else 1)
+    need, free = kept * checkpoint + export, free_space(cfg.output_dir)[0]
+    if need > free:
+        print(
+            f"warning: {cfg.output_dir} has {free / MB:.0f} MB free; this run writes about "
+            f"{need / MB:.0f} MB ({kept} checkpoints of {checkpoint / MB:.0f} MB, exports of "
+            f"{export / MB:.0f} MB): a save that does not fit will stop it (exit 5)",
+            file=sys.stderr,
+            flush=True,
+        )
+
+
+# ----------------------------------------------------------------------------------------------
+# A peer lost or silent: gloo/NCCL's timeout finds it, the heartbeat names it
+
+# What gloo and NCCL say when a peer is gone (its host, its link, or its process): a collective
+# that waited out the process group's timeout, or a connection the other side closed.
+LOST_PEER_SIGNS = (
+    "Timed out waiting",  # gloo: no answer within the timeout
+    "Connection closed by peer",  # gloo: the peer's process died (its kernel closed the socket)
+    "Connection reset by peer",
+    "Application timeout caused pair closure",  # gloo: another thread's collective timed out
+    "NCCL communicator was aborted",
+    "Watchdog caught collective operation timeout",  # NCCL
+    "The client socket has failed to connect",  # the store, before any collective
+)
+
+
+def lost_peer(error):
+    """The first line of `error` when it says a peer rank is gone (timed out, or its connection
+    closed), else None."""
+    text = str(error)
+    if not isinstance(error, RuntimeError) or not any(sign in text for sign in LOST_PEER_SIGNS):
+        return None
+    first = text.strip().splitlines()[0]
+    return first.split("] ", 1)[1] if first.startswith("[/") else first  # without gloo's source path
+
+
+class Heartbeat:
+    """Every `interval` seconds a thread of each rank writes (host, pid, step, time) to the
+    rendezvous store. A collective that times out says only that it waited; the heartbeats say
+    who stopped: a rank whose heartbeat is old is silent as a whole process (stopped, swapped
+    out, its host or link gone). The loop calls `at_step` each step; the first call starts the
+    thread (the process group, hence its store, is up by then). Its own store client, so the
+    process group's is never used from two threads; nothing when not launched by torchrun."""
+
+    def __init__(self, interval=2.0):
+        self.step, self.interval, self.store, self.silent_ranks = 0, interval, None, []
+
+    def at_step(self, step):
+        self.step = step
+        if "RANK" not in os.environ or self.store is not None:
+            return
+        self.rank, self.world_size = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+        self.store = self.connect()
+        threading.Thread(target=self.beat, daemon=True, name="heartbeat").start()
+
+    @staticmethod
+    def connect(timeout_seconds=5):
+        store = dist.TCPStore(
+            os.environ["MASTER_ADDR"],
+            int(os.environ["MASTER_PORT"]),
+            is_master=False,
+            timeout=datetime.timedelta(seconds=timeout_seconds),
+        )
+        return dist.PrefixStore(f"heartbeat-{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}", store)
+
+    def beat(self):
+        me = {"host": socket.gethostname(), "pid": os.getpid()}
+        while True:
+            try:
+                self.store.set(str(self.rank), json.dumps({**me, "step": self.step, "time": time.time()}))
+            except Exception:  # the store's host may be the one gone: keep quiet
+                return
+            time.sleep(self.interval)
+
+    def silent(self):
+        """[{rank, host, pid, step, seconds}] of the ranks whose last heartbeat is older than
+        three intervals (read with a client of its own: the store's host may be gone)."""
+        if self.store is None:
+            return []
+        try:
+            store = self.connect()
+            others = [str(r) for r in range(self.world_size) if r != self.rank]
+            beats = {int(r): json.loads(store.get(r)) for r in others if store.check([r])}
+        except Exception:  # the store is on rank 0's host, which may be the one gone
+            return []
+        now = time.time()
+        self.silent_ranks = [
+            {"rank": r, **beat, "seconds": now - beat["time"]}
+            for r, beat in beats.items()
+            if now - beat["time"] > 3 * self.interval
+        ]
+        return self.silent_ranks
+
+
+HEARTBEAT = Heartbeat()  # this process's: train.py's loop sets its step (and so starts it)
+
+
+def lost_peer_message(lost, silent, step, newest_checkpoint, dist_timeout_minutes):
+    """The line a rank prints when another rank, its host or its link is gone mid-run (`lost`:
+    lost_peer's words; `silent`: Heartbeat.silent's ranks): who saw it, who went silent, the
+    newest complete checkpoint, and how to go on."""
+    who = "; ".join(
+        f"rank {s['rank']} on host {s['host']} (pid {s['pid']}) silent for {s['seconds']:.0f} s "
+        f"at step {s['step']}"
+        for s in silent
+    )
+    return (
+        f"rank {os.environ.get('RANK', '0')} on host {socket.gethostname()} lost contact with the "
+        f"other ranks ({lost}; --dist-timeout-minutes {dist_timeout_minutes:g}) at step {step}"
+        f"{': ' + who if who else ''}. A host, its network link or one of its processes is gone "
+        f"or stopped. Newest complete checkpoint: {newest_checkpoint or 'none (use --save-steps)'}. "
+        "Once every host is back, run the same command on every host with --resume auto"
+    )
+
+
+def end_job(code):
+    """After a lost peer, end this process with `code` and no teardown (destroying a process
+    group whose peer is gone can block), and make sure the job ends: the silent ranks on this
+    host (stopped, or hung past the timeout) get SIGKILL, so their launcher ends or restarts the
+    job at once instead of waiting 30 s for a stopped process to answer SIGTERM; a silent rank on
+    another host cannot be reached from here, so this host's launcher is stopped instead
+    (stop_launcher)."""
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)  # the launcher's SIGTERM must not change `code`
+    host = socket.gethostname()
+    silent = HEARTBEAT.silent_ranks
+    for s in silent:
+        if s["host"] == host:
+            with contextlib.suppress(OSError):
+                os.kill(s["pid"], signal.SIGKILL)
+    if not silent or any(s["host"] != host for s in silent):
+        stop_launcher()
+    os._exit(code)
+
+
+def stop_launcher(grace_seconds=5.0):
+    """End torchrun's agent (this process's parent) when it has no restart left. Otherwise, on a
+    host whose link is down, it waits on for the rendezvous store on the other side after its
+    last worker is gone (measured: over 4 minutes, inside a store call that SIGTERM does not
+    interrupt). SIGTERM first (the agent stops its workers and exits non-zero), SIGKILL after
+    `grace_seconds`; the agent's other workers then get SIGTERM from Linux (see
+    fsdp_utils.setup_dist). With restarts left the agent restarts the workers, and is left alone."""
+    restarts = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", 0))
+    if "TORCHELASTIC_MAX_RESTARTS" not in os.environ or restarts < int(
+        os.environ["TORCHELASTIC_MAX_RESTARTS"]
+    ):
+        return
+    agent = os.getppid()
+    for sig in (signal.SIGTERM, signal.SIGKILL):
+        try:
+            os.kill(agent, sig)
+        except OSError:
+            return
+        deadline = time.monotonic() + grace_seconds
+        while os.getppid() == agent and time.monotonic() < deadline:
+            time.sleep(0.1)
+        if os.getppid() != agent:
+            return  # gone: this process now has another parent
+
+
+# ----------------------------------------------------------------------------------------------
+# The end of a run that failed
+
+
+def say(message, code):
+    """Print `error: message` on a line of its own (a progress bar may hold the current one), and
+    give it to torchrun's error file for this worker, with the code it exits with."""
+    print(f"\nerror: {message}", file=sys.stderr, flush=True)
+    error_file = os.environ.get("TORCHELASTIC_ERROR_FILE")
+    if error_file:
+        stamp = str(int(time.time()))
+        data = {"message": f"error: {message}", "extraInfo": {"py_callstack": "", "timestamp": stamp}}
+        with contextlib.suppress(OSError), open(error_file, "w") as f:
+            json.dump({"message": {**data, "errorCode": code}}, f)
+
+
+def end_run(error, cfg, newest_checkpoint):
+    """The exit code for the exception `error` a run ended with, after its line is printed; None
+    for an error this file does not know (a bug: the caller re-raises it, with its traceback).
+    `newest_checkpoint()`: the path of the newest complete checkpoint, or None."""
+    rank0 = not dist.is_initialized() or dist.get_rank() == 0
+    if isinstance(error, ValueError):  # bad input (startup_checks.StartUpError and the like)
+        if rank0:
+            say(error, BAD_INPUT)
+        return BAD_INPUT
+    if isinstance(error, FloatingPointError):  # its message names the checkpoint (train.py)
+        if rank0:
+            say(error, DIVERGED)
+        return DIVERGED
+    if isinstance(error, DiskFull):  # every rank raised it; rank 0 says it
+        if rank0:
+            say(disk_message(error, newest_checkpoint()), DISK)
+        return DISK
+    lost = lost_peer(error)
+    if lost is None:
+        return None
+    # Every rank that sees it says it: each knows only its own peers.
+    silent, step = HEARTBEAT.silent(), HEARTBEAT.step
+    say(lost_peer_message(lost, silent, step, newest_checkpoint(), cfg.dist_timeout_minutes), LOST_PEER)
+    return LOST_PEER

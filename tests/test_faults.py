@@ -1,0 +1,239 @@
+"""Faults in the middle of a run, through train.py itself (the tiny BERT, conftest.tiny_model; DDP
+at 2 ranks unless said): each ends with one `error:` line and the exit code faults.py documents,
+nothing on disk is left looking complete when it is not, and the newest complete checkpoint
+resumes to the weights of an unbroken run (bitwise, on CPU).
+
+- a checkpoint that does not fit (a small tmpfs): warned at start-up, then every rank stops
+  before the save writes anything, exit 5, the earlier checkpoint untouched;
+- a disk that fails during the save (a tmpfs with room for the bytes but out of inodes, so the
+  check before passes and a write fails): every rank stops, exit 5, the half-written folder gone;
+- an export that does not fit (one process): exit 5, the earlier export untouched, nothing
+  half written beside it;
+- a rank stopped with SIGSTOP: the other names it (rank, host, pid, how long silent, the step)
+  within --dist-timeout-minutes and a few seconds, exit 4, and every process of the job is gone.
+Under torchrun the worker's exit code reaches torchrun's own error file (TORCHELASTIC_ERROR_FILE,
+"errorCode"), where a scheduler can read it; torchrun itself exits 1.
+
+The tmpfs mounts need root (CAP_SYS_ADMIN); without it those tests are skipped, saying so.
+
+Run: python -m pytest tests/test_faults.py
+"""
+
+import contextlib
+import json
+import os
+import re
+import shutil
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+import torch
+from conftest import REPO_DIR, data_file, free_port, run_train
+from safetensors.torch import load_file
+
+STEPS = 8
+STALL_STEPS = 80
+COMMON = [
+    "--train-data",
+    data_file("sick-triplets-train.jsonl"),
+    "--max-steps",
+    STEPS,
+    "--per-device-batch-size",
+    8,
+    "--max-seq-length",
+    32,
+    "--lr",
+    1e-3,
+    "--seed",
+    5,
+]
+MB = 10**6
+
+
+@contextlib.contextmanager
+def tmpfs(path, size_mb, inodes=None):
+    """A small file system of its own at `path`, removed afterwards."""
+    path.mkdir(parents=True)
+    options = f"size={size_mb}m" + (f",nr_inodes={inodes}" if inodes else "")
+    mounted = subprocess.run(["mount", "-t", "tmpfs", "-o", options, "tmpfs", str(path)], capture_output=True)
+    if mounted.returncode != 0:
+        pytest.skip(f"cannot mount a tmpfs here (needs root): {mounted.stderr.decode().strip()}")
+    try:
+        yield path
+    finally:
+        subprocess.run(["umount", "-l", str(path)], check=True)
+
+
+@pytest.fixture(scope="module")
+def unbroken(tmp_path_factory, tiny_model):
+    """The run the broken ones must end as: the same settings, never stopped."""
+    out = tmp_path_factory.mktemp("unbroken") / "out"
+    run_train([*COMMON, "--model", tiny_model, "--output-dir", out], nproc=2)
+    return load_file(out / "final" / "model.safetensors")
+
+
+def resumes_to(out, tiny_model, unbroken, work, args=None):
+    """Copy a broken run's folder to a disk with room, --resume auto there, and check the end."""
+    shutil.copytree(out, work)
+    args = args or [*COMMON, "--model", tiny_model]
+    run_train([*args, "--output-dir", work, "--resume", "auto"], nproc=2)
+    resumed = load_file(work / "final" / "model.safetensors")
+    assert resumed.keys() == unbroken.keys()
+    assert all(torch.equal(resumed[k], unbroken[k]) for k in unbroken)
+
+
+def error_lines(text):
+    return [line for line in text.splitlines() if line.startswith("error:")]
+
+
+def torchrun(args, error_file, **popen):
+    """torchrun with 2 ranks and its own error file, as a scheduler would start it."""
+    command = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--nproc_per_node=2",
+        "--master_addr=127.0.0.1",
+        f"--master_port={free_port()}",
+        str(REPO_DIR / "train.py"),
+        *[str(a) for a in args],
+    ]
+    env = {**os.environ, "TORCHELASTIC_ERROR_FILE": str(error_file)}
+    return subprocess.Popen(command, cwd=REPO_DIR, text=True, env=env, **popen)
+
+
+def error_code(error_file):
+    """The worker's exit code as torchrun copied it into its own error file."""
+    return json.loads(error_file.read_text())["message"]["errorCode"]
+
+
+def test_a_checkpoint_that_does_not_fit_stops_every_rank_before_it_writes(tmp_path, tiny_model, unbroken):
+    # The tiny model's checkpoint (weights and AdamW's moments, fp32) is about 25 MB: 40 MB hold
+    # the step-2 one, not step-4's beside it.
+    with tmpfs(tmp_path / "disk", 40) as disk:
+        out = disk / "out"
+        args = [*COMMON, "--model", tiny_model, "--output-dir", out, "--save-steps", 2]
+        proc = torchrun(args, tmp_path / "error.json", stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+        _, err = proc.communicate(timeout=300)
+        assert proc.returncode != 0 and error_code(tmp_path / "error.json") == 5, err[-3000:]
+        warning = [line for line in err.splitlines() if line.startswith("warning: ")]
+        assert len(warning) == 1 and "a save that does not fit will stop it (exit 5)" in warning[0]
+        errors = error_lines(err)
+        assert len(errors) == 1, err[-3000:]
+        match = re.match(
+            rf"error: the disk is full writing checkpoint step-4: {out / 'checkpoints'} has (\d+) MB free, "
+            rf"about (\d+) MB needed; nothing was written\. Newest complete checkpoint: "
+            rf"{out / 'checkpoints' / 'step-2'}\. ",
+            errors[0],
+        )
+        assert match and int(match[1]) < int(match[2]) and 24 <= int(match[2]) <= 27, errors[0]
+        assert "--resume auto" in errors[0]
+        assert sorted(os.listdir(out / "checkpoints")) == ["step-2"]
+        assert not (out / ".lock").exists()
+        resumes_to(out, tiny_model, unbroken, tmp_path / "resumed")
+
+
+def test_a_disk_that_fails_mid_save_stops_every_rank_and_leaves_nothing_half_written(
+    tmp_path, tiny_model, unbroken
+):
+    # Room for the bytes, not for the files: the check before the save passes, and a write in
+    # the middle of it fails (ENOSPC) on whichever rank creates a file first once none is left.
+    # The files before the first save: the folder itself, out/, .lock, metrics.jsonl,
+    # checkpoints/; the step-2 save makes its folder and 6 files.
+    with tmpfs(tmp_path / "disk", 200, inodes=5 + 7 + 3) as disk:
+        out = disk / "out"
+        args = [*COMMON, "--model", tiny_model, "--output-dir", out, "--save-steps", 2]
+        proc = torchrun(args, tmp_path / "error.json", stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+        _, err = proc.communicate(timeout=300)
+        assert proc.returncode != 0 and error_code(tmp_path / "error.json") == 5, err[-3000:]
+        errors = error_lines(err)
+        assert len(errors) == 1, err[-3000:]
+        assert re.match(
+            rf"error: the disk is full writing checkpoint step-4: {out / 'checkpoints'} has \d+ MB free, "
+            r"no free inodes \(.*No space left on device.*\); what was half written is removed\. "
+            rf"Newest complete checkpoint: {out / 'checkpoints' / 'step-2'}\. ",
+            errors[0],
+        ), errors[0]
+        assert 'train.py", line' not in err, err[-3000:]  # no traceback through train.py
+        assert sorted(os.listdir(out / "checkpoints")) == ["step-2"]
+        resumes_to(out, tiny_model, unbroken, tmp_path / "resumed")
+
+
+def test_an_export_that_does_not_fit_leaves_the_earlier_one_untouched(tmp_path, tiny_model):
+    args = [*COMMON, "--model", tiny_model, "--max-steps", 2]
+    with tmpfs(tmp_path / "disk", 40) as disk:
+        out = disk / "out"
+        run_train([*args, "--output-dir", out])
+        before = {p.name: p.read_bytes() for p in (out / "final").iterdir()}
+        # Another program takes the room: the next export (about 10 MB) no longer fits.
+        free = shutil.disk_usage(disk).free
+        with open(disk / "filler", "wb") as f:
+            f.truncate(0)
+            f.write(b"\0" * (free - 4 * MB))
+        proc = run_train([*args, "--output-dir", out, "--overwrite"], check=False)
+        assert proc.returncode == 5, proc.stderr[-3000:]
+        errors = error_lines(proc.stderr)
+        assert len(errors) == 1, proc.stderr[-3000:]
+        assert re.match(
+            rf"error: the disk is full writing the export {out / 'final'}: {out} has [34] MB free, "
+            r"about (9|10|11) MB needed; nothing was written\. Newest complete checkpoint: none",
+            errors[0],
+        ), errors[0]
+        assert {p.name: p.read_bytes() for p in (out / "final").iterdir()} == before
+        assert sorted(os.listdir(out)) == ["final", "metrics.jsonl"]
+
+
+def workers(launcher_pid):
+    """{rank: pid} of a torchrun's workers (its agent's children, by their RANK)."""
+    found = {}
+    for pid in subprocess.run(
+        ["pgrep", "-P", str(launcher_pid)], capture_output=True, text=True
+    ).stdout.split():
+        with contextlib.suppress(OSError):
+            environ = open(f"/proc/{pid}/environ", "rb").read().split(b"\0")
+            rank = [e for e in environ if e.startswith(b"RANK=")]
+            if rank:
+                found[int(rank[0][5:])] = int(pid)
+    return found
+
+
+def test_a_stopped_rank_is_named_and_every_process_of_the_job_exits(tmp_path, tiny_model):
+    # Long enough to stop rank 1 mid-run after its first checkpoint; its own unbroken run.
+    args = [*COMMON, "--model", tiny_model, "--max-steps", STALL_STEPS]
+    run_train([*args, "--output-dir", tmp_path / "unbroken"], nproc=2)
+    unbroken = load_file(tmp_path / "unbroken" / "final" / "model.safetensors")
+    out = tmp_path / "out"
+    flags = ["--output-dir", out, "--save-steps", 2, "--dist-timeout-minutes", 0.15]  # gloo waits 9 s
+    proc = torchrun([*args, *flags], tmp_path / "error.json", stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    deadline = time.monotonic() + 120
+    while not (out / "checkpoints" / "step-2").exists() and time.monotonic() < deadline:
+        time.sleep(0.02)
+    stopped = workers(proc.pid)[1]
+    os.kill(stopped, signal.SIGSTOP)
+    start = time.monotonic()
+    try:
+        _, err = proc.communicate(timeout=120)
+    finally:
+        with contextlib.suppress(OSError):
+            os.kill(stopped, signal.SIGKILL)
+    seconds = time.monotonic() - start
+    print("the job ended", seconds, "s after rank 1 was stopped")
+    assert not (out / "final").exists(), "the run ended before rank 1 was stopped"
+    # gloo's 9 s, the heartbeats read (a store round trip), torchrun's own monitoring interval.
+    assert seconds <= 9 + 10, seconds
+    assert error_code(tmp_path / "error.json") == 4
+    assert subprocess.run(["ps", "-p", str(stopped)], capture_output=True).returncode != 0, "rank 1 lives on"
+    errors = error_lines(err)
+    assert len(errors) == 1, err[-3000:]
+    host = os.uname().nodename
+    assert re.match(
+        rf"error: rank 0 on host {host} lost contact with the other ranks \(.*Timed out waiting 9000ms.*; "
+        rf"--dist-timeout-minutes 0\.15\) at step \d+: rank 1 on host {host} \(pid {stopped}\) silent "
+        rf"for (\d+) s at step \d+\. .* Newest complete checkpoint: {out / 'checkpoints'}/step-\d+\. ",
+        errors[0],
+    ), errors[0]
+    assert 'train.py", line' not in err, err[-3000:]  # no traceback through train.py (torchrun has its own)
+    resumes_to(out, tiny_model, unbroken, tmp_path / "resumed", args)

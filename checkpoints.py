@@ -350,8 +350,12 @@ def take_output_lock(output_dir, run_id=""):
         )
         os.remove(path)
         fd = os.open(path, os.O_CREAT | os.O_EXCL | os.O_WRONLY)
-    with os.fdopen(fd, "w") as f:
-        json.dump(me, f)
+    try:
+        with os.fdopen(fd, "w") as f:
+            json.dump(me, f)
+    except OSError as e:  # a full disk: refused like any output folder that cannot be written
+        os.remove(path)
+        return f"--output-dir {output_dir}: cannot write {path} ({e}); free space on its disk"
     atexit.register(release_output_lock, output_dir)  # also when the run fails with an exception
     return None
 

@@ -335,10 +335,14 @@ def stop_launcher(grace_seconds=5.0):
 # The end of a run that failed
 
 
-def say(message, code):
+def say(message, code, printed=True):
     """Print `error: message` on a line of its own (a progress bar may hold the current one), and
-    give it to torchrun's error file for this worker, with the code it exits with."""
-    print(f"\nerror: {message}", file=sys.stderr, flush=True)
+    give it to torchrun's error file for this worker with the code it exits with: torchrun's
+    summary shows it, and copies the code to its own error file. `printed` False: only the file
+    (a rank whose error rank 0 prints; every rank writes one, since torchrun reports whichever
+    rank it saw stop first)."""
+    if printed:
+        print(f"\nerror: {message}", file=sys.stderr, flush=True)
     error_file = os.environ.get("TORCHELASTIC_ERROR_FILE")
     if error_file:
         stamp = str(int(time.time()))
@@ -352,18 +356,15 @@ def end_run(error, cfg, newest_checkpoint):
     for an error this file does not know (a bug: the caller re-raises it, with its traceback).
     `newest_checkpoint()`: the path of the newest complete checkpoint, or None."""
     rank0 = not dist.is_initialized() or dist.get_rank() == 0
-    if isinstance(error, ValueError):  # bad input (startup_checks.StartUpError and the like)
-        if rank0:
-            say(error, BAD_INPUT)
-        return BAD_INPUT
-    if isinstance(error, FloatingPointError):  # its message names the checkpoint (train.py)
-        if rank0:
-            say(error, DIVERGED)
-        return DIVERGED
-    if isinstance(error, DiskFull):  # every rank raised it; rank 0 says it
-        if rank0:
-            say(disk_message(error, newest_checkpoint()), DISK)
-        return DISK
+    if isinstance(error, (ValueError, FloatingPointError, DiskFull)):
+        # Bad input (startup_checks.StartUpError and the like), a non-finite loss (its message
+        # names the checkpoint: train.py), the disk: every rank raised it, rank 0 says it.
+        code = BAD_INPUT if isinstance(error, ValueError) else DIVERGED
+        message = str(error)
+        if isinstance(error, DiskFull):
+            code, message = DISK, disk_message(error, newest_checkpoint()) if rank0 else ""
+        say(message if rank0 else "rank 0 printed what happened", code, printed=rank0)
+        return code
     lost = lost_peer(error)
     if lost is None:
         return None

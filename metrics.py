@@ -13,6 +13,7 @@ import contextlib
 import json
 import math
 import os
+import sys
 import time
 
 
@@ -42,7 +43,7 @@ class MetricsLog:
         self.last_loss = next(
             (row["loss"] for _, row in reversed(kept) if row.get("loss") is not None), float("nan")
         )
-        self.tensorboard = None
+        self.tensorboard, self.write_failed = None, False
         if cfg.report_to == "tensorboard":
             from torch.utils.tensorboard import SummaryWriter  # optional; its presence is checked at start-up
 
@@ -53,8 +54,17 @@ class MetricsLog:
 
     def write(self, record):
         # NaN and inf are not JSON: they are written as null (a metric that could not be computed).
-        self.file.write(json.dumps(finite_or_none(record)) + "\n")
-        self.file.flush()
+        try:
+            self.file.write(json.dumps(finite_or_none(record)) + "\n")
+            self.file.flush()
+        except OSError as e:
+            # A full disk costs the log, not the run: the lines wait in the buffer (the next
+            # flush that fits writes them), and the next checkpoint or the export, which check
+            # their room first, stop the run with its error line (faults.py). Said once.
+            if not self.write_failed:
+                warning = f"\nwarning: cannot write metrics.jsonl ({e}); training goes on"
+                print(warning, file=sys.stderr, flush=True)
+            self.write_failed = True
         if self.tensorboard is not None:
             scalars = {f"eval/{k}": v for k, v in record.get("eval", {}).items()}
             prefix = "train" if "loss" in record else "summary"  # a logged step, or the run's totals
@@ -71,7 +81,8 @@ class MetricsLog:
             self.tensorboard.flush()
 
     def close(self):
-        self.file.close()
+        with contextlib.suppress(OSError):  # a full disk: said by write already
+            self.file.close()
         if self.tensorboard is not None:
             self.tensorboard.close()
 

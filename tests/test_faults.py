@@ -8,7 +8,8 @@ resumes to the weights of an unbroken run (bitwise, on CPU).
 - a disk that fails during the save (a tmpfs with room for the bytes but out of inodes, so the
   check before passes and a write fails): every rank stops, exit 5, the half-written folder gone;
 - an export that does not fit (one process): exit 5, the earlier export untouched, nothing
-  half written beside it;
+  half written beside it; on a disk full before the run starts, metrics.jsonl cannot be written
+  (one warning, training goes on) and the export stops the run the same way;
 - a rank stopped with SIGSTOP: the other names it (rank, host, pid, how long silent, the step)
   within --dist-timeout-minutes and a few seconds, exit 4, and every process of the job is gone.
 Under torchrun the worker's exit code reaches torchrun's own error file (TORCHELASTIC_ERROR_FILE,
@@ -140,10 +141,11 @@ def test_a_disk_that_fails_mid_save_stops_every_rank_and_leaves_nothing_half_wri
     tmp_path, tiny_model, unbroken
 ):
     # Room for the bytes, not for the files: the check before the save passes, and a write in
-    # the middle of it fails (ENOSPC) on whichever rank creates a file first once none is left.
-    # The files before the first save: the folder itself, out/, .lock, metrics.jsonl,
-    # checkpoints/; the step-2 save makes its folder and 6 files.
-    with tmpfs(tmp_path / "disk", 200, inodes=5 + 7 + 3) as disk:
+    # the middle of it fails (ENOSPC). The files before the first save: the tmpfs itself, out/,
+    # .lock, metrics.jsonl, checkpoints/; a save at 2 ranks makes its folder and 6 files (a DCP
+    # shard and an RNG file a rank, trainer_state.json, manifest.json). Step 4's folder and one
+    # DCP shard fit: the other rank's shard fails inside DCP's collective save.
+    with tmpfs(tmp_path / "disk", 200, inodes=5 + 7 + 2) as disk:
         out = disk / "out"
         args = [*COMMON, "--model", tiny_model, "--output-dir", out, "--save-steps", 2]
         proc = torchrun(args, tmp_path / "error.json", stdout=subprocess.PIPE, stderr=subprocess.PIPE)
@@ -184,6 +186,19 @@ def test_an_export_that_does_not_fit_leaves_the_earlier_one_untouched(tmp_path, 
         ), errors[0]
         assert {p.name: p.read_bytes() for p in (out / "final").iterdir()} == before
         assert sorted(os.listdir(out)) == ["final", "metrics.jsonl"]
+
+        # Full before the run starts: one page left, which the lock takes; metrics.jsonl cannot be
+        # written (one warning, training goes on) and the export stops the run. (The old
+        # metrics.jsonl goes first: truncated by the run, its page would serve the new one.)
+        (out / "metrics.jsonl").unlink()
+        with open(disk / "filler", "ab") as f:
+            f.write(b"\0" * (shutil.disk_usage(disk).free - 4096))
+        proc = run_train([*args, "--output-dir", out, "--overwrite"], check=False)
+        assert proc.returncode == 5, proc.stderr[-3000:]
+        warnings = [line for line in proc.stderr.splitlines() if "cannot write metrics.jsonl" in line]
+        assert len(warnings) == 1 and "No space left on device" in warnings[0], proc.stderr[-3000:]
+        assert len(error_lines(proc.stderr)) == 1 and "has 0 MB free" in error_lines(proc.stderr)[0]
+        assert {p.name: p.read_bytes() for p in (out / "final").iterdir()} == before
 
 
 def workers(launcher_pid):

@@ -47,6 +47,20 @@ def free_port():
         return s.getsockname()[1]
 
 
+def torchrun_command(args, nproc=2, script=None):
+    """The command line of `torchrun --nproc_per_node=N train.py ARGS` on this host."""
+    return [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        f"--nproc_per_node={nproc}",
+        "--master_addr=127.0.0.1",
+        f"--master_port={free_port()}",
+        str(script or REPO_DIR / "train.py"),
+        *[str(a) for a in args],
+    ]
+
+
 def run_train(
     args,
     nproc=1,

@@ -27,12 +27,11 @@ import re
 import shutil
 import signal
 import subprocess
-import sys
 import time
 
 import pytest
 import torch
-from conftest import REPO_DIR, data_file, free_port, run_train
+from conftest import REPO_DIR, data_file, run_train, torchrun_command
 from safetensors.torch import load_file
 
 STEPS = 8
@@ -92,16 +91,7 @@ def error_lines(text):
 
 def torchrun(args, error_file, **popen):
     """torchrun with 2 ranks and its own error file, as a scheduler would start it."""
-    command = [
-        sys.executable,
-        "-m",
-        "torch.distributed.run",
-        "--nproc_per_node=2",
-        "--master_addr=127.0.0.1",
-        f"--master_port={free_port()}",
-        str(REPO_DIR / "train.py"),
-        *[str(a) for a in args],
-    ]
+    command = torchrun_command(args)
     env = {**os.environ, "TORCHELASTIC_ERROR_FILE": str(error_file)}
     return subprocess.Popen(command, cwd=REPO_DIR, text=True, env=env, **popen)
 

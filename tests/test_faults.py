@@ -85,6 +85,10 @@ def resumes_to(out, tiny_model, unbroken, work, args=None):
     assert all(torch.equal(resumed[k], unbroken[k]) for k in unbroken)
 
 
+def files_of(folder):
+    return {str(p.relative_to(folder)): p.read_bytes() for p in sorted(folder.rglob("*")) if p.is_file()}
+
+
 def error_lines(text):
     return [line for line in text.splitlines() if line.startswith("error:")]
 
@@ -114,6 +118,7 @@ def test_a_checkpoint_that_does_not_fit_stops_every_rank_before_it_writes(tmp_pa
         assert len(warning) == 1 and "a save that does not fit will stop it (exit 5)" in warning[0]
         errors = error_lines(err)
         assert len(errors) == 1, err[-3000:]
+        print(errors[0])
         match = re.match(
             rf"error: the disk is full writing checkpoint step-4: {out / 'checkpoints'} has (\d+) MB free, "
             rf"about (\d+) MB needed; nothing was written\. Newest complete checkpoint: "
@@ -143,6 +148,7 @@ def test_a_disk_that_fails_mid_save_stops_every_rank_and_leaves_nothing_half_wri
         assert proc.returncode != 0 and error_code(tmp_path / "error.json") == 5, err[-3000:]
         errors = error_lines(err)
         assert len(errors) == 1, err[-3000:]
+        print(errors[0])
         assert re.match(
             rf"error: the disk is full writing checkpoint step-4: {out / 'checkpoints'} has \d+ MB free, "
             r"no free inodes \(.*No space left on device.*\); what was half written is removed\. "
@@ -159,7 +165,7 @@ def test_an_export_that_does_not_fit_leaves_the_earlier_one_untouched(tmp_path, 
     with tmpfs(tmp_path / "disk", 40) as disk:
         out = disk / "out"
         run_train([*args, "--output-dir", out])
-        before = {p.name: p.read_bytes() for p in (out / "final").iterdir()}
+        before = files_of(out / "final")
         # Another program takes the room: the next export (about 10 MB) no longer fits.
         free = shutil.disk_usage(disk).free
         with open(disk / "filler", "wb") as f:
@@ -169,12 +175,13 @@ def test_an_export_that_does_not_fit_leaves_the_earlier_one_untouched(tmp_path, 
         assert proc.returncode == 5, proc.stderr[-3000:]
         errors = error_lines(proc.stderr)
         assert len(errors) == 1, proc.stderr[-3000:]
+        print(errors[0])
         assert re.match(
             rf"error: the disk is full writing the export {out / 'final'}: {out} has [34] MB free, "
             r"about (9|10|11) MB needed; nothing was written\. Newest complete checkpoint: none",
             errors[0],
         ), errors[0]
-        assert {p.name: p.read_bytes() for p in (out / "final").iterdir()} == before
+        assert files_of(out / "final") == before
         assert sorted(os.listdir(out)) == ["final", "metrics.jsonl"]
 
         # Full before the run starts: one page left, which the lock takes; metrics.jsonl cannot be
@@ -188,7 +195,7 @@ def test_an_export_that_does_not_fit_leaves_the_earlier_one_untouched(tmp_path, 
         warnings = [line for line in proc.stderr.splitlines() if "cannot write metrics.jsonl" in line]
         assert len(warnings) == 1 and "No space left on device" in warnings[0], proc.stderr[-3000:]
         assert len(error_lines(proc.stderr)) == 1 and "has 0 MB free" in error_lines(proc.stderr)[0]
-        assert {p.name: p.read_bytes() for p in (out / "final").iterdir()} == before
+        assert files_of(out / "final") == before
 
 
 def workers(launcher_pid):
@@ -233,6 +240,7 @@ def test_a_stopped_rank_is_named_and_every_process_of_the_job_exits(tmp_path, ti
     assert subprocess.run(["ps", "-p", str(stopped)], capture_output=True).returncode != 0, "rank 1 lives on"
     errors = error_lines(err)
     assert len(errors) == 1, err[-3000:]
+    print(errors[0])
     host = os.uname().nodename
     assert re.match(
         rf"error: rank 0 on host {host} lost contact with the other ranks \(.*Timed out waiting 9000ms.*; "

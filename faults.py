@@ -289,19 +289,19 @@ def lost_peer_message(lost, silent, step, newest_checkpoint, dist_timeout_minute
 
 def end_job(code):
     """After a lost peer, end this process with `code` and no teardown (destroying a process
-    group whose peer is gone can block), and make sure the job ends: the silent ranks on this
-    host (stopped, or hung past the timeout) get SIGKILL, so their launcher ends or restarts the
-    job at once instead of waiting 30 s for a stopped process to answer SIGTERM; a silent rank on
-    another host cannot be reached from here, so this host's launcher is stopped instead
-    (stop_launcher)."""
-    signal.signal(signal.SIGTERM, signal.SIG_IGN)  # the launcher's SIGTERM must not change `code`
+    group whose peer is gone can block), and make sure the job ends. Silent ranks on this host
+    (stopped, or hung past the timeout) get SIGKILL, so their launcher ends or restarts the job
+    at once instead of waiting 30 s for a stopped process to answer SIGTERM. A silent rank on
+    another host cannot be reached from here: this host's launcher is stopped instead
+    (stop_launcher; its SIGTERM then ends this process, after its line was printed)."""
     host = socket.gethostname()
     silent = HEARTBEAT.silent_ranks
-    for s in silent:
-        if s["host"] == host:
+    if silent and all(s["host"] == host for s in silent):
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)  # the launcher's SIGTERM must not change `code`
+        for s in silent:
             with contextlib.suppress(OSError):
                 os.kill(s["pid"], signal.SIGKILL)
-    if not silent or any(s["host"] != host for s in silent):
+    else:
         stop_launcher()
     os._exit(code)
 

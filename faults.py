@@ -25,6 +25,7 @@ TORCHELASTIC_ERROR_FILE=PATH copies the worker's exit code to "errorCode" in PAT
 Needs torch only (the newest checkpoint comes from the caller: checkpoints.py in train.py).
 """
 
+import atexit
 import contextlib
 import datetime
 import json
@@ -218,6 +219,7 @@ class Heartbeat:
 
     def __init__(self, interval=2.0):
         self.step, self.interval, self.store, self.silent_ranks = 0, interval, None, []
+        self.stopped = threading.Event()
 
     def at_step(self, step):
         self.step = step
@@ -225,7 +227,10 @@ class Heartbeat:
             return
         self.rank, self.world_size = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
         self.store = self.connect()
-        threading.Thread(target=self.beat, daemon=True, name="heartbeat").start()
+        thread = threading.Thread(target=self.beat, daemon=True, name="heartbeat")
+        thread.start()
+        # At exit the thread ends first (never in a store call while the interpreter goes down).
+        atexit.register(lambda: (self.stopped.set(), thread.join(timeout=10)))
 
     @staticmethod
     def connect(timeout_seconds=5):
@@ -239,12 +244,12 @@ class Heartbeat:
 
     def beat(self):
         me = {"host": socket.gethostname(), "pid": os.getpid()}
-        while True:
+        while not self.stopped.is_set():
             try:
                 self.store.set(str(self.rank), json.dumps({**me, "step": self.step, "time": time.time()}))
             except Exception:  # the store's host may be the one gone: keep quiet
                 return
-            time.sleep(self.interval)
+            self.stopped.wait(self.interval)
 
     def silent(self):
         """[{rank, host, pid, step, seconds}] of the ranks whose last heartbeat is older than

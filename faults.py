@@ -280,7 +280,7 @@ def lost_peer_message(lost, silent, step, newest_checkpoint, dist_timeout_minute
     newest complete checkpoint, and how to go on."""
     who = "; ".join(
         f"rank {s['rank']} on host {s['host']} (pid {s['pid']}) silent for {s['seconds']:.0f} s "
-        f"at step {s['step']}"
+        f"(its last heartbeat at step {s['step']})"
         for s in silent
     )
     return (

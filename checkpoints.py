@@ -160,11 +160,11 @@ def save_checkpoint(model, optimizer, checkpoints_dir, step, trainer_state, keep
     rank = dist.get_rank() if dist.is_initialized() else 0
     final_dir = os.path.join(checkpoints_dir, f"step-{step}")
     tmp_dir = os.path.join(checkpoints_dir, f".incomplete-step-{step}")
-    with fsdp_utils.quiet_checkpoint_warnings():
+    with fsdp_utils.quiet_checkpoint_warnings():  # (FSDP1's ShardedTensor warns at each use)
         tensors, hyper = _tensor_state(model, optimizer)  # all ranks (collective under FSDP)
-    # ALL ranks: when the disk cannot hold it, stop before writing anything (RNG states, JSON and
-    # safetensors headers: a few kB a rank, within the 1% + 1 MiB).
-    need = int(1.01 * faults.global_bytes(tensors.values())) + 2**20
+        # RNG states, JSON and safetensors headers: a few kB a rank, within the 1% + 1 MiB.
+        need = int(1.01 * faults.global_bytes(tensors.values())) + 2**20
+    # ALL ranks: when the disk cannot hold it, stop before writing anything.
     what = f"checkpoint step-{step}"
     faults.check_space(checkpoints_dir, need, what)
 

@@ -74,7 +74,7 @@ def size_estimate(loaded, cfg, sharded):
     """About the bytes an export takes while it is written: the weights in --export-dtype, under
     FSDP the staged fp32 copy beside them, and the tokenizer (its tokenizer.json as text, twice
     for the slow files saved beside it, and the base's slow files), with 1 MB to spare."""
-    dtype_bytes = {"fp32": 4, "bf16": 2, "fp16": 2}[cfg.export_dtype]
+    dtype_bytes = fsdp_utils.PRECISIONS[cfg.export_dtype].itemsize
     weights = loaded.parameter_counts[0] * (dtype_bytes + (4 if sharded else 0))
     backend = getattr(loaded.tokenizer, "backend_tokenizer", None)
     tokenizer = 2 * len(backend.to_str()) if backend is not None else 0

@@ -30,6 +30,7 @@ import contextlib
 import datetime
 import json
 import os
+import re
 import signal
 import socket
 import sys
@@ -117,7 +118,10 @@ def agreed_writes(what, folder, clean_up=lambda: None):
     except (KeyboardInterrupt, SystemExit):
         raise
     except BaseException as e:  # DCP's CheckpointException is a BaseException
-        error = e  # every rank must reach the all_reduce below
+        error = e  # every rank must reach the all_reduce below...
+    lost = lost_peer(error) if error is not None else None
+    if lost is not None:  # ...unless a peer is gone: the all_reduce would wait the timeout again
+        raise RuntimeError(lost) from error
     code = 0.0 if error is None else 1.0 if is_write_error(error) else 2.0
     failed = torch.tensor([code], device=flag_device())
     if dist.is_initialized():
@@ -200,13 +204,18 @@ LOST_PEER_SIGNS = (
 
 
 def lost_peer(error):
-    """The first line of `error` when it says a peer rank is gone (timed out, or its connection
-    closed), else None."""
-    text = str(error)
-    if not isinstance(error, RuntimeError) or not any(sign in text for sign in LOST_PEER_SIGNS):
+    """The first line of `error` that says a peer rank is gone (timed out, or its connection
+    closed), without the exception's name and gloo's source path; else None. DCP's
+    CheckpointException (every rank's traceback as text) has it on a later line. A disk's own
+    error (an OSError, as from a network file system) is the disk's, whatever it says."""
+    if isinstance(error, (OSError, DiskFull)):
         return None
-    first = text.strip().splitlines()[0]
-    return first.split("] ", 1)[1] if first.startswith("[/") else first  # without gloo's source path
+    lines = [line.strip() for line in str(error).splitlines() if any(s in line for s in LOST_PEER_SIGNS)]
+    if not lines:
+        return None
+    # "torch.distributed.DistBackendError: [/pytorch/third_party/gloo/...cc:81] Timed out ..."
+    line = re.sub(r"^[\w.]+: ", "", lines[0])  # the exception's name
+    return re.sub(r"^\[/[^\]]*\] ", "", line)  # gloo's source path
 
 
 class Heartbeat:

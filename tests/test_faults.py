@@ -10,8 +10,9 @@ resumes to the weights of an unbroken run (bitwise, on CPU).
 - an export that does not fit (one process): exit 5, the earlier export untouched, nothing
   half written beside it; on a disk full before the run starts, metrics.jsonl cannot be written
   (one warning, training goes on) and the export stops the run the same way;
-- a rank stopped with SIGSTOP: the other names it (rank, host, pid, how long silent, the step)
-  within --dist-timeout-minutes and a few seconds, exit 4, and every process of the job is gone.
+- a rank stopped with SIGSTOP inside a checkpoint's save: the other names it (rank, host, pid,
+  how long silent, the step) within --dist-timeout-minutes and a few seconds (not twice the
+  timeout), exit 4, and every process of the job is gone.
 Under torchrun the worker's exit code reaches torchrun's own error file (TORCHELASTIC_ERROR_FILE,
 "errorCode"), where a scheduler can read it; torchrun itself exits 1.
 
@@ -35,7 +36,6 @@ from conftest import REPO_DIR, data_file, run_train, torchrun_command
 from safetensors.torch import load_file
 
 STEPS = 8
-STALL_STEPS = 80
 COMMON = [
     "--train-data",
     data_file("sick-triplets-train.jsonl"),
@@ -212,17 +212,19 @@ def workers(launcher_pid):
     return found
 
 
-def test_a_stopped_rank_is_named_and_every_process_of_the_job_exits(tmp_path, tiny_model):
-    # Long enough to stop rank 1 mid-run after its first checkpoint; its own unbroken run.
-    args = [*COMMON, "--model", tiny_model, "--max-steps", STALL_STEPS]
-    run_train([*args, "--output-dir", tmp_path / "unbroken"], nproc=2)
-    unbroken = load_file(tmp_path / "unbroken" / "final" / "model.safetensors")
+def test_a_rank_stopped_in_a_save_is_named_and_every_process_of_the_job_exits(tmp_path, tiny_model, unbroken):
+    # Rank 1 is stopped the moment the step-4 checkpoint's folder appears: inside the save, where
+    # DCP's own collectives are the ones that time out. The line must say so (gloo's timeout),
+    # not what the agreement after the writes (faults.agreed_writes) then meets on the pair gloo
+    # closed ("Application timeout caused pair closure"); nor may it wait a second timeout there.
     out = tmp_path / "out"
     flags = ["--output-dir", out, "--save-steps", 2, "--dist-timeout-minutes", 0.15]  # gloo waits 9 s
-    proc = torchrun([*args, *flags], tmp_path / "error.json", stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    args = [*COMMON, "--model", tiny_model, *flags]
+    proc = torchrun(args, tmp_path / "error.json", stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    saving = out / "checkpoints" / ".incomplete-step-4"
     deadline = time.monotonic() + 120
-    while not (out / "checkpoints" / "step-2").exists() and time.monotonic() < deadline:
-        time.sleep(0.02)
+    while not saving.exists() and time.monotonic() < deadline:
+        time.sleep(0.001)
     stopped = workers(proc.pid)[1]
     os.kill(stopped, signal.SIGSTOP)
     start = time.monotonic()
@@ -233,21 +235,22 @@ def test_a_stopped_rank_is_named_and_every_process_of_the_job_exits(tmp_path, ti
             os.kill(stopped, signal.SIGKILL)
     seconds = time.monotonic() - start
     print("the job ended", seconds, "s after rank 1 was stopped")
-    assert not (out / "final").exists(), "the run ended before rank 1 was stopped"
-    # gloo's 9 s, the heartbeats read (a store round trip), torchrun's own monitoring interval.
-    assert seconds <= 9 + 10, seconds
-    assert error_code(tmp_path / "error.json") == 4
+    # gloo's 9 s, the heartbeats read (a store round trip), torchrun's own monitoring interval;
+    # a second timeout (18 s and more) fails. Measured 9.9 s alone, 12.2 s on a busy machine.
+    assert seconds <= 9 + 8, seconds
+    assert error_code(tmp_path / "error.json") == 4, err[-3000:]
     assert subprocess.run(["ps", "-p", str(stopped)], capture_output=True).returncode != 0, "rank 1 lives on"
     errors = error_lines(err)
     assert len(errors) == 1, err[-3000:]
     print(errors[0])
     host = os.uname().nodename
     assert re.match(
-        rf"error: rank 0 on host {host} lost contact with the other ranks \(.*Timed out waiting 9000ms.*; "
-        rf"--dist-timeout-minutes 0\.15\) at step \d+: rank 1 on host {host} \(pid {stopped}\) silent "
-        rf"for (\d+) s \(its last heartbeat at step \d+\)\. .* "
-        rf"Newest complete checkpoint: {out / 'checkpoints'}/step-\d+\. ",
+        rf"error: rank 0 on host {host} lost contact with the other ranks \(Timed out waiting 9000ms.*; "
+        rf"--dist-timeout-minutes 0\.15\) at step \d+: "
+        rf"rank 1 on host {host} \(pid {stopped}\) silent for \d+ s \(its last heartbeat at step \d+\)\. .* "
+        rf"Newest complete checkpoint: {out / 'checkpoints'}/step-2\. ",
         errors[0],
     ), errors[0]
     assert 'train.py", line' not in err, err[-3000:]  # no traceback through train.py (torchrun has its own)
-    resumes_to(out, tiny_model, unbroken, tmp_path / "resumed", args)
+    assert sorted(os.listdir(out / "checkpoints")) in (["step-2"], [".incomplete-step-4", "step-2"])
+    resumes_to(out, tiny_model, unbroken, tmp_path / "resumed")

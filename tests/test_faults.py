@@ -9,7 +9,8 @@ resumes to the weights of an unbroken run (bitwise, on CPU).
   check before passes and a write fails): every rank stops, exit 5, the half-written folder gone;
 - an export that does not fit (one process): exit 5, the earlier export untouched, nothing
   half written beside it; on a disk full before the run starts, metrics.jsonl cannot be written
-  (one warning, training goes on) and the export stops the run the same way;
+  (one warning, training goes on) and the export stops the run the same way; with not a byte
+  left, the run is refused at start-up (exit 2: the lock cannot be written);
 - a rank stopped with SIGSTOP inside a checkpoint's save: the other names it (rank, host, pid,
   how long silent, the step) within --dist-timeout-minutes and a few seconds (not twice the
   timeout), exit 4, and every process of the job is gone.
@@ -196,6 +197,21 @@ def test_an_export_that_does_not_fit_leaves_the_earlier_one_untouched(tmp_path, 
         assert len(warnings) == 1 and "No space left on device" in warnings[0], proc.stderr[-3000:]
         assert len(error_lines(proc.stderr)) == 1 and "has 0 MB free" in error_lines(proc.stderr)[0]
         assert files_of(out / "final") == before
+
+        # Not a byte left: the lock cannot be written, so the run is refused at start-up (exit 2,
+        # the output folder as it was, no lock left behind).
+        (out / "metrics.jsonl").unlink()
+        with open(disk / "filler", "ab") as f:
+            with contextlib.suppress(OSError):
+                f.write(b"\0" * shutil.disk_usage(disk).free)
+        assert shutil.disk_usage(disk).free == 0
+        proc = run_train([*args, "--output-dir", out, "--overwrite"], check=False)
+        assert proc.returncode == 2, proc.stderr[-3000:]
+        assert error_lines(proc.stderr) == [
+            f"error: --output-dir {out}: cannot write {out / '.lock'} ([Errno 28] No space left on device); "
+            "free space on its disk"
+        ], proc.stderr[-3000:]
+        assert sorted(os.listdir(out)) == ["final"] and files_of(out / "final") == before
 
 
 def workers(launcher_pid):

@@ -149,6 +149,7 @@ class WandbRun:
 class MLflowRun:
     def __init__(self, cfg, run_config, previous_id, kept_rows):
         import mlflow  # optional; checked at start-up
+        from mlflow.entities import Param
 
         # MLflow's HTTP client retries a request 7 times, ~4 minutes in all, by default: a server
         # gone mid-run would hold a training step that long. Bounded here, unless set.
@@ -166,7 +167,7 @@ class MLflowRun:
         )
         self.run_id = run.info.run_id
         try:
-            params = [mlflow.entities.Param(k, param_value(v)) for k, v in run_config.items()]
+            params = [Param(k, param_value(v)) for k, v in run_config.items()]
             for i in range(0, len(params), 100):  # MLflow's batch limit
                 self.client.log_batch(self.run_id, params=params[i : i + 100])
             self.log_steps([(row["step"], scalars(row)) for row in kept_rows])
@@ -210,8 +211,8 @@ def mlflow_key(name):
 
 def param_value(value):
     """A config value as an MLflow param: strings as they are, anything else as JSON (as rank 0
-    prints it), cut to 500 characters: the limit of MLflow servers before 2.x's 6000, so that
-    every server takes it (the whole config is in every checkpoint and export)."""
+    prints it), cut to 500 characters, the limit of older MLflow servers (newer ones take 6000),
+    so that every server takes it (the whole config is in every checkpoint and export)."""
     text = value if isinstance(value, str) else json.dumps(value)
     return text if len(text) <= 500 else text[:497] + "..."
 

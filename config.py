@@ -378,10 +378,11 @@ class Config:
     )
     report_to: str = arg(
         "",
-        "tensorboard: also write every logged number (loss, lr, grad norm, samples/s, evaluation metrics) "
-        "as TensorBoard scalars to OUTPUT_DIR/tensorboard (needs `pip install tensorboard`); metrics.jsonl "
-        "is always written",
-        choices=("", "tensorboard"),
+        "also send every logged number (loss, lr, grad norm, samples/s, evaluation metrics, the summary) "
+        "to these trackers, comma-separated: tensorboard (scalars in OUTPUT_DIR/tensorboard), wandb "
+        "(Weights & Biases), mlflow; each needs its package (`pip install tensorboard`, `wandb`, "
+        "`mlflow`) and reads its own environment variables (WANDB_PROJECT, MLFLOW_TRACKING_URI, ...). "
+        "Rank 0 reports; a resume continues the tracked run; metrics.jsonl is always written",
         resume_may_change=True,
     )
     dist_timeout_minutes: float = arg(
@@ -454,6 +455,15 @@ def check_field_rules(cfg):
 
 
 LOSS_NAMES = ("mnrl", "cosent", "softmax", "margin_mse", "distill_kl")
+
+
+# --report-to's trackers (tracking.py starts them, startup_checks.py checks their packages).
+REPORT_TOOLS = ("tensorboard", "wandb", "mlflow")
+
+
+def report_tools(cfg):
+    """--report-to as a list of names, in the order given (checked at start-up)."""
+    return [name.strip() for name in cfg.report_to.split(",") if name.strip()]
 
 
 def matryoshka_sizes(cfg):

@@ -1,29 +1,32 @@
-"""What a run records: OUTPUT_DIR/metrics.jsonl (rank 0), optionally TensorBoard scalars.
+"""What a run records: OUTPUT_DIR/metrics.jsonl (rank 0), and the same numbers to the trackers of
+--report-to (TensorBoard, Weights & Biases, MLflow: tracking.py).
 
 One JSON object a line, flushed at once, so a crash loses no logged step: {"step", "epoch",
 "loss", "grad_norm", "lr", "samples_per_s"} every --log-steps steps, {"step", "eval": {...}} at
 every evaluation, and the run's summary (final_loss, train_seconds, ...) at the end. NaN and inf
 are written as null. A resumed run keeps the rows up to its checkpoint's step.
 
-Needs only the standard library (and tensorboard with --report-to tensorboard).
+Needs tracking.py (and the packages of the trackers asked for); otherwise the standard library.
 """
 
 import collections
 import contextlib
+import dataclasses
 import json
 import math
 import os
 import sys
 import time
 
+import tracking
+
 
 class MetricsLog:
     """Rank 0's record of the run: OUTPUT_DIR/metrics.jsonl, one JSON object a line, flushed at
-    once (a crash loses no logged step); with --report-to tensorboard the same numbers also go to
-    OUTPUT_DIR/tensorboard as scalars: train/loss, train/lr, ..., eval/FILE-STEM/METRIC, and the
-    run's totals as summary/train_seconds, ..."""
+    once (a crash loses no logged step), and the same numbers to each tracker of --report-to
+    (tracking.py), at the same steps. A tracker that fails costs a warning line, never the run."""
 
-    def __init__(self, cfg, start_step):
+    def __init__(self, cfg, start_step, run_config=None):
         # On resume the rows up to the checkpoint's step are kept (the later ones are about to be
         # redone); a crash can tear the last line (or leave NUL bytes): such lines are dropped.
         os.makedirs(cfg.output_dir, exist_ok=True)
@@ -37,20 +40,17 @@ class MetricsLog:
                 for line, row in rows
                 if row is not None and "final_loss" not in row and row.get("step", 0) <= start_step
             ]
+        # The trackers first: one that cannot start stops the run here (TrackerError), before the
+        # first step. `run_config`: what rank 0 printed (the Config and the derived values).
+        run_config = run_config if run_config is not None else dataclasses.asdict(cfg)
+        self.trackers = tracking.start_trackers(cfg, start_step, run_config, [row for _, row in kept])
         self.file = open(path, "w")
         self.file.writelines(line for line, _ in kept)
         # The last logged loss, for the summary of a run resumed at its very last step.
         self.last_loss = next(
             (row["loss"] for _, row in reversed(kept) if row.get("loss") is not None), float("nan")
         )
-        self.tensorboard, self.write_failed = None, False
-        if cfg.report_to == "tensorboard":
-            from torch.utils.tensorboard import SummaryWriter  # optional; its presence is checked at start-up
-
-            # A resumed run drops what the broken one wrote after the checkpoint's step.
-            self.tensorboard = SummaryWriter(
-                os.path.join(cfg.output_dir, "tensorboard"), purge_step=start_step + 1 if start_step else None
-            )
+        self.write_failed = False
 
     def write(self, record):
         # NaN and inf are not JSON: they are written as null (a metric that could not be computed).
@@ -65,26 +65,31 @@ class MetricsLog:
                 warning = f"\nwarning: cannot write metrics.jsonl ({e}); training goes on"
                 print(warning, file=sys.stderr, flush=True)
             self.write_failed = True
-        if self.tensorboard is not None:
-            scalars = {f"eval/{k}": v for k, v in record.get("eval", {}).items()}
-            prefix = "train" if "loss" in record else "summary"  # a logged step, or the run's totals
-            scalars.update(
-                {
-                    f"{prefix}/{k}": v
-                    for k, v in record.items()
-                    if k not in ("step", "eval") and isinstance(v, (int, float))
-                }
-            )
-            for name, value in scalars.items():
-                if math.isfinite(value):
-                    self.tensorboard.add_scalar(name, value, record["step"])
-            self.tensorboard.flush()
+        named = tracking.scalars(record)
+        for tool, tracker in list(self.trackers.items()):
+            try:
+                tracker.log(record["step"], named)
+            except Exception as e:
+                self.drop_tracker(tool, e)
+
+    def drop_tracker(self, tool, error):
+        """A tracker that failed (its server gone, its disk full, anything it raised): said once,
+        and it gets nothing more, so a dead server costs one wait, not one a step."""
+        warning = (
+            f"\nwarning: --report-to {tool} failed ({tracking.first_line(error)}); it reports nothing "
+            "more, training goes on (metrics.jsonl has every number)"
+        )
+        print(warning, file=sys.stderr, flush=True)
+        self.trackers.pop(tool).abandon()
 
     def close(self):
         with contextlib.suppress(OSError):  # a full disk: said by write already
             self.file.close()
-        if self.tensorboard is not None:
-            self.tensorboard.close()
+        for tool, tracker in list(self.trackers.items()):
+            try:
+                tracker.close()
+            except Exception as e:
+                self.drop_tracker(tool, e)
 
 
 def parse_json_line(line):

@@ -162,6 +162,21 @@ def agree_on_error(message, rank, device):
     return message if source == 0 else f"(found by rank {source}) {message}"
 
 
+def agreed_on_rank0(start, device):
+    """`start()` on rank 0 (None elsewhere), which may raise ValueError (a tracker of --report-to
+    that cannot start: tracking.py); ALL ranks must call it, and all stop with its one message."""
+    rank = dist.get_rank() if dist.is_initialized() else 0
+    result = error = None
+    if rank == 0:
+        try:
+            result = start()
+        except ValueError as e:
+            error = str(e)
+    if (error := agree_on_error(error, rank, device)) is not None:  # all ranks
+        raise StartUpError(error)
+    return result
+
+
 def start_up_checks(cfg, world_size, device):
     """Every check before heavy work; returns the StartUp the run is planned from. Raises ValueError."""
     strategy = check_flags(cfg, world_size, device)
@@ -262,7 +277,7 @@ def check_export_flags(cfg):
 
 def check_run_mode_flags(cfg):
     """The flags that choose what the run does: resume or overwrite, evaluate only or first, report
-    to TensorBoard; --resume PATH must name a complete checkpoint."""
+    to trackers; --resume PATH must name a complete checkpoint."""
     if cfg.resume and cfg.overwrite:
         raise ValueError("--resume continues a run and --overwrite starts it over: choose one")
     if (cfg.eval_only or cfg.eval_on_start) and not cfg.eval_data:
@@ -274,17 +289,34 @@ def check_run_mode_flags(cfg):
         raise ValueError(
             "--eval-only evaluates --model and trains nothing, so --resume has nothing to continue: drop one"
         )
-    if cfg.report_to == "tensorboard" and importlib.util.find_spec("tensorboard") is None:
-        raise ValueError(
-            "--report-to tensorboard needs the tensorboard package: pip install tensorboard "
-            "(or leave --report-to empty)"
-        )
+    check_report_to(cfg)
     if cfg.resume not in ("", "auto") and (problem := checkpoints.checkpoint_problem(cfg.resume)):
         raise ValueError(
             f"--resume {cfg.resume}: not a complete checkpoint ({problem}); "
             "pass a complete OUTPUT_DIR/checkpoints/step-N folder, or --resume auto, "
             "which takes the newest complete one"
         )
+
+
+def check_report_to(cfg):
+    """--report-to names each tracker once, and its package is installed (optional packages, imported
+    only by tracking.py when asked for)."""
+    tools = config.report_tools(cfg)
+    unknown = [name for name in tools if name not in config.REPORT_TOOLS]
+    if unknown:
+        raise ValueError(
+            f"--report-to {cfg.report_to}: unknown {unknown}; choose from "
+            f"{', '.join(config.REPORT_TOOLS)}, comma-separated (e.g. wandb,mlflow)"
+        )
+    twice = sorted({name for name in tools if tools.count(name) > 1})
+    if twice:
+        raise ValueError(f"--report-to {cfg.report_to}: {', '.join(twice)} named twice; name each tool once")
+    for name in tools:  # the package has the tool's name
+        if importlib.util.find_spec(name) is None:
+            raise ValueError(
+                f"--report-to {name} needs the {name} package: pip install {name} "
+                "(or leave it out of --report-to)"
+            )
 
 
 def check_matryoshka(cfg):

@@ -83,7 +83,7 @@ def main(cfg):
         plan.resume_dir, model, optimizer, scheduler, scaler, total_steps
     )
     fsdp_utils.print0(json.dumps({**dataclasses.asdict(cfg), **derived}, indent=2))
-    log = open_log(cfg, start_step) if is_rank0 else None  # rank 0 writes the metrics
+    log = open_log(cfg, start_step, derived, device)  # ALL ranks; rank 0 writes the metrics
     meter = metrics.StepMeter(several_sets=len(plan.train_sets) > 1)
     if cfg.eval_on_start and start_step == 0:  # ALL ranks: evaluation is collective
         with metrics.timed(meter.paused, "eval"):
@@ -176,11 +176,16 @@ def build_training(model, no_decay_names, cfg, plan, derived, device):
     return optimizer, scheduler, fsdp_utils.grad_scaler(model, cfg.precision, device)
 
 
-def open_log(cfg, start_step):
-    """Rank 0, after the start-up checks: clear what earlier runs left that must not be kept,
-    and open metrics.jsonl (kept up to `start_step` when resuming)."""
-    checkpoints.prepare_output_dir(cfg, os.path.join(cfg.output_dir, "checkpoints"))
-    return metrics.MetricsLog(cfg, start_step)
+def open_log(cfg, start_step, derived, device):
+    """Rank 0 clears what earlier runs left that must not be kept, opens metrics.jsonl (kept up to
+    `start_step` when resuming) and starts the --report-to trackers, with the config as printed;
+    one that cannot start stops ALL ranks with its one message. Rank 0 gets the MetricsLog."""
+
+    def start():
+        checkpoints.prepare_output_dir(cfg, os.path.join(cfg.output_dir, "checkpoints"))
+        return metrics.MetricsLog(cfg, start_step, {**dataclasses.asdict(cfg), **derived})
+
+    return startup_checks.agreed_on_rank0(start, device)  # ALL ranks: a collective
 
 
 def build_optimizer(model, no_decay_names, lr, weight_decay, fused=True):
@@ -535,7 +540,7 @@ def eval_batch_loss(model, es, loaded, cfg, device, indices):
 def evaluate_only(model, loaded, plan, cfg, device, is_rank0):
     """--eval-only. ALL ranks: evaluation is collective. Rank 0 writes metrics.jsonl (step 0) and
     prints the metrics as one JSON line."""
-    log = metrics.MetricsLog(cfg, 0) if is_rank0 else None
+    log = startup_checks.agreed_on_rank0(lambda: metrics.MetricsLog(cfg, 0), device)  # ALL ranks
     seconds = {}
     with metrics.timed(seconds, "eval_seconds"):
         evaluate_and_log(model, loaded, plan, cfg, {}, device, 0, None, log)

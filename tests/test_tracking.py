@@ -367,6 +367,24 @@ def test_a_tracker_that_cannot_start_stops_every_rank_before_the_first_step(tmp_
     assert not (out / "metrics.jsonl").exists() and not (out / "checkpoints").exists()
 
 
+def test_at_world_2_rank_0_alone_reports(tmp_path, tiny_model):
+    """Under torchrun at world size 2 the tools hold one run each, equal to metrics.jsonl (rank 1
+    starting a tracker of its own would add a second W&B folder and a second MLflow run)."""
+    out, store = tmp_path / "out", tmp_path / "mlruns"
+    args = ["--model", tiny_model, "--train-data", data_file("sick-pairs-train.jsonl"), "--max-steps", 2]
+    args += ["--max-seq-length", 32, "--log-steps", 1, "--report-to", "wandb,mlflow", "--output-dir", out]
+    with pytest.MonkeyPatch.context() as mp:
+        tracking_env(mp, store)
+        run_train(args, nproc=2, env=dict(os.environ), timeout=300)
+        runs = mlflow_runs(store)
+    want = expected_history(metrics_rows(out))
+    assert [step for step, _ in want["train/loss"]] == [1, 2]
+    ((_, rows),) = wandb_runs(out)
+    assert_same_history(wandb_history(rows), want)
+    ((_, (_, history)),) = runs.items()
+    assert_same_history(history, mlflow_names(want))
+
+
 @pytest.mark.parametrize(
     "report_to,missing,expected",
     [

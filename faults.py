@@ -111,7 +111,9 @@ def agreed_writes(what, folder, clean_up=lambda: None):
     all_reduce, which is also a barrier). Without it a rank whose write failed would leave the
     others waiting in the next collective until --dist-timeout-minutes. A failure anywhere:
     rank 0 runs `clean_up` (removes what was half written), then every rank raises DiskFull
-    (a disk error) or its own error."""
+    (a disk error) or its own error. A rank whose block lost a peer (DCP's collectives timed out)
+    raises at once instead, with gloo's words: the agreement could only fail too, and the folder
+    stays named .incomplete-step-N, removed at the next start."""
     error = None
     try:
         yield

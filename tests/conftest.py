@@ -7,9 +7,11 @@ Run the whole suite:  python -m pytest tests
 
 import json
 import os
+import shutil
 import socket
 import subprocess
 import sys
+import tempfile
 from pathlib import Path
 
 import pytest
@@ -124,6 +126,50 @@ def run_train(
     return proc
 
 
+_warm = {}
+
+
+def warm_run(args, nproc=1, cwd=None, env=None, timeout=600, check=True):
+    """`torchrun --nproc_per_node=N train.py ARGS` on this host (N = 1: `python train.py ARGS`),
+    started by tests/warm_launcher.py: the environment and the code the workers get, without the
+    ~10 s of imports each. For the numerical comparisons; what concerns the launch itself (exit
+    codes through torchrun, restarts, a killed rank, what start-up prints) is tested with
+    run_train. Returns a CompletedProcess (stdout, stderr: every rank's; returncode: the first
+    non-zero rank's)."""
+    if "launcher" not in _warm or _warm["launcher"].poll() is not None:
+        _warm["launcher"] = subprocess.Popen(
+            [sys.executable, str(REPO_DIR / "tests" / "warm_launcher.py")],
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            text=True,
+        )
+    launcher = _warm["launcher"]
+    args = [str(a) for a in args]
+    if "--dist-timeout-minutes" not in args:
+        args = [*args, "--dist-timeout-minutes", "3"]
+    logs = Path(tempfile.mkdtemp(prefix="warm-run-"))
+    request = {
+        "args": args,
+        "nproc": nproc,
+        "port": free_port(),
+        "env": {k: str(v) for k, v in (env or {}).items()},
+        "cwd": str(cwd or REPO_DIR),
+        "stdout": str(logs / "stdout"),
+        "stderr": str(logs / "stderr"),
+        "timeout": timeout,
+    }
+    launcher.stdin.write(json.dumps(request) + "\n")
+    launcher.stdin.flush()
+    codes = json.loads(launcher.stdout.readline())["codes"]
+    read = {n: (logs / n).read_text() if (logs / n).exists() else "" for n in ("stdout", "stderr")}
+    shutil.rmtree(logs)
+    code = next((c for c in codes if c != 0), 0)
+    proc = subprocess.CompletedProcess(["warm_launcher.py", *args], code, read["stdout"], read["stderr"])
+    if check and code != 0:
+        raise AssertionError(f"train.py failed ({codes}):\n{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}")
+    return proc
+
+
 def read_metrics(output_dir):
     with open(Path(output_dir) / "metrics.jsonl") as f:
         rows = [json.loads(line) for line in f]
@@ -213,9 +259,10 @@ def tiny_model(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory, tiny_model, request):
-    """train.py runs of the tiny BERT, by name: each is launched once per test module and shared
-    by every comparison that uses it. The module's `common_args(model, loss, per_device_batch_size)`
-    gives the settings all its runs share; `extra` what sets one apart."""
+    """train.py runs of the tiny BERT, by name: each is launched once per test module (warm_run;
+    torchrun itself across "hosts") and shared by every comparison that uses it. The module's
+    `common_args(model, loss, per_device_batch_size)` gives the settings all its runs share;
+    `extra` what sets one apart."""
     done = {}
 
     def run(name, loss, per_device_batch_size, extra=(), nproc=1, nnodes=1):
@@ -223,7 +270,10 @@ def runs(tmp_path_factory, tiny_model, request):
         if key not in done:
             out = tmp_path_factory.mktemp(f"{name}-{loss}")
             common = request.module.common_args(tiny_model, loss, per_device_batch_size)
-            run_train([*common, *extra, "--output-dir", out], nproc=nproc, nnodes=nnodes)
+            if nnodes == 1:
+                warm_run([*common, *extra, "--output-dir", out], nproc=nproc)
+            else:
+                run_train([*common, *extra, "--output-dir", out], nproc=nproc, nnodes=nnodes)
             done[key] = out
         return done[key]
 

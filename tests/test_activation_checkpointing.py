@@ -8,7 +8,7 @@ Run: python -m pytest tests/test_activation_checkpointing.py
 """
 
 import pytest
-from conftest import assert_same_training, data_file, run_train
+from conftest import assert_same_training, data_file, warm_run
 
 import config
 
@@ -94,5 +94,5 @@ def test_each_block_runs_twice_a_step_with_it(tmp_path, tiny_model, monkeypatch)
 )
 def test_activation_checkpointing_at_world_2_gives_the_same_training(strategy, tmp_path, tiny_model):
     for flags, out in (([], "plain"), (["--activation-checkpointing"], "checkpointed")):
-        run_train(["--model", tiny_model, *ARGS, *strategy, *flags, "--output-dir", tmp_path / out], nproc=2)
+        warm_run(["--model", tiny_model, *ARGS, *strategy, *flags, "--output-dir", tmp_path / out], nproc=2)
     assert_same_training(tmp_path / "checkpointed", tmp_path / "plain", num_steps=3)

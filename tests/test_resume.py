@@ -24,7 +24,7 @@ import json
 
 import pytest
 import torch
-from conftest import data_file, read_metrics, run_train
+from conftest import data_file, read_metrics, run_train, warm_run
 from safetensors.torch import load_file
 
 COMMON = [
@@ -72,7 +72,7 @@ def assert_bitwise_same_run(got_dir, want_dir):
 )
 def test_a_broken_run_resumes_exactly(tmp_path, tiny_model, name, extra, nproc, kill, max_restarts):
     straight, broken = tmp_path / "straight", tmp_path / "broken"
-    run_train([*COMMON, "--model", tiny_model, *extra, "--output-dir", straight], nproc=nproc)
+    warm_run([*COMMON, "--model", tiny_model, *extra, "--output-dir", straight], nproc=nproc)
     evaluation = []
     if name.startswith("fsdp"):
         sts = tmp_path / "sts-dev.jsonl"

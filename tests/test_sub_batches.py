@@ -37,9 +37,9 @@ from conftest import (
     assert_same_training,
     data_file,
     grouped_file,
-    run_train,
     sentences,
     tiny_decoder,
+    warm_run,
     watch_encoder_forwards,
 )
 
@@ -219,7 +219,7 @@ def test_ranks_with_short_and_long_texts_cut_their_own_sub_batches(tmp_path, tin
         "--packing",
         "off",  # sub-batches, not packed rows
     ]
-    run_train(
+    warm_run(
         [
             *args,
             "--per-device-batch-size",
@@ -233,7 +233,7 @@ def test_ranks_with_short_and_long_texts_cut_their_own_sub_batches(tmp_path, tin
         ]
     )
     for name, extra in (("ddp", []), ("ddp-gradcache", ["--cache-chunk-size", 6])):
-        run_train(
+        warm_run(
             [
                 *args,
                 "--per-device-batch-size",
@@ -318,8 +318,8 @@ def test_training_with_sub_batches_equals_training_without(loss, strategy, tmp_p
         "--group-size",
         4,
     ]
-    run_train([*args, *strategy, "--length-buckets", 3, "--output-dir", tmp_path / "sub"], nproc=2)
-    run_train([*args, "--grad-accum-steps", 2, "--length-buckets", 1, "--output-dir", tmp_path / "plain"])
+    warm_run([*args, *strategy, "--length-buckets", 3, "--output-dir", tmp_path / "sub"], nproc=2)
+    warm_run([*args, "--grad-accum-steps", 2, "--length-buckets", 1, "--output-dir", tmp_path / "plain"])
     assert_same_training(tmp_path / "sub", tmp_path / "plain", 3)
 
 

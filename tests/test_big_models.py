@@ -41,6 +41,7 @@ from conftest import (
     run_train,
     sentences,
     tiny_decoder,
+    warm_run,
 )
 from safetensors import safe_open
 
@@ -123,7 +124,7 @@ def test_fsdp2_loads_and_exports_without_a_whole_parameter_on_the_other_rank(tmp
         with safe_open(tmp_path / "fsdp2" / "final" / file, framework="pt") as f:
             sizes = [math.prod(f.get_slice(k).get_shape()) * 4 for k in f.keys()]
         assert sum(sizes) <= 40_000 or len(sizes) == 1, (file, sizes)
-    run_train(
+    warm_run(
         [
             "--model",
             model,
@@ -209,7 +210,7 @@ def test_fsdp2_training_never_holds_a_whole_gradient(tmp_path):
 def test_llama_at_world_4_loaded_into_shards_trains_as_one_process(tmp_path):
     """FSDP2; FSDP1 at world 4 loads the same way in tests/test_equivalence.py (BERT)."""
     tiny_decoder(tmp_path / "base", "llama", padding_side="right")
-    run_train(
+    warm_run(
         [
             "--model",
             tmp_path / "base",
@@ -222,7 +223,7 @@ def test_llama_at_world_4_loaded_into_shards_trains_as_one_process(tmp_path):
             tmp_path / "one",
         ]
     )
-    proc = run_train(
+    proc = warm_run(
         [
             "--model",
             tmp_path / "base",

@@ -5,7 +5,8 @@
   with dropout 0 against `compute_loss`; with dropout 0.1 against a naive reference that embeds
   the same chunks with a graph (the same random numbers), and with chunks of all the columns'
   rows against `compute_loss` itself (they are its very forwards);
-- through train.py under torchrun (a tiny random BERT, conftest.tiny_model, to keep CI short):
+- through train.py at world 2 and 4 (started by conftest.warm_run: torchrun's environment and
+  train.py as __main__, without re-importing; a tiny random BERT, conftest.tiny_model):
   world 2 x batch B with --gather-negatives == one process with batch 2B (FSDP1 full_shard,
   FSDP2), and at world 4 x B/2 under DDP (with --symmetric); GradCache + gather at world 2
   (FSDP2) == plain at world 1 x 2B; GradCache under DDP (Softmax) and FSDP1 (CoSENT) == one
@@ -231,7 +232,7 @@ def test_symmetric_mnrl_matches_sentence_transformers():
     )  # the second direction counts
 
 
-# ---- through train.py, under torchrun
+# ---- through train.py, at world 2 and 4 (conftest.warm_run)
 
 
 NUM_STEPS, LR = 4, 1e-4

@@ -419,7 +419,7 @@ def test_a_mix_at_world_2_equals_one_process_and_resumes_exactly(tmp_path, tiny_
     ]
     killed = run_train(args, nproc=2, kill="after-save:4:1", check=False)
     assert killed.returncode != 0 and not (broken / "final").exists()
-    resumed = run_train(args, nproc=2)
+    resumed = warm_run(args, nproc=2)
     assert "resuming from" in resumed.stdout
     got, want = read_metrics(broken), read_metrics(straight)
     assert [(r["loss"], r["grad_norm"]) for r in got] == [(r["loss"], r["grad_norm"]) for r in want]

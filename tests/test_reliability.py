@@ -228,7 +228,7 @@ def test_resumed_at_the_last_step_the_final_loss_survives(tmp_path, tiny_model):
     ]
     killed = run_train(args, kill="after-save:2:0", check=False)
     assert killed.returncode == -signal.SIGKILL and not (out / "final").exists()
-    resumed = run_train(args)
+    resumed = warm_run(args)
     assert "resuming from" in resumed.stdout
     rows = [strict_json(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     logged = [r for r in rows if "loss" in r]
@@ -341,7 +341,7 @@ def test_damaged_checkpoints_are_skipped_and_the_run_ends_as_an_unbroken_one(tmp
     with open(broken / "metrics.jsonl", "a") as f:
         f.write('{"step": 7, "lo' + "\0" * 5)  # and the crash tore the metrics file's last line
 
-    resumed = run_train([*args, "--output-dir", broken, "--resume", "auto"], nproc=2)
+    resumed = warm_run([*args, "--output-dir", broken, "--resume", "auto"], nproc=2)
     output = resumed.stdout + resumed.stderr
     assert (
         f"warning: not resuming from {checkpoints / 'step-6'}: {shard.name} has {cut_size} bytes where"

@@ -96,7 +96,7 @@ def test_a_broken_run_resumes_exactly(tmp_path, tiny_model, name, extra, nproc, 
         assert first.returncode in (-9, 1) and not (broken / "final").exists()
         if kill.startswith("in-save"):
             assert sorted(p.name for p in checkpoints.iterdir()) == [".incomplete-step-4", "step-2"]
-        second = run_train(args, nproc=nproc)
+        second = warm_run(args, nproc=nproc)
         resumed_from = "step-2"
     else:
         second = first  # torchrun restarted the ranks itself
@@ -124,7 +124,7 @@ def test_a_broken_run_resumes_exactly(tmp_path, tiny_model, name, extra, nproc, 
         # --resume auto on the finished run (torchrun restarting a job that had exported):
         # exits 0, rewrites nothing. (Without --resume it is refused: tests/test_bad_input.py.)
         before = (broken / "final" / "model.safetensors").stat().st_mtime_ns
-        done = run_train(args)
+        done = warm_run(args)
         assert "nothing left to do" in done.stdout
         assert (broken / "final" / "model.safetensors").stat().st_mtime_ns == before
 

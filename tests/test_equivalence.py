@@ -2,8 +2,8 @@
 step's rows follow from the seed and the global batch alone, however they are split), fp32,
 dropout 0, a tiny random BERT (conftest.tiny_model: the mechanics do not depend on the model's
 size, and 16 launches of the real all-MiniLM-L6-v2 took 5 minutes), each run started by
-conftest.warm_run (torchrun's environment, train.py as __main__, without its imports again),
-the 2 x 2 mesh by two real torchruns:
+conftest.warm_run (torchrun's environment, train.py as __main__, without its imports again;
+the 2 x 2 mesh as two torchruns on one host give it):
 
 - DDP at 2 ranks with batch B == one process with batch B and 2 accumulation steps, every loss;
 - FSDP1 and FSDP2, full_shard and shard_grad_op, at 2 ranks == the same (Softmax loss: its head
@@ -20,7 +20,7 @@ Run: python -m pytest tests/test_equivalence.py
 
 import pytest
 import two_hosts
-from conftest import assert_same_training, data_file
+from conftest import assert_same_training, data_file, export_weights, read_metrics, run_train
 
 DATA = {"mnrl": "sick-triplets-train.jsonl", "cosent": "stsb-train.jsonl", "softmax": "sick-nli-train.jsonl"}
 NUM_STEPS = 5
@@ -97,3 +97,19 @@ def test_fsdp_four_ranks_equals_one_process(runs, name, extra, nproc, nnodes):
     to NO_SHARD with unreduced gradients on CPU, and the losses would part from step 2 on."""
     reference = runs("accum4", "softmax", 4, ["--grad-accum-steps", 4])
     assert_same_training(runs(name, "softmax", 4, extra, nproc=nproc, nnodes=nnodes), reference, NUM_STEPS)
+
+
+def test_a_warm_launched_run_is_the_run_torchrun_launches(runs, tmp_path, tiny_model):
+    """The runs above are started by conftest.warm_run (forked from a process that has done the
+    imports); torchrun itself, with the same flags, trains bit for bit the same: every logged
+    number and every exported tensor. FSDP2 at 2 ranks, the most machinery."""
+    extra = ["--strategy", "fsdp", "--fsdp-version", 2, "--sharding", "full_shard"]
+    warm = runs("fsdp2-full_shard", "softmax", 8, extra, nproc=2)
+    torchrun = tmp_path / "torchrun"
+    run_train([*common_args(tiny_model, "softmax", 8), *extra, "--output-dir", torchrun], nproc=2)
+    numbers = ("step", "loss", "grad_norm", "lr")  # samples/s is a timing
+    rows = [[tuple(r[k] for k in numbers) for r in read_metrics(d)] for d in (torchrun, warm)]
+    assert rows[0] == rows[1] and len(rows[0]) == NUM_STEPS
+    for name in ("model.safetensors", "softmax_head.safetensors"):
+        got, want = export_weights(torchrun / "final", name), export_weights(warm / "final", name)
+        assert got.keys() == want.keys() and all(got[k].equal(want[k]) for k in want), name

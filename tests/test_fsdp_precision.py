@@ -13,7 +13,7 @@ import functools
 
 import pytest
 import torch
-from conftest import data_file, loss_on_fixed_rows, run_train
+from conftest import data_file, loss_on_fixed_rows, run_train, warm_run
 from safetensors.torch import load_file
 from sentence_transformers import SentenceTransformer
 
@@ -36,7 +36,7 @@ def loss_before_training(model, data):
 def test_fsdp_mixed_precision_trains_and_exports_fp32(version, precision, tmp_path, tiny_model):
     data = data_file("sick-nli-train.jsonl")
     steps, lr = 6, 1e-3
-    proc = run_train(
+    proc = warm_run(
         [
             "--model",
             tiny_model,

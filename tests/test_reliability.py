@@ -481,7 +481,7 @@ def test_a_remote_code_model_with_a_pooler_trains_under_ddp(tmp_path, tiny_model
     assert any(k.startswith("pooler.") for k in base)
 
     out = tmp_path / "out"
-    run_train(
+    warm_run(
         [
             "--model",
             folder,

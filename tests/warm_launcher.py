@@ -16,9 +16,10 @@ rendezvous, restarts, exit codes and messages), what train.py prints while impor
 worker whose launcher dies. Fork is safe here because this process only imports: it runs no
 tensor operation, so no thread pool exists yet to be lost in a child.
 
-Protocol, one JSON object a line: a request on stdin {args, nproc, port, env, cwd, stdout,
-stderr, timeout}; the reply on stdout {"codes": [exit code of each rank]}. Workers write to
-the request's stdout and stderr files.
+Protocol, one JSON object a line: a request on stdin {args, nproc, nnodes, script, port, env,
+cwd, stdout, stderr, timeout}; the reply on stdout {"codes": [exit code of each rank]}. Workers
+write to the request's stdout and stderr files. `nnodes` > 1 stands for that many torchruns on
+this host (`--nnodes`, `--node_rank`), `script` for a test's worker that wraps train.py.
 
 Run by tests/conftest.py (warm_run), one per test session.
 """
@@ -55,15 +56,15 @@ def worker(request, rank, reply_fd):
         os.dup2(stdin, 0)
         for fd, path in ((1, request["stdout"]), (2, request["stderr"])):
             os.dup2(os.open(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644), fd)
-        nproc = request["nproc"]
+        nproc, nnodes = request["nproc"], request["nnodes"]
         os.environ.update(request["env"])
-        if nproc > 1:  # torchrun's workers; one process is `python train.py`, with none of these
+        if nproc * nnodes > 1:  # torchrun's workers; one process is `python train.py`, with none
             os.environ.update(
                 RANK=str(rank),
-                LOCAL_RANK=str(rank),
-                GROUP_RANK="0",
+                LOCAL_RANK=str(rank % nproc),
+                GROUP_RANK=str(rank // nproc),  # the "node": one torchrun per node on this host
                 ROLE_RANK=str(rank),
-                WORLD_SIZE=str(nproc),
+                WORLD_SIZE=str(nproc * nnodes),
                 LOCAL_WORLD_SIZE=str(nproc),
                 MASTER_ADDR="127.0.0.1",
                 MASTER_PORT=str(request["port"]),
@@ -73,8 +74,9 @@ def worker(request, rank, reply_fd):
             os.environ["OMP_NUM_THREADS"] = "1"
             torch.set_num_threads(1)
         os.chdir(request["cwd"])
-        sys.argv = [str(TRAIN), *request["args"]]
-        runpy.run_path(str(TRAIN), run_name="__main__")
+        script = request["script"] or str(TRAIN)
+        sys.argv = [script, *request["args"]]
+        runpy.run_path(script, run_name="__main__")
         code = 0
     except SystemExit as e:
         if e.code is None or isinstance(e.code, int):
@@ -98,7 +100,7 @@ def launch(request, reply_fd):
     sys.stdout.flush()
     sys.stderr.flush()
     pids = []
-    for rank in range(request["nproc"]):
+    for rank in range(request["nproc"] * request["nnodes"]):
         pid = os.fork()
         if pid == 0:
             worker(request, rank, reply_fd)

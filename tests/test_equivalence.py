@@ -8,7 +8,7 @@ the 2 x 2 mesh as two torchruns on one host give it):
 - DDP at 2 ranks with batch B == one process with batch B and 2 accumulation steps, every loss;
 - FSDP1 and FSDP2, full_shard and shard_grad_op, at 2 ranks == the same (Softmax loss: its head
   lives in the FSDP root, outside the wrapped blocks);
-- at 4 ranks: FSDP1 full_shard, and hybrid_shard on a 2 x 2 mesh (two torchrun "nodes" of 2
+- at 4 ranks: FSDP1 full_shard, and hybrid_shard on a 2 x 2 mesh (as two torchrun "nodes" of 2
   processes), FSDP1 and FSDP2 == one process with 4 accumulation steps (DDP at 4 ranks: the
   gathered-negatives runs of test_gradcache_gather.py).
 

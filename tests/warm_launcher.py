@@ -5,16 +5,18 @@ in every process.
 Why: on a 2-core machine a launch of train.py spends ~10 s per process importing torch,
 transformers and datasets, and the run the comparisons need takes about a second; the suite
 makes about a hundred such launches. This process does train.py's imports once, then for each
-request forks N workers from itself. At N > 1 each worker gets the environment torchrun gives its
-workers (RANK, LOCAL_RANK, WORLD_SIZE, LOCAL_WORLD_SIZE, GROUP_RANK, ROLE_RANK, MASTER_ADDR,
-MASTER_PORT; OMP_NUM_THREADS=1 at N > 1, as torchrun sets it) and runs train.py as `__main__`
-(runpy), so its flag parsing, error handling and exit codes are the script's own. As torchrun
-does, when one worker fails the others are stopped.
+request forks the workers from itself. With more than one, each gets the environment torchrun
+gives its workers (RANK, LOCAL_RANK, WORLD_SIZE, LOCAL_WORLD_SIZE, GROUP_RANK, ROLE_RANK,
+MASTER_ADDR, MASTER_PORT; OMP_NUM_THREADS=1 at N > 1, as torchrun sets it; none of torchrun's
+TORCHELASTIC_* variables, so train.py never takes the launcher for torchrun's agent); each runs
+train.py as `__main__` (runpy), so its flag parsing, error handling and exit codes are the
+script's own. As torchrun does, when one worker fails the others are stopped.
 
 What this does not prove, and the tests that launch torchrun itself do: the launcher (its
 rendezvous, restarts, exit codes and messages), what train.py prints while importing, and a
-worker whose launcher dies. Fork is safe here because this process only imports: it runs no
-tensor operation, so no thread pool exists yet to be lost in a child.
+worker whose launcher dies, and a user's MALLOC_* variables (glibc reads them when a process
+starts). Forking after the imports is what a DataLoader's fork workers do; this process runs no
+tensor operation, so torch's thread pools are not started yet when it forks.
 
 Protocol, one JSON object a line: a request on stdin {args, nproc, nnodes, script, port, env,
 cwd, stdout, stderr, timeout}; the reply on stdout {"codes": [exit code of each rank]}. Workers

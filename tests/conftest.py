@@ -163,7 +163,10 @@ def warm_run(args, nproc=1, nnodes=1, cwd=None, env=None, timeout=600, check=Tru
     }
     launcher.stdin.write(json.dumps(request) + "\n")
     launcher.stdin.flush()
-    codes = json.loads(launcher.stdout.readline())["codes"]
+    reply = launcher.stdout.readline()  # one request at a time: the launcher answers in order
+    if not reply:  # its own traceback went to this process's stderr
+        raise AssertionError(f"tests/warm_launcher.py died (exit {launcher.wait()}); see stderr")
+    codes = json.loads(reply)["codes"]
     read = {n: (logs / n).read_text() if (logs / n).exists() else "" for n in ("stdout", "stderr")}
     shutil.rmtree(logs)
     code = next((c for c in codes if c != 0), 0)

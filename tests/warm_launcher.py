@@ -53,6 +53,10 @@ def worker(request, rank, reply_fd):
     """Never returns: runs train.py as rank `rank` and exits with its code."""
     code = 1
     try:
+        if sys.platform.startswith("linux"):  # a worker does not outlive this launcher
+            import ctypes
+
+            ctypes.CDLL(None).prctl(1, signal.SIGTERM)  # 1 = PR_SET_PDEATHSIG, as train.py's own
         os.close(reply_fd)  # the reply pipe is the launcher's alone
         stdin = os.open(os.devnull, os.O_RDONLY)
         os.dup2(stdin, 0)

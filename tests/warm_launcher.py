@@ -3,27 +3,27 @@ ARGS` (or, for one process, `python train.py ARGS`) runs, without paying for the
 in every process.
 
 Why: on a 2-core machine a launch of train.py spends ~10 s per process importing torch,
-transformers and datasets, and the run the comparisons need takes about a second; the suite
-makes about a hundred such launches. This process does train.py's imports once, then for each
-request forks the workers from itself. With more than one, each gets the environment torchrun
-gives its workers (RANK, LOCAL_RANK, WORLD_SIZE, LOCAL_WORLD_SIZE, GROUP_RANK, ROLE_RANK,
-MASTER_ADDR, MASTER_PORT; OMP_NUM_THREADS=1 at N > 1, as torchrun sets it; none of torchrun's
-TORCHELASTIC_* variables, so train.py never takes the launcher for torchrun's agent); each runs
-train.py as `__main__` (runpy), so its flag parsing, error handling and exit codes are the
-script's own. As torchrun does, when one worker fails the others are stopped.
+transformers and datasets, and the run a comparison needs takes about a second (a tiny model, a
+few steps). This process does train.py's imports once, then for each request forks the workers
+from itself. With more than one, each gets the environment torchrun gives its workers (RANK,
+LOCAL_RANK, WORLD_SIZE, LOCAL_WORLD_SIZE, GROUP_RANK, ROLE_RANK, MASTER_ADDR, MASTER_PORT;
+OMP_NUM_THREADS=1 at N > 1, as torchrun sets it; none of torchrun's TORCHELASTIC_* variables, so
+train.py never takes the launcher for torchrun's agent); each runs train.py as `__main__`
+(runpy), so its flag parsing, error handling and exit codes are the script's own. As torchrun
+does, when one worker fails the others are stopped.
 
 What this does not prove, and the tests that launch torchrun itself do: the launcher (its
-rendezvous, restarts, exit codes and messages), what train.py prints while importing, and a
-worker whose launcher dies, and a user's MALLOC_* variables (glibc reads them when a process
-starts). Forking after the imports is what a DataLoader's fork workers do; this process runs no
-tensor operation, so torch's thread pools are not started yet when it forks.
+rendezvous, restarts, exit codes and messages), what train.py prints while importing, a worker
+whose launcher dies, and a user's MALLOC_* variables (glibc reads them when a process starts).
+Forking after the imports is what a DataLoader's fork workers do; this process runs no tensor
+operation, so torch's thread pools are not started yet when it forks.
 
 Protocol, one JSON object a line: a request on stdin {args, nproc, nnodes, script, port, env,
 cwd, stdout, stderr, timeout}; the reply on stdout {"codes": [exit code of each rank]}. Workers
 write to the request's stdout and stderr files. `nnodes` > 1 stands for that many torchruns on
 this host (`--nnodes`, `--node_rank`), `script` for a test's worker that wraps train.py.
 
-Run by tests/conftest.py (warm_run), one per test session.
+Run by tests/conftest.py (warm_run), one per test session; it ends when pytest closes its stdin.
 """
 
 import atexit

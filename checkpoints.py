@@ -370,13 +370,20 @@ def read_output_lock(output_dir):
 
 
 def process_alive(pid):
+    """Whether a process of this host runs. An exited one not yet reaped (a zombie) does not:
+    when a launcher is killed its workers' parent becomes init, and for a moment after they exit
+    they are zombies, which signal 0 still reaches."""
     try:
         os.kill(int(pid), 0)
     except ProcessLookupError:
         return False
     except (PermissionError, TypeError, ValueError):
         return True  # alive under another user, or unreadable: never take it over
-    return True
+    try:
+        with open(f"/proc/{int(pid)}/stat") as f:  # Linux: "PID (NAME) STATE ..."
+            return f.read().rpartition(")")[2].split()[0] not in ("Z", "X")
+    except (OSError, IndexError):
+        return True  # no /proc here: signal 0 is all there is
 
 
 def release_output_lock(output_dir):

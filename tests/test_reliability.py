@@ -111,9 +111,10 @@ def test_one_run_per_output_folder_and_no_orphans(tmp_path, tiny_model):
         for pid in workers_of(out):
             os.kill(int(pid), signal.SIGKILL)
 
-    # The dead run's lock is still there; the next run takes it over and removes it at the end.
+    # The dead run's lock is still there; the next run takes it over and removes it at the end
+    # (what a lock left behind does to a run, not its launch: warm_run starts it).
     assert json.loads((out / ".lock").read_text())["pid"] == holder["pid"]
-    third = run_train([*common, "--max-steps", 2], nproc=2)
+    third = warm_run([*common, "--max-steps", 2], nproc=2)
     assert (
         f"note: {out / '.lock'} was left by a run that is no longer alive (pid {holder['pid']}"
         in third.stdout
@@ -163,8 +164,8 @@ def test_a_nan_metric_is_written_as_null_and_never_chosen_as_best(tmp_path, tiny
 
 def test_a_lock_held_by_a_live_process_is_never_taken_over(tmp_path):
     """In-process: a lock naming a live process on this host (here: this test's parent) refuses;
-    one naming a dead pid is taken over; one naming another host refuses, even with this very
-    pid (its liveness is unknowable)."""
+    one naming a dead pid is taken over, an exited one not yet reaped (a zombie) too; one naming
+    another host refuses, even with this very pid (its liveness is unknowable)."""
     out = tmp_path / "out"
     out.mkdir()
     lock = out / ".lock"
@@ -184,6 +185,20 @@ def test_a_lock_held_by_a_live_process_is_never_taken_over(tmp_path):
     assert json.loads(lock.read_text())["pid"] == os.getpid()
     checkpoints.release_output_lock(str(out))
     assert not lock.exists()
+    # A zombie: what a killed launcher's workers are for a moment after they exit (signal 0
+    # still reaches it). Before this was checked, a run started then was refused.
+    zombie = subprocess.Popen([sys.executable, "-c", "pass"])
+    deadline = time.monotonic() + 30
+    while open(f"/proc/{zombie.pid}/stat").read().rpartition(")")[2].split()[0] != "Z":
+        assert time.monotonic() < deadline
+        time.sleep(0.01)
+    try:
+        lock.write_text(json.dumps({"host": socket.gethostname(), "pid": zombie.pid, "started": "then"}))
+        assert checkpoints.take_output_lock(str(out)) is None
+        assert json.loads(lock.read_text())["pid"] == os.getpid()
+    finally:
+        zombie.wait()
+    checkpoints.release_output_lock(str(out))
 
 
 def test_a_torn_metrics_line_is_dropped_on_resume(tmp_path):

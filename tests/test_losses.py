@@ -5,14 +5,11 @@ Run: python -m pytest tests/test_losses.py
 """
 
 import math
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 import torch
-from conftest import REPO_DIR  # noqa: F401  (puts the repository on sys.path)
+from conftest import warm_run  # (conftest also puts the repository on sys.path)
 from sentence_transformers import SentenceTransformer
 
 try:  # sentence-transformers >= 6 moved the losses; older versions have them here
@@ -404,11 +401,9 @@ def test_mnrl_directions_with_gathered_negatives_equal_one_process(tmp_path):
 
     worker = Path(__file__).resolve().parent / "loss_worker.py"
     rows, columns, world, directions = 3, 3, 2, losses.MNRL_DIRECTIONS  # GTE's four, hard negatives
-    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={world}"]
-    command += [str(worker), str(tmp_path), str(rows), str(columns), ",".join(directions), "joint"]
-    subprocess.run(
-        command, check=True, timeout=120, capture_output=True, env={**os.environ, "OMP_NUM_THREADS": "1"}
-    )
+    # Started by the warm launcher (conftest.warm_run): torchrun's worker environment, gloo.
+    args = [tmp_path, rows, columns, ",".join(directions), "joint"]
+    warm_run(args, nproc=world, script=worker, train_flags=False, timeout=120)
     generator = torch.Generator().manual_seed(11)
     full = [
         torch.randn(world * rows, 16, generator=generator, dtype=torch.float64).requires_grad_()

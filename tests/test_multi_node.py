@@ -1,15 +1,16 @@
 """Two real hosts (tests/two_hosts.py: network + UTS namespaces with their own hostnames, joined by
 a veth cable; one torchrun per host, c10d rendezvous at hosta, gloo on each host's cable):
 
-- without a shared disk (each host its own --output-dir), FSDP2 (2 processes a host; FSDP1 stages
-  and sends its shards through the same export code) and DDP export the same model as one host
-  with the same global batch, and nothing is left on hostb (on a shared disk: the healing test
-  below);
+- without a shared disk (each host its own --output-dir), DDP and FSDP2 (2 processes a host,
+  below; FSDP1 stages and sends its shards through the same export code) export the same model
+  as one host with the same global batch, and nothing is left on hostb (on a shared disk: the
+  healing test below);
 - --save-steps without a shared disk is refused at start-up with one error line, nothing written,
   and so is another copy of the training data on one host;
-- hybrid_shard (and full_shard) on 2 hosts x 2 processes trains as one host with the same rows in
-  every micro-batch (world 2, 2 accumulation steps; test_equivalence.py shows that equals world 4),
-  and hybrid sends at most half of full_shard's bytes over the cable (counted on the veth);
+- hybrid_shard (and full_shard) on 2 hosts x 2 processes, without a shared disk, trains and
+  exports as one host with the same rows in every micro-batch (world 2, 2 accumulation steps;
+  test_equivalence.py shows that equals world 4), and hybrid sends at most half of full_shard's
+  bytes over the cable (counted on the veth);
 - the cable pulled out mid-run: every process on both hosts exits non-zero within
   --dist-timeout-minutes plus a margin, each host printing an error line, and every checkpoint
   that looks complete is;
@@ -72,34 +73,31 @@ def one_host_world_2(tmp_path_factory, tiny_model):
     return out
 
 
-@pytest.mark.parametrize(
-    "name,extra,nproc",
-    [
-        ("fsdp2-2x2", ["--strategy", "fsdp", "--fsdp-version", "2"], 2),  # two ranks send from hostb
-        ("ddp", [], 1),
-    ],
-)
-def test_two_hosts_without_a_shared_disk_export_what_one_host_does(
-    tmp_path, tiny_model, one_host_world_2, name, extra, nproc
-):
-    out_a, out_b = tmp_path / "a", tmp_path / "b"
-    args = [*common_args(tiny_model, grad_accum_steps=3 - nproc), *extra, "--dist-timeout-minutes", 2]
-    with two_hosts.TwoHosts() as hosts:
-        codes, outputs, _ = run_two_hosts(
-            hosts, [*args, "--output-dir", out_a], [*args, "--output-dir", out_b], nproc=nproc
-        )
-    assert codes == [0, 0], outputs
-    assert_same_training(out_a, one_host_world_2, NUM_STEPS)
-    print(name, "largest weight difference to one host", largest_difference(out_a, one_host_world_2))
-    # Progress, metrics and the summary come from global rank 0 (hosta) alone.
+def assert_exported_as_one_host(out_a, out_b, outputs, reference, name):
+    """hosta's export trained as one host; progress, metrics and the summary come from global
+    rank 0 (hosta) alone; hostb is left with nothing (its staged shards went to rank 0)."""
+    assert_same_training(out_a, reference, NUM_STEPS)
+    print(name, "largest weight difference to one host", largest_difference(out_a, reference))
     (out_a_text, err_a), (out_b_text, err_b) = outputs
     assert "train: 100%" in err_a and "exported" in out_a_text, (out_a_text, err_a[-2000:])
     assert "train:" not in err_b and "exported" not in out_b_text and '"final_loss"' not in out_b_text
-    assert files_under(out_b) == []  # hostb's staged shards went to rank 0 and were removed
+    assert files_under(out_b) == []
     from sentence_transformers import SentenceTransformer
 
     loaded = SentenceTransformer(str(out_a / "final"), device="cpu")  # was "size mismatch" on half tensors
     assert loaded.encode(["a host each"]).shape == (1, 64)
+
+
+def test_two_hosts_without_a_shared_disk_export_what_one_host_does(tmp_path, tiny_model, one_host_world_2):
+    """DDP, a process a host (FSDP2 at 2 processes a host: the hybrid_shard test below)."""
+    out_a, out_b = tmp_path / "a", tmp_path / "b"
+    args = [*common_args(tiny_model), "--dist-timeout-minutes", 2]
+    with two_hosts.TwoHosts() as hosts:
+        codes, outputs, _ = run_two_hosts(
+            hosts, [*args, "--output-dir", out_a], [*args, "--output-dir", out_b]
+        )
+    assert codes == [0, 0], outputs
+    assert_exported_as_one_host(out_a, out_b, outputs, one_host_world_2, "ddp")
 
 
 def test_save_steps_without_a_shared_disk_is_refused(tmp_path, tiny_model):
@@ -140,19 +138,23 @@ def test_another_copy_of_the_data_on_one_host_is_refused(tmp_path, tiny_model):
 def test_hybrid_shard_across_hosts_trains_as_one_host_and_halves_the_traffic(
     tmp_path, tiny_model, one_host_world_2
 ):
+    """FSDP2 at 2 hosts x 2 processes, without a shared disk: two ranks send their shards from
+    hostb to rank 0 for the export."""
     sent = {}
     for sharding in ("hybrid_shard", "full_shard"):
-        out = tmp_path / sharding
+        out_a, out_b = tmp_path / sharding / "a", tmp_path / sharding / "b"
         args = [*common_args(tiny_model, grad_accum_steps=1), "--strategy", "fsdp", "--fsdp-version", "2"]
-        args += ["--sharding", sharding, "--output-dir", out, "--dist-timeout-minutes", 2]
+        args += ["--sharding", sharding, "--dist-timeout-minutes", 2]
         with two_hosts.TwoHosts() as hosts:
             before = hosts.wire_bytes()
-            codes, outputs, _ = run_two_hosts(hosts, args, args, nproc=2)
+            codes, outputs, _ = run_two_hosts(
+                hosts, [*args, "--output-dir", out_a], [*args, "--output-dir", out_b], nproc=2
+            )
             sent[sharding] = hosts.wire_bytes() - before
         assert codes == [0, 0], outputs
-        assert_same_training(out, one_host_world_2, NUM_STEPS)
+        assert_exported_as_one_host(out_a, out_b, outputs, one_host_world_2, sharding)
     # Hybrid: parameters are gathered and gradients reduce-scattered within a host; only the
-    # gradient all-reduce of each shard crosses the cable.
+    # gradient all-reduce of each shard crosses the cable (and, in both runs, the export's shards).
     print("bytes over the cable", sent, "hybrid/full", sent["hybrid_shard"] / sent["full_shard"])
     assert sent["hybrid_shard"] <= 0.5 * sent["full_shard"], sent
 

@@ -10,18 +10,18 @@ and sizes that do not divide evenly by 4 are covered. Then FSDP2 itself: a model
 And --sharding auto: when one rank is short of memory, every rank shards fully.
 """
 
+import json
 import os
 import sys
 from pathlib import Path
 
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import fsdp_utils  # noqa: E402
-from conftest import free_port  # noqa: E402
+from conftest import warm_run  # noqa: E402
 
 
 def check_group(group, rank, seed, numel, dtype):
@@ -106,9 +106,8 @@ def fsdp2_against_ddp(rank):
     return len(calls), worst
 
 
-def worker(rank, world_size, port, results):
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    dist.init_process_group("gloo", rank=rank, world_size=world_size)
+def worker(rank, world_size, results):
+    dist.init_process_group("gloo", rank=rank, world_size=world_size)  # MASTER_ADDR/PORT: the launcher's
     torch.set_num_threads(1)
     out = {}
     world = dist.group.WORLD
@@ -132,14 +131,15 @@ def worker(rank, world_size, port, results):
     dist.destroy_process_group()
 
 
-def run(world_size):
-    results = mp.Manager().dict()
-    mp.spawn(worker, args=(world_size, free_port(), results), nprocs=world_size, join=True)
-    return dict(results)
+def run(world_size, folder):
+    """{rank: what `worker` found}: this file run at `world_size` ranks by the warm launcher
+    (conftest.warm_run: torchrun's worker environment, one thread a process)."""
+    warm_run([folder], nproc=world_size, script=__file__, train_flags=False, timeout=300)
+    return {rank: json.loads((folder / f"rank{rank}.json").read_text()) for rank in range(world_size)}
 
 
-def test_rings_at_two_ranks_equal_gloo_bit_for_bit_and_fsdp2_uses_them():
-    results = run(2)
+def test_rings_at_two_ranks_equal_gloo_bit_for_bit_and_fsdp2_uses_them(tmp_path):
+    results = run(2, tmp_path)
     for rank, out in results.items():
         for case, value in out.items():
             if case == "auto":
@@ -153,8 +153,8 @@ def test_rings_at_two_ranks_equal_gloo_bit_for_bit_and_fsdp2_uses_them():
                 assert gathered and worst_gloo == 0.0, (rank, case, value)
 
 
-def test_rings_at_four_ranks_and_in_sub_groups_give_the_exact_sum_to_rounding():
-    results = run(4)
+def test_rings_at_four_ranks_and_in_sub_groups_give_the_exact_sum_to_rounding(tmp_path):
+    results = run(4, tmp_path)
     assert len(results) == 4
     for rank, out in results.items():
         for case, (gathered, worst_gloo, worst_exact) in out.items():
@@ -162,3 +162,9 @@ def test_rings_at_four_ranks_and_in_sub_groups_give_the_exact_sum_to_rounding():
             # fp32: a few ulps of 4 summands; bf16 (8 bits of mantissa): its own rounding.
             tolerance = 2e-2 if "bf16" in case else 1e-6
             assert worst_exact <= tolerance, (rank, case, worst_exact)
+
+
+if __name__ == "__main__":  # one rank of `run`: FOLDER/rank{R}.json
+    rank, found = int(os.environ["RANK"]), {}
+    worker(rank, int(os.environ["WORLD_SIZE"]), found)
+    (Path(sys.argv[1]) / f"rank{rank}.json").write_text(json.dumps(found[rank]))

@@ -1,7 +1,8 @@
 """Experiment tracking beside metrics.jsonl (--report-to wandb,mlflow), read back with each tool's
 own reader and compared with metrics.jsonl, with no network: W&B in offline mode (its .wandb files
 through `wandb leet inspect --json`), MLflow with a file store in tmp_path (MlflowClient).
-Tiny BERT (conftest.tiny_model), in-process train.main, except one torchrun launch.
+Tiny BERT (conftest.tiny_model), in-process train.main, except two runs at world 2: one through
+torchrun (a tracker that cannot start), one through the warm launcher (conftest.warm_run).
 
 - A run sends every scalar of metrics.jsonl at its step (training, each training set's loss,
   every evaluation metric, the summary; values to 1e-6), and the run's configuration as W&B's
@@ -31,7 +32,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import data_file, free_port, run_train
+from conftest import data_file, free_port, run_train, warm_run
 
 import config
 
@@ -369,14 +370,15 @@ def test_a_tracker_that_cannot_start_stops_every_rank_before_the_first_step(tmp_
 
 
 def test_at_world_2_rank_0_alone_reports(tmp_path, tiny_model):
-    """Under torchrun at world size 2 the tools hold one run each, equal to metrics.jsonl (rank 1
-    starting a tracker of its own would add a second W&B folder and a second MLflow run)."""
+    """At world size 2 (torchrun's worker environment) the tools hold one run each, equal to
+    metrics.jsonl (rank 1 starting a tracker of its own would add a second W&B folder and a
+    second MLflow run)."""
     out, store = tmp_path / "out", tmp_path / "mlruns"
     args = ["--model", tiny_model, "--train-data", data_file("sick-pairs-train.jsonl"), "--max-steps", 2]
     args += ["--max-seq-length", 32, "--log-steps", 1, "--report-to", "wandb,mlflow", "--output-dir", out]
     with pytest.MonkeyPatch.context() as mp:
         tracking_env(mp, store)
-        run_train(args, nproc=2, env=dict(os.environ), timeout=300)
+        warm_run(args, nproc=2, env=dict(os.environ), timeout=300)  # which rank reports, not the launch
         runs = mlflow_runs(store)
     want = expected_history(metrics_rows(out))
     assert [step for step, _ in want["train/loss"]] == [1, 2]

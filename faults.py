@@ -363,8 +363,19 @@ def say(message, code, printed=True):
     if error_file:
         stamp = str(int(time.time()))
         data = {"message": f"error: {message}", "extraInfo": {"py_callstack": "", "timestamp": stamp}}
-        with contextlib.suppress(OSError), open(error_file, "w") as f:
-            json.dump({"message": {**data, "errorCode": code}}, f)
+        # Whole or not at all (a temporary file, then a rename): torchrun reads this file when the
+        # worker ends, and an empty or torn one crashes torchrun itself (JSONDecodeError), with no
+        # restart; seen when the agent stopped this rank in the middle of the write.
+        partial = f"{error_file}.tmp-{os.getpid()}"
+        try:
+            with open(partial, "w") as f:
+                json.dump({"message": {**data, "errorCode": code}}, f)
+            os.replace(partial, error_file)
+        except OSError:
+            pass  # nowhere to write it: the printed line stands
+        finally:
+            with contextlib.suppress(OSError):
+                os.remove(partial)  # there only when the write was cut short
 
 
 def end_run(error, cfg, newest_checkpoint):

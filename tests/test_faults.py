@@ -271,3 +271,27 @@ def test_a_rank_stopped_in_a_save_is_named_and_every_process_of_the_job_exits(tm
     assert 'train.py", line' not in err, err[-3000:]  # no traceback through train.py (torchrun has its own)
     assert sorted(os.listdir(out / "checkpoints")) in (["step-2"], [".incomplete-step-4", "step-2"])
     resumes_to(out, tiny_model, unbroken, tmp_path / "resumed")
+
+
+def test_the_error_file_torchrun_reads_is_written_whole_or_not_at_all(tmp_path, monkeypatch):
+    """torchrun parses a worker's error file when the worker ends, and an empty or torn one crashes
+    torchrun itself (JSONDecodeError, so --max-restarts never restarts): seen when a rank was
+    stopped in the middle of writing it. A write cut short (here json.dump, half-way) leaves the
+    earlier file as it was, and no temporary file beside it."""
+    import faults
+
+    error_file = tmp_path / "error.json"
+    monkeypatch.setenv("TORCHELASTIC_ERROR_FILE", str(error_file))
+    faults.say("the disk is full", 5, printed=False)
+    first = error_file.read_text()
+    assert json.loads(first)["message"]["errorCode"] == 5
+
+    def cut_short(obj, f):
+        f.write('{"message": ')
+        raise KeyboardInterrupt  # as a signal handler might, there
+
+    monkeypatch.setattr(faults.json, "dump", cut_short)
+    with pytest.raises(KeyboardInterrupt):
+        faults.say("lost contact", 4, printed=False)
+    assert error_file.read_text() == first
+    assert os.listdir(tmp_path) == ["error.json"]

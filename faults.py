@@ -365,7 +365,7 @@ def say(message, code, printed=True):
         data = {"message": f"error: {message}", "extraInfo": {"py_callstack": "", "timestamp": stamp}}
         # Whole or not at all (a temporary file, then a rename): torchrun reads this file when the
         # worker ends, and an empty or torn one crashes torchrun itself (JSONDecodeError), with no
-        # restart; seen when the agent stopped this rank in the middle of the write.
+        # restart; seen once under --max-restarts, after the other rank was killed.
         partial = f"{error_file}.tmp-{os.getpid()}"
         try:
             with open(partial, "w") as f:

@@ -275,9 +275,9 @@ def test_a_rank_stopped_in_a_save_is_named_and_every_process_of_the_job_exits(tm
 
 def test_the_error_file_torchrun_reads_is_written_whole_or_not_at_all(tmp_path, monkeypatch):
     """torchrun parses a worker's error file when the worker ends, and an empty or torn one crashes
-    torchrun itself (JSONDecodeError, so --max-restarts never restarts): seen when a rank was
-    stopped in the middle of writing it. A write cut short (here json.dump, half-way) leaves the
-    earlier file as it was, and no temporary file beside it."""
+    torchrun itself (JSONDecodeError, so --max-restarts never restarts): seen once when a rank
+    was killed and the other wrote its file. A write cut short (here json.dump, half-way) leaves
+    the earlier file as it was, and no temporary file beside it."""
     import faults
 
     error_file = tmp_path / "error.json"

@@ -48,6 +48,7 @@ import embedding_model  # noqa: E402
 import fsdp_utils  # noqa: E402
 import losses  # noqa: E402
 import train  # noqa: E402
+from conftest import exit_without_teardown  # noqa: E402
 
 DATA_DIR = Path(os.environ.get("FSDP_EMBED_DATA", REPO_DIR.parent / "shared" / "data"))
 MAX_SEQ_LENGTH = 64
@@ -267,20 +268,13 @@ def main():
     args = parser.parse_args()
     # A finite timeout: a rank that runs one forward fewer fails the job instead of hanging CI.
     dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=args.timeout_s))
-    try:
-        results = run_cases(
-            [s for s in args.strategies.split(",") if s], [s for s in args.size_strategies.split(",") if s]
-        )
-        results["world_size"] = dist.get_world_size()
-        with open(Path(args.out_dir) / f"rank{dist.get_rank()}.json", "w") as f:
-            json.dump(results, f)
-    finally:
-        dist.destroy_process_group()
-    # Leave without the interpreter's teardown: gloo's threads can abort there ("terminate called
-    # without an active exception", SIGABRT, once in many CI runs) after every result is written.
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(0)
+    results = run_cases(
+        [s for s in args.strategies.split(",") if s], [s for s in args.size_strategies.split(",") if s]
+    )
+    results["world_size"] = dist.get_world_size()
+    with open(Path(args.out_dir) / f"rank{dist.get_rank()}.json", "w") as f:
+        json.dump(results, f)
+    exit_without_teardown()  # no gloo teardown: see conftest
 
 
 if __name__ == "__main__":

@@ -22,7 +22,7 @@ import torch.distributed as dist
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import fsdp_utils  # noqa: E402
-from conftest import warm_run  # noqa: E402
+from conftest import exit_without_teardown, warm_run  # noqa: E402
 
 VOCAB, DIM = 5000, 16
 
@@ -98,12 +98,7 @@ def worker(rank, folder):
         "dense": sum(p.numel() for p in model.parameters() if p.requires_grad),
     }
     (Path(folder) / f"rank{rank}.json").write_text(json.dumps(found))
-    # Leave without any teardown: freeing a DDP reducer, or destroying the gloo group, joins
-    # gloo's threads while holding the GIL, and a thread still releasing a finished all-gather's
-    # tensors waits for the GIL: a deadlock (seen in about 1 run in 4 of this worker).
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(0)
+    exit_without_teardown()  # no DDP or gloo teardown: see conftest
 
 
 def test_ddp_sends_only_used_embedding_rows_and_gives_the_dense_mean(tmp_path):

@@ -21,7 +21,7 @@ import torch.distributed as dist
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import fsdp_utils  # noqa: E402
-from conftest import warm_run  # noqa: E402
+from conftest import exit_without_teardown, warm_run  # noqa: E402
 
 
 def check_group(group, rank, seed, numel, dtype):
@@ -129,12 +129,7 @@ def worker(rank, world_size, folder):
         fsdp_utils.free_memory_per_process = lambda device: 10**12 if rank == 0 else 5 * fp32
         out["auto"] = fsdp_utils.auto_sharding(model, torch.device("cpu"), None)[0]
     (Path(folder) / f"rank{rank}.json").write_text(json.dumps(out))
-    # Leave without any teardown: freeing a DDP reducer, or destroying the gloo group, joins
-    # gloo's threads while holding the GIL, and a thread still releasing a finished all-gather's
-    # tensors waits for the GIL: a deadlock (seen in about 1 run in 4 of this worker).
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(0)
+    exit_without_teardown()  # no DDP or gloo teardown: see conftest
 
 
 def run(world_size, folder):

@@ -20,7 +20,7 @@ TORCHELASTIC_ERROR_FILE=PATH copies the worker's exit code to "errorCode" in PAT
     `agreed_writes` around its writes (ALL ranks: a write that failed on any rank stops every
     rank, with nothing left looking complete), `warn_space` at start-up;
   - a lost or silent peer: `lost_peer`, `Heartbeat` (who went silent, when, at which step),
-    `end_job`, `stop_launcher`.
+    `end_job`, `kill_once_reaped`, `stop_launcher`.
 
 Needs torch only (the newest checkpoint comes from the caller: checkpoints.py in train.py).
 """
@@ -33,6 +33,7 @@ import os
 import re
 import signal
 import socket
+import subprocess
 import sys
 import threading
 import time
@@ -307,19 +308,52 @@ def end_job(code):
     """After a lost peer, end this process with `code` and no teardown (destroying a process
     group whose peer is gone can block), and make sure the job ends. Silent ranks on this host
     (stopped, or hung past the timeout) get SIGKILL, so their launcher ends or restarts the job
-    at once instead of waiting 30 s for a stopped process to answer SIGTERM. A silent rank on
-    another host cannot be reached from here: this host's launcher is stopped instead
-    (stop_launcher; its SIGTERM then ends this process, after its line was printed)."""
+    at once instead of waiting 30 s for a stopped process to answer SIGTERM; the kill comes
+    after this process's exit (kill_once_reaped). A silent rank on another host cannot be
+    reached from here: this host's launcher is stopped instead (stop_launcher; its SIGTERM then
+    ends this process, after its line was printed)."""
     host = socket.gethostname()
     silent = HEARTBEAT.silent_ranks
     if silent and all(s["host"] == host for s in silent):
         signal.signal(signal.SIGTERM, signal.SIG_IGN)  # the launcher's SIGTERM must not change `code`
-        for s in silent:
-            with contextlib.suppress(OSError):
-                os.kill(s["pid"], signal.SIGKILL)
+        kill_once_reaped([s["pid"] for s in silent])
     else:
         stop_launcher()
     os._exit(code)
+
+
+# Run as a process of its own (it outlives the one that starts it): argv = the pid to outlive,
+# then the pids to kill.
+KILL_ONCE_REAPED = """
+import os, signal, sys, time
+watched, pids = sys.argv[1], [int(pid) for pid in sys.argv[2:]]
+deadline = time.monotonic() + 10
+while os.path.exists('/proc/' + watched) and time.monotonic() < deadline:
+    time.sleep(0.005)
+for pid in pids:
+    try:
+        os.kill(pid, signal.SIGKILL)
+    except OSError:
+        pass
+"""
+
+
+def kill_once_reaped(pids):
+    """SIGKILL `pids` once this process has exited and its launcher has collected its exit (its
+    /proc entry is gone), from a process of its own. Why not before this process exits: torchrun
+    copies to its own error file the error file of the worker it saw fail first; a silent rank
+    killed first writes none, so the exit code this process wrote (4) would be lost (seen under
+    load). The helper leaves this process's session (torchrun's SIGTERM goes to a worker's
+    whole process group) and gives up waiting after 10 s. Without /proc (not Linux): at once."""
+    me = os.getpid()
+    if not os.path.isdir(f"/proc/{me}"):
+        for pid in pids:
+            with contextlib.suppress(OSError):
+                os.kill(pid, signal.SIGKILL)
+        return
+    command = [sys.executable, "-S", "-c", KILL_ONCE_REAPED, str(me), *map(str, pids)]
+    quiet = {"stdin": subprocess.DEVNULL, "stdout": subprocess.DEVNULL, "stderr": subprocess.DEVNULL}
+    subprocess.Popen(command, start_new_session=True, **quiet)
 
 
 def stop_launcher(grace_seconds=5.0):

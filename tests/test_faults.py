@@ -29,6 +29,7 @@ import re
 import shutil
 import signal
 import subprocess
+import sys
 import time
 
 import pytest
@@ -271,6 +272,35 @@ def test_a_rank_stopped_in_a_save_is_named_and_every_process_of_the_job_exits(tm
     assert 'train.py", line' not in err, err[-3000:]  # no traceback through train.py (torchrun has its own)
     assert sorted(os.listdir(out / "checkpoints")) in (["step-2"], [".incomplete-step-4", "step-2"])
     resumes_to(out, tiny_model, unbroken, tmp_path / "resumed")
+
+
+REPORTER = """
+import socket, sys
+import faults
+faults.HEARTBEAT.silent_ranks = [{"host": socket.gethostname(), "pid": int(sys.argv[1])}]
+faults.end_job(faults.LOST_PEER)
+"""
+
+
+def test_a_silent_rank_is_killed_only_after_its_launcher_has_collected_the_reporting_rank():
+    """torchrun copies to its own error file the error file of the worker it saw fail first. The
+    rank that reports a lost peer also kills the stopped rank on its host (so the job ends at
+    once); were that rank killed before the reporter's exit, torchrun could see it fail first,
+    with no error file, and the exit code 4 would be lost (seen once under load, in the test
+    above). Here this test is the launcher: the stopped rank must live on after the reporter has
+    exited, until its exit is collected (waited for), and then be killed."""
+    silent = subprocess.Popen(["sleep", "600"])
+    os.kill(silent.pid, signal.SIGSTOP)
+    try:
+        reporter = subprocess.Popen([sys.executable, "-c", REPORTER, str(silent.pid)], cwd=REPO_DIR)
+        os.waitid(os.P_PID, reporter.pid, os.WEXITED | os.WNOWAIT)  # exited, not yet collected
+        time.sleep(1.0)
+        assert silent.poll() is None, "the silent rank was killed before the reporter's exit was seen"
+        assert reporter.wait() == 4
+        assert silent.wait(timeout=15) == -signal.SIGKILL
+    finally:
+        silent.kill()
+        silent.wait()
 
 
 def test_the_error_file_torchrun_reads_is_written_whole_or_not_at_all(tmp_path, monkeypatch):

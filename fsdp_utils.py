@@ -9,7 +9,8 @@
     `transformer_auto_wrap_policy`) or FSDP2 (`fully_shard` per block, then the root), with
     bf16/fp16 mixed precision, `auto_sharding` for --sharding auto, and over gloo FSDP2's
     collectives as rings (`RingAllGather`, `RingReduceScatter`); under DDP,
-    `all_reduce_embedding_rows` sends only the rows of the embedding tables that some rank used;
+    `all_reduce_embedding_rows` sends only the rows of the embedding tables that some rank used
+    (and so does `all_reduce_replicated` for the tables FSDP2 leaves whole under shard_grad_op);
     `gradient_sync`, `clip_grad_norm`, `grad_scaler` for the loop;
   - `load_pretrained_sharded`: a model built on the meta device and sharded gets its weights
     from the safetensors files, each rank reading only the slices its shards hold.
@@ -24,7 +25,10 @@ Usage (every rank calls each of these):
         raw_model = AutoModel.from_config(config)                # shapes only, no storage
     model = fsdp_utils.wrap_model(raw_model, "fsdp", device, sharding="full_shard", fsdp_version=2)
     fsdp_utils.load_pretrained_sharded(model, folder, {name: name for name in raw_model.state_dict()}, {})
-    ...                                                          # train
+    ...                                                          # train; each step, after its last
+    fsdp_utils.all_reduce_replicated(model)                      # backward: whole tables' gradients
+    fsdp_utils.clip_grad_norm(model, 1.0)                        # (FSDP2 shard_grad_op), then clip
+    ...
     fsdp_utils.cleanup_dist()
 
 FSDP1 -> FSDP2, as this file shows them side by side:
@@ -344,11 +348,14 @@ def wrap_ddp(model, device):
     ddp = torch.nn.parallel.DistributedDataParallel(
         model, device_ids=device_ids, gradient_as_bucket_view=True
     )
-    embeddings = [
-        m.weight for m in model.modules() if isinstance(m, torch.nn.Embedding) and m.weight.requires_grad
-    ]
+    embeddings = [m.weight for m in embedding_tables(model)]
     ddp.register_comm_hook(EmbeddingRows(embeddings), all_reduce_embedding_rows)
     return ddp
+
+
+def embedding_tables(model):
+    """The trainable embedding tables (`nn.Embedding`) of `model`."""
+    return [m for m in model.modules() if isinstance(m, torch.nn.Embedding) and m.weight.requires_grad]
 
 
 def wrap_fsdp1(model, device, layer_classes, sharding, low, on_meta):
@@ -397,7 +404,10 @@ def wrap_fsdp1(model, device, layer_classes, sharding, low, on_meta):
 def wrap_fsdp2(model, device, layer_classes, sharding, low, on_meta):
     """FSDP2: `fully_shard` on each block of `layer_classes`, then on the root. `low`: the
     compute dtype of mixed precision (None: fp32, no mixed precision); `on_meta`: the model is
-    on the meta device, and each rank gets uninitialised storage for its own shards only."""
+    on the meta device, and each rank gets uninitialised storage for its own shards only.
+    Under shard_grad_op the trainable embedding tables stay whole (below): the caller averages
+    their gradients each step (`all_reduce_replicated`) and gives them an optimizer parameter
+    group of their own (AdamW cannot update whole tensors and DTensors together)."""
     from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 
     # FSDP1 strategy -> FSDP2: full_shard = reshard after forward; shard_grad_op = keep the
@@ -417,7 +427,21 @@ def wrap_fsdp2(model, device, layer_classes, sharding, low, on_meta):
     for module in list(model.modules()):
         if isinstance(module, tuple(layer_classes)):
             fully_shard(module, **options)
-    fully_shard(model, **options)  # the root: embeddings, final norm, heads
+    # shard_grad_op is the choice for a model small against memory (--sharding auto), on FSDP for
+    # speed. There the embedding tables stay whole on every rank, out of FSDP's collectives, and
+    # their gradients are all-reduced by the rows some rank used (`all_reduce_replicated`), as
+    # under DDP: a batch looks up a few hundred rows of a vocabulary of 30k and more, which FSDP
+    # would all-gather and reduce-scatter whole every step (MiniLM's word embeddings are 11.9M of
+    # its 22.7M weights). The price: each rank holds the tables' AdamW moments whole. Not under
+    # fp16: the sharded loss scaler unscales all gradients together and cannot mix whole
+    # tensors with FSDP's sharded ones (DTensors).
+    tables = embedding_tables(model) if sharding == "shard_grad_op" and low != torch.float16 else []
+    ignored = {table.weight for table in tables}
+    fully_shard(model, **options, ignored_params=ignored or None)  # the root: embeddings, final norm, heads
+    for table in tables if low is not None else []:
+        # FSDP casts the weights it gathers to `low` for compute; a table it does not manage is
+        # looked up in fp32, and its output is cast to `low` here: the same values.
+        table.register_forward_hook(lambda module, args, output: output.to(low))
     if dist.get_backend() == "gloo":
         for module in model.modules():
             if isinstance(module, FSDPModule):
@@ -513,17 +537,27 @@ def all_reduce_embedding_rows(state, bucket):
     touched is zero everywhere, and zero is its mean: the result is exactly the dense mean.
     Every rank calls the same collectives: DDP hands the buckets over in the same order on all
     of them, and the number of rows sent is agreed before it is sent."""
-    world_size = dist.get_world_size()
     flat = bucket.buffer()
     parameters = bucket.parameters()
     if not any(id(p) in state.ids for p in parameters):
-        flat.div_(world_size)  # DDP's own order: divide, then sum
+        flat.div_(dist.get_world_size())  # DDP's own order: divide, then sum
         return dist.all_reduce(flat, async_op=True).get_future().then(lambda fut: fut.value()[0])
     pieces, offset = [], 0  # (gradient, is an embedding), in the bucket's own order
     for p in parameters:
         grad = flat[offset : offset + p.numel()]
         offset += p.numel()
         pieces.append((grad.view(p.shape[0], -1), True) if id(p) in state.ids else (grad, False))
+    mean_over_ranks(pieces)
+    done = torch.futures.Future()
+    done.set_result(bucket.buffer())
+    return done
+
+
+def mean_over_ranks(pieces):
+    """In place, the mean over ranks of each gradient in `pieces`, a list of (gradient, is an
+    embedding table), sending of a table only the rows some rank used, in one message. Every
+    rank passes the same shapes in the same order."""
+    world_size = dist.get_world_size()
     # A row is used when any of its entries is non-zero (or NaN): when its largest or its
     # smallest entry is. Two min/max passes read the table at memory speed; `ne(0).any(1)`
     # writes a boolean per entry first (MiniLM's table on one CPU thread: 3.4 ms against 13).
@@ -552,9 +586,26 @@ def all_reduce_embedding_rows(state, bucket):
         else:
             grad.index_copy_(0, r, message[start : start + r.numel() * grad.shape[1]].view(-1, grad.shape[1]))
             start += r.numel() * grad.shape[1]
-    done = torch.futures.Future()
-    done.set_result(bucket.buffer())
-    return done
+
+
+def all_reduce_replicated(model):
+    """Under FSDP2's shard_grad_op: the mean over ranks of the gradients of the embedding tables
+    FSDP leaves whole on every rank (`wrap_fsdp2`), by the rows some rank used. Call it after the
+    step's last backward, before clipping: ALL ranks (a collective). Nothing to do elsewhere."""
+    if not is_fsdp2(model):
+        return
+    tables = [p for p in model.parameters() if p.requires_grad and not is_sharded(p)]
+    for p in tables:
+        if p.grad is None:  # not looked up on this rank: a zero gradient, still sent
+            p.grad = torch.zeros_like(p)
+    if tables:
+        mean_over_ranks([(p.grad, True) for p in tables])
+
+
+def is_sharded(tensor):
+    """An FSDP2 parameter or gradient (a DTensor) rather than a whole tensor."""
+    dtensor = sys.modules.get("torch.distributed.tensor")
+    return dtensor is not None and isinstance(tensor, dtensor.DTensor)
 
 
 def is_fsdp1(model):
@@ -587,7 +638,22 @@ def clip_grad_norm(model, max_norm):
     if is_fsdp1(model):
         return model.clip_grad_norm_(max_norm)
     if is_fsdp2(model):
-        return torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm).full_tensor()  # a DTensor
+        grads = [p.grad for p in model.parameters() if p.grad is not None]
+        whole = [g for g in grads if not is_sharded(g)]  # the tables FSDP leaves out (wrap_fsdp2)
+        if not whole:
+            return torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm).full_tensor()  # a DTensor
+        # torch's clip cannot take sharded and whole gradients in one list: the two norms apart
+        # (the sharded one all-reduced), then one coefficient for both.
+        sharded = [g for g in grads if is_sharded(g)]
+        norms = [torch.nn.utils.get_total_norm(whole)]
+        if sharded:
+            norms.append(torch.nn.utils.get_total_norm(sharded).full_tensor())
+        total = torch.linalg.vector_norm(torch.stack(norms))
+        coefficient = (max_norm / (total + 1e-6)).clamp(max=1.0)  # clip_grad_norm_'s own
+        torch._foreach_mul_(whole, coefficient)
+        for g in sharded:
+            g.mul_(coefficient)
+        return total
     # Single and DDP: every rank holds whole gradients, so the norm is local. torch's
     # clip_grad_norm_ multiplies every gradient by its clamped coefficient even when that is 1
     # (a read and a write of the whole gradient: 4 ms a step for MiniLM on one CPU thread), so

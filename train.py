@@ -114,7 +114,7 @@ def main(cfg):
         if not math.isfinite(step_loss_value):
             checkpoints_dir = os.path.join(cfg.output_dir, "checkpoints")
             raise FloatingPointError(checkpoints.diverged_message(step_loss_value, step, checkpoints_dir))
-        # ALL ranks: clipping is a collective under FSDP (the norm of sharded gradients).
+        # ALL ranks: collectives under FSDP (the norm of sharded gradients; the whole tables' gradients).
         grad_norm, lr = clip_and_step(model, optimizer, scheduler, scaler, cfg.max_grad_norm)
         progress.update(1)
         meter.add(train_set.name, step_loss_value, train_set.global_batch)
@@ -192,18 +192,21 @@ def build_optimizer(model, no_decay_names, lr, weight_decay, fused=True):
     """AdamW over the *wrapped* model's parameters (FSDP replaces or reshapes them); the names
     in `no_decay_names` (biases and LayerNorm weights, taken from the unwrapped model, where
     they still have their shapes) get no weight decay, as in BERT and the HF Trainer."""
-    decay, no_decay = [], []
+    decay, no_decay, tables = [], [], []
     for name, param in model.named_parameters():
         if not param.requires_grad:
             continue  # frozen (a pooler that cannot be removed): no update, no optimizer state
         # Wrappers prefix the names: DDP "module.", FSDP1 "_fsdp_wrapped_module."; FSDP2 none.
         plain_name = name.replace("_fsdp_wrapped_module.", "").removeprefix("module.")
-        (no_decay if plain_name in no_decay_names else decay).append(param)
+        # The tables FSDP2 leaves whole (fsdp_utils.wrap_fsdp2): a group of their own, as AdamW
+        # updates a group's tensors together and cannot mix whole ones with sharded (DTensors).
+        whole = fsdp_utils.is_fsdp2(model) and not fsdp_utils.is_sharded(param)
+        (tables if whole else no_decay if plain_name in no_decay_names else decay).append(param)
     # An empty group (LoRA trains no bias or LayerNorm) is left out: torch's flattened optimizer
     # state dict cannot load one back ("list index out of range" on resume).
-    groups = [{"params": decay, "weight_decay": weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
+    groups = [(decay, weight_decay), (no_decay, 0.0), (tables, weight_decay)]
     # fused: ~6% faster on CPU than the loop
-    return torch.optim.AdamW([g for g in groups if g["params"]], lr=lr, fused=fused)
+    return torch.optim.AdamW([{"params": p, "weight_decay": wd} for p, wd in groups if p], lr=lr, fused=fused)
 
 
 def linear_schedule(warmup_steps, total_steps):
@@ -300,8 +303,9 @@ def forward_backward(model, train_set, rows, features, labels, opts, device, syn
 def clip_and_step(model, optimizer, scheduler, scaler, max_grad_norm):
     """Clip the gradients and update the weights; returns (the gradient norm before clipping, the
     learning rate this step used). ALL ranks: under FSDP the norm of the sharded gradients is
-    all-reduced. With clipping off (max_grad_norm 0) it only measures the norm, which is logged:
-    the gradient's scale is visible, not just its direction."""
+    all-reduced, and so are the gradients FSDP2 leaves whole. With clipping off (max_grad_norm 0)
+    it only measures the norm, which is logged: the gradient's scale shows, not only its direction."""
+    fsdp_utils.all_reduce_replicated(model)  # the gradients of the tables FSDP2 leaves whole
     if scaler:
         scaler.unscale_(optimizer)  # clip the true gradients, not the scaled ones
     grad_norm = fsdp_utils.clip_grad_norm(model, max_grad_norm if max_grad_norm > 0 else math.inf)
@@ -545,9 +549,7 @@ def evaluate_only(model, loaded, plan, cfg, device, is_rank0):
     with metrics.timed(seconds, "eval_seconds"):
         evaluate_and_log(model, loaded, plan, cfg, {}, device, 0, None, log)
     if is_rank0:
-        log.write({"step": 0, **seconds})
-        log.close()
-        checkpoints.release_output_lock(cfg.output_dir)
+        close_log(log, {"step": 0, **seconds}, cfg.output_dir)
         print(json.dumps({"step": 0, **seconds}), flush=True)
 
 
@@ -569,10 +571,8 @@ def save_state(model, optimizer, scheduler, scaler, cfg, derived, step, best_val
         "best_value": best_value,
         "weights_finite": checkpoints.weights_finite(model, device),  # ALL ranks: an all_reduce
     }
-    checkpoints_dir = os.path.join(cfg.output_dir, "checkpoints")
-    checkpoints.save_checkpoint(
-        model, optimizer, checkpoints_dir, step, trainer_state, keep_last=cfg.save_total_limit
-    )
+    folder = os.path.join(cfg.output_dir, "checkpoints")
+    checkpoints.save_checkpoint(model, optimizer, folder, step, trainer_state, keep_last=cfg.save_total_limit)
 
 
 if __name__ == "__main__":

@@ -47,7 +47,7 @@ def exit_without_teardown():
     """End a test's worker process here, its results written, with no teardown. Freeing a DDP
     reducer or destroying a gloo group joins gloo's threads while holding the GIL, and a thread
     still releasing a finished collective's tensors waits for that GIL: a deadlock (seen in about
-    1 run in 4 of test_ddp_embedding_rows' worker). gloo's threads can also abort in the
+    1 run in 4 of test_embedding_rows' worker). gloo's threads can also abort in the
     interpreter's teardown ("terminate called without an active exception", SIGABRT)."""
     sys.stdout.flush()
     sys.stderr.flush()

@@ -638,21 +638,21 @@ def clip_grad_norm(model, max_norm):
     if is_fsdp1(model):
         return model.clip_grad_norm_(max_norm)
     if is_fsdp2(model):
-        grads = [p.grad for p in model.parameters() if p.grad is not None]
-        whole = [g for g in grads if not is_sharded(g)]  # the tables FSDP leaves out (wrap_fsdp2)
+        with_grad = [p for p in model.parameters() if p.grad is not None]
+        whole = [p for p in with_grad if not is_sharded(p)]  # the tables FSDP leaves out (wrap_fsdp2)
         if not whole:
             return torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm).full_tensor()  # a DTensor
         # torch's clip cannot take sharded and whole gradients in one list: the two norms apart
-        # (the sharded one all-reduced), then one coefficient for both.
-        sharded = [g for g in grads if is_sharded(g)]
-        norms = [torch.nn.utils.get_total_norm(whole)]
+        # (the sharded one all-reduced: the collective), then one coefficient for both.
+        sharded = [p for p in with_grad if is_sharded(p)]
+        norms = [torch.nn.utils.get_total_norm([p.grad for p in whole])]
         if sharded:
-            norms.append(torch.nn.utils.get_total_norm(sharded).full_tensor())
+            norms.append(torch.nn.utils.get_total_norm([p.grad for p in sharded]).full_tensor())
         total = torch.linalg.vector_norm(torch.stack(norms))
-        coefficient = (max_norm / (total + 1e-6)).clamp(max=1.0)  # clip_grad_norm_'s own
-        torch._foreach_mul_(whole, coefficient)
-        for g in sharded:
-            g.mul_(coefficient)
+        torch.nn.utils.clip_grads_with_norm_(whole, max_norm, total)
+        coefficient = (max_norm / (total + 1e-6)).clamp(max=1.0)  # clip_grads_with_norm_'s own
+        for p in sharded:
+            p.grad.mul_(coefficient)
         return total
     # Single and DDP: every rank holds whole gradients, so the norm is local. torch's
     # clip_grad_norm_ multiplies every gradient by its clamped coefficient even when that is 1

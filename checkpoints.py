@@ -258,7 +258,15 @@ def restore_checkpoint(resume_dir, model, optimizer, scheduler, scaler, total_st
     if resume_dir is None:
         return 0, None
     saved = load_checkpoint(model, optimizer, resume_dir)
-    scheduler.load_state_dict(saved["scheduler"])
+    schedule = saved["scheduler"]
+    groups = len(optimizer.param_groups)
+    if len(schedule["base_lrs"]) != groups and len(set(schedule["base_lrs"])) == 1:
+        # Written before FSDP2's shard_grad_op gave the embedding tables a parameter group of
+        # their own (fsdp_utils.wrap_fsdp2): one group fewer. Every group follows the same
+        # schedule (train.py), so each list holds one value, now for every group.
+        schedule = {**schedule, "base_lrs": schedule["base_lrs"][:1] * groups}
+        schedule["_last_lr"] = schedule["_last_lr"][:1] * groups
+    scheduler.load_state_dict(schedule)
     if scaler:
         scaler.load_state_dict(saved["grad_scaler"])
     fsdp_utils.print0(f"resuming from {resume_dir} (step {saved['step']} of {total_steps})")

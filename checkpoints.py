@@ -258,19 +258,22 @@ def restore_checkpoint(resume_dir, model, optimizer, scheduler, scaler, total_st
     if resume_dir is None:
         return 0, None
     saved = load_checkpoint(model, optimizer, resume_dir)
-    schedule = saved["scheduler"]
-    groups = len(optimizer.param_groups)
-    if len(schedule["base_lrs"]) != groups and len(set(schedule["base_lrs"])) == 1:
-        # Written before FSDP2's shard_grad_op gave the embedding tables a parameter group of
-        # their own (fsdp_utils.wrap_fsdp2): one group fewer. Every group follows the same
-        # schedule (train.py), so each list holds one value, now for every group.
-        schedule = {**schedule, "base_lrs": schedule["base_lrs"][:1] * groups}
-        schedule["_last_lr"] = schedule["_last_lr"][:1] * groups
-    scheduler.load_state_dict(schedule)
+    scheduler.load_state_dict(schedule_for_groups(saved["scheduler"], len(optimizer.param_groups)))
     if scaler:
         scaler.load_state_dict(saved["grad_scaler"])
     fsdp_utils.print0(f"resuming from {resume_dir} (step {saved['step']} of {total_steps})")
     return saved["step"], saved.get("best_value")
+
+
+def schedule_for_groups(schedule, groups):
+    """A saved learning-rate schedule's state for an optimizer with `groups` parameter groups.
+    A checkpoint written before FSDP2's shard_grad_op gave the embedding tables a group of their
+    own (fsdp_utils.wrap_fsdp2) has one group fewer; every group follows the same schedule
+    (train.py), so each per-group list holds one value, now given to every group."""
+    if len(schedule["base_lrs"]) == groups or len(set(schedule["base_lrs"])) != 1:
+        return schedule
+    one_each = {key: schedule[key][:1] * groups for key in ("base_lrs", "_last_lr")}
+    return {**schedule, **one_each}
 
 
 def newest_usable_checkpoint(checkpoints_dir):

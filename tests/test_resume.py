@@ -164,3 +164,35 @@ def test_a_non_finite_loss_stops_before_the_update_and_keeps_the_last_checkpoint
         train.main(cfg)
     assert sorted(p.name for p in (out / "checkpoints").iterdir()) == ["step-1"]
     assert not (out / "final").exists()
+
+
+def test_a_schedule_saved_with_one_parameter_group_fewer_resumes_on_the_same_rates():
+    """A checkpoint written before FSDP2's shard_grad_op gave the embedding tables an optimizer
+    group of their own holds the schedule of one group fewer; torch's LambdaLR then fails at the
+    first step ("zip() argument 2 is shorter than argument 1"). checkpoints.schedule_for_groups
+    gives it to every group: the rates equal those of a schedule run with the three groups from
+    the start (train.linear_schedule, as train.py builds it)."""
+    import checkpoints
+    import train
+
+    def run(groups, steps):
+        params = [torch.nn.Parameter(torch.zeros(1)) for _ in range(groups)]
+        optimizer = torch.optim.AdamW([{"params": [p]} for p in params], lr=2e-5)
+        scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, train.linear_schedule(2, 10))
+        for _ in range(steps):
+            optimizer.step()
+            scheduler.step()
+        return scheduler
+
+    saved = run(2, 3).state_dict()
+    unbroken, resumed, as_saved = run(3, 3), run(3, 0), run(3, 0)
+    resumed.load_state_dict(checkpoints.schedule_for_groups(saved, 3))
+    as_saved.load_state_dict(saved)
+    with pytest.raises(ValueError, match="zip"):
+        as_saved.step()
+    assert resumed.get_last_lr() == unbroken.get_last_lr()
+    for _ in range(5):
+        resumed.step()
+        unbroken.step()
+        assert resumed.get_last_lr() == unbroken.get_last_lr() and len(set(unbroken.get_last_lr())) == 1
+    assert checkpoints.schedule_for_groups(unbroken.state_dict(), 3) == unbroken.state_dict()

@@ -2,7 +2,7 @@
 
 Two tasks, both from all-MiniLM-L6-v2, the same settings for both trainers (batch 32 in all,
 lr 2e-5, 10% warm-up, weight decay 0.01, max length 128, seed 12):
-  cosent: CoSENT on ../shared/data/stsb-train.jsonl, --max-steps of 32 rows; quality: STS-B dev
+  cosent: CoSENT on data/stsb-train.jsonl, --max-steps of 32 rows; quality: STS-B dev
           Spearman (cosine, x100);
   mnrl:   MultipleNegativesRanking on sick-pairs-train.jsonl less its last 300 pairs (1 epoch);
           quality: STS-B dev Spearman, and MRR@10 retrieving each held-out pair's positive
@@ -41,7 +41,7 @@ import sys
 import time
 
 REPO_DIR = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-DATA_DIR = os.environ.get("FSDP_EMBED_DATA", os.path.join(REPO_DIR, "..", "shared", "data"))
+DATA_DIR = os.path.join(REPO_DIR, "data")
 SETTINGS = {
     "batch": 32,
     "lr": 2e-5,

@@ -1,7 +1,7 @@
 """Benchmark: evaluation throughput of eval_dist.evaluate_sts at world 1 and world 2, and the wall
 time of sentence-transformers' EmbeddingSimilarityEvaluator, same model, data and settings.
 
-all-MiniLM-L6-v2 on the full ../shared/data/stsb-dev.jsonl (1500 pairs = 3000 sentences), batch
+all-MiniLM-L6-v2 on the full data/stsb-dev.jsonl (1500 pairs = 3000 sentences), batch
 32, max length 256 (the model's own), fp32, CPU. Each measurement is a fresh process (world 2:
 torchrun, gloo, DDP or FSDP1 full_shard) that evaluates 64 pairs to warm up, then the full set
 once. The configurations take turns, --repeats rounds of all of them, because this machine's
@@ -28,7 +28,7 @@ import sys
 import time
 
 REPO_DIR = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-DATA_DIR = os.environ.get("FSDP_EMBED_DATA", os.path.join(REPO_DIR, "..", "shared", "data"))
+DATA_DIR = os.path.join(REPO_DIR, "data")
 BATCH_SIZE, MAX_SEQ_LENGTH, WARMUP_PAIRS = 32, 256, 64
 CONFIGS = [  # (label, processes, threads per process, strategy)
     ("eval_dist.evaluate_sts, 1 process", 1, 1, "single"),

@@ -14,8 +14,8 @@ line); fsdp2_full_shard (memory first: every block gathered again in backward, a
 freed blocks given back to the system at once).
 
 Run (a quiet machine; about 15 minutes on 2 CPU cores with the defaults):
-    python bench/bench_fsdp_vs_ddp.py --data-dir DATA    # DATA: stsb-train, stsb-dev, sick-pairs-train .jsonl
-    python bench/bench_fsdp_vs_ddp.py --data-dir DATA --precisions bf16 --strategies ddp,fsdp2
+    python bench/bench_fsdp_vs_ddp.py          # the public sets in data/ (--data-dir: another copy)
+    python bench/bench_fsdp_vs_ddp.py --precisions bf16 --strategies ddp,fsdp2
 """
 
 import argparse
@@ -65,7 +65,7 @@ def main():
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
-    parser.add_argument("--data-dir", default=os.environ.get("FSDP_EMBED_DATA", ""))
+    parser.add_argument("--data-dir", default=os.path.join(REPO_DIR, "data"))
     parser.add_argument("--tasks", default="cosent,mnrl")
     parser.add_argument("--precisions", default="fp32")
     parser.add_argument("--strategies", default="ddp,fsdp2,fsdp2_full_shard")

@@ -1,6 +1,6 @@
 """Benchmark: peak memory and throughput of plain vs GradCache (--cache-chunk-size) MNRL batches.
 
-all-MiniLM-L6-v2, MNRL on ../shared/data/sick-pairs-train.jsonl (rows repeated to fill the large
+all-MiniLM-L6-v2, MNRL on data/sick-pairs-train.jsonl (rows repeated to fill the large
 batches), one process, fp32, through train.py itself: every configuration is a fresh
 `python train.py ...` process, whose peak RSS (ru_maxrss, the whole run: imports, model,
 optimizer, training and the final export) and training samples/s (metrics.jsonl summary) are
@@ -25,7 +25,7 @@ import sys
 import tempfile
 
 REPO_DIR = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-DATA = os.path.join(REPO_DIR, "..", "shared", "data", "sick-pairs-train.jsonl")
+DATA = os.path.join(REPO_DIR, "data", "sick-pairs-train.jsonl")
 PLAIN = [32, 128, 512]
 CACHED = [32, 128, 512, 2048, 8192]
 

@@ -19,7 +19,7 @@ import sys
 import tempfile
 
 REPO_DIR = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-DATA_DIR = os.environ.get("FSDP_EMBED_DATA", os.path.join(REPO_DIR, "..", "shared", "data"))
+DATA_DIR = os.path.join(REPO_DIR, "data")
 DIMS = [384, 128, 64, 32]
 
 

@@ -12,7 +12,7 @@ The model is a small RANDOM BERT (2 layers, hidden 64, all-MiniLM-L6-v2's tokeni
 pooling, 32 tokens), saved as a SentenceTransformer folder that both load the same way:
 encoding 200k texts with all-MiniLM-L6-v2 would take about half an hour on 2 CPU cores, and
 this benchmark measures the mining machinery (encoding shards, top-k, merge), not the encoder.
-The texts: every distinct sentence of ../shared/data, and pairs of them joined, drawn from a
+The texts: every distinct sentence of data/ (the public sets), and pairs of them joined, drawn from a
 seed, so every corpus text is distinct. Queries are 10k single sentences; each query's one
 positive is the query followed by another sentence (so it scores high even under a random model).
 Settings: 5 negatives, range_min 10, range_max 50 (each query keeps 51 candidates), top
@@ -41,7 +41,7 @@ import time
 from pathlib import Path
 
 REPO_DIR = Path(__file__).resolve().parents[1]
-DATA_DIR = Path(os.environ.get("FSDP_EMBED_DATA", REPO_DIR.parent / "shared" / "data"))
+DATA_DIR = REPO_DIR / "data"
 SETTINGS = {
     "num_negatives": 5,
     "range_min": 10,

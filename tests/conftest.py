@@ -19,8 +19,8 @@ import torch
 from safetensors.torch import load_file
 
 REPO_DIR = Path(__file__).resolve().parents[1]
-# The real public data sets live beside the repository (../shared/data); FSDP_EMBED_DATA moves them.
-DATA_DIR = Path(os.environ.get("FSDP_EMBED_DATA", REPO_DIR.parent / "shared" / "data"))
+# The real public data sets (STS-B, SICK), in the repository with their sources and licences.
+DATA_DIR = REPO_DIR / "data"
 sys.path.insert(0, str(REPO_DIR))
 
 import batches  # noqa: E402
@@ -37,9 +37,7 @@ import train  # noqa: E402
 def data_file(name):
     path = DATA_DIR / name
     if not path.exists():
-        pytest.fail(
-            f"{path} is missing: the tests train on the real data in ../shared/data (or set FSDP_EMBED_DATA)"
-        )
+        pytest.fail(f"{path} is missing: the tests train on the public data sets in data/ (data/README.md)")
     return str(path)
 
 

@@ -29,7 +29,6 @@ import argparse
 import contextlib
 import datetime
 import json
-import os
 import sys
 import time
 from pathlib import Path
@@ -50,7 +49,7 @@ import losses  # noqa: E402
 import train  # noqa: E402
 from conftest import exit_without_teardown  # noqa: E402
 
-DATA_DIR = Path(os.environ.get("FSDP_EMBED_DATA", REPO_DIR.parent / "shared" / "data"))
+DATA_DIR = REPO_DIR / "data"  # the public data sets (data/README.md)
 MAX_SEQ_LENGTH = 64
 BATCH_SIZE = 16
 # Row counts of the "minilm" case. The number of texts per encode is never a multiple of

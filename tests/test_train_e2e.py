@@ -1,6 +1,6 @@
 """train.py end to end: the README's default command as a user runs it (`torchrun
 --nproc_per_node=2 train.py`, MNRL on the example pairs with all-MiniLM-L6-v2), and CoSENT on the
-real data in ../shared/data at world 2 (started by the warm launcher, conftest.warm_run, whose
+real STS-B data in data/ at world 2 (started by the warm launcher, conftest.warm_run, whose
 runs test_equivalence.py shows are torchrun's). (One process runs end to end in test_export.py,
 test_resume.py and as the reference of the equivalence tests; bad input: test_bad_input.py.)
 

@@ -19,6 +19,7 @@ import os
 import sys
 from pathlib import Path
 
+import pytest
 import torch
 import torch.distributed as dist
 
@@ -26,6 +27,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import fsdp_utils  # noqa: E402
 from conftest import exit_without_teardown, warm_run  # noqa: E402
+
+pytestmark = pytest.mark.quick  # the quick tier: python -m pytest tests -m quick
 
 VOCAB, DIM = 5000, 16
 TABLES = ["positions.weight", "words.weight"]  # the trainable embedding tables of Tiny

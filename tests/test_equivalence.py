@@ -22,6 +22,8 @@ import pytest
 import two_hosts
 from conftest import assert_same_training, data_file, export_weights, read_metrics, run_train
 
+pytestmark = pytest.mark.quick  # the quick tier: python -m pytest tests -m quick
+
 DATA = {"mnrl": "sick-triplets-train.jsonl", "cosent": "stsb-train.jsonl", "softmax": "sick-nli-train.jsonl"}
 NUM_STEPS = 5
 

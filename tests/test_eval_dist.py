@@ -38,6 +38,8 @@ from conftest import REPO_DIR, sentence_transformers_evaluators, warm_run
 import eval_dist
 import eval_worker as worker
 
+pytestmark = pytest.mark.quick  # the quick tier: python -m pytest tests -m quick
+
 # What each launch runs: the MiniLM cases under DDP and FSDP1; the tiny-model row-count and tie
 # cases at world 3 only, where FSDP2 runs too (MiniLM under FSDP2 as well cost ~15 s more).
 STRATEGIES = {2: ("ddp", "fsdp1"), 3: ("ddp", "fsdp1")}

@@ -25,6 +25,8 @@ import export
 
 import train
 
+pytestmark = pytest.mark.quick  # the quick tier: python -m pytest tests -m quick
+
 TEXTS = [
     "A man is playing a guitar on a stage.",
     "  leading and trailing spaces are stripped  ",

@@ -15,6 +15,8 @@ import embedding_model
 
 import fsdp_utils
 
+pytestmark = pytest.mark.quick  # the quick tier: python -m pytest tests -m quick
+
 TINY = dict(
     vocab_size=128,
     hidden_size=32,

@@ -17,6 +17,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import fsdp_utils  # noqa: E402
 
+pytestmark = pytest.mark.quick  # the quick tier: python -m pytest tests -m quick
+
 
 def model_with_gradients():
     torch.manual_seed(0)

@@ -33,6 +33,8 @@ import data
 import embedding_model
 import train
 
+pytestmark = pytest.mark.quick  # the quick tier: python -m pytest tests -m quick
+
 DATA = {"mnrl": "sick-triplets-train.jsonl", "cosent": "stsb-train.jsonl", "softmax": "sick-nli-train.jsonl"}
 B = 6
 

@@ -8,11 +8,15 @@ with the few project files its docstring names (bench/check_layout.py measures a
 import subprocess
 import sys
 
+import pytest
+
 from conftest import REPO_DIR
 
 sys.path.insert(0, str(REPO_DIR / "bench"))
 
 import check_layout  # noqa: E402
+
+pytestmark = pytest.mark.quick  # the quick tier: python -m pytest tests -m quick
 
 
 def test_the_layout_targets_hold():

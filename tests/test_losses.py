@@ -19,6 +19,8 @@ except ImportError:
 
 import losses
 
+pytestmark = pytest.mark.quick  # the quick tier: python -m pytest tests -m quick
+
 B, D = 8, 16
 
 

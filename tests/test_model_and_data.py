@@ -17,6 +17,8 @@ import embedding_model
 
 import eval_dist
 
+pytestmark = pytest.mark.quick  # the quick tier: python -m pytest tests -m quick
+
 
 def test_mean_pooling_ignores_padding_by_hand():
     token_states = torch.tensor(

@@ -32,6 +32,8 @@ import config
 import embedding_model
 import train
 
+pytestmark = pytest.mark.quick  # the quick tier: python -m pytest tests -m quick
+
 TEXTS = sentences()
 
 

@@ -15,6 +15,7 @@ import os
 import sys
 from pathlib import Path
 
+import pytest
 import torch
 import torch.distributed as dist
 
@@ -22,6 +23,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import fsdp_utils  # noqa: E402
 from conftest import exit_without_teardown, warm_run  # noqa: E402
+
+pytestmark = pytest.mark.quick  # the quick tier: python -m pytest tests -m quick
 
 
 def check_group(group, rank, seed, numel, dtype):

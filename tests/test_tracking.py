@@ -1,16 +1,19 @@
 """Experiment tracking beside metrics.jsonl (--report-to wandb,mlflow), read back with each tool's
 own reader and compared with metrics.jsonl, with no network: W&B in offline mode (its .wandb files
 through `wandb leet inspect --json`), MLflow with a file store in tmp_path (MlflowClient).
-Tiny BERT (conftest.tiny_model), in-process train.main, except two runs at world 2: one through
-torchrun (a tracker that cannot start), one through the warm launcher (conftest.warm_run).
+Tiny BERT (conftest.tiny_model), in-process train.main, except the runs at world 2: one through
+torchrun (a tracker that cannot start), the others through the warm launcher (conftest.warm_run).
 
 - A run sends every scalar of metrics.jsonl at its step (training, each training set's loss,
   every evaluation metric, the summary; values to 1e-6), and the run's configuration as W&B's
   config and MLflow's params.
 - Resumed from its step-2 checkpoint after it had logged up to step 4, the run continues ONE
   tracked run whose history per metric is the final metrics.jsonl, each step once. W&B: the same
-  run id, the resumed file rewound to step 2 (resume_from), read as W&B applies it; MLflow: one
-  active run, the broken one deleted.
+  run id, the resumed file rewound to step 0 (resume_from) with rows 1-2 replayed, read as W&B
+  applies it; MLflow: one active run, the broken one deleted.
+- A rank SIGKILLed right after a checkpoint at world 2 (rank 0 or 1; --log-steps 1, 2, 5;
+  evaluations between), then the run restarted with --resume auto: TensorBoard, W&B (its offline
+  folders with the rewind applied) and MLflow each hold every row of the final metrics.jsonl once.
 - A tracker that fails mid-run (wandb's service killed, MLflow's store replaced by a file) costs
   one `warning:` line each; the run trains, checkpoints and exports as usual.
 - A tracker that cannot start (MLflow at a port where nothing listens) stops every rank (world
@@ -41,6 +44,7 @@ import startup_checks
 import train
 
 NUM_STEPS, RESUME_STEP = 4, 2
+KILL_LAUNCHER = Path(__file__).resolve().parent / "kill_launcher.py"
 
 
 @pytest.fixture(scope="module")
@@ -145,7 +149,10 @@ def wandb_runs(out):
             check=True,
         ).stdout
         records = [json.loads(line) for line in text.splitlines()]
-        (run,) = [r["run"] for r in records if r["type"] == "run"]
+        found = [r["run"] for r in records if r["type"] == "run"]
+        assert len(found) <= 1, folder
+        # None: a process killed before wandb-core wrote more than the file's header.
+        run = found[0] if found else None
         runs.append((run, [r["history"]["item"] for r in records if r["type"] == "history"]))
     return runs
 
@@ -276,15 +283,16 @@ def test_a_resumed_run_continues_one_tracked_run_with_each_step_once(tracked):
     ]
     assert step_rows[0][0]["samples_per_s"] != step_rows[1][0]["samples_per_s"]
 
-    # W&B: the same run id; the resumed file is rewound to step 2 and logs from step 3 on, where
-    # the broken one had logged up to 4. W&B's rewind keeps the run's rows up to 2, then these.
+    # W&B: the same run id; the resumed file is rewound to step 0 (its JSON leaves out a value of
+    # 0, protobuf's default), replays metrics.jsonl's rows 1 and 2, then logs from step 3 on,
+    # where the broken one had logged up to 4. W&B's rewind keeps the run's rows up to 0 (the
+    # evaluation at the start), then these.
     (_, broken_rows), (run, rows) = resumed["wandb"]
     assert run["run_id"] == first["ids"]["wandb"] == resumed["ids"]["wandb"]
-    assert run["branch_point"] == {"metric": "_step", "run": run["run_id"], "value": RESUME_STEP}
+    assert run["branch_point"] == {"metric": "_step", "run": run["run_id"]}
     assert max(row["_step"] for row in broken_rows) == NUM_STEPS  # a plain append would repeat 3, 4
-    assert min(row["_step"] for row in rows) == RESUME_STEP + 1
-    kept = [row for row in broken_rows if row["_step"] <= run["branch_point"]["value"]]
-    assert_same_history(wandb_history(kept + rows), want)
+    assert min(row["_step"] for row in rows) == 1
+    assert_same_history(wandb_history(wandb_as_applied(resumed["wandb"])), want)
 
     # MLflow: one active run, which replaced the broken one (deleted: MLflow's history keeps
     # every value logged, so the broken run could not be cut).
@@ -293,6 +301,96 @@ def test_a_resumed_run_continues_one_tracked_run_with_each_step_once(tracked):
     assert run.data.tags["fsdp_embed.replaces_run"] == first["ids"]["mlflow"]
     assert run.info.run_name == "out"
     assert_same_history(history, mlflow_names(want))
+
+
+# ----------------------------------------------------------------------------------------------
+# A rank killed right after a checkpoint, then the run restarted with --resume auto
+
+
+def wandb_as_applied(runs):
+    """One run's history as W&B applies its offline folders at `wandb sync`, oldest first: a
+    folder whose run record has a branch point (resume_from, the rewind) cuts the history after
+    that step, then adds its own rows; any other folder adds its rows."""
+    rows = []
+    for run, folder_rows in runs:
+        branch = run and run.get("branch_point")
+        if branch:  # its JSON leaves out a value of 0 (protobuf's default)
+            rows = [row for row in rows if row["_step"] <= branch.get("value", 0)]
+        rows += folder_rows
+    return rows
+
+
+def tensorboard_history(folder):
+    """{tag: [(step, value)]} as TensorBoard reads the event files (purge_step applied)."""
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    events = EventAccumulator(str(folder), size_guidance={"scalars": 0})  # 0: keep every event
+    events.Reload()
+    return {tag: [(e.step, e.value) for e in events.Scalars(tag)] for tag in events.Tags()["scalars"]}
+
+
+CRASH_STEPS, KILL_STEP = 30, 24
+
+
+@pytest.mark.parametrize("log_steps,killed_rank", [(1, 0), (2, 1), (5, 0)])
+def test_a_rank_killed_after_a_checkpoint_costs_no_tool_a_step(
+    tmp_path, tiny_model, eval_files, log_steps, killed_rank
+):
+    """World 2, --report-to tensorboard,wandb,mlflow, 30 steps, a checkpoint every 24, an
+    evaluation at the start and every 3 steps: a rank is SIGKILLed as soon as the step-24
+    checkpoint is complete (tests/kill_launcher.py, through the warm launcher, which stops the
+    other rank as torchrun does), then the run is started again with --resume auto, as torchrun's
+    restart does. Each tool then holds every row of the final metrics.jsonl once, at its step.
+    The broken run's W&B file lacks its last rows, or all of them (wandb-core writes it in 32 KiB
+    blocks and drops the rest when its parent dies): the rows up to step 24 that it lacks come
+    back only through the replay (a rewind to step 24 leaves W&B without them)."""
+    out, store = tmp_path / "out", tmp_path / "mlruns"
+    args = ["--model", tiny_model, "--train-data", data_file("sick-pairs-train.jsonl")]
+    args += ["--max-steps", CRASH_STEPS, "--per-device-batch-size", 8, "--max-seq-length", 32]
+    args += ["--log-steps", log_steps, "--save-steps", KILL_STEP, "--resume", "auto"]
+    args += ["--eval-data", eval_files, "--eval-steps", 3, "--eval-on-start"]
+    args += ["--report-to", "tensorboard,wandb,mlflow", "--output-dir", out]
+    with pytest.MonkeyPatch.context() as mp:
+        tracking_env(mp, store)
+        env = dict(os.environ)
+        kill = f"after-save:{KILL_STEP}:{killed_rank}"
+        killed = warm_run([kill, *args], nproc=2, env=env, script=KILL_LAUNCHER, check=False, timeout=300)
+        assert killed.returncode != 0 and not (out / "final").exists(), killed.stderr[-3000:]
+        assert (out / "checkpoints" / f"step-{KILL_STEP}").exists()
+        warm_run(args, nproc=2, env=env, timeout=300)  # the restart
+        runs = mlflow_runs(store)
+    want = expected_history(metrics_rows(out))
+    logged = sorted({*range(log_steps, CRASH_STEPS + 1, log_steps), CRASH_STEPS})
+    assert [step for step, _ in want["train/loss"]] == logged
+    assert [step for step, _ in want["eval/sts-dev/spearman"]] == list(range(0, CRASH_STEPS + 1, 3))
+
+    # TensorBoard: the restart's writer purged what the broken run wrote after step 4.
+    assert_same_history(tensorboard_history(out / "tensorboard"), want)
+
+    # MLflow: one active run, which replaced the broken one.
+    ((_, (_, history)),) = runs.items()
+    assert_same_history(history, mlflow_names(want))
+
+    # W&B: two offline folders of one run id (in the folder's name: the broken run's file may
+    # hold no more than its header), the second rewound and replaying metrics.jsonl's rows up to
+    # the checkpoint's step before its own.
+    run_id = json.loads((out / "tracking.json").read_text())["wandb"]
+    folders = sorted(p.name for p in (out / "wandb").glob("offline-run-*"))
+    assert len(folders) == 2 and all(name.endswith(f"-{run_id}") for name in folders), folders
+    wandb = wandb_runs(out)
+    assert wandb[1][0]["run_id"] == wandb[1][0]["branch_point"]["run"] == run_id
+    # Step 0 (the evaluation at the start) is the one step not replayed (the rewind cannot go
+    # below it): W&B holds it when the broken run's file does, which depends on how far that
+    # file got (wandb-core writes it in 32 KiB blocks), so it is compared apart.
+    got = wandb_history(wandb_as_applied(wandb))
+    at_0 = {name: [(s, v) for s, v in steps if s == 0] for name, steps in got.items()}
+    broken_at_0 = wandb_history(row for row in wandb[0][1] if row["_step"] == 0)
+    assert {name: steps for name, steps in at_0.items() if steps} == broken_at_0
+    if broken_at_0:
+        assert_same_history(got, want)
+    else:
+        after_0 = {name: [(s, v) for s, v in steps if s > 0] for name, steps in want.items()}
+        assert_same_history(got, {name: steps for name, steps in after_0.items() if steps})
 
 
 # ----------------------------------------------------------------------------------------------

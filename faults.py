@@ -20,7 +20,8 @@ TORCHELASTIC_ERROR_FILE=PATH copies the worker's exit code to "errorCode" in PAT
     `agreed_writes` around its writes (ALL ranks: a write that failed on any rank stops every
     rank, with nothing left looking complete), `warn_space` at start-up;
   - a lost or silent peer: `lost_peer`, `Heartbeat` (who went silent, when, at which step),
-    `end_job`, `kill_once_reaped`, `stop_launcher`.
+    `watch_sigterm` (a rank that torchrun stops after a peer was killed says so first),
+    `end_job`, `kill_once_reaped`, `stop_launcher_if_stuck`.
 
 Needs torch only (the newest checkpoint comes from the caller: checkpoints.py in train.py).
 """
@@ -231,6 +232,7 @@ class Heartbeat:
 
     def __init__(self, interval=2.0):
         self.step, self.interval, self.store, self.silent_ranks = 0, interval, None, []
+        self.store_unreachable = False
         self.stopped = threading.Event()
 
     def at_step(self, step):
@@ -273,6 +275,7 @@ class Heartbeat:
             others = [str(r) for r in range(self.world_size) if r != self.rank]
             beats = {int(r): json.loads(store.get(r)) for r in others if store.check([r])}
         except Exception:  # the store is on rank 0's host, which may be the one gone
+            self.store_unreachable = True
             return []
         now = time.time()
         self.silent_ranks = [
@@ -286,20 +289,25 @@ class Heartbeat:
 HEARTBEAT = Heartbeat()  # this process's: train.py's loop sets its step (and so starts it)
 
 
-def lost_peer_message(lost, silent, step, newest_checkpoint, dist_timeout_minutes):
+def lost_peer_message(lost, silent, step, newest_checkpoint, dist_timeout_minutes, ended=()):
     """The line a rank prints when another rank, its host or its link is gone mid-run (`lost`:
-    lost_peer's words; `silent`: Heartbeat.silent's ranks): who saw it, who went silent, the
-    newest complete checkpoint, and how to go on."""
-    who = "; ".join(
+    lost_peer's words; `silent`: Heartbeat.silent's ranks; `ended`: ranks on this host whose
+    process ended): who saw it, who is gone or silent, the newest complete checkpoint, and how to
+    go on. When the rendezvous store does not answer either, its host is named."""
+    who = [
+        f"rank {e['rank']} on host {e['host']} (pid {e['pid']}) ended (killed or crashed)" for e in ended
+    ] + [
         f"rank {s['rank']} on host {s['host']} (pid {s['pid']}) silent for {s['seconds']:.0f} s "
         f"(its last heartbeat at step {s['step']})"
         for s in silent
-    )
+    ]
+    if HEARTBEAT.store_unreachable:
+        who.append(f"the rendezvous store on host {os.environ.get('MASTER_ADDR')} does not answer")
     return (
         f"rank {os.environ.get('RANK', '0')} on host {socket.gethostname()} lost contact with the "
         f"other ranks ({lost}; --dist-timeout-minutes {dist_timeout_minutes:g}) at step {step}"
-        f"{': ' + who if who else ''}. A host, its network link or one of its processes is gone "
-        f"or stopped. Newest complete checkpoint: {newest_checkpoint or 'none (use --save-steps)'}. "
+        f"{': ' + '; '.join(who) if who else ''}. A host, its network link or one of its processes "
+        f"is gone or stopped. Newest complete checkpoint: {newest_checkpoint or 'none (use --save-steps)'}. "
         "Once every host is back, run the same command on every host with --resume auto"
     )
 
@@ -309,25 +317,24 @@ def end_job(code):
     group whose peer is gone can block), and make sure the job ends. Silent ranks on this host
     (stopped, or hung past the timeout) get SIGKILL, so their launcher ends or restarts the job
     at once instead of waiting 30 s for a stopped process to answer SIGTERM; the kill comes
-    after this process's exit (kill_once_reaped). A silent rank on another host cannot be
-    reached from here: this host's launcher is stopped instead (stop_launcher; its SIGTERM then
-    ends this process, after its line was printed)."""
+    after this process's exit (kill_once_reaped). Otherwise torchrun ends by itself once it sees
+    this exit, except on a host cut off from the rendezvous store, where it is killed only if it
+    does not collect the exit (stop_launcher_if_stuck)."""
     host = socket.gethostname()
     silent = HEARTBEAT.silent_ranks
     if silent and all(s["host"] == host for s in silent):
-        signal.signal(signal.SIGTERM, signal.SIG_IGN)  # the launcher's SIGTERM must not change `code`
         kill_once_reaped([s["pid"] for s in silent])
-    else:
-        stop_launcher()
+    elif no_restart_left():
+        stop_launcher_if_stuck()
     os._exit(code)
 
 
-# Run as a process of its own (it outlives the one that starts it): argv = the pid to outlive,
-# then the pids to kill.
+# Run as a process of its own (it outlives the one that starts it): argv = the seconds to wait,
+# the pid to outlive, then the pids to kill once it is gone (or the wait is over).
 KILL_ONCE_REAPED = """
 import os, signal, sys, time
-watched, pids = sys.argv[1], [int(pid) for pid in sys.argv[2:]]
-deadline = time.monotonic() + 10
+wait, watched, pids = float(sys.argv[1]), sys.argv[2], [int(pid) for pid in sys.argv[3:]]
+deadline = time.monotonic() + wait
 while os.path.exists('/proc/' + watched) and time.monotonic() < deadline:
     time.sleep(0.005)
 for pid in pids:
@@ -337,79 +344,174 @@ for pid in pids:
         pass
 """
 
+# The same, for a launcher that may be stuck: argv = the seconds to wait, the pid to outlive, the
+# launcher's pid, its error file and what to write there. Nothing if the exit is collected in time.
+STOP_IF_STUCK = """
+import os, signal, sys, time
+wait, watched, launcher, error_file, data = float(sys.argv[1]), *sys.argv[2:]
+deadline = time.monotonic() + wait
+while os.path.exists('/proc/' + watched) and time.monotonic() < deadline:
+    time.sleep(0.05)
+if os.path.exists('/proc/' + watched):
+    if error_file:
+        with open(error_file + '.tmp', 'w') as f:
+            f.write(data)
+        os.replace(error_file + '.tmp', error_file)
+    try:
+        os.kill(int(launcher), signal.SIGKILL)
+    except OSError:
+        pass
+"""
+
+
+def after_exit(script, *args):
+    """Start `script` with this process's pid after `args[0]`, in a session of its own (torchrun's
+    SIGTERM goes to a worker's whole process group) and quiet. False without /proc (not Linux)."""
+    me = os.getpid()
+    if not os.path.isdir(f"/proc/{me}"):
+        return False
+    command = [sys.executable, "-S", "-c", script, str(args[0]), str(me), *map(str, args[1:])]
+    quiet = {"stdin": subprocess.DEVNULL, "stdout": subprocess.DEVNULL, "stderr": subprocess.DEVNULL}
+    subprocess.Popen(command, start_new_session=True, **quiet)
+    return True
+
 
 def kill_once_reaped(pids):
     """SIGKILL `pids` once this process has exited and its launcher has collected its exit (its
     /proc entry is gone), from a process of its own. Why not before this process exits: torchrun
     copies to its own error file the error file of the worker it saw fail first; a silent rank
     killed first writes none, so the exit code this process wrote (4) would be lost (seen under
-    load). The helper leaves this process's session (torchrun's SIGTERM goes to a worker's
-    whole process group) and gives up waiting after 10 s. Without /proc (not Linux): at once."""
-    me = os.getpid()
-    if not os.path.isdir(f"/proc/{me}"):
+    load). The helper gives up waiting after 10 s. Without /proc (not Linux): at once."""
+    if not after_exit(KILL_ONCE_REAPED, 10, *pids):
         for pid in pids:
             with contextlib.suppress(OSError):
                 os.kill(pid, signal.SIGKILL)
-        return
-    command = [sys.executable, "-S", "-c", KILL_ONCE_REAPED, str(me), *map(str, pids)]
-    quiet = {"stdin": subprocess.DEVNULL, "stdout": subprocess.DEVNULL, "stderr": subprocess.DEVNULL}
-    subprocess.Popen(command, start_new_session=True, **quiet)
 
 
-def stop_launcher(grace_seconds=5.0):
-    """End torchrun's agent (this process's parent) when it has no restart left. Otherwise, on a
-    host whose link is down, it waits on for the rendezvous store on the other side after its
-    last worker is gone (measured: over 4 minutes, inside a store call that SIGTERM does not
-    interrupt). SIGTERM first (the agent stops its workers and exits non-zero), SIGKILL after
-    `grace_seconds`; the agent's other workers then get SIGTERM from Linux (see
-    fsdp_utils.setup_dist). With restarts left the agent restarts the workers, and is left alone."""
+def stop_launcher_if_stuck(grace_seconds=10):
+    """SIGKILL torchrun's agent (this process's parent) if it has not collected this process's
+    exit `grace_seconds` after it. A healthy agent looks at its workers every 0.1 s, then ends by
+    itself (exit 1, its error file copied from the worker's): it is never signalled, since a
+    SIGTERM makes torchrun end in a SignalException traceback with no exit code in its error file.
+    The one agent that does not: under the c10d rendezvous, on a host cut off from the host that
+    holds the store, the agent sits in a store call (up to --rdzv-conf read_timeout, 60 s by
+    default; measured: minutes, closing the rendezvous after it) that no SIGTERM interrupts, then
+    dies with the store's error and its traceback. The static rendezvous (--master-addr,
+    --node-rank) makes no store call while its workers run, and ends by itself
+    (docs/multi-node.md). A killed torchrun writes no error file: the helper writes this
+    worker's report there first."""
+    data = json.dumps(LAST_ERROR) if LAST_ERROR else ""
+    after_exit(STOP_IF_STUCK, grace_seconds, os.getppid(), launcher_error_file() or "", data)
+
+
+def no_restart_left():
+    """Whether torchrun ends the job when a worker fails (TORCHELASTIC_MAX_RESTARTS: torchrun
+    sets it to --max-restarts, 0 by default), rather than restarting the workers."""
+    if "TORCHELASTIC_MAX_RESTARTS" not in os.environ:
+        return False
     restarts = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", 0))
-    if "TORCHELASTIC_MAX_RESTARTS" not in os.environ or restarts < int(
-        os.environ["TORCHELASTIC_MAX_RESTARTS"]
-    ):
-        return
-    agent = os.getppid()
-    for sig in (signal.SIGTERM, signal.SIGKILL):
-        try:
-            os.kill(agent, sig)
-        except OSError:
-            return
-        deadline = time.monotonic() + grace_seconds
-        while os.getppid() == agent and time.monotonic() < deadline:
-            time.sleep(0.1)
-        if os.getppid() != agent:
-            return  # gone: this process now has another parent
+    return restarts >= int(os.environ["TORCHELASTIC_MAX_RESTARTS"])
+
+
+def launcher_error_file():
+    """torchrun's own TORCHELASTIC_ERROR_FILE, set by whoever started it (a scheduler), read from
+    its environment in /proc: torchrun gives each of its workers another one. None if unset, or
+    not on Linux."""
+    with contextlib.suppress(OSError):
+        with open(f"/proc/{os.getppid()}/environ", "rb") as f:
+            for entry in f.read().split(b"\0"):
+                if entry.startswith(b"TORCHELASTIC_ERROR_FILE="):
+                    return entry.split(b"=", 1)[1].decode() or None
+    return None
+
+
+def process_ended(pid, collected_only=False):
+    """Whether process `pid` (on this host) has ended: its /proc entry gone (collected by its
+    parent) or, unless `collected_only`, a zombie (ended, not yet collected)."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            state = f.read().rsplit(")", 1)[1].split()[0]
+    except (OSError, IndexError):
+        return True
+    return not collected_only and state in ("Z", "X")
+
+
+def local_peers(timeout_seconds=10):
+    """{rank: (pid, error file)} of this worker's siblings: the other workers of its launcher, as
+    their /proc entries say (their parent, their RANK and TORCHELASTIC_ERROR_FILE). The launcher
+    starts them together; one not yet running its program is looked for again, for up to
+    `timeout_seconds`. {} without /proc, or where workers are forked rather than started as
+    programs (their /proc environment is then their parent's)."""
+    expected = int(os.environ.get("LOCAL_WORLD_SIZE", 1)) - 1
+    parent, me, peers = str(os.getppid()), os.getpid(), {}
+    deadline = time.monotonic() + timeout_seconds
+    while os.path.isdir("/proc/self") and time.monotonic() < deadline:
+        for pid in filter(str.isdigit, os.listdir("/proc")):
+            with contextlib.suppress(OSError, IndexError, ValueError):
+                with open(f"/proc/{pid}/stat") as f:
+                    if int(pid) == me or f.read().rsplit(")", 1)[1].split()[1] != parent:
+                        continue
+                with open(f"/proc/{pid}/environ", "rb") as f:
+                    env = dict(e.split(b"=", 1) for e in f.read().split(b"\0") if b"=" in e)
+                if b"RANK" in env:
+                    peers[int(env[b"RANK"])] = (int(pid), env.get(b"TORCHELASTIC_ERROR_FILE", b"").decode())
+        if len(peers) >= expected:
+            break
+        time.sleep(0.5)
+    return peers
 
 
 # ----------------------------------------------------------------------------------------------
 # The end of a run that failed
 
 
-def say(message, code, printed=True):
+def say(message, code, printed=True, launcher=False):
     """Print `error: message` on a line of its own (a progress bar may hold the current one), and
     give it to torchrun's error file for this worker with the code it exits with: torchrun's
     summary shows it, and copies the code to its own error file. `printed` False: only the file
     (a rank whose error rank 0 prints; every rank writes one, since torchrun reports whichever
-    rank it saw stop first)."""
+    rank it saw stop first). `launcher`: also torchrun's own error file, when it has no restart
+    left (a lost peer: see below)."""
     if printed:
         print(f"\nerror: {message}", file=sys.stderr, flush=True)
-    error_file = os.environ.get("TORCHELASTIC_ERROR_FILE")
-    if error_file:
-        stamp = str(int(time.time()))
-        data = {"message": f"error: {message}", "extraInfo": {"py_callstack": "", "timestamp": stamp}}
-        # Whole or not at all (a temporary file, then a rename): torchrun reads this file when the
-        # worker ends, and an empty or torn one crashes torchrun itself (JSONDecodeError), with no
-        # restart; seen once under --max-restarts, after the other rank was killed.
-        partial = f"{error_file}.tmp-{os.getpid()}"
-        try:
-            with open(partial, "w") as f:
-                json.dump({"message": {**data, "errorCode": code}}, f)
-            os.replace(partial, error_file)
-        except OSError:
-            pass  # nowhere to write it: the printed line stands
-        finally:
-            with contextlib.suppress(OSError):
-                os.remove(partial)  # there only when the write was cut short
+    # No "py_callstack": torchrun's summary shows it in place of the message, even when empty.
+    data = {"message": f"error: {message}", "extraInfo": {"timestamp": str(int(time.time()))}}
+    write_error_file(os.environ.get("TORCHELASTIC_ERROR_FILE"), {"message": {**data, "errorCode": code}})
+    LAST_ERROR["message"] = {**data, "errorCode": code}
+    if launcher and no_restart_left():
+        # torchrun copies to its own error file the error file of the failure with the smallest
+        # timestamp (whole seconds); a rank killed by a signal has none and is stamped when torchrun
+        # collects it, mostly in the same second as this line, and a tie goes to the rank collected
+        # first: the dead one. torchrun then writes nothing, and the code is lost (17 times in 19).
+        # So the rank that names a killed peer writes torchrun's file itself. Should torchrun find a
+        # root cause with a file of its own (this rank's), it replaces this one with that, and logs
+        # what it replaced (a dozen "already exists and will be overwritten" lines): only here.
+        write_error_file(launcher_error_file(), LAST_ERROR)
+
+
+def write_error_file(path, data):
+    """Whole or not at all (a temporary file, then a rename): torchrun reads a worker's file when
+    the worker ends, and an empty or torn one crashes torchrun itself (JSONDecodeError), with no
+    restart; seen once under --max-restarts, after the other rank was killed."""
+    if not path:
+        return
+    partial = f"{path}.tmp-{os.getpid()}"
+    try:
+        with open(partial, "w") as f:
+            json.dump(data, f)
+        os.replace(partial, path)
+    except OSError:
+        pass  # nowhere to write it: the printed line stands
+    finally:
+        with contextlib.suppress(OSError):
+            os.remove(partial)  # there only when the write was cut short
+
+
+LAST_ERROR = {}  # what say() last wrote to torchrun's error file for this worker
+
+# One report per process: the main thread's (end_run) or the SIGTERM watch's, whichever starts
+# first; the other stays quiet (and the process ends with the first one's code).
+REPORTING = threading.Lock()
 
 
 def end_run(error, cfg, newest_checkpoint):
@@ -428,8 +530,90 @@ def end_run(error, cfg, newest_checkpoint):
         return code
     lost = lost_peer(error)
     if lost is None:
+        # A bug: its traceback follows. Its last line goes to torchrun as this rank's error, so that
+        # the ranks that then lose this one are not taken for the cause (watch_sigterm).
+        say(f"{type(error).__name__}: {error}".splitlines()[0], 1, printed=False)
         return None
+    if not REPORTING.acquire(blocking=False):
+        threading.Event().wait()  # the SIGTERM watch is saying it, and ends this process
     # Every rank that sees it says it: each knows only its own peers.
-    silent, step = HEARTBEAT.silent(), HEARTBEAT.step
-    say(lost_peer_message(lost, silent, step, newest_checkpoint(), cfg.dist_timeout_minutes), LOST_PEER)
+    report_lost_peer(lost, cfg, newest_checkpoint)
     return LOST_PEER
+
+
+def report_lost_peer(lost, cfg, newest_checkpoint):
+    """The lost-peer line, naming the peers on this host whose process ended (killed or crashed:
+    any that ended with an error of its own wrote its own line) and the silent ones."""
+    host = socket.gethostname()
+    # A killed peer's sockets close a moment before its process is seen to end: look for 1 s.
+    deadline = time.monotonic() + 1
+    pids = [pid for pid, _ in LOCAL_PEERS.values()]
+    while pids and not any(map(process_ended, pids)) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    ended = [
+        {"rank": rank, "host": host, "pid": pid, "killed": not os.path.exists(error_file or "/")}
+        for rank, (pid, error_file) in sorted(LOCAL_PEERS.items())
+        if process_ended(pid)
+    ]
+    silent = [s for s in HEARTBEAT.silent() if s["rank"] not in LOCAL_PEERS or not process_ended(s["pid"])]
+    newest, timeout = newest_checkpoint(), cfg.dist_timeout_minutes
+    message = lost_peer_message(lost, silent, HEARTBEAT.step, newest, timeout, ended)
+    say(message, LOST_PEER, launcher=any(e["killed"] for e in ended))
+
+
+LOCAL_PEERS = {}  # {rank: (pid, error file)} of the other workers of this launcher (watch_sigterm)
+
+
+def watch_sigterm(cfg, newest_checkpoint):
+    """Under torchrun: when a worker dies, torchrun sends the others SIGTERM within 0.1 s. A rank
+    that was not inside a collective then (a forward, the tokenizer) would die by that signal
+    without a word (2 runs in 19, a rank killed at step 5). This watch makes such a rank say
+    what happened first: on a SIGTERM that comes after a worker of the same torchrun ended
+    without an error file of its own (killed: SIGKILL, the out-of-memory killer, a crash), it
+    prints the lost-peer line naming that rank, writes it to the error files and exits 4. Any
+    other SIGTERM (a scheduler's, Ctrl-C to torchrun, a peer that failed with its own line) ends
+    the process as the signal always did. Main thread only (Python's signal calls)."""
+    if "RANK" not in os.environ or not os.path.isdir("/proc/self"):
+        return
+    # Python runs a signal's handler in the main thread between two bytecodes, which a thread
+    # blocked in native code (a gloo collective, a forward) reaches only when that returns. The
+    # wakeup fd is written by the C handler the moment the signal arrives, and wakes this thread.
+    read_end, write_end = os.pipe()
+    os.set_blocking(write_end, False)
+    signal.signal(signal.SIGTERM, lambda signum, frame: None)  # the watch decides
+    signal.set_wakeup_fd(write_end, warn_on_full_buffer=False)
+
+    def watch():
+        LOCAL_PEERS.update(local_peers())
+        while True:
+            if signal.SIGTERM not in os.read(read_end, 64):
+                continue
+            # Look at once: torchrun collects (reaps) the dead worker before it signals the others,
+            # while on a SIGTERM from outside it signals every worker before it collects any, so
+            # here no peer is collected yet (the check is within a few ms of the signal).
+            ended = [
+                rank
+                for rank, (pid, error_file) in LOCAL_PEERS.items()
+                if process_ended(pid, collected_only=True) and not (error_file and os.path.exists(error_file))
+            ]
+            if not ended:
+                die_by_signal(signal.SIGTERM)
+            if not REPORTING.acquire(blocking=False):
+                continue  # the main thread is saying it (end_run), and exits with code 4
+            lost = f"torchrun stopped this rank: rank {', '.join(map(str, ended))} ended"
+            report_lost_peer(lost, cfg, newest_checkpoint)
+            os._exit(LOST_PEER)
+
+    threading.Thread(target=watch, daemon=True, name="sigterm-watch").start()
+
+
+def die_by_signal(signum):
+    """End this process by `signum` with its default action (as if no handler were set), from any
+    thread: Python's signal.signal works in the main thread only."""
+    import ctypes
+
+    libc = ctypes.CDLL(None)
+    libc.signal.argtypes, libc.signal.restype = [ctypes.c_int, ctypes.c_void_p], ctypes.c_void_p
+    libc.signal(signum, 0)  # SIG_DFL
+    os.kill(os.getpid(), signum)
+    time.sleep(60)  # the signal ends the process before this does

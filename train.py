@@ -576,24 +576,24 @@ def save_state(model, optimizer, scheduler, scaler, cfg, derived, step, best_val
 
 
 if __name__ == "__main__":
-    # A crash in native code (a segfault in a collective, a kernel, a tokenizer) prints every thread's
-    # Python stack before the process dies; torchrun alone reports "Signal 11 (SIGSEGV) received".
+    # A crash in native code prints every thread's Python stack (torchrun alone says "Signal 11").
     faulthandler.enable()
     cfg = config.parse_config(description=__doc__)
+    checkpoints_dir = os.path.join(cfg.output_dir, "checkpoints")
+    newest_checkpoint = lambda: checkpoints.newest_usable_checkpoint(checkpoints_dir)[0]  # noqa: E731
+    faults.watch_sigterm(cfg, newest_checkpoint)  # torchrun stopping this rank after a peer was killed
     try:
         main(cfg)
     except Exception as e:
         # A fault: its one error: line and exit code (faults.py). Anything else is a bug: its traceback.
-        checkpoints_dir = os.path.join(cfg.output_dir, "checkpoints")
-        code = faults.end_run(e, cfg, lambda: checkpoints.newest_usable_checkpoint(checkpoints_dir)[0])
+        code = faults.end_run(e, cfg, newest_checkpoint)
         if code is None or os.environ.get("FSDP_EMBED_TRACEBACK"):
             raise
         if code == faults.LOST_PEER:
             checkpoints.release_output_lock(cfg.output_dir)  # rank 0's, if this is rank 0 (no atexit)
-            faults.end_job(code)  # no teardown; the silent ranks on this host, or the launcher, ended
+            faults.end_job(code)  # no teardown; the silent ranks on this host, or a stuck launcher, ended
         if isinstance(e, startup_checks.StartUpError) and dist.is_initialized():
-            # All ranks agreed on this error, so all are here: wait until rank 0 has printed,
-            # because torchrun stops the other ranks as soon as one exits.
+            # All ranks agreed on it, so all are here: wait for rank 0's line (torchrun then stops them).
             dist.barrier()
         sys.exit(code)
     finally:

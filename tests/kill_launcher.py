@@ -9,6 +9,9 @@ train.py as __main__ (runpy), whose `import fsdp_utils` finds the wrapped module
 
 WHERE is
     after-save  rank RANK dies as soon as the checkpoint of step STEP is complete and visible;
+    while-busy  the same, while every other rank spends 3 s outside any collective right after
+                that save (as in a slow forward or tokenizer), so that torchrun's SIGTERM, sent
+                within 0.1 s of the death, reaches them before any collective could tell them;
     in-save     rank RANK dies right after writing its own files of step STEP's checkpoint
                 (its DCP shard and its RNG file), before the checkpoint is made visible.
 """
@@ -17,6 +20,7 @@ import os
 import runpy
 import signal
 import sys
+import time
 from pathlib import Path
 
 REPO_DIR = Path(__file__).resolve().parents[1]
@@ -29,9 +33,23 @@ def arm(where, step, rank, signal_name="KILL"):
     def die():
         os.kill(os.getpid(), getattr(signal, f"SIG{signal_name}"))
 
-    if os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") != "0" or os.environ.get("RANK", "0") != rank:
-        return  # a restarted attempt, or another rank: train undisturbed
-    if where == "after-save":
+    if os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") != "0":
+        return  # a restarted attempt: train undisturbed
+    if where == "while-busy":
+        save_checkpoint = checkpoints.save_checkpoint
+
+        def save_then_die_or_wait(*args, **kwargs):
+            path = save_checkpoint(*args, **kwargs)
+            if os.path.basename(path) == f"step-{step}":
+                if os.environ.get("RANK", "0") == rank:
+                    die()
+                time.sleep(3)
+            return path
+
+        checkpoints.save_checkpoint = save_then_die_or_wait
+    elif os.environ.get("RANK", "0") != rank:
+        return  # another rank: train undisturbed
+    elif where == "after-save":
         save_checkpoint = checkpoints.save_checkpoint
 
         def save_then_die(*args, **kwargs):
@@ -53,7 +71,7 @@ def arm(where, step, rank, signal_name="KILL"):
 
         checkpoints.save_file = write_then_die
     else:
-        raise SystemExit(f"kill_launcher: unknown kill point {where!r}; use after-save or in-save")
+        raise SystemExit(f"kill_launcher: unknown kill point {where!r}: after-save, while-busy or in-save")
 
 
 if __name__ == "__main__":

@@ -53,6 +53,7 @@ COMMON = [
     5,
 ]
 MB = 10**6
+KILLED_TRIES = 3  # launches of each kill point in the killed-rank test
 
 
 @contextlib.contextmanager
@@ -96,9 +97,9 @@ def error_lines(text):
     return [line for line in text.splitlines() if line.startswith("error:")]
 
 
-def torchrun(args, error_file, **popen):
+def torchrun(args, error_file, script=None, **popen):
     """torchrun with 2 ranks and its own error file, as a scheduler would start it."""
-    command = torchrun_command(args)
+    command = torchrun_command(args, script=script)
     env = {**os.environ, "TORCHELASTIC_ERROR_FILE": str(error_file)}
     return subprocess.Popen(command, cwd=REPO_DIR, text=True, env=env, **popen)
 
@@ -272,6 +273,51 @@ def test_a_rank_stopped_in_a_save_is_named_and_every_process_of_the_job_exits(tm
     assert 'train.py", line' not in err, err[-3000:]  # no traceback through train.py (torchrun has its own)
     assert sorted(os.listdir(out / "checkpoints")) in (["step-2"], [".incomplete-step-4", "step-2"])
     resumes_to(out, tiny_model, unbroken, tmp_path / "resumed")
+
+
+def test_a_rank_killed_without_restarts_is_named_and_its_code_reaches_torchrun(tmp_path, tiny_model):
+    """Rank 1 is SIGKILLed (as by the out-of-memory killer) right after the step-4 checkpoint, with
+    no --max-restarts. torchrun sends rank 0 SIGTERM within 0.1 s of the death; rank 0 may learn
+    of it first from gloo (a closed connection, in its next collective) or from that SIGTERM.
+    Both orders are made to happen: "after-save" mostly gives the first (rank 0 goes straight on
+    to the next step's collectives), "while-busy" always the second (rank 0 spends 3 s outside any
+    collective). Either way: one error line naming rank 1 and the step-4 checkpoint, exit code 4
+    in torchrun's own error file, torchrun exits 1 (not by a signal), and no traceback but
+    torchrun's own failure report (no SignalException: no one signals torchrun)."""
+    host, kill_launcher, runs = os.uname().nodename, REPO_DIR / "tests" / "kill_launcher.py", []
+    for tries in range(KILLED_TRIES):
+        started = []
+        for where in ("after-save", "while-busy"):  # two at a time: each is mostly start-up
+            out, error_file = tmp_path / f"{where}-{tries}", tmp_path / f"{where}-{tries}.json"
+            args = [f"{where}:4:1", *COMMON, "--model", tiny_model, "--output-dir", out, "--save-steps", 2]
+            args += ["--dist-timeout-minutes", 3]
+            pipes = {"stdout": subprocess.PIPE, "stderr": subprocess.PIPE}
+            proc = torchrun(args, error_file, script=kill_launcher, **pipes)
+            started.append((where, out, error_file, proc))
+        for where, out, error_file, proc in started:
+            _, err = proc.communicate(timeout=300)
+            runs.append((where, proc.returncode, err))
+            assert proc.returncode == 1, (where, proc.returncode, err[-3000:])
+            assert error_code(error_file) == 4, (where, err[-3000:])
+            errors = error_lines(err)
+            assert len(errors) == 1, (where, err[-3000:])
+            print(where, errors[0])
+            match = re.match(
+                rf"error: rank 0 on host {host} lost contact with the other ranks \((.*); "
+                rf"--dist-timeout-minutes 3\) at step \d+: rank 1 on host {host} \(pid \d+\) ended "
+                rf"\(killed or crashed\)\. .* Newest complete checkpoint: {out / 'checkpoints'}/step-4\. ",
+                errors[0],
+            )
+            assert match, (where, errors[0])
+            runs[-1] += (match[1][:60],)
+            if where == "while-busy":
+                assert match[1] == "torchrun stopped this rank: rank 1 ended", errors[0]
+            assert "SignalException" not in err and "got signal" not in err, (where, err[-3000:])
+            # torchrun's own report of a failed worker is its one traceback (ChildFailedError).
+            assert err.count("Traceback (most recent call last)") == 1, (where, err[-3000:])
+            assert "ChildFailedError" in err.split("Traceback (most recent call last)")[1], err[-3000:]
+    for where, code, _, lost in runs:
+        print(where, "torchrun exit", code, "rank 0 learned it from:", lost)
 
 
 REPORTER = """

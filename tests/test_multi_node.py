@@ -23,6 +23,7 @@ Run: python -m pytest tests/test_multi_node.py   (as root)
 
 import json
 import re
+import signal
 import time
 from pathlib import Path
 
@@ -159,30 +160,51 @@ def test_hybrid_shard_across_hosts_trains_as_one_host_and_halves_the_traffic(
     assert sent["hybrid_shard"] <= 0.5 * sent["full_shard"], sent
 
 
-def test_a_lost_host_stops_every_process_with_an_error_line(tmp_path, tiny_model):
+@pytest.mark.parametrize("rendezvous", ["static", "c10d"])
+def test_a_lost_host_stops_every_process_with_an_error_line(tmp_path, tiny_model, rendezvous):
+    """hostb's cable is pulled after the step-2 checkpoint. Each host's rank names the other (hosta
+    its silent peer; hostb the store on hosta, which it cannot reach), exits 4, and its launcher
+    ends by itself with torchrun's 1 and its own error file's code 4, with no traceback but
+    torchrun's failure report: under the static rendezvous on both hosts. Under c10d, hostb's
+    torchrun sits in a call to the store on hosta that nothing interrupts (minutes); its rank
+    kills it (SIGKILL) 10 s after its own exit, once it is clear that torchrun did not collect it,
+    and writes the code to torchrun's error file first (docs/multi-node.md)."""
     out = tmp_path / "shared"
     args = [*common_args(tiny_model, steps=100000), "--strategy", "fsdp", "--fsdp-version", "2"]
     args += ["--save-steps", 2, "--output-dir", out, "--dist-timeout-minutes", 0.15]
+    error_files = [tmp_path / "hosta.json", tmp_path / "hostb.json"]
+    env = [{"TORCHELASTIC_ERROR_FILE": str(f)} for f in error_files]
     with two_hosts.TwoHosts() as hosts:
-        procs = hosts.torchrun([TRAIN, *args], nproc=1)
+        procs = hosts.torchrun([TRAIN, *args], nproc=1, env=env, rendezvous=rendezvous)
         deadline = time.monotonic() + 180
         while not checkpoints.complete_checkpoints(out / "checkpoints") and time.monotonic() < deadline:
             time.sleep(0.2)
         assert all(p.poll() is None for p in procs), "the run ended before the cable was pulled"
         hosts.link_down(1)
         codes, outputs, seconds = hosts.wait(procs, timeout=120)
-    print("every process stopped", seconds, "s after the cable was pulled; exit codes", codes)
-    assert all(code != 0 for code in codes), codes
-    # gloo's timeout is 9 s; the margin covers hostb's agent, which its worker ends 5 s after SIGTERM.
+    print(rendezvous, "every process stopped", seconds, "s after the cable was pulled; exit codes", codes)
+    assert codes == ([1, 1] if rendezvous == "static" else [1, -signal.SIGKILL]), codes
+    # gloo's timeout is 9 s; hostb's rank then tries the store for 5 s, and under c10d waits 10 s
+    # for its torchrun to collect its exit.
     assert seconds <= 9 + 30, seconds
-    for host, (_, err) in zip(("hosta", "hostb"), outputs):
+    for host, (_, err), error_file in zip(("hosta", "hostb"), outputs, error_files):
         errors = [line for line in err.splitlines() if line.startswith("error:")]
         assert len(errors) == 1, err[-3000:]
+        print(errors[0])
         assert re.match(rf"error: rank \d on host {host} lost contact with the other ranks \(", errors[0])
         # gloo's words for its timeout: where a recv waited, or where another wait closed the pair.
         timed_out = ("Timed out waiting 9000ms", "Application timeout caused pair closure")
         assert any(t in errors[0] for t in timed_out) and "--dist-timeout-minutes 0.15" in errors[0]
         assert "Newest complete checkpoint: " + str(out / "checkpoints" / "step-") in errors[0]
+        peer = "rank 1 on host hostb (pid " if host == "hosta" else "the rendezvous store on host hosta"
+        assert peer in errors[0], errors[0]
+        assert json.loads(error_file.read_text())["message"]["errorCode"] == 4, err[-3000:]
+        assert "SignalException" not in err and "got signal" not in err, err[-3000:]
+        tracebacks = err.split("Traceback (most recent call last)")[1:]
+        if host == "hostb" and rendezvous == "c10d":
+            assert tracebacks == [], err[-3000:]  # killed: no report of its own
+        else:  # torchrun's own report of a failed worker, nothing else
+            assert len(tracebacks) == 1 and "ChildFailedError" in tracebacks[0], err[-3000:]
     for _, path, problem in checkpoints.list_checkpoints(out / "checkpoints"):
         assert problem is None, (path, problem)  # a save cut by the lost host left no step-N folder
 

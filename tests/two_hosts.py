@@ -120,26 +120,32 @@ class TwoHosts:
         self.procs.append(proc)
         return proc
 
-    def torchrun(self, script_args, nproc, env=None, max_restarts=0, port=29400, job="fsdp-embed"):
-        """One torchrun per host, as on a cluster: c10d rendezvous at hosta:PORT, gloo on each
-        host's cable. `script_args` is a list per host, or one list for both. Returns the two
-        Popen objects (see `wait`)."""
+    def torchrun(
+        self, script_args, nproc, env=None, max_restarts=0, port=29400, job="fsdp-embed", rendezvous="c10d"
+    ):
+        """One torchrun per host, as on a cluster: the rendezvous at hosta:PORT (c10d, or static:
+        --master-addr and each host's --node-rank), gloo on each host's cable. `script_args` is a
+        list per host, or one list for both. Returns the two Popen objects (see `wait`)."""
         procs = []
         for host in (0, 1):
             args = script_args[host] if isinstance(script_args[0], list) else script_args
+            if rendezvous == "static":
+                meet = [f"--master-addr={self.HOSTNAMES[0]}", f"--master-port={port}", f"--node-rank={host}"]
+            else:
+                meet = [f"--rdzv-endpoint={self.HOSTNAMES[0]}:{port}", f"--rdzv-id={job}"]
             argv = [
                 sys.executable,
                 "-m",
                 "torch.distributed.run",
                 "--nnodes=2",
                 f"--nproc-per-node={nproc}",
-                "--rdzv-backend=c10d",
-                f"--rdzv-endpoint={self.HOSTNAMES[0]}:{port}",
-                f"--rdzv-id={job}",
+                f"--rdzv-backend={rendezvous}",
+                *meet,
                 f"--max-restarts={max_restarts}",
                 *[str(a) for a in args],
             ]
-            host_env = {"GLOO_SOCKET_IFNAME": self.links[host], "OMP_NUM_THREADS": "1", **(env or {})}
+            host_env = env[host] if isinstance(env, list) else env  # one dict per host, or one for both
+            host_env = {"GLOO_SOCKET_IFNAME": self.links[host], "OMP_NUM_THREADS": "1", **(host_env or {})}
             procs.append(self.start(host, argv, env=host_env))
         return procs
 

@@ -16,11 +16,15 @@ is resumable state only; the model people use is the export (export.py).
 
 One run per output folder: rank 0 holds OUTPUT_DIR/.lock while it runs (`take_output_lock`).
 
-Needs safetensors, fsdp_utils.py (`print0`, the quiet checkpoint warnings) and faults.py (the
-disk's room, writes agreed across ranks).
+`checkpoint_to_resume` picks the checkpoint a run continues from at start-up (startup_checks.py
+calls it), and `check_same_run` refuses one written by another run.
+
+Needs safetensors, fsdp_utils.py (`print0`, the quiet checkpoint warnings), faults.py (the
+disk's room, writes agreed across ranks) and config.py (the settings a resume may change).
 """
 
 import atexit
+import dataclasses
 import datetime
 import functools
 import glob
@@ -37,6 +41,7 @@ import torch
 import torch.distributed as dist
 from safetensors.torch import load_file, save_file
 
+import config
 import faults
 import fsdp_utils
 
@@ -312,6 +317,90 @@ def diverged_message(loss_value, step, checkpoints_dir):
         f"{'' if usable or skipped else ' (use --save-steps)'}. "
         "Lower --lr, use --precision fp32 or bf16, or check the data"
     )
+
+
+# ----------------------------------------------------------------------------------------------
+# Resuming: which checkpoint, and only for the same run
+
+
+def checkpoint_to_resume(cfg, world_size, fingerprint):
+    """The checkpoint this run continues from (None: start fresh), or "finished" when
+    --output-dir already holds the finished run. Refuses to overwrite anything by accident, and
+    to continue a run with other settings or other training data (`fingerprint`)."""
+    final_dir, checkpoints_dir = (
+        os.path.join(cfg.output_dir, "final"),
+        os.path.join(cfg.output_dir, "checkpoints"),
+    )
+    if os.path.exists(final_dir) and not cfg.overwrite:
+        if cfg.resume:
+            # e.g. torchrun restarting a job that had already exported: nothing to do, provided it
+            # is the same run (another one would silently "finish" without training).
+            with open(os.path.join(final_dir, "training_config.json")) as f:
+                check_same_run(cfg, json.load(f), world_size, fingerprint, final_dir)
+            return "finished"
+        raise ValueError(
+            f"{final_dir} already holds a finished run's export; "
+            "pass --overwrite to replace it, or another --output-dir"
+        )
+    # complete or not: an unfinished run's state either way
+    found = list_checkpoints(checkpoints_dir)
+    if not cfg.resume:
+        if found and not cfg.overwrite:
+            raise ValueError(
+                f"{checkpoints_dir} holds checkpoints of an unfinished run (newest: step {found[-1][0]}); "
+                "pass --resume auto to continue it, or --overwrite to start over"
+            )
+        return None
+    resume_dir = cfg.resume
+    if cfg.resume == "auto":
+        resume_dir, skipped = newest_usable_checkpoint(checkpoints_dir)
+        for path, problem in skipped:
+            fsdp_utils.print0(f"warning: not resuming from {path}: {problem}")
+        if resume_dir is None:
+            if skipped:
+                fsdp_utils.print0(
+                    "warning: no usable checkpoint is left: training starts from step 0 "
+                    "(the same steps, so the same result)"
+                )
+            return None
+    with open(os.path.join(resume_dir, "trainer_state.json")) as f:
+        saved = json.load(f)
+    check_same_run(cfg, {**saved["config"], **saved}, world_size, fingerprint, resume_dir)
+    return resume_dir
+
+
+def check_same_run(cfg, saved, world_size, fingerprint, where):
+    """`saved` (a checkpoint's or an export's config and derived values) must describe this run:
+    every setting but those a resume may change, the number of processes, the training data."""
+    current = dataclasses.asdict(cfg)
+    may_change = {
+        field.name
+        for field in dataclasses.fields(config.Config)
+        if field.metadata["rules"]["resume_may_change"]
+    }
+    diffs = [
+        f"--{k.replace('_', '-')} {saved[k]!r} (this run: {current[k]!r})"
+        for k in current
+        if k in saved and k not in may_change and current[k] != saved[k]
+    ]
+    if saved.get("world_size") != world_size:
+        diffs.append(
+            f"{saved.get('world_size')} processes (this run: {world_size}); "
+            "each process holds its own shard of the state"
+        )
+    if saved.get("train_data_fingerprint", fingerprint) != fingerprint:
+        diffs.append(
+            f"other training data ({saved['train_data_fingerprint']}; "
+            f"--train-data {cfg.train_data} now: {fingerprint}), "
+            "so the steps ahead would take other rows"
+        )
+    if diffs:
+        raise ValueError(
+            f"cannot resume from {where}: it was written with "
+            + "; ".join(diffs)
+            + ". Resume with the same settings, data and number of processes, "
+            "or start a fresh --output-dir"
+        )
 
 
 # ----------------------------------------------------------------------------------------------

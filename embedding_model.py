@@ -452,8 +452,8 @@ def append_eos(tokenizer):
     after truncation (truncation leaves it room, so it is never cut off) and is saved in
     tokenizer.json, so the export appends it wherever it is loaded. A tokenizer class with its
     own switch (Llama's add_eos_token, saved in tokenizer_config.json) uses that instead: it
-    rebuilds its post-processor from it when loaded. check_model has checked that there is an
-    EOS token and a fast tokenizer."""
+    rebuilds its post-processor from it when loaded. check_model (model_checks.py) has checked that
+    there is an EOS token and a fast tokenizer."""
     eos, eos_id = tokenizer.eos_token, tokenizer.eos_token_id
     if tokenizer("a")["input_ids"][-1] == eos_id:
         return  # it appends one already

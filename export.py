@@ -17,8 +17,8 @@ Usage (every rank calls stage_state_dict, the writer alone the rest):
         export.export_sentence_transformer(out_dir, [lambda: export.read_staged(staging, names)],
                                            config, tokenizer, pooling_mode="mean", ...)
 
-Needs torch, transformers and safetensors, and fsdp_utils.py, lora.py, config.py and faults.py
-(for `export_model` and the model card; `export_sentence_transformer` needs none of them).
+Needs torch, transformers and safetensors, and fsdp_utils.py, collectives.py, lora.py, config.py
+and faults.py (for `export_model` and the model card; `export_sentence_transformer` needs none).
 """
 
 import copy
@@ -36,6 +36,7 @@ import torch
 import torch.distributed as dist
 from safetensors.torch import save_file
 
+import collectives
 import config
 import faults
 import fsdp_utils
@@ -194,7 +195,7 @@ def stage_state_dict(model, folder, sees_output_dir=(True,)):
     # DCP names each rank's file shard-{rank + 1}-...; rank 0's reader takes every file it finds.
     own = glob.glob(os.path.join(glob.escape(folder), f"shard-{rank + 1:05d}-*.safetensors"))
     # Rank 0 and the ranks on other hosts: the file travels over the process group.
-    fsdp_utils.send_files_to_rank0(folder, [] if on_rank0_disk else own, [not s for s in sees_output_dir])
+    collectives.send_files_to_rank0(folder, [] if on_rank0_disk else own, [not s for s in sees_output_dir])
     fsdp_utils.barrier()  # all ranks: every file is sent before any host clears its own copy
     if not on_rank0_disk:
         shutil.rmtree(folder, ignore_errors=True)

@@ -2,22 +2,22 @@
 
   - `setup_dist` / `cleanup_dist`: the process group under torchrun (gloo on CPU, NCCL on CUDA),
     one process without it; `print0` prints once; `set_cpu_allocator`: glibc's malloc setting;
-    `send_files_to_rank0`: files from ranks on other hosts, over the process group;
   - `detect_layer_classes` / `resolve_layer_classes`: the repeated transformer block that
     FSDP wraps, found in the model itself (or named, and checked, by the user);
   - `wrap_model`: nothing (one process), DDP, FSDP1 (`FullyShardedDataParallel` with
     `transformer_auto_wrap_policy`) or FSDP2 (`fully_shard` per block, then the root), with
     bf16/fp16 mixed precision, `auto_sharding` for --sharding auto, and over gloo FSDP2's
-    collectives as rings (`RingAllGather`, `RingReduceScatter`); under DDP,
-    `all_reduce_embedding_rows` sends only the rows of the embedding tables that some rank used
-    (and so does `all_reduce_replicated` for the tables FSDP2 leaves whole under shard_grad_op);
+    collectives as rings (collectives.py); under DDP the hook `all_reduce_embedding_rows`
+    (collectives.py) sends only the rows of the embedding tables that some rank used (and so
+    does `all_reduce_replicated` for the tables FSDP2 leaves whole under shard_grad_op);
     `gradient_sync`, `clip_grad_norm`, `grad_scaler` for the loop;
   - `load_pretrained_sharded`: a model built on the meta device and sharded gets its weights
     from the safetensors files, each rank reading only the slices its shards hold.
-Checkpoints are checkpoints.py, the export export.py.
+Checkpoints are checkpoints.py, the export export.py; files sent to rank 0, collectives.py.
 
-It imports only the standard library, torch and safetensors, never the other files of this
-project, so it can be copied into another pipeline alone.
+It imports only the standard library, torch, safetensors and collectives.py (the rings and the
+embedding-rows hook, itself standard library and torch only), never the other files of this
+project, so the two can be copied into another pipeline together.
 
 Usage (every rank calls each of these):
     rank, world_size, device = fsdp_utils.setup_dist(timeout_minutes=30)
@@ -48,7 +48,6 @@ start-up). Activation checkpointing is the model's own (transformers' gradient c
 
 import contextlib
 import datetime
-import json
 import os
 import signal
 import sys
@@ -56,6 +55,8 @@ import warnings
 
 import torch
 import torch.distributed as dist
+
+import collectives
 
 
 # ----------------------------------------------------------------------------------------------
@@ -112,36 +113,6 @@ def barrier():
     """Wait for every rank (ALL ranks must call it); nothing to wait for in one process."""
     if dist.is_initialized():
         dist.barrier()
-
-
-def send_files_to_rank0(folder, paths, senders, chunk_bytes=64 * 2**20):
-    """Rank 0 receives into `folder` the files `paths` of every rank r with senders[r] (ranks on
-    another host, whose disk rank 0 cannot read), over the process group, `chunk_bytes` at a
-    time: no rank holds more than one chunk. Rank 0 and the senders must call it, with the same
-    `senders` (the others may, and return at once); each sender passes its own `paths`."""
-    rank = dist.get_rank()
-    device = torch.device("cuda", torch.cuda.current_device()) if dist.get_backend() == "nccl" else None
-    device = device or torch.device("cpu")
-    for source in [r for r, sends in enumerate(senders) if sends and r != 0]:  # the same order on all
-        if rank == source:
-            header = json.dumps({os.path.basename(p): os.path.getsize(p) for p in paths}).encode()
-            dist.send(torch.tensor([len(header)], device=device), dst=0)
-            dist.send(torch.frombuffer(bytearray(header), dtype=torch.uint8).to(device), dst=0)
-            for path in paths:
-                with open(path, "rb") as f:
-                    while chunk := f.read(chunk_bytes):
-                        dist.send(torch.frombuffer(bytearray(chunk), dtype=torch.uint8).to(device), dst=0)
-        elif rank == 0:
-            length = torch.zeros(1, dtype=torch.int64, device=device)
-            dist.recv(length, src=source)
-            header = torch.empty(int(length), dtype=torch.uint8, device=device)
-            dist.recv(header, src=source)
-            for name, size in json.loads(bytes(header.cpu().numpy())).items():
-                with open(os.path.join(folder, name), "wb") as f:
-                    for start in range(0, size, chunk_bytes):
-                        chunk = torch.empty(min(chunk_bytes, size - start), dtype=torch.uint8, device=device)
-                        dist.recv(chunk, src=source)
-                        f.write(chunk.cpu().numpy().tobytes())
 
 
 def print0(*args, **kwargs):
@@ -349,7 +320,7 @@ def wrap_ddp(model, device):
         model, device_ids=device_ids, gradient_as_bucket_view=True
     )
     embeddings = [m.weight for m in embedding_tables(model)]
-    ddp.register_comm_hook(EmbeddingRows(embeddings), all_reduce_embedding_rows)
+    ddp.register_comm_hook(collectives.EmbeddingRows(embeddings), collectives.all_reduce_embedding_rows)
     return ddp
 
 
@@ -445,147 +416,11 @@ def wrap_fsdp2(model, device, layer_classes, sharding, low, on_meta):
     if dist.get_backend() == "gloo":
         for module in model.modules():
             if isinstance(module, FSDPModule):
-                module.set_custom_all_gather(RingAllGather())
-                module.set_custom_reduce_scatter(RingReduceScatter())
+                module.set_custom_all_gather(collectives.RingAllGather())
+                module.set_custom_reduce_scatter(collectives.RingReduceScatter())
     if on_meta:
         model.to_empty(device=device)  # each rank's shards only, uninitialised
     return model
-
-
-class RingAllGather:
-    """FSDP2's all-gather over gloo as a ring of point-to-point messages, straight into the
-    gathered buffer. On 2 CPU processes gloo's own `all_gather_into_tensor` took 7.9 ms for a
-    MiniLM block (1.8M fp32 values), the ring 5.2 ms; for the word embeddings (11.9M) 82 ms
-    against 31. The values are the ones sent: the same result.
-
-    FSDP2 calls it on every rank of `group` in the same order (one per block, forward and
-    backward), as it calls its own collectives. `input_tensor` is this rank's slot of
-    `output_tensor` (FSDP2 copies the shards in there); the ring fills the other slots."""
-
-    def allocate(self, size, *, dtype, device):
-        return torch.empty(*size, dtype=dtype, device=device)
-
-    def __call__(self, output_tensor, input_tensor, group, async_op=False):
-        world_size, rank = group.size(), group.rank()
-        slots = output_tensor.view(world_size, -1)
-        if input_tensor.data_ptr() != slots[rank].data_ptr():
-            slots[rank].copy_(input_tensor.view(-1))
-        after, before = (rank + 1) % world_size, (rank - 1) % world_size
-        # Step k: pass on the slot received in step k - 1 (this rank's own in step 0).
-        for k in range(world_size - 1):
-            sent = dist.isend(slots[(rank - k) % world_size], group=group, group_dst=after)
-            dist.irecv(slots[(rank - k - 1) % world_size], group=group, group_src=before).wait()
-            sent.wait()
-        return None  # done: FSDP2 waits only on a returned Work
-
-
-class RingReduceScatter:
-    """FSDP2's reduce-scatter over gloo as a ring of point-to-point messages. gloo has no
-    reduce-scatter of one tensor: `reduce_scatter_tensor` all-reduces the whole input, which
-    sends every rank's gradient to every rank, and then copies its part out. A ring sends each
-    rank's part once (world size 2: a MiniLM block's gradient in 5.2 ms, against 15.4). Sum (or
-    mean) of the same values: at world size 2 bit for bit what the all-reduce gives (a + b);
-    at more ranks the order of the additions differs, so the last bit may.
-
-    Every rank of `group` calls it in the same order (FSDP2 reduces block by block as backward
-    reaches them). The input, FSDP2's own scratch copy of the gradients, is summed into in place."""
-
-    def allocate(self, size, *, dtype, device):
-        return torch.empty(*size, dtype=dtype, device=device)
-
-    def __call__(self, output_tensor, input_tensor, group, op, async_op=False):
-        if op not in (dist.ReduceOp.SUM, dist.ReduceOp.AVG):  # a pre-multiplied sum: gloo's own
-            return dist.reduce_scatter_tensor(
-                output_tensor, input_tensor, op=op, group=group, async_op=async_op
-            )
-        world_size, rank = group.size(), group.rank()
-        parts = input_tensor.view(world_size, -1)
-        received = torch.empty_like(parts[0])
-        after, before = (rank + 1) % world_size, (rank - 1) % world_size
-        # Step k: send part (rank - k - 1), summed over the k ranks before this one; receive
-        # part (rank - k - 2) summed likewise, and add this rank's own. After world_size - 1
-        # steps this rank holds part `rank` summed over all.
-        for k in range(world_size - 1):
-            sent = dist.isend(parts[(rank - k - 1) % world_size], group=group, group_dst=after)
-            dist.irecv(received, group=group, group_src=before).wait()
-            sent.wait()
-            mine = parts[(rank - k - 2) % world_size]
-            if k == world_size - 2:
-                torch.add(mine, received, out=output_tensor.view(-1))
-            else:
-                mine.add_(received)
-        if op == dist.ReduceOp.AVG:
-            output_tensor.div_(world_size)
-        return None
-
-
-class EmbeddingRows:
-    """The state of `all_reduce_embedding_rows`: which parameters are embedding tables."""
-
-    def __init__(self, weights):
-        self.ids = {id(weight) for weight in weights}
-
-
-def all_reduce_embedding_rows(state, bucket):
-    """DDP communication hook: the mean over ranks of a bucket of gradients, as DDP's own
-    all-reduce computes it, but sending only the rows of an embedding table that some rank used.
-
-    An embedding's gradient is non-zero only in the rows its batch looked up: a few hundred of
-    a vocabulary's 30k (BERT) to 250k (XLM-R) rows, which are most of the model's weights. So
-    the ranks first agree on the rows any of them touched (a max over a byte per row), then
-    all-reduce those rows and the bucket's other gradients in one message. A row no rank
-    touched is zero everywhere, and zero is its mean: the result is exactly the dense mean.
-    Every rank calls the same collectives: DDP hands the buckets over in the same order on all
-    of them, and the number of rows sent is agreed before it is sent."""
-    flat = bucket.buffer()
-    parameters = bucket.parameters()
-    if not any(id(p) in state.ids for p in parameters):
-        flat.div_(dist.get_world_size())  # DDP's own order: divide, then sum
-        return dist.all_reduce(flat, async_op=True).get_future().then(lambda fut: fut.value()[0])
-    pieces, offset = [], 0  # (gradient, is an embedding), in the bucket's own order
-    for p in parameters:
-        grad = flat[offset : offset + p.numel()]
-        offset += p.numel()
-        pieces.append((grad.view(p.shape[0], -1), True) if id(p) in state.ids else (grad, False))
-    mean_over_ranks(pieces)
-    done = torch.futures.Future()
-    done.set_result(bucket.buffer())
-    return done
-
-
-def mean_over_ranks(pieces):
-    """In place, the mean over ranks of each gradient in `pieces`, a list of (gradient, is an
-    embedding table), sending of a table only the rows some rank used, in one message. Every
-    rank passes the same shapes in the same order."""
-    world_size = dist.get_world_size()
-    # A row is used when any of its entries is non-zero (or NaN): when its largest or its
-    # smallest entry is. Two min/max passes read the table at memory speed; `ne(0).any(1)`
-    # writes a boolean per entry first (MiniLM's table on one CPU thread: 3.4 ms against 13).
-    used = torch.cat([grad.amax(1).ne(0) | grad.amin(1).ne(0) for grad, is_table in pieces if is_table]).to(
-        torch.uint8
-    )
-    dist.all_reduce(used, op=dist.ReduceOp.MAX)  # a row any rank touched is sent by every rank
-    rows, start = [], 0
-    for grad, is_table in pieces:
-        if is_table:
-            rows.append(used[start : start + grad.shape[0]].nonzero().squeeze(1))
-            start += grad.shape[0]
-        else:
-            rows.append(None)
-    message = torch.cat(
-        [grad if r is None else grad.index_select(0, r).view(-1) for (grad, _), r in zip(pieces, rows)]
-    )
-    # Divided before the sum, as DDP does (the same numbers, bit for bit), but only what is sent:
-    # the rows no rank used are zero, and stay so.
-    dist.all_reduce(message.div_(world_size))
-    start = 0
-    for (grad, _), r in zip(pieces, rows):
-        if r is None:
-            grad.copy_(message[start : start + grad.numel()])
-            start += grad.numel()
-        else:
-            grad.index_copy_(0, r, message[start : start + r.numel() * grad.shape[1]].view(-1, grad.shape[1]))
-            start += r.numel() * grad.shape[1]
 
 
 def all_reduce_replicated(model):
@@ -599,7 +434,7 @@ def all_reduce_replicated(model):
         if p.grad is None:  # not looked up on this rank: a zero gradient, still sent
             p.grad = torch.zeros_like(p)
     if tables:
-        mean_over_ranks([(p.grad, True) for p in tables])
+        collectives.mean_over_ranks([(p.grad, True) for p in tables])
 
 
 def is_sharded(tensor):

@@ -5,12 +5,13 @@ collectives), so bad input stops every rank with one message from rank 0, before
 load or any file is written, and no rank walks on into a collective that would hang. The checks:
 the flags (each field's bounds, then the settings that involve several fields or the machine),
 the training and evaluation data (loaded here: data.py), the model's folder, config, tokenizer and
-weight files (from headers alone), the output folder, and which checkpoint a resume continues
-from (only one written by the same run: same settings, data and number of processes). What they
-find is the run's plan (`StartUp`): the strategy, the data sets and every step's rows.
+weight files (from headers alone: model_checks.py), the output folder, and which checkpoint a
+resume continues from (only one written by the same run: same settings, data and number of
+processes; checkpoints.py). What they find is the run's plan (`StartUp`): the strategy, the
+data sets and every step's rows.
 
-Needs transformers, and config.py, data.py, batches.py, embedding_model.py, checkpoints.py,
-export.py, fsdp_utils.py and lora.py: it is where the files meet, not a file to copy alone.
+Needs config.py, data.py, batches.py, checkpoints.py, export.py (`parse_size`) and
+model_checks.py: it is where the files meet, not a file to copy alone.
 """
 
 import dataclasses
@@ -24,16 +25,13 @@ import socket
 
 import torch
 import torch.distributed as dist
-import transformers
 
 import batches
 import checkpoints
 import config
 import data
-import embedding_model
 import export
-import fsdp_utils
-import lora
+import model_checks
 
 
 @dataclass
@@ -189,12 +187,14 @@ def start_up_checks(cfg, world_size, device):
             )
         eval_sets = data.load_eval_sets(cfg, 0)
         check_prompt_columns(cfg, [], eval_sets)
-        return StartUp(strategy=strategy, eval_sets=eval_sets, layer_classes=check_model(cfg, strategy))
+        return StartUp(
+            strategy=strategy, eval_sets=eval_sets, layer_classes=model_checks.check_model(cfg, strategy)
+        )
     train_sets = data.load_train_sets(cfg)
     check_losses(cfg, train_sets, world_size)
     # One set: 'N rows, sha256 H', as before several sets could train together.
     fingerprint = "; ".join(data.data_fingerprint(ts.ds, ts.read_columns) for ts in train_sets)
-    resume_dir = checkpoint_to_resume(cfg, world_size, fingerprint)
+    resume_dir = checkpoints.checkpoint_to_resume(cfg, world_size, fingerprint)
     if resume_dir == "finished":
         return StartUp(finished=True)
     global_batch = cfg.per_device_batch_size * world_size * cfg.grad_accum_steps
@@ -211,7 +211,7 @@ def start_up_checks(cfg, world_size, device):
     num_labels = max(ts.num_labels for ts in train_sets)
     eval_sets = data.load_eval_sets(cfg, num_labels)
     check_prompt_columns(cfg, train_sets, eval_sets)
-    layer_classes = check_model(cfg, strategy)
+    layer_classes = model_checks.check_model(cfg, strategy)
     return StartUp(
         False,
         strategy,
@@ -470,289 +470,6 @@ def check_prompt_columns(cfg, train_sets, eval_sets):
                     f"--dataset-settings {ts.name}: prompts names {column!r}, no text column of its file "
                     f"(it has: {', '.join(dict.fromkeys(ts.prompt_columns))})"
                 )
-
-
-# ----------------------------------------------------------------------------------------------
-# The model: checked from its folder and config, before any weights load
-
-
-def check_model(cfg, strategy):
-    """The model checks that need no weights, in a second or two: the folder or hub id exists
-    and its config loads (read here once more, without the weights, so a bad --model fails
-    before anything heavy); under FSDP, the block class to wrap is found (in a copy built on
-    the meta device: no memory, no time). Returns the FSDP block class names, or None."""
-    path, subfolder, model_config = model_config_of(cfg)
-    check_model_files(cfg, os.path.normpath(os.path.join(path, subfolder)))
-    if cfg.append_eos:
-        check_eos_tokenizer(cfg, path, subfolder)
-    width = getattr(model_config, "hidden_size", None)
-    if width and cfg.matryoshka_dims and max(config.matryoshka_sizes(cfg)[0]) > width:
-        raise ValueError(
-            f"--matryoshka-dims {cfg.matryoshka_dims}: {cfg.model} gives {width}-dimensional embeddings; "
-            f"use sizes up to {width}"
-        )
-    positions = getattr(model_config, "max_position_embeddings", None)
-    own_length, column_lengths = config.column_lengths(cfg)
-    if positions and max([own_length, *column_lengths.values()]) > positions:
-        raise ValueError(
-            f"--max-seq-length {cfg.max_seq_length} is beyond the {positions} positions {cfg.model} has; "
-            f"use at most {positions}"
-        )
-    if strategy != "fsdp" and not cfg.lora_rank and not cfg.activation_checkpointing:
-        return None
-    return check_meta_model(cfg, strategy, model_config)
-
-
-def model_config_of(cfg):
-    """(path, subfolder, config) of --model: its local folder or hub id, the subfolder that holds
-    the transformer (a SentenceTransformer folder's), and its config, loaded without weights.
-    Raises ValueError naming --model when the folder is empty or lacks config.json, or the
-    config cannot be loaded (no such folder, unknown hub id, no network)."""
-    path = embedding_model.resolve_model_path(cfg.model)
-    if os.path.isdir(path) and not os.listdir(path):
-        raise ValueError(
-            f"--model {cfg.model}: the folder is empty; pass a folder written by save_pretrained "
-            "(config.json, weights, tokenizer files)"
-        )
-    try:
-        subfolder = export.read_sentence_transformer_config(path)["subfolder"]
-        if os.path.isdir(path) and not os.path.isfile(os.path.join(path, subfolder, "config.json")):
-            raise ValueError(
-                f"the folder has no {os.path.join(subfolder, 'config.json')} "
-                f"(it holds {sorted(os.listdir(os.path.join(path, subfolder)))}); "
-                "pass a folder written by save_pretrained"
-            )
-        model_config = transformers.AutoConfig.from_pretrained(
-            path, subfolder=subfolder, trust_remote_code=cfg.trust_remote_code
-        )
-    except ValueError as e:
-        raise ValueError(f"--model {cfg.model}: {e}") from e
-    except Exception as e:  # OSError, connection errors: no such folder, unknown id, no network
-        reason = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
-        raise ValueError(
-            f"--model {cfg.model}: not a local model folder, and loading it from the hub failed ({reason}); "
-            "pass a folder holding config.json, or a hub id where a hub is reachable"
-        ) from e
-    return path, subfolder, model_config
-
-
-def check_model_files(cfg, folder):
-    """A local model `folder` (a hub id has none) holds tokenizer files, and weights that look
-    whole (see `weights_problem`)."""
-    if os.path.isdir(folder) and not any(
-        os.path.isfile(os.path.join(folder, name))
-        for name in ("tokenizer.json", *embedding_model.SLOW_TOKENIZER_FILES[:6])
-    ):
-        # Without them transformers builds a tokenizer that maps every word to [UNK], and
-        # training "works".
-        raise ValueError(
-            f"--model {cfg.model}: no tokenizer files in {folder} (tokenizer.json, vocab.txt, ...); "
-            "save the base model's tokenizer there (tokenizer.save_pretrained)"
-        )
-    if os.path.isdir(folder) and (problem := weights_problem(folder)):
-        raise ValueError(f"--model {cfg.model}: {problem}")
-
-
-def check_eos_tokenizer(cfg, path, subfolder):
-    """--append-eos: the model's tokenizer is a fast one (a tokenizer.json), with an EOS token."""
-    tokenizer = transformers.AutoTokenizer.from_pretrained(
-        path, subfolder=subfolder, trust_remote_code=cfg.trust_remote_code
-    )
-    if tokenizer.eos_token is None:
-        raise ValueError(
-            f"--append-eos: the tokenizer of {cfg.model} has no EOS token; "
-            "set one (tokenizer.eos_token = ..., save_pretrained) or drop --append-eos"
-        )
-    if not tokenizer.is_fast:
-        raise ValueError(
-            f"--append-eos needs a fast tokenizer (a tokenizer.json); "
-            f"{cfg.model} has a {type(tokenizer).__name__}"
-        )
-
-
-def check_meta_model(cfg, strategy, model_config):
-    """The checks that need the model's modules, on a copy built on the meta device (no memory,
-    no time): --activation-checkpointing is supported, the block class is found (or
-    --fsdp-layer-cls names one), and --lora-target-modules names Linear layers in it. Returns
-    the FSDP block class names, or None when not sharding."""
-    with torch.device("meta"):
-        encoder = transformers.AutoModel.from_config(model_config, trust_remote_code=cfg.trust_remote_code)
-    if cfg.activation_checkpointing and not encoder.supports_gradient_checkpointing:
-        raise ValueError(
-            f"--activation-checkpointing: {type(encoder).__name__} ({cfg.model}) does not support it "
-            "in transformers; drop the flag"
-        )
-    blocks = fsdp_utils.resolve_layer_classes(encoder, cfg.fsdp_layer_cls)
-    if cfg.lora_rank and not lora.linear_names(encoder, blocks, config.lora_leaf_names(cfg)):
-        inside = sorted({name.rsplit(".", 1)[-1] for name in lora.linear_names(encoder, blocks)})
-        raise ValueError(
-            f"--lora-target-modules {cfg.lora_target_modules}: no Linear layer of that name "
-            f"in {cfg.model}'s block ({', '.join(sorted(c.__name__ for c in blocks))}); "
-            f"its Linear layers: {', '.join(inside)}"
-        )
-    return sorted(c.__name__ for c in blocks) if strategy == "fsdp" else None
-
-
-# The weight files transformers loads, in the order it prefers them.
-WEIGHT_FILES = (
-    "model.safetensors",
-    "model.safetensors.index.json",
-    "pytorch_model.bin",
-    "pytorch_model.bin.index.json",
-)
-
-
-def weights_problem(folder):
-    """Why the weights in a local model folder cannot load (None: they look whole), from file
-    headers alone: a safetensors file must be exactly as long as its header says; a pickle file
-    (pytorch_model.bin) must unpickle as tensors alone, as transformers loads it (mapped, so
-    only its pickle is read). Sharded weights: every shard the index names."""
-    present = [name for name in WEIGHT_FILES if os.path.isfile(os.path.join(folder, name))]
-    if not present:
-        return (
-            f"no weights in {folder} (looked for {', '.join(WEIGHT_FILES)}); "
-            "pass a folder written by save_pretrained"
-        )
-    index = present[0]
-    shards = [index]
-    if index.endswith(".index.json"):
-        try:
-            with open(os.path.join(folder, index)) as f:
-                shards = sorted(set(json.load(f)["weight_map"].values()))
-        except (OSError, ValueError, KeyError, AttributeError) as e:
-            return f"{index} is unreadable ({e}); save the model again"
-    for shard in shards:
-        file = os.path.join(folder, shard)
-        if not os.path.isfile(file):
-            return f"{shard}, named in {index}, is missing from {folder}; copy it there"
-        problem = safetensors_problem(file) if shard.endswith(".safetensors") else pickle_problem(file)
-        if problem:
-            return f"{file} {problem}"
-    return None
-
-
-def safetensors_problem(file):
-    size = os.path.getsize(file)
-    with open(file, "rb") as f:
-        header_size = int.from_bytes(f.read(8), "little")
-        if size < 8 or header_size > size - 8:
-            return f"is truncated ({size} bytes, not even its header); copy or save it again"
-        try:
-            header = json.loads(f.read(header_size))
-        except ValueError:
-            return "is not a safetensors file (its header is not JSON); copy or save it again"
-    expected = (
-        8
-        + header_size
-        + max((t["data_offsets"][1] for k, t in header.items() if k != "__metadata__"), default=0)
-    )
-    if size != expected:
-        return (
-            f"has {size} bytes where its header describes {expected} (truncated, or cut off in a copy); "
-            "copy or save it again"
-        )
-    return None
-
-
-def pickle_problem(file):
-    try:
-        try:
-            torch.load(file, map_location="cpu", weights_only=True, mmap=True)
-        except RuntimeError as e:
-            if "mmap" not in str(e):
-                raise
-            torch.load(file, map_location="cpu", weights_only=True)  # the pre-2019 format cannot be mapped
-    except Exception as e:
-        return (
-            f"cannot be loaded as tensors alone ({data.root_cause(e)[:200]}): "
-            "it is truncated, or its pickle holds code; "
-            "re-save the model as safetensors from a copy you trust"
-        )
-    return None
-
-
-# ----------------------------------------------------------------------------------------------
-# Resuming: which checkpoint, and only for the same run
-
-
-def checkpoint_to_resume(cfg, world_size, fingerprint):
-    """The checkpoint this run continues from (None: start fresh), or "finished" when
-    --output-dir already holds the finished run. Refuses to overwrite anything by accident, and
-    to continue a run with other settings or other training data (`fingerprint`)."""
-    final_dir, checkpoints_dir = (
-        os.path.join(cfg.output_dir, "final"),
-        os.path.join(cfg.output_dir, "checkpoints"),
-    )
-    if os.path.exists(final_dir) and not cfg.overwrite:
-        if cfg.resume:
-            # e.g. torchrun restarting a job that had already exported: nothing to do, provided it
-            # is the same run (another one would silently "finish" without training).
-            with open(os.path.join(final_dir, "training_config.json")) as f:
-                check_same_run(cfg, json.load(f), world_size, fingerprint, final_dir)
-            return "finished"
-        raise ValueError(
-            f"{final_dir} already holds a finished run's export; "
-            "pass --overwrite to replace it, or another --output-dir"
-        )
-    # complete or not: an unfinished run's state either way
-    found = checkpoints.list_checkpoints(checkpoints_dir)
-    if not cfg.resume:
-        if found and not cfg.overwrite:
-            raise ValueError(
-                f"{checkpoints_dir} holds checkpoints of an unfinished run (newest: step {found[-1][0]}); "
-                "pass --resume auto to continue it, or --overwrite to start over"
-            )
-        return None
-    resume_dir = cfg.resume
-    if cfg.resume == "auto":
-        resume_dir, skipped = checkpoints.newest_usable_checkpoint(checkpoints_dir)
-        for path, problem in skipped:
-            fsdp_utils.print0(f"warning: not resuming from {path}: {problem}")
-        if resume_dir is None:
-            if skipped:
-                fsdp_utils.print0(
-                    "warning: no usable checkpoint is left: training starts from step 0 "
-                    "(the same steps, so the same result)"
-                )
-            return None
-    with open(os.path.join(resume_dir, "trainer_state.json")) as f:
-        saved = json.load(f)
-    check_same_run(cfg, {**saved["config"], **saved}, world_size, fingerprint, resume_dir)
-    return resume_dir
-
-
-def check_same_run(cfg, saved, world_size, fingerprint, where):
-    """`saved` (a checkpoint's or an export's config and derived values) must describe this run:
-    every setting but those a resume may change, the number of processes, the training data."""
-    current = dataclasses.asdict(cfg)
-    may_change = {
-        field.name
-        for field in dataclasses.fields(config.Config)
-        if field.metadata["rules"]["resume_may_change"]
-    }
-    diffs = [
-        f"--{k.replace('_', '-')} {saved[k]!r} (this run: {current[k]!r})"
-        for k in current
-        if k in saved and k not in may_change and current[k] != saved[k]
-    ]
-    if saved.get("world_size") != world_size:
-        diffs.append(
-            f"{saved.get('world_size')} processes (this run: {world_size}); "
-            "each process holds its own shard of the state"
-        )
-    if saved.get("train_data_fingerprint", fingerprint) != fingerprint:
-        diffs.append(
-            f"other training data ({saved['train_data_fingerprint']}; "
-            f"--train-data {cfg.train_data} now: {fingerprint}), "
-            "so the steps ahead would take other rows"
-        )
-    if diffs:
-        raise ValueError(
-            f"cannot resume from {where}: it was written with "
-            + "; ".join(diffs)
-            + ". Resume with the same settings, data and number of processes, "
-            "or start a fresh --output-dir"
-        )
 
 
 def derived_values(cfg, plan, loaded, world_size, device):

@@ -1,16 +1,18 @@
 """Measure the layout a reader meets: how long train.py is, where its loop starts, how long the
-longest function is, how many lines are too wide, how long the README is, and which project
-files each file needs. Exits 1 when a target is missed (tests/test_layout.py runs it).
+longest function is, how long each project file is, how many lines are too wide, how long the
+README is, and which project files each file needs. Exits 1 when a target is missed
+(tests/test_layout.py runs it).
 
     python bench/check_layout.py            # the table, and any target missed
     python bench/check_layout.py --json     # the same numbers as JSON
 
 Targets: train.py at most 600 lines; main() at most 80 lines; the training loop (main's
 `for step in ...`) within the first 250 lines of train.py; no other function over 60 lines in
-any top-level file; no line over 110 characters in any Python file (ruff's setting too); the
-README at most 350 lines; no file but train.py imports train; losses.py, eval_dist.py and
-lora.py import no other file of the project; every other file names in its docstring each
-project file it imports, so a reader can copy it with the few it needs.
+any top-level file; no top-level file (a project file) over 800 lines; no line over 110
+characters in any Python file (ruff's setting too); the README at most 350 lines; no file but
+train.py imports train; losses.py, eval_dist.py, lora.py and collectives.py import no other file
+of the project; every other file names in its docstring each project file it imports, so a
+reader can copy it with the few it needs.
 """
 
 import argparse
@@ -21,8 +23,9 @@ from pathlib import Path
 
 REPO_DIR = Path(__file__).resolve().parents[1]
 TARGETS = {"train_lines": 600, "main_lines": 80, "loop_line": 250, "function_lines": 60, "line_chars": 110}
+FILE_LINES = 800  # any project file: past it, a file holds more than one concern
 README_LINES = 350
-STANDALONE = ("losses.py", "eval_dist.py", "lora.py")
+STANDALONE = ("losses.py", "eval_dist.py", "lora.py", "collectives.py")
 
 
 def function_lengths(tree):
@@ -82,6 +85,7 @@ def measure():
         "main_lines": main.end_lineno - main.lineno + 1,
         "loop_line": loop.lineno,
         "longest_function": {name: {"function": f, "lines": n} for name, (f, n) in longest.items()},
+        "file_lines": {f.name: len(f.read_text().splitlines()) for f in files},
         "lines_over_110": wide,
         "readme_lines": len((REPO_DIR / "README.md").read_text().splitlines()),
         "imports": imports,
@@ -100,6 +104,9 @@ def missed(m):
             problems.append(
                 f"{name}: {longest['function']} has {longest['lines']} lines > {TARGETS['function_lines']}"
             )
+    problems += [
+        f"{name} has {n} lines > {FILE_LINES}" for name, n in m["file_lines"].items() if n > FILE_LINES
+    ]
     problems += [
         f"{name}: {n} lines over {TARGETS['line_chars']} characters"
         for name, n in m["lines_over_110"].items()
@@ -130,7 +137,8 @@ def main():
         print(f"README.md: {m['readme_lines']} lines")
         for name, longest in sorted(m["longest_function"].items()):
             needs = ", ".join(m["imports"][name]) or "no other project file"
-            print(f"  {name:20s} longest {longest['function']} ({longest['lines']} lines); needs {needs}")
+            size, function = m["file_lines"][name], f"{longest['function']} ({longest['lines']})"
+            print(f"  {name:20s} {size:4d} lines; longest {function}; needs {needs}")
     problems = missed(m)
     for problem in problems:
         print(f"missed: {problem}", file=sys.stderr)

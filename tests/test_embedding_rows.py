@@ -1,9 +1,9 @@
 """DDP's all-reduce sends only the embedding rows some rank used (fsdp_utils.wrap_model's
-communication hook), and the gradients it leaves are the dense mean over ranks, the one DDP's
-own all-reduce gives. The same under FSDP2's shard_grad_op, which leaves the trainable embedding
-tables whole on every rank, out of its collectives (fsdp_utils.wrap_fsdp2), and averages their
-gradients by the rows used once a step (fsdp_utils.all_reduce_replicated); its other weights
-(and a frozen table) stay sharded.
+communication hook, collectives.all_reduce_embedding_rows), and the gradients it leaves are the
+dense mean over ranks, the one DDP's own all-reduce gives. The same under FSDP2's shard_grad_op,
+which leaves the trainable embedding tables whole on every rank, out of its collectives
+(fsdp_utils.wrap_fsdp2), and averages their gradients by the rows used once a step
+(fsdp_utils.all_reduce_replicated); its other weights (and a frozen table) stay sharded.
 
 Two gloo processes, each with its own token ids: rows only rank 0 used, rows only rank 1 used,
 rows both used, and rows neither used. The reference is independent of DDP: each rank's

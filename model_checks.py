@@ -1,0 +1,228 @@
+"""The model, checked from its folder and config before any weights load, in a second or two.
+
+`check_model(cfg, strategy)` (startup_checks.py calls it on every rank, no collective) loads
+--model's config without weights (`model_config_of`) and checks: the folder holds tokenizer
+files and weights that look whole (`check_model_files`; `weights_problem` reads the weight
+files' headers alone: a safetensors file as long as its header says, a pickle file of tensors
+alone, every shard an index names); --append-eos has a fast tokenizer with an EOS token; the
+Matryoshka sizes and the sequence lengths fit the model; and, on a copy built on the meta
+device (`check_meta_model`: no memory, no time), the FSDP block class, activation
+checkpointing and the LoRA target modules. It returns the FSDP block class names, or None.
+
+    layer_classes = model_checks.check_model(cfg, "fsdp")       # ValueError naming the fix
+    problem = model_checks.weights_problem(folder)              # None: the weights look whole
+
+Left out on purpose: loading the weights (embedding_model.py does, once every check passed),
+and checking the values in them (the loss and the weights are checked while training).
+
+Needs transformers, and config.py, data.py (`root_cause`), embedding_model.py, export.py
+(`read_sentence_transformer_config`), fsdp_utils.py (`resolve_layer_classes`) and lora.py.
+"""
+
+import json
+import os
+
+import torch
+import transformers
+
+import config
+import data
+import embedding_model
+import export
+import fsdp_utils
+import lora
+
+
+def check_model(cfg, strategy):
+    """The model checks that need no weights, in a second or two: the folder or hub id exists
+    and its config loads (read here once more, without the weights, so a bad --model fails
+    before anything heavy); under FSDP, the block class to wrap is found (in a copy built on
+    the meta device: no memory, no time). Returns the FSDP block class names, or None."""
+    path, subfolder, model_config = model_config_of(cfg)
+    check_model_files(cfg, os.path.normpath(os.path.join(path, subfolder)))
+    if cfg.append_eos:
+        check_eos_tokenizer(cfg, path, subfolder)
+    width = getattr(model_config, "hidden_size", None)
+    if width and cfg.matryoshka_dims and max(config.matryoshka_sizes(cfg)[0]) > width:
+        raise ValueError(
+            f"--matryoshka-dims {cfg.matryoshka_dims}: {cfg.model} gives {width}-dimensional embeddings; "
+            f"use sizes up to {width}"
+        )
+    positions = getattr(model_config, "max_position_embeddings", None)
+    own_length, column_lengths = config.column_lengths(cfg)
+    if positions and max([own_length, *column_lengths.values()]) > positions:
+        raise ValueError(
+            f"--max-seq-length {cfg.max_seq_length} is beyond the {positions} positions {cfg.model} has; "
+            f"use at most {positions}"
+        )
+    if strategy != "fsdp" and not cfg.lora_rank and not cfg.activation_checkpointing:
+        return None
+    return check_meta_model(cfg, strategy, model_config)
+
+
+def model_config_of(cfg):
+    """(path, subfolder, config) of --model: its local folder or hub id, the subfolder that holds
+    the transformer (a SentenceTransformer folder's), and its config, loaded without weights.
+    Raises ValueError naming --model when the folder is empty or lacks config.json, or the
+    config cannot be loaded (no such folder, unknown hub id, no network)."""
+    path = embedding_model.resolve_model_path(cfg.model)
+    if os.path.isdir(path) and not os.listdir(path):
+        raise ValueError(
+            f"--model {cfg.model}: the folder is empty; pass a folder written by save_pretrained "
+            "(config.json, weights, tokenizer files)"
+        )
+    try:
+        subfolder = export.read_sentence_transformer_config(path)["subfolder"]
+        if os.path.isdir(path) and not os.path.isfile(os.path.join(path, subfolder, "config.json")):
+            raise ValueError(
+                f"the folder has no {os.path.join(subfolder, 'config.json')} "
+                f"(it holds {sorted(os.listdir(os.path.join(path, subfolder)))}); "
+                "pass a folder written by save_pretrained"
+            )
+        model_config = transformers.AutoConfig.from_pretrained(
+            path, subfolder=subfolder, trust_remote_code=cfg.trust_remote_code
+        )
+    except ValueError as e:
+        raise ValueError(f"--model {cfg.model}: {e}") from e
+    except Exception as e:  # OSError, connection errors: no such folder, unknown id, no network
+        reason = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        raise ValueError(
+            f"--model {cfg.model}: not a local model folder, and loading it from the hub failed ({reason}); "
+            "pass a folder holding config.json, or a hub id where a hub is reachable"
+        ) from e
+    return path, subfolder, model_config
+
+
+def check_model_files(cfg, folder):
+    """A local model `folder` (a hub id has none) holds tokenizer files, and weights that look
+    whole (see `weights_problem`)."""
+    if os.path.isdir(folder) and not any(
+        os.path.isfile(os.path.join(folder, name))
+        for name in ("tokenizer.json", *embedding_model.SLOW_TOKENIZER_FILES[:6])
+    ):
+        # Without them transformers builds a tokenizer that maps every word to [UNK], and
+        # training "works".
+        raise ValueError(
+            f"--model {cfg.model}: no tokenizer files in {folder} (tokenizer.json, vocab.txt, ...); "
+            "save the base model's tokenizer there (tokenizer.save_pretrained)"
+        )
+    if os.path.isdir(folder) and (problem := weights_problem(folder)):
+        raise ValueError(f"--model {cfg.model}: {problem}")
+
+
+def check_eos_tokenizer(cfg, path, subfolder):
+    """--append-eos: the model's tokenizer is a fast one (a tokenizer.json), with an EOS token."""
+    tokenizer = transformers.AutoTokenizer.from_pretrained(
+        path, subfolder=subfolder, trust_remote_code=cfg.trust_remote_code
+    )
+    if tokenizer.eos_token is None:
+        raise ValueError(
+            f"--append-eos: the tokenizer of {cfg.model} has no EOS token; "
+            "set one (tokenizer.eos_token = ..., save_pretrained) or drop --append-eos"
+        )
+    if not tokenizer.is_fast:
+        raise ValueError(
+            f"--append-eos needs a fast tokenizer (a tokenizer.json); "
+            f"{cfg.model} has a {type(tokenizer).__name__}"
+        )
+
+
+def check_meta_model(cfg, strategy, model_config):
+    """The checks that need the model's modules, on a copy built on the meta device (no memory,
+    no time): --activation-checkpointing is supported, the block class is found (or
+    --fsdp-layer-cls names one), and --lora-target-modules names Linear layers in it. Returns
+    the FSDP block class names, or None when not sharding."""
+    with torch.device("meta"):
+        encoder = transformers.AutoModel.from_config(model_config, trust_remote_code=cfg.trust_remote_code)
+    if cfg.activation_checkpointing and not encoder.supports_gradient_checkpointing:
+        raise ValueError(
+            f"--activation-checkpointing: {type(encoder).__name__} ({cfg.model}) does not support it "
+            "in transformers; drop the flag"
+        )
+    blocks = fsdp_utils.resolve_layer_classes(encoder, cfg.fsdp_layer_cls)
+    if cfg.lora_rank and not lora.linear_names(encoder, blocks, config.lora_leaf_names(cfg)):
+        inside = sorted({name.rsplit(".", 1)[-1] for name in lora.linear_names(encoder, blocks)})
+        raise ValueError(
+            f"--lora-target-modules {cfg.lora_target_modules}: no Linear layer of that name "
+            f"in {cfg.model}'s block ({', '.join(sorted(c.__name__ for c in blocks))}); "
+            f"its Linear layers: {', '.join(inside)}"
+        )
+    return sorted(c.__name__ for c in blocks) if strategy == "fsdp" else None
+
+
+# The weight files transformers loads, in the order it prefers them.
+WEIGHT_FILES = (
+    "model.safetensors",
+    "model.safetensors.index.json",
+    "pytorch_model.bin",
+    "pytorch_model.bin.index.json",
+)
+
+
+def weights_problem(folder):
+    """Why the weights in a local model folder cannot load (None: they look whole), from file
+    headers alone: a safetensors file must be exactly as long as its header says; a pickle file
+    (pytorch_model.bin) must unpickle as tensors alone, as transformers loads it (mapped, so
+    only its pickle is read). Sharded weights: every shard the index names."""
+    present = [name for name in WEIGHT_FILES if os.path.isfile(os.path.join(folder, name))]
+    if not present:
+        return (
+            f"no weights in {folder} (looked for {', '.join(WEIGHT_FILES)}); "
+            "pass a folder written by save_pretrained"
+        )
+    index = present[0]
+    shards = [index]
+    if index.endswith(".index.json"):
+        try:
+            with open(os.path.join(folder, index)) as f:
+                shards = sorted(set(json.load(f)["weight_map"].values()))
+        except (OSError, ValueError, KeyError, AttributeError) as e:
+            return f"{index} is unreadable ({e}); save the model again"
+    for shard in shards:
+        file = os.path.join(folder, shard)
+        if not os.path.isfile(file):
+            return f"{shard}, named in {index}, is missing from {folder}; copy it there"
+        problem = safetensors_problem(file) if shard.endswith(".safetensors") else pickle_problem(file)
+        if problem:
+            return f"{file} {problem}"
+    return None
+
+
+def safetensors_problem(file):
+    size = os.path.getsize(file)
+    with open(file, "rb") as f:
+        header_size = int.from_bytes(f.read(8), "little")
+        if size < 8 or header_size > size - 8:
+            return f"is truncated ({size} bytes, not even its header); copy or save it again"
+        try:
+            header = json.loads(f.read(header_size))
+        except ValueError:
+            return "is not a safetensors file (its header is not JSON); copy or save it again"
+    expected = (
+        8
+        + header_size
+        + max((t["data_offsets"][1] for k, t in header.items() if k != "__metadata__"), default=0)
+    )
+    if size != expected:
+        return (
+            f"has {size} bytes where its header describes {expected} (truncated, or cut off in a copy); "
+            "copy or save it again"
+        )
+    return None
+
+
+def pickle_problem(file):
+    try:
+        try:
+            torch.load(file, map_location="cpu", weights_only=True, mmap=True)
+        except RuntimeError as e:
+            if "mmap" not in str(e):
+                raise
+            torch.load(file, map_location="cpu", weights_only=True)  # the pre-2019 format cannot be mapped
+    except Exception as e:
+        return (
+            f"cannot be loaded as tensors alone ({data.root_cause(e)[:200]}): "
+            "it is truncated, or its pickle holds code; "
+            "re-save the model as safetensors from a copy you trust"
+        )
+    return None

@@ -145,18 +145,14 @@ def no_duplicate_batches(columns, order, global_batch):
         batches.append(torch.tensor(batch))
 
 
-def micro_batch_indices(
-    order, step_in_epoch, rank, micro_step, per_device_batch_size, world_size, grad_accum_steps
-):
-    """Row indices of one micro-batch. Step k's global batch is the k-th slice of `order` of
-    per_device x world x accum rows, and rank r, micro-step j takes its contiguous sub-slice
-    j * world + r: the ranks' micro-batches of one micro-step are consecutive rows, so with
-    --gather-negatives they form exactly the batch one process of world x per_device rows
-    would see. The tail is dropped, so every rank runs the same number of equal-sized
-    batches (a rank with one batch more would hang the others in a collective)."""
-    global_batch = per_device_batch_size * world_size * grad_accum_steps
-    start = step_in_epoch * global_batch + (micro_step * world_size + rank) * per_device_batch_size
-    return order[start : start + per_device_batch_size].tolist()
+def micro_batch_indices(global_batch_rows, rank, micro_step, per_device_batch_size, world_size):
+    """Row indices of one micro-batch of a step's global batch (per_device x world x accum
+    rows, from the schedule): rank r, micro-step j takes its contiguous slice j * world + r, so
+    the ranks' micro-batches of one micro-step are consecutive rows, and with --gather-negatives
+    they form exactly the batch one process of world x per_device rows would see. Every rank
+    gets as many rows (a rank with one batch more would hang the others in a collective)."""
+    start = (micro_step * world_size + rank) * per_device_batch_size
+    return global_batch_rows[start : start + per_device_batch_size].tolist()
 
 
 # ----------------------------------------------------------------------------------------------
@@ -220,24 +216,21 @@ def collate(rows, text_columns, target, loss_name, tokenize, device, prompts=Non
 def micro_batches(plan, cfg, loaded, rank, world_size, start_step):
     """This rank's micro-batches from start_step on, in training order: (train set, rows,
     features, labels), tokenized on the CPU. A background thread reads and tokenizes the next
-    one while the caller computes on this one, so tokenizing overlaps the step (a batch of 32
-    STS-B pairs: 4 ms, against a 0.7 s step on 2 CPU cores, but a far larger share of a GPU's
-    step: bench/bench_cosent_vs_st.py). The thread has its own copy of the tokenizer: a fast
-    tokenizer used from two threads at once fails ("Already borrowed"), and evaluation
-    tokenizes in the main thread."""
-    own = dataclasses.replace(loaded, tokenizer=copy.deepcopy(loaded.tokenizer))
+    one while the caller computes on this one, so tokenizing overlaps the step (a small share of
+    a CPU's step, a far larger one of a GPU's: docs/steps.md). The thread has its own copy of
+    the tokenizer: a fast tokenizer used from two threads at once fails ("Already borrowed"), and
+    evaluation tokenizes in the main thread."""
+    thread_tokenize = dataclasses.replace(loaded, tokenizer=copy.deepcopy(loaded.tokenizer)).tokenize
 
     def read(step, micro_step):
         _, set_index, batch_rows = plan.schedule[step]
         ts = plan.train_sets[set_index]
-        indices = micro_batch_indices(
-            batch_rows, 0, rank, micro_step, ts.per_device_batch_size, world_size, cfg.grad_accum_steps
-        )
+        indices = micro_batch_indices(batch_rows, rank, micro_step, ts.per_device_batch_size, world_size)
         rows = ts.ds[indices]
         if ts.group_size:
             rows = grouped_rows(rows, indices, ts.group_size, cfg.seed, step)
         features, labels = collate(
-            rows, ts.text_columns, ts.target, ts.loss, own.tokenize, "cpu", ts.prompts, ts.prompt_columns
+            rows, ts.text_columns, ts.target, ts.loss, thread_tokenize, "cpu", ts.prompts, ts.prompt_columns
         )
         return ts, rows, features, labels
 
@@ -283,14 +276,8 @@ def pool_columns(features):
 
 
 # The cost of one more forward, in padded tokens: what a sub-batch must save to be worth running.
-# CPU: measured with train.py itself (all-MiniLM-L6-v2, CoSENT on STS-B, 60 steps of 32 rows,
-# 2 cores), in samples/s: one process with 32 rows: 43.3 at 64, 41.7-43.4 at 256; two DDP
-# processes with 16 rows each: 36.9 at 64, 33.6 at 32, 29 at 256 (which mostly chose one
-# forward for 16 rows), 36.2 and 36.3 with 2 and 3 sub-batches fixed, 28.0 with none. Again
-# with one word-embedding lookup per micro-batch, bf16, forward + loss + backward over the
-# same 20 pools of 64 texts, ms per pool: 284 at 16, 270 at 32, 276 at 64, 297 at 128, 559 in one
-# forward (3.7 forwards per pool at 64): 32 to 64 are even. CUDA: a
-# guess (a GPU forward has a larger fixed cost, so fewer, larger forwards); not measured.
+# CPU: measured with train.py itself at one and two processes (docs/steps.md has the numbers).
+# CUDA: a guess (a GPU forward has a larger fixed cost, so fewer, larger forwards); not measured.
 FORWARD_COST_TOKENS = {"cpu": 64, "cuda": 512}
 
 
@@ -306,8 +293,7 @@ def length_sorted_cuts(mask_BT, max_groups):
     run padded to its first, longest row), with `runs(k)`: those runs, as row-index tensors.
     Dynamic programming over the cut positions p: padded_k(p) = min over j < p of
     padded_(k-1)(j) + (p - j) x length(j). A run of a few long rows and one of many short ones
-    beats equal-sized runs wherever the lengths are skewed (STS-B: 1.15x the real tokens
-    instead of 1.25x)."""
+    beats equal-sized runs wherever the lengths are skewed (docs/steps.md: STS-B)."""
     lengths_B = mask_BT.sum(1)
     order_B = torch.sort(lengths_B, descending=True, stable=True).indices
     sorted_B = lengths_B[order_B].double()
@@ -353,7 +339,7 @@ def sub_batches(features, length_buckets, device, equal_sizes=False):
     Each rank may choose its own: under DDP the wrapped model is called once per micro-batch
     (GradCache: once per chunk, and DDP broadcasts its buffers only in a forward that follows
     a synchronised one with gradients, so extra chunks add no collective). Under FSDP every
-    encoder pass gathers each block, a collective, so every rank must run as many: train.py
+    encoder pass gathers each block (all ranks participate), so every rank runs as many: train.py
     fixes the count there (--length-buckets; 1 unless set), and GradCache's chunks agree too
     when micro-batches are equal in size and groups equal in rows."""
     mask_BT = pool_columns(features)["attention_mask"]
@@ -388,10 +374,9 @@ def pack(features):
     """The Packing of a micro-batch's texts, all columns as one pool (pool_columns; padding on
     either side): rows as wide as its longest text, filled first-fit in order of decreasing length
     (ties in batch order). A row's attention is never wider than the padded batch's, and its other
-    layers compute (almost) only real tokens: 32 STS-B pairs (64 texts, MiniLM's tokenizer, 40
-    batches) pack into 25 rows of 1.06x their real tokens, where one padded batch computes 2.78x
-    and sub_batches 1.17x. Each rank packs its own rows into one forward, so FSDP ranks still run
-    the same collectives."""
+    layers compute (almost) only real tokens (docs/steps.md: STS-B against a padded batch and
+    sub_batches). Each rank packs its own rows into one forward, so FSDP ranks still run the same
+    collectives."""
     mask_NT = pool_columns(features)["attention_mask"]
     lengths = mask_NT.sum(1).tolist()
     width = max(lengths)

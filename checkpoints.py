@@ -45,8 +45,8 @@ import config
 import faults
 import fsdp_utils
 
-# torch.distributed.checkpoint is imported by the functions that use it: 0.9 s of start-up that
-# runs without FSDP or checkpoints never need.
+# torch.distributed.checkpoint is imported by the functions that use it: start-up time that
+# runs without FSDP or checkpoints never need (docs/speed.md).
 
 
 # Flattened optimizer state ("state.<param>.exp_avg", ...): the same keys on every rank even when
@@ -60,10 +60,10 @@ CHECKPOINT_NAME = re.compile(r"^step-(\d+)$")
 
 
 def _tensor_state(model, optimizer):
-    """(tensors for DCP, non-tensor optimizer entries). A collective under FSDP: all ranks."""
+    """(tensors for DCP, non-tensor optimizer entries): under FSDP a collective (all ranks participate)."""
     from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict
 
-    model_state, optim_state = get_state_dict(
+    model_state, optim_state = get_state_dict(  # (all ranks participate): FSDP's state dict
         model, optimizer, options=StateDictOptions(**CHECKPOINT_OPTIONS)
     )
     tensors = {"model." + k: v for k, v in model_state.items()}
@@ -152,8 +152,9 @@ def _write_manifest(tmp_dir):
 
 def save_checkpoint(model, optimizer, checkpoints_dir, step, trainer_state, keep_last=0):
     """Save model, optimizer, every rank's RNG and `trainer_state` (a JSON-able dict) as
-    `checkpoints_dir/step-{step}`. EVERY rank must call it: gathering the state dict, the DCP
-    save and the agreements between the writes are collectives. Only rank 0 writes the JSON files and renames.
+    `checkpoints_dir/step-{step}` (all ranks participate): gathering the state dict, the DCP
+    save and the agreements between the writes are collectives. Only rank 0 writes the JSON
+    files and renames.
     A folder already named step-{step} (a damaged one, or one a resume from an older step is
     about to replace) is moved aside to step-{step}.replaced-TIME, never deleted.
     `keep_last` > 0 removes older checkpoints beyond that many, after the new one is complete.
@@ -166,25 +167,26 @@ def save_checkpoint(model, optimizer, checkpoints_dir, step, trainer_state, keep
     final_dir = os.path.join(checkpoints_dir, f"step-{step}")
     tmp_dir = os.path.join(checkpoints_dir, f".incomplete-step-{step}")
     with fsdp_utils.quiet_checkpoint_warnings():  # (FSDP1's ShardedTensor warns at each use)
-        tensors, hyper = _tensor_state(model, optimizer)  # all ranks (collective under FSDP)
+        tensors, hyper = _tensor_state(model, optimizer)  # (all ranks participate): under FSDP
         # RNG states, JSON and safetensors headers: a few kB a rank, within the 1% + 1 MiB.
         need = int(1.01 * faults.global_bytes(tensors.values())) + 2**20
-    # ALL ranks: when the disk cannot hold it, stop before writing anything.
     what = f"checkpoint step-{step}"
+    # (all ranks participate): when the disk cannot hold it, every rank stops before writing anything.
     faults.check_space(checkpoints_dir, need, what)
 
-    # ALL ranks, each `agreed_writes` an all_reduce: a write that fails on any rank (a full disk)
-    # stops every rank, with the half-written folder removed. Each is also a barrier: nobody
-    # writes into the folder before it exists, nor lists the files before all are written.
+    # Each `agreed_writes` is an all_reduce: a write that fails on any rank (a full disk) stops
+    # every rank, with the half-written folder removed. Each is also a barrier: nobody writes
+    # into the folder before it exists, nor lists the files before all are written.
     remove_tmp = functools.partial(shutil.rmtree, tmp_dir, ignore_errors=True)
-    with faults.agreed_writes(what, checkpoints_dir, remove_tmp):
+    with faults.agreed_writes(what, checkpoints_dir, remove_tmp):  # (all ranks participate)
         if rank == 0:
             shutil.rmtree(tmp_dir, ignore_errors=True)  # a leftover of a save that was killed
             os.makedirs(tmp_dir)
-    with faults.agreed_writes(what, checkpoints_dir, remove_tmp):
+    with faults.agreed_writes(what, checkpoints_dir, remove_tmp):  # (all ranks participate)
         with fsdp_utils.quiet_checkpoint_warnings():
-            # All ranks: each writes the tensors (or shards) it is assigned; safetensors files,
-            # so loading them back runs no pickle. A failed write raises on every rank.
+            # (all ranks participate): each writes the tensors (or shards) it is assigned;
+            # safetensors files, so loading them back runs no pickle. A failed write raises on
+            # every rank.
             dcp.save(
                 tensors,
                 storage_writer=dcp.HuggingFaceStorageWriter(
@@ -196,7 +198,8 @@ def save_checkpoint(model, optimizer, checkpoints_dir, step, trainer_state, keep
             with open(os.path.join(tmp_dir, "trainer_state.json"), "w") as f:
                 json.dump({**trainer_state, "step": step, "optimizer_hyperparameters": hyper}, f, indent=1)
 
-    # Rank 0 writes the manifest, renames, and removes the oldest; the others wait for it.
+    # (all ranks participate): rank 0 writes the manifest, renames, and removes the oldest; the
+    # others wait for it.
     with faults.agreed_writes(what, checkpoints_dir, remove_tmp):
         if rank == 0:
             _make_complete(tmp_dir, final_dir, checkpoints_dir, keep_last)
@@ -231,7 +234,8 @@ def _make_complete(tmp_dir, final_dir, checkpoints_dir, keep_last):
 
 def load_checkpoint(model, optimizer, checkpoint_dir):
     """Load what `save_checkpoint` wrote into `model` and `optimizer` (built the same way, same
-    world size) and this rank's RNG; return the trainer state dict. EVERY rank must call it."""
+    world size) and this rank's RNG; return the trainer state dict. Reading sharded state and
+    setting it are collectives (all ranks participate)."""
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.state_dict import StateDictOptions, set_state_dict
 
@@ -239,12 +243,13 @@ def load_checkpoint(model, optimizer, checkpoint_dir):
     with open(os.path.join(checkpoint_dir, "trainer_state.json")) as f:
         trainer_state = json.load(f)
     with fsdp_utils.quiet_checkpoint_warnings():
-        tensors, _ = _tensor_state(model, optimizer)  # the shapes and shards to fill (all ranks)
-        dcp.load(tensors, storage_reader=dcp.HuggingFaceStorageReader(checkpoint_dir))  # all ranks
+        tensors, _ = _tensor_state(model, optimizer)  # the shards to fill (all ranks participate)
+        # (all ranks participate): each rank reads the shards it holds
+        dcp.load(tensors, storage_reader=dcp.HuggingFaceStorageReader(checkpoint_dir))
         model_state = {k.removeprefix("model."): v for k, v in tensors.items() if k.startswith("model.")}
         optim_state = {k.removeprefix("optim."): v for k, v in tensors.items() if k.startswith("optim.")}
         optim_state.update(trainer_state["optimizer_hyperparameters"])
-        set_state_dict(
+        set_state_dict(  # (all ranks participate)
             model,
             optimizer,
             model_state_dict=model_state,
@@ -256,13 +261,13 @@ def load_checkpoint(model, optimizer, checkpoint_dir):
 
 
 def restore_checkpoint(resume_dir, model, optimizer, scheduler, scaler, total_steps):
-    """ALL ranks (loading sharded state is a collective): the weights, AdamW's moments, this
-    rank's RNG, the schedule and the loss scale. The data position is the step itself (every
+    """Loading sharded state is a collective (all ranks participate): the weights, AdamW's
+    moments, this rank's RNG, the schedule and the loss scale. The data position is the step itself (every
     step's rows follow from the seed). Returns (start_step, best metric value so far); (0, None)
     when there is nothing to resume (resume_dir None)."""
     if resume_dir is None:
         return 0, None
-    saved = load_checkpoint(model, optimizer, resume_dir)
+    saved = load_checkpoint(model, optimizer, resume_dir)  # (all ranks participate)
     scheduler.load_state_dict(schedule_for_groups(saved["scheduler"], len(optimizer.param_groups)))
     if scaler:
         scaler.load_state_dict(saved["grad_scaler"])
@@ -297,13 +302,13 @@ def newest_usable_checkpoint(checkpoints_dir):
 
 
 def weights_finite(model, device):
-    """Whether every weight is finite, on every rank's shard. ALL ranks (an all_reduce)."""
+    """Whether every weight is finite, on every rank's shard: an all_reduce (all ranks participate)."""
     non_finite = torch.zeros((), device=device)
     for param in model.parameters():
         local = param.to_local() if hasattr(param, "to_local") else param  # FSDP2: this rank's shard
         non_finite += (~torch.isfinite(local.detach())).sum()
     if dist.is_initialized():
-        dist.all_reduce(non_finite)
+        dist.all_reduce(non_finite)  # (all ranks participate): every rank's shard counts
     return non_finite.item() == 0
 
 

@@ -80,8 +80,8 @@ class EmbeddingModel(torch.nn.Module):
             return self.classifier(head_input)
         # The word embeddings are looked up once for all groups, not once per group: each
         # lookup's backward makes a dense gradient as large as the whole vocabulary table (30522
-        # x 384 for MiniLM: 47 MB to fill with zeros and add); with a lookup per group (3.7 per
-        # 32 STS-B pairs) forward + backward took 1.12x as long in bf16 on a CPU, 1.10x in fp32.
+        # x 384 for MiniLM) to fill with zeros and add; a lookup per group made forward + backward
+        # slower (docs/steps.md).
         # The encoder takes the looked-up rows as `inputs_embeds`: the same numbers for every
         # real token (XLM-R and MPNet, which give padding its own position from input_ids, then
         # number it as the others; it is masked).
@@ -158,16 +158,14 @@ def packing_support(encoder, takes_positions):
     return None
 
 
-def use_packing(cfg, model):
-    """Whether training runs packed rows, and a line in the log saying which path runs and why."""
+def packing_choice(cfg, model):
+    """(whether training runs packed rows, the log line saying which path runs and why)."""
     why_not = model.cannot_pack
     if cfg.packing == "off" or cfg.length_buckets or cfg.cache_chunk_size:
         why_not = "--packing off" if cfg.packing == "off" else "--length-buckets or --cache-chunk-size set"
     if why_not is None:
-        fsdp_utils.print0("forwards: one per micro-batch over packed rows (no padding computed)")
-    else:
-        fsdp_utils.print0(f"forwards: length-sorted sub-batches, not packed rows ({why_not})")
-    return why_not is None
+        return True, "forwards: one per micro-batch over packed rows (no padding computed)"
+    return False, f"forwards: length-sorted sub-batches, not packed rows ({why_not})"
 
 
 def select_rows(tokens, rows):

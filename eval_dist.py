@@ -31,9 +31,10 @@ Use it (one process, or every rank under torchrun; gloo on CPU, NCCL on CUDA):
 `model` is the module the training loop calls: the DDP/FSDP1/FSDP2-wrapped one, so that FSDP can
 gather its parameters. It is called as `model(**tokenize(texts))` -> (B, D) embeddings. Texts
 reach it only through the caller's `tokenize`, so evaluation prepares texts (stripping, casing,
-truncation, later prompts) exactly as training does. ALL ranks must call every function here,
-the same number of times, in the same order: an FSDP forward is a collective, and a rank that
-runs one forward fewer, or one that skips a function, leaves the others waiting forever. With no
+truncation, later prompts) exactly as training does. Every function here that encodes or
+merges is called by all ranks (all ranks participate), the same number of times, in the same
+order: an FSDP forward is a collective, and a rank that runs one forward fewer, or one that
+skips a function, leaves the others waiting forever. With no
 process group (one process), the same code runs and no collective is made.
 
 Two rules keep every rank in step and the numbers independent of the world size:
@@ -111,8 +112,9 @@ def model_device(model):
 
 def encode_local(model, tokenize, texts, batch_size=32, device=None, columns=None):
     """Embed this rank's share of `texts`. Returns (rows_R, emb_RD): the indices of the texts this
-    rank encoded (ascending) and their float32 embeddings. Every rank must call it: each runs
-    ceil(ceil(N / batch_size) / world) forwards, whatever its share (rule 1 of the docstring).
+    rank encoded (ascending) and their float32 embeddings. Under FSDP each forward is a
+    collective (all ranks participate): each rank runs ceil(ceil(N / batch_size) / world)
+    forwards, whatever its share (rule 1 of the docstring).
     `tokenize(list of texts) -> dict of (B, T) tensors`, padded; `device=None`: the model's.
     `columns`: one name per text, which tokenize then gets too, `tokenize(texts, columns)`, for a
     tokenizer that treats columns differently (truncating queries shorter than passages)."""
@@ -134,13 +136,13 @@ def encode_local(model, tokenize, texts, batch_size=32, device=None, columns=Non
             batch_rows = [0] if is_dummy else batches[batch_index]
             batch_columns = [[columns[i] for i in batch_rows]] if columns else []
             tokens = tokenize([texts[i] for i in batch_rows], *batch_columns)
-            # All ranks run this forward num_steps times: under FSDP it all-gathers parameters, a
-            # collective that hangs if one rank skips it. A dummy's result is dropped.
+            # (all ranks participate), num_steps times: under FSDP the forward all-gathers
+            # parameters, a collective that hangs if one rank skips it. A dummy's result is dropped.
             emb_BD = model(**{k: v.to(device) for k, v in tokens.items()}).float()
             if emb_RD is None:
                 # One buffer for all the rank's rows, filled batch by batch. Keeping each batch's
                 # small output alive instead, among the next batches' freed activations,
-                # fragments glibc's heap: 100k texts took 390 MB more RSS that way, not 88 MB.
+                # fragments glibc's heap (docs/evaluation.md).
                 emb_RD = emb_BD.new_empty(len(rows), emb_BD.shape[1])
             if not is_dummy:
                 start = step * batch_size  # the rank's earlier batches are full ones
@@ -151,13 +153,15 @@ def encode_local(model, tokenize, texts, batch_size=32, device=None, columns=Non
 
 
 def encode(model, tokenize, texts, batch_size=32, device=None, columns=None):
-    """Embed all `texts` -> float32 (N, D), identical on every rank. Every rank must call it."""
+    """Embed all `texts` -> float32 (N, D), identical on every rank (all ranks participate)."""
     rank, world_size = rank_and_world()
+    # (all ranks participate): the forwards, the same number on every rank
     rows_R, emb_RD = encode_local(model, tokenize, texts, batch_size, device, columns)
     emb_ND = emb_RD.new_zeros(len(texts), emb_RD.shape[1])
     emb_ND[rows_R] = emb_RD
     if world_size > 1:
-        # All ranks: every row was written by exactly one rank, so the sum IS that row (x + 0).
+        # (all ranks participate): every row was written by exactly one rank, so the sum IS that
+        # row (x + 0).
         dist.all_reduce(emb_ND, op=dist.ReduceOp.SUM)
     return emb_ND
 
@@ -176,8 +180,9 @@ def top_k_sharded(query_QD, local_RD, rows_R, k, chunk_size=1024, block_size=163
 
     Memory: `chunk_size` queries at a time are scored against `block_size` rows of the shard at
     a time, keeping a running top k, so no rank ever holds more than a chunk x block score
-    matrix (beside the Q x k answer), however large the corpus. ALL ranks must call it, with the
-    same Q, k and chunk_size: every chunk ends in one all_reduce, ceil(Q / chunk_size) of them."""
+    matrix (beside the Q x k answer), however large the corpus. Every chunk ends in one
+    all_reduce (all ranks participate), with the same Q, k and chunk_size on every rank:
+    ceil(Q / chunk_size) of them."""
     rank, world_size = rank_and_world()
     device = query_QD.device
     scores, rows = [], []
@@ -190,8 +195,9 @@ def top_k_sharded(query_QD, local_RD, rows_R, k, chunk_size=1024, block_size=163
         offers_WHK2[rank, :, :, 0] = offer_scores_HK
         offers_WHK2[rank, :, :, 1] = offer_rows_HK
         if world_size > 1:
-            # All ranks, once per chunk (the same number of chunks everywhere): slot r holds rank
-            # r's offer and zeros elsewhere, so the SUM is every offer, exactly (-inf + 0 = -inf).
+            # (all ranks participate), once per chunk (the same number of chunks everywhere): slot
+            # r holds rank r's offer and zeros elsewhere, so the SUM is every offer, exactly
+            # (-inf + 0 = -inf).
             dist.all_reduce(offers_WHK2, op=dist.ReduceOp.SUM)
         cand_HC2 = offers_WHK2.permute(1, 0, 2, 3).reshape(len(chunk_HD), world_size * k, 2)
         best_scores_HK, best_rows_HK = _best_k(cand_HC2[..., 0], cand_HC2[..., 1].long(), k)
@@ -278,7 +284,8 @@ def spearman(x_N, y_N):
 
 
 # ----------------------------------------------------------------------------------------------
-# Evaluators: every rank calls each one; each returns the same dict on every rank
+# Evaluators: every rank calls each one (all ranks participate); each returns the same dict on
+# every rank
 
 
 def evaluate_sts(
@@ -288,15 +295,16 @@ def evaluate_sts(
     as sentence-transformers' EmbeddingSimilarityEvaluator (its "spearman_cosine" /
     "pearson_cosine", which are not x 100). `dims` (Matryoshka): also "spearman@d" and
     "pearson@d" for the embeddings truncated to their first d dimensions, from the same encoding.
-    `columns`: the two columns' names, for tokenize (encode_local)."""
+    `columns`: the two columns' names, for tokenize (encode_local). Its encoding is collective
+    (all ranks participate)."""
     num_pairs = len(sentences1)
     if num_pairs != len(sentences2) or num_pairs != len(scores):
         raise ValueError(
             f"evaluate_sts: {num_pairs} sentences1, {len(sentences2)} sentences2 and {len(scores)} scores; "
             "they must be equally long"
         )
-    # One encode for both columns: one set of forwards, fuller batches.
     names = [columns[0]] * num_pairs + [columns[1]] * num_pairs if columns else None
+    # One encode for both columns: one set of forwards, fuller batches (all ranks participate).
     emb_2ND = encode(model, tokenize, list(sentences1) + list(sentences2), batch_size, device, names).double()
     gold_N = torch.tensor(scores, dtype=torch.float64, device=emb_2ND.device)
     metrics = {}
@@ -359,24 +367,25 @@ def evaluate_retrieval(
 
     The corpus is sharded: each rank keeps only the embeddings it encoded, scores `query_chunk`
     queries at a time against them (a chunk x shard matrix at most), and offers its local top
-    K; one all_reduce per chunk merges the offers. Each distinct corpus text is encoded and
-    scored once, and every copy of it takes that score: duplicates tie exactly by construction,
-    wherever they sit. (Two ranks, or two positions of one matrix product, need not compute
-    bitwise-equal floats for the same text; CPUs differ there.) `dims` (Matryoshka): also every
-    metric at each truncated size d ("mrr@10@64", ...), from the same encoding. `columns`: the
-    queries' and the corpus' column names, for tokenize."""
+    K; one all_reduce per chunk merges the offers (all ranks participate). Each distinct corpus
+    text is encoded and scored once, and every copy of it takes that score: duplicates tie
+    exactly by construction, wherever they sit. (Two ranks, or two positions of one matrix
+    product, need not compute bitwise-equal floats for the same text; CPUs differ there.) `dims`
+    (Matryoshka): also every metric at each truncated size d ("mrr@10@64", ...), from the same
+    encoding. `columns`: the queries' and the corpus' column names, for tokenize."""
     names = metrics or (f"mrr@{k}", f"ndcg@{k}", "recall@1", f"recall@{k}")
     gains = relevance_grades(queries, corpus, relevant)
     top = max(int(name.split("@")[1]) for name in names)
     rank, world_size = rank_and_world()
     query_names = [columns[0]] * len(queries) if columns else None
+    # (all ranks participate): the queries on every rank, then each rank's share of the corpus
     full_query_QD = encode(model, tokenize, queries, batch_size, device, query_names).double()
     distinct = {}  # text -> its index among the distinct texts, in first-seen order
     distinct_of_row_N = torch.tensor(
         [distinct.setdefault(text, len(distinct)) for text in corpus], device=full_query_QD.device
     )
     distinct_names = [columns[1]] * len(distinct) if columns else None
-    local_U, full_corpus_UD = encode_local(
+    local_U, full_corpus_UD = encode_local(  # (all ranks participate)
         model, tokenize, list(distinct), batch_size, device, distinct_names
     )
     results = {}
@@ -384,13 +393,11 @@ def evaluate_retrieval(
         query_QD = F.normalize(full_query_QD[:, :dim], dim=-1)
         corpus_UD = F.normalize(full_corpus_UD[:, :dim].double(), dim=-1)
         hits = []
-        # ALL ranks run the same chunks (the same number of queries everywhere): two all_reduces each.
         for start in range(0, len(queries), query_chunk):
             scores_QU = query_QD[start : start + query_chunk] @ corpus_UD.T
+            # (all ranks participate): the same chunks on every rank, two all_reduces each
             hits += _top_rows(scores_QU, local_U, len(distinct), distinct_of_row_N, top, rank, world_size)
-        results.update(
-            {name + suffix: value for name, value in retrieval_metrics(hits, gains, names).items()}
-        )
+        results.update({name + suffix: v for name, v in retrieval_metrics(hits, gains, names).items()})
     return results
 
 
@@ -415,7 +422,7 @@ def relevance_grades(queries, corpus, relevant):
 def _top_rows(scores_QU, local_U, num_distinct, distinct_of_row_N, k, rank, world_size):
     """Each query's k best corpus rows (a list per query, -1 where the corpus has fewer), from
     this rank's scores against the distinct texts it encoded (local_U, of num_distinct;
-    distinct_of_row_N maps each corpus row to its distinct text). ALL ranks (two all_reduces)."""
+    distinct_of_row_N maps each corpus row to its distinct text). Two all_reduces (all ranks participate)."""
     num_queries, device = scores_QU.shape[0], scores_QU.device
     # This rank's corpus rows: every copy of the distinct texts it encoded (ascending), each
     # taking its text's column of scores.
@@ -436,10 +443,10 @@ def _top_rows(scores_QU, local_U, num_distinct, distinct_of_row_N, k, rank, worl
     offer_scores_WQK[rank, :, :num_local] = sorted_scores_QR[:, :num_local]
     offer_rows_WQK[rank, :, :num_local] = rows_R[sorted_pos_QR[:, :num_local]]
     if world_size > 1:
-        # All ranks, once each per buffer: slot r holds rank r's offer, zeros elsewhere, so the
-        # SUM assembles all offers exactly (-inf + 0 = -inf, -1 + 0 = -1).
-        dist.all_reduce(offer_scores_WQK, op=dist.ReduceOp.SUM)
-        dist.all_reduce(offer_rows_WQK, op=dist.ReduceOp.SUM)
+        # Once each per buffer: slot r holds rank r's offer, zeros elsewhere, so the SUM
+        # assembles all offers exactly (-inf + 0 = -inf, -1 + 0 = -1).
+        dist.all_reduce(offer_scores_WQK, op=dist.ReduceOp.SUM)  # (all ranks participate)
+        dist.all_reduce(offer_rows_WQK, op=dist.ReduceOp.SUM)  # (all ranks participate)
     # Merge: order by score descending, then corpus index ascending. Sort by index first; the
     # stable sort by score keeps that order among equal scores. The global top k is among the
     # union of every rank's local top k.
@@ -499,7 +506,8 @@ def evaluate_nli(
     empty), and the correct counts are summed. Why not all rows on every rank: that is world
     times the compute and memory for the same answer; why not in batches: under FSDP each head
     forward all-gathers the root's parameters (with the word embeddings), one gather is enough
-    for a linear head over N / world rows."""
+    for a linear head over N / world rows. Encoding, `classify` and the sum are collective
+    (all ranks participate)."""
     num_rows = len(premises)
     if num_rows != len(hypotheses) or num_rows != len(labels):
         raise ValueError(
@@ -508,15 +516,17 @@ def evaluate_nli(
         )
     rank, world_size = rank_and_world()
     names = [columns[0]] * num_rows + [columns[1]] * num_rows if columns else None
+    # (all ranks participate): both columns in one encode
     emb_2ND = encode(model, tokenize, list(premises) + list(hypotheses), batch_size, device, names)
     start, end = shard_bounds(num_rows, rank, world_size)
     with evaluating(model):
-        # All ranks, once each, even with an empty slice: under FSDP the head forward is a collective.
+        # (all ranks participate), once each, even with an empty slice: under FSDP the head
+        # forward is a collective.
         logits_SC = classify(emb_2ND[start:end], emb_2ND[num_rows + start : num_rows + end])
     labels_S = torch.tensor(list(labels[start:end]), dtype=torch.long, device=logits_SC.device)
     num_correct = (logits_SC.argmax(-1) == labels_S).sum().to(torch.float64)
     if world_size > 1:
-        # All ranks: sum the correct counts of the slices; divide once.
+        # (all ranks participate): sum the correct counts of the slices; divide once.
         dist.all_reduce(num_correct, op=dist.ReduceOp.SUM)
     return {"accuracy": 100 * num_correct.item() / num_rows}
 
@@ -528,7 +538,8 @@ def evaluate_loss(model, num_rows, batch_size, batch_loss):
     shorter), the same at any world size, so in-batch negatives (MNRL) and CoSENT's pairs are
     the same too; rank r takes batches r, r + world, ... . `batch_loss(indices) -> mean loss
     (scalar tensor)` is supplied by the caller and runs the forwards through the wrapped model.
-    `model` is only put in eval mode (dropout off) and back. Returns {"loss": ...}."""
+    `model` is only put in eval mode (dropout off) and back. Returns {"loss": ...}. Its forwards
+    and the sum are collective (all ranks participate)."""
     if num_rows <= 0:
         raise ValueError("evaluate_loss: no rows to evaluate")
     rank, world_size = rank_and_world()
@@ -540,14 +551,14 @@ def evaluate_loss(model, num_rows, batch_size, batch_loss):
             batch_index = step * world_size + rank
             is_dummy = batch_index >= len(batches)
             indices = batches[0] if is_dummy else batches[batch_index]
-            # All ranks call batch_loss num_steps times: its forwards are collectives under FSDP.
-            # A dummy (a real batch, so any loss accepts it) is computed and dropped.
+            # (all ranks participate), num_steps times: batch_loss's forwards are collectives under
+            # FSDP. A dummy (a real batch, so any loss accepts it) is computed and dropped.
             loss = batch_loss(indices).detach().to(torch.float64)
             if totals is None:
                 totals = torch.zeros(2, dtype=torch.float64, device=loss.device)
             if not is_dummy:
                 totals += torch.stack([loss * len(indices), loss.new_tensor(len(indices))])
     if world_size > 1:
-        # All ranks: sums and counts are added across ranks, divided once.
+        # (all ranks participate): sums and counts are added across ranks, divided once.
         dist.all_reduce(totals, op=dist.ReduceOp.SUM)
     return {"loss": (totals[0] / totals[1]).item()}

@@ -1,8 +1,9 @@
 """The export: a SentenceTransformer folder, written with no whole copy of the model on any rank.
 
-  - `export_model` (ALL ranks): under FSDP every rank stages the part of the weights it holds
-    (`stage_state_dict`, DCP; nothing is gathered) and rank 0 reads them back a file's worth at
-    a time (`read_staged`); LoRA adapters are merged into their layers; rank 0 alone writes;
+  - `export_model` (all ranks participate): under FSDP every rank stages the part of the
+    weights it holds (`stage_state_dict`, DCP; nothing is gathered) and rank 0 reads them back a
+    file's worth at a time (`read_staged`); LoRA adapters are merged into their layers; rank 0
+    alone writes;
   - `export_sentence_transformer` (one writer, no collective): a folder that
     `SentenceTransformer(path)` (sentence-transformers 2.x to 6.x) and
     `AutoModel.from_pretrained(path)` both load, its weights in files of a bounded size;
@@ -10,7 +11,7 @@
     length, casing, prompts), from such a folder or any other SentenceTransformer folder;
   - `model_card`: the folder's README.md, with the run's settings and last evaluation.
 
-Usage (every rank calls stage_state_dict, the writer alone the rest):
+Usage (stage_state_dict: all ranks participate; the writer alone the rest):
     export.stage_state_dict(model, staging)
     if rank == 0:
         names = list(export.staged_tensors(staging))
@@ -44,8 +45,8 @@ import lora
 
 
 def export_model(model, loaded, out_dir, cfg, derived, summary, is_rank0, sees_output_dir=(True,)):
-    """ALL ranks. Under FSDP each rank writes the part of the weights it holds beside the export
-    (a collective; nothing is gathered), and rank 0 reads it back one output file's worth at a
+    """(all ranks participate) Under FSDP each rank writes the part of the weights it holds beside
+    the export (a collective; nothing is gathered), and rank 0 reads it back one output file's worth at a
     time: no rank ever holds the whole model. A rank on a host without rank 0's disk
     (sees_output_dir[rank] False) writes its part on its own disk and sends the file to rank 0
     over the process group. One process and DDP hold the model whole already: rank 0 reads its
@@ -57,15 +58,17 @@ def export_model(model, loaded, out_dir, cfg, derived, summary, is_rank0, sees_o
     staging = f"{out_dir}.tmp-staged"
     sharded = fsdp_utils.is_fsdp1(model) or fsdp_utils.is_fsdp2(model)
     folder, what = os.path.dirname(os.path.abspath(out_dir)), f"the export {out_dir}"
-    faults.check_space(folder, size_estimate(loaded, cfg, sharded), what)  # ALL ranks: a broadcast
+    faults.check_space(folder, size_estimate(loaded, cfg, sharded), what)  # (all ranks participate)
 
     def remove_half_written():  # rank 0's, after a failed write
         for path in (staging, f"{os.path.abspath(out_dir)}.tmp-{os.getpid()}"):
             shutil.rmtree(path, ignore_errors=True)
 
-    # ALL ranks: staging is collective; the others then wait for rank 0's writes to end well.
+    # (all ranks participate): staging is collective; the others then wait for rank 0's writes
+    # to end well.
     with faults.agreed_writes(what, folder, remove_half_written):
-        if sharded:
+        if sharded:  # the same on every rank
+            # (all ranks participate): each rank writes the shards it holds
             stage_state_dict(model, staging, sees_output_dir)
         if is_rank0:
             write_export(loaded, out_dir, cfg, derived, summary, staging if sharded else None)
@@ -166,13 +169,13 @@ def exported_files(tensors_of, shapes, untrained_state, cfg, dtype):
 
 def stage_state_dict(model, folder, sees_output_dir=(True,)):
     """Write the model's state dict to `folder` as it lies on the ranks: each rank its own shards
-    (FSDP), or each tensor once (DDP, one process). EVERY rank must call it (DCP's save is a
-    collective); when it returns, every rank's part is in rank 0's `folder`: a rank that does
+    (FSDP), or each tensor once (DDP, one process). DCP's save is a collective
+    (all ranks participate); when it returns, every rank's part is in rank 0's `folder`: a rank that does
     not see rank 0's disk (sees_output_dir[rank] False) sends its file there."""
     rank = dist.get_rank() if dist.is_initialized() else 0
     on_rank0_disk = sees_output_dir[rank]
-    # ALL ranks: nobody writes into the folder before it exists (an all_reduce: a folder that
-    # cannot be made stops every rank, faults.py).
+    # (all ranks participate): nobody writes into the folder before it exists (an all_reduce: a
+    # folder that cannot be made stops every rank, faults.py).
     with faults.agreed_writes(f"the staged weights {folder}", os.path.dirname(folder)):
         if rank == 0:
             shutil.rmtree(folder, ignore_errors=True)  # a leftover of a killed export
@@ -183,7 +186,8 @@ def stage_state_dict(model, folder, sees_output_dir=(True,)):
     from torch.distributed.checkpoint.state_dict import get_model_state_dict
 
     with fsdp_utils.quiet_checkpoint_warnings():
-        state = get_model_state_dict(model)  # sharded under FSDP: no gathering
+        state = get_model_state_dict(model)  # sharded under FSDP, no gathering (all ranks participate)
+        # (all ranks participate): each rank writes its own shards
         dcp.save(
             state,
             storage_writer=dcp.HuggingFaceStorageWriter(
@@ -193,10 +197,13 @@ def stage_state_dict(model, folder, sees_output_dir=(True,)):
     if all(sees_output_dir):
         return
     # DCP names each rank's file shard-{rank + 1}-...; rank 0's reader takes every file it finds.
-    own = glob.glob(os.path.join(glob.escape(folder), f"shard-{rank + 1:05d}-*.safetensors"))
-    # Rank 0 and the ranks on other hosts: the file travels over the process group.
-    collectives.send_files_to_rank0(folder, [] if on_rank0_disk else own, [not s for s in sees_output_dir])
-    fsdp_utils.barrier()  # all ranks: every file is sent before any host clears its own copy
+    rank_files = glob.glob(os.path.join(glob.escape(folder), f"shard-{rank + 1:05d}-*.safetensors"))
+    # (all ranks participate): rank 0 and the ranks on other hosts exchange the files over the
+    # process group; the others return at once.
+    collectives.send_files_to_rank0(
+        folder, [] if on_rank0_disk else rank_files, [not s for s in sees_output_dir]
+    )
+    fsdp_utils.barrier()  # (all ranks participate): every file is sent before any host clears its copy
     if not on_rank0_disk:
         shutil.rmtree(folder, ignore_errors=True)
 

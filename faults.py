@@ -16,9 +16,9 @@ summary shows it. torchrun itself exits 1 when any worker fails; a torchrun star
 TORCHELASTIC_ERROR_FILE=PATH copies the worker's exit code to "errorCode" in PATH.
 
   - `end_run(error, cfg, newest_checkpoint)`: the exception a run ended with -> line and code;
-  - the disk: `check_space` before a checkpoint or an export is written (ALL ranks),
-    `agreed_writes` around its writes (ALL ranks: a write that failed on any rank stops every
-    rank, with nothing left looking complete), `warn_space` at start-up;
+  - the disk: `check_space` before a checkpoint or an export is written (all ranks participate),
+    `agreed_writes` around its writes (all ranks participate: a write that failed on any rank
+    stops every rank, with nothing left looking complete), `warn_space` at start-up;
   - a lost or silent peer: `lost_peer`, `Heartbeat` (who went silent, when, at which step),
     `watch_sigterm` (a rank that torchrun stops after a peer was killed says so first),
     `end_job`, `kill_once_reaped`, `stop_launcher_if_stuck`.
@@ -83,15 +83,15 @@ def flag_device():
 
 
 def check_space(folder, need, what):
-    """ALL ranks (a broadcast): stop every rank with DiskFull, before anything is written, when
-    rank 0 finds less than `need` bytes free at `folder` (checkpoints and exports are on a disk
-    that rank 0 sees: the start-up checks make sure)."""
+    """A broadcast (all ranks participate): stop every rank with DiskFull, before anything is
+    written, when rank 0 finds less than `need` bytes free at `folder` (checkpoints and exports
+    are on a disk that rank 0 sees: the start-up checks make sure)."""
     short, room = torch.zeros(1, device=flag_device()), None
     if not dist.is_initialized() or dist.get_rank() == 0:
         room = free_space(folder)
         short[0] = float(room[0] < need)
     if dist.is_initialized():
-        dist.broadcast(short, src=0)
+        dist.broadcast(short, src=0)  # (all ranks participate): rank 0's verdict
     if short.item():
         raise DiskFull(what, folder, need, room=room)
 
@@ -109,8 +109,8 @@ def is_write_error(error):
 
 @contextlib.contextmanager
 def agreed_writes(what, folder, clean_up=lambda: None):
-    """ALL ranks: run this rank's writes (the block), then learn whether any rank's failed (an
-    all_reduce, which is also a barrier). Without it a rank whose write failed would leave the
+    """Run this rank's writes (the block), then learn whether any rank's failed: an all_reduce,
+    which is also a barrier (all ranks participate). Without it a rank whose write failed would leave the
     others waiting in the next collective until --dist-timeout-minutes. A failure anywhere:
     rank 0 runs `clean_up` (removes what was half written), then every rank raises DiskFull
     (a disk error) or its own error. A rank whose block lost a peer (DCP's collectives timed out)
@@ -122,14 +122,14 @@ def agreed_writes(what, folder, clean_up=lambda: None):
     except (KeyboardInterrupt, SystemExit):
         raise
     except BaseException as e:  # DCP's CheckpointException is a BaseException
-        error = e  # every rank must reach the all_reduce below...
+        error = e  # each rank goes on to the all_reduce below (all ranks participate)...
     lost = lost_peer(error) if error is not None else None
     if lost is not None:  # ...unless a peer is gone: the all_reduce would wait the timeout again
         raise RuntimeError(lost) from error
     code = 0.0 if error is None else 1.0 if is_write_error(error) else 2.0
     failed = torch.tensor([code], device=flag_device())
     if dist.is_initialized():
-        dist.all_reduce(failed, op=dist.ReduceOp.MAX)
+        dist.all_reduce(failed, op=dist.ReduceOp.MAX)  # (all ranks participate): the worst outcome
     if failed.item() == 0:
         return
     room = None
@@ -226,17 +226,17 @@ class Heartbeat:
     """Every `interval` seconds a thread of each rank writes (host, pid, step, time) to the
     rendezvous store. A collective that times out says only that it waited; the heartbeats say
     who stopped: a rank whose heartbeat is old is silent as a whole process (stopped, swapped
-    out, its host or link gone). The loop calls `at_step` each step; the first call starts the
-    thread (the process group, hence its store, is up by then). Its own store client, so the
-    process group's is never used from two threads; nothing when not launched by torchrun."""
+    out, its host or link gone). `start()` starts the thread, once the process group (hence its
+    store) is up; the loop sets `step` each step. Its own store client, so the process group's is
+    never used from two threads; nothing when not launched by torchrun."""
 
     def __init__(self, interval=2.0):
         self.step, self.interval, self.store, self.silent_ranks = 0, interval, None, []
         self.store_unreachable = False
         self.stopped = threading.Event()
 
-    def at_step(self, step):
-        self.step = step
+    def start(self):
+        """Start the heartbeat thread (once; not without torchrun)."""
         if "RANK" not in os.environ or self.store is not None:
             return
         self.rank, self.world_size = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
@@ -286,7 +286,7 @@ class Heartbeat:
         return self.silent_ranks
 
 
-HEARTBEAT = Heartbeat()  # this process's: train.py's loop sets its step (and so starts it)
+HEARTBEAT = Heartbeat()  # this process's: train.py starts it before its loop, which sets its step
 
 
 def lost_peer_message(lost, silent, step, newest_checkpoint, dist_timeout_minutes, ended=()):

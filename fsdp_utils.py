@@ -1,12 +1,13 @@
 """Processes, wrapping and collectives: what sits between a plain `nn.Module` and the ranks.
 
   - `setup_dist` / `cleanup_dist`: the process group under torchrun (gloo on CPU, NCCL on CUDA),
-    one process without it; `print0` prints once; `set_cpu_allocator`: glibc's malloc setting;
+    one process without it; `print0` prints once; `set_cpu_allocator`: glibc's malloc setting,
+    for the sharding that `resolve_sharding` gives;
   - `detect_layer_classes` / `resolve_layer_classes`: the repeated transformer block that
     FSDP wraps, found in the model itself (or named, and checked, by the user);
   - `wrap_model`: nothing (one process), DDP, FSDP1 (`FullyShardedDataParallel` with
     `transformer_auto_wrap_policy`) or FSDP2 (`fully_shard` per block, then the root), with
-    bf16/fp16 mixed precision, `auto_sharding` for --sharding auto, and over gloo FSDP2's
+    bf16/fp16 mixed precision, `resolve_sharding` for --sharding auto, and over gloo FSDP2's
     collectives as rings (collectives.py); under DDP the hook `all_reduce_embedding_rows`
     (collectives.py) sends only the rows of the embedding tables that some rank used (and so
     does `all_reduce_replicated` for the tables FSDP2 leaves whole under shard_grad_op);
@@ -19,11 +20,13 @@ It imports only the standard library, torch, safetensors and collectives.py (the
 embedding-rows hook, itself standard library and torch only), never the other files of this
 project, so the two can be copied into another pipeline together.
 
-Usage (every rank calls each of these):
+Usage (all ranks participate: every rank calls each of these):
     rank, world_size, device = fsdp_utils.setup_dist(timeout_minutes=30)
     with torch.device("meta"):
         raw_model = AutoModel.from_config(config)                # shapes only, no storage
-    model = fsdp_utils.wrap_model(raw_model, "fsdp", device, sharding="full_shard", fsdp_version=2)
+    sharding, why = fsdp_utils.resolve_sharding(raw_model, "fsdp", device, "auto", "fp32")
+    fsdp_utils.set_cpu_allocator(device, "fsdp", sharding)       # glibc's malloc, on CPU
+    model = fsdp_utils.wrap_model(raw_model, "fsdp", device, sharding=sharding, fsdp_version=2)
     fsdp_utils.load_pretrained_sharded(model, folder, {name: name for name in raw_model.state_dict()}, {})
     ...                                                          # train; each step, after its last
     fsdp_utils.all_reduce_replicated(model)                      # backward: whole tables' gradients
@@ -110,9 +113,9 @@ def cleanup_dist():
 
 
 def barrier():
-    """Wait for every rank (ALL ranks must call it); nothing to wait for in one process."""
+    """Wait for every rank (all ranks participate); nothing to wait for in one process."""
     if dist.is_initialized():
-        dist.barrier()
+        dist.barrier()  # (all ranks participate)
 
 
 def print0(*args, **kwargs):
@@ -121,26 +124,24 @@ def print0(*args, **kwargs):
 
 
 def set_cpu_allocator(device, strategy, sharding):
-    """How glibc's malloc treats large freed blocks on CPU: kept for reuse (speed first), or given
-    back to the system at once (memory first, under full_shard and hybrid_shard). Returns the
-    log line saying which, or None where it does nothing: on a GPU (PyTorch's caching
-    allocator keeps blocks), off glibc, or when the user set MALLOC_* variables (theirs win).
+    """Set how glibc's malloc treats large freed blocks on CPU, for the whole process: kept for
+    reuse (speed first), or given back to the system at once (memory first, under full_shard and
+    hybrid_shard: `sharding` as `resolve_sharding` gives it). Call it once, before wrapping.
+    Returns the log line saying which, or None where it does nothing: on a GPU (PyTorch's
+    caching allocator keeps blocks), off glibc, or when the user set MALLOC_* variables (theirs
+    win). The numbers behind both: docs/fsdp.md and docs/big-models.md.
 
-    Speed first: glibc gives each block above 32 MB its own mapping and unmaps it when freed, so
-    a tensor made and freed every step, such as the dense gradient of the word embeddings
-    (vocabulary x width: 47 MB for MiniLM), is mapped again and each of its pages faulted in
-    again, every step (its backward on one thread: 19 ms, then 5 ms with blocks kept). FSDP
-    makes and frees a gathered block and its gradient for every block, every step: FSDP2 with
-    shard_grad_op on MiniLM at 2 processes took 1,367 ms a step with glibc's defaults, 999-1,109
-    with blocks kept (DDP: 910-976). The cost: up to 1 GiB freed is kept, not given back.
+    Speed first: glibc gives each block above 32 MB its own mapping and unmaps it when freed, so a
+    tensor made and freed every step, such as the dense gradient of the word embeddings
+    (vocabulary x width), is mapped again and each of its pages faulted in again, every step;
+    FSDP makes and frees a gathered block and its gradient for every block, every step. The
+    cost: up to 1 GiB freed is kept, not given back.
 
     Memory first: with glibc's defaults, freed blocks stay in the heaps of several arenas, and a
-    random 211M-parameter decoder training under FSDP2 at 8 processes held 2.41-2.49x the fp32
-    model above its start on the ranks that do not write (measured when train.py still ran one
-    forward per column), against 0.74-0.76x now when every block above 64 KiB is mapped apart
-    (and unmapped when freed) with 2 arenas (bench/bench_big_model.py; docs/big-models.md).
-    The price is speed: every such block is faulted in again each time (MiniLM, full_shard: 2,300
-    ms a step against 1,536)."""
+    large model under FSDP holds a multiple of its weights more than it needs on each rank; every
+    block above 64 KiB mapped apart (and unmapped when freed), with 2 arenas, bounds it
+    (bench/bench_big_model.py). The price is speed: every such block is faulted in again each
+    time."""
     if device.type != "cpu" or not sys.platform.startswith("linux"):
         return None
     if any(k.startswith("MALLOC_") for k in os.environ):
@@ -185,12 +186,12 @@ def auto_sharding(model, device, low):
     block's gathered weights from its forward to its backward (one all-gather per block a step,
     not two), when a gathered copy of the whole model in the compute dtype takes at most
     SMALL_MODEL_SHARE of the free memory of every process: a model this small is trained on
-    FSDP for speed, not to fit. Otherwise full_shard, memory first. ALL ranks: they agree on the
-    smallest free memory (an all_reduce), so every rank shards alike."""
+    FSDP for speed, not to fit. Otherwise full_shard, memory first. The ranks agree on the
+    smallest free memory, an all_reduce (all ranks participate), so every rank shards alike."""
     gathered = sum(p.numel() for p in model.parameters()) * (low or torch.float32).itemsize
     free = free_memory_per_process(device)
     smallest = torch.tensor(-1.0 if free is None else float(free), dtype=torch.float64, device=device)
-    dist.all_reduce(smallest, op=dist.ReduceOp.MIN)
+    dist.all_reduce(smallest, op=dist.ReduceOp.MIN)  # (all ranks participate): the least free memory
     smallest = smallest.item()
     if smallest < 0:
         return "full_shard", "sharding: auto -> full_shard (the free memory could not be read)"
@@ -200,6 +201,16 @@ def auto_sharding(model, device, low):
         f"{gathered / smallest:.1%} of the least free memory of a process ({smallest / 2**30:,.1f} GiB; "
         f"shard_grad_op up to {SMALL_MODEL_SHARE:.0%})"
     )
+
+
+def resolve_sharding(model, strategy, device, sharding, precision):
+    """(the sharding wrap_model applies, the log line saying why or None): under FSDP, --sharding
+    auto becomes `auto_sharding`'s choice, the ranks agreeing on the least free memory
+    (all ranks participate); any other value, or another strategy, stays as given."""
+    if strategy != "fsdp" or sharding != "auto":
+        return sharding, None
+    low = None if precision == "fp32" else PRECISIONS[precision]
+    return auto_sharding(model, device, low)  # (all ranks participate)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -284,22 +295,24 @@ def wrap_model(model, strategy, device, *, sharding="auto", fsdp_version=1, laye
     A model built on the meta device (FSDP only) is sharded as it is and each rank then gets
     uninitialised storage for its own shards alone: no rank ever holds the whole model. Fill
     them with `load_pretrained_sharded` before use.
+
+    (all ranks participate): DDP broadcasts rank 0's weights as it wraps; under FSDP --sharding
+    auto is resolved here when the caller has not (`resolve_sharding`: an all_reduce, its log line
+    printed). glibc's malloc is the caller's to set (`set_cpu_allocator`).
     """
     if strategy not in ("single", "ddp", "fsdp"):
         raise ValueError(f"unknown strategy {strategy!r}: expected single, ddp or fsdp")
     low = None if precision == "fp32" else PRECISIONS[precision]
     if strategy == "fsdp":
         layer_classes = resolve_layer_classes(model, layer_cls)  # fails here, before any wrapping
-        if sharding == "auto":  # ALL ranks: they agree on it
-            sharding, why = auto_sharding(model, device, low)
+        if sharding == "auto":  # the caller has not resolved it
+            # (all ranks participate): the ranks agree on the least free memory
+            sharding, why = resolve_sharding(model, strategy, device, sharding, precision)
             print0(why)
-    allocator = set_cpu_allocator(device, strategy, sharding)
-    if allocator:
-        print0(allocator)
     if strategy == "single":
         return model
     if strategy == "ddp":
-        return wrap_ddp(model, device)
+        return wrap_ddp(model, device)  # (all ranks participate)
     on_meta = any(p.is_meta for p in model.parameters())
     if fsdp_version == 1:
         return wrap_fsdp1(model, device, layer_classes, sharding, low, on_meta)
@@ -310,13 +323,13 @@ def wrap_model(model, strategy, device, *, sharding="auto", fsdp_version=1, laye
 
 def wrap_ddp(model, device):
     """DDP around `model`, its embedding tables' gradients all-reduced by the rows some rank used
-    (`all_reduce_embedding_rows`)."""
+    (`all_reduce_embedding_rows`). DDP's constructor broadcasts rank 0's weights (all ranks participate)."""
     device_ids = [device.index] if device.type == "cuda" else None
     # find_unused_parameters stays False: the model is built with no unused parameters
     # (no BERT pooler), which DDP would otherwise refuse at the second step.
     # gradient_as_bucket_view: each .grad is a view into DDP's all-reduce buffer, so no
     # second copy of the whole gradient is kept and none is copied in and out each step.
-    ddp = torch.nn.parallel.DistributedDataParallel(
+    ddp = torch.nn.parallel.DistributedDataParallel(  # (all ranks participate): rank 0's weights
         model, device_ids=device_ids, gradient_as_bucket_view=True
     )
     embeddings = [m.weight for m in embedding_tables(model)]
@@ -426,15 +439,16 @@ def wrap_fsdp2(model, device, layer_classes, sharding, low, on_meta):
 def all_reduce_replicated(model):
     """Under FSDP2's shard_grad_op: the mean over ranks of the gradients of the embedding tables
     FSDP leaves whole on every rank (`wrap_fsdp2`), by the rows some rank used. Call it after the
-    step's last backward, before clipping: ALL ranks (a collective). Nothing to do elsewhere."""
+    step's last backward, before clipping: a collective (all ranks participate). Nothing to do
+    elsewhere."""
     if not is_fsdp2(model):
         return
     tables = [p for p in model.parameters() if p.requires_grad and not is_sharded(p)]
     for p in tables:
         if p.grad is None:  # not looked up on this rank: a zero gradient, still sent
             p.grad = torch.zeros_like(p)
-    if tables:
-        collectives.mean_over_ranks([(p.grad, True) for p in tables])
+    if tables:  # the same tables on every rank
+        collectives.mean_over_ranks([(p.grad, True) for p in tables])  # (all ranks participate)
 
 
 def is_sharded(tensor):
@@ -444,7 +458,7 @@ def is_sharded(tensor):
 
 
 def is_fsdp1(model):
-    # Not imported yet: no model is wrapped by FSDP (and 0.6 s of start-up is saved without it).
+    # Not imported yet: no model is wrapped by FSDP (and start-up is faster without it: docs/speed.md).
     fsdp = sys.modules.get("torch.distributed.fsdp")
     return fsdp is not None and isinstance(model, fsdp.FullyShardedDataParallel)
 
@@ -468,20 +482,22 @@ def gradient_sync(model, enabled):
 
 
 def clip_grad_norm(model, max_norm):
-    """Clip the global gradient norm. A collective under FSDP (the norm of sharded gradients is
-    all-reduced): every rank must call it."""
+    """Clip the global gradient norm. A collective under FSDP, the norm of sharded gradients
+    all-reduced (all ranks participate)."""
     if is_fsdp1(model):
-        return model.clip_grad_norm_(max_norm)
+        return model.clip_grad_norm_(max_norm)  # (all ranks participate)
     if is_fsdp2(model):
         with_grad = [p for p in model.parameters() if p.grad is not None]
         whole = [p for p in with_grad if not is_sharded(p)]  # the tables FSDP leaves out (wrap_fsdp2)
         if not whole:
-            return torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm).full_tensor()  # a DTensor
+            # (all ranks participate): the norm of the shards, a DTensor, all-reduced
+            return torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm).full_tensor()
         # torch's clip cannot take sharded and whole gradients in one list: the two norms apart
         # (the sharded one all-reduced: the collective), then one coefficient for both.
         sharded = [p for p in with_grad if is_sharded(p)]
         norms = [torch.nn.utils.get_total_norm([p.grad for p in whole])]
-        if sharded:
+        if sharded:  # the same parameters on every rank
+            # (all ranks participate): the norm of the shards, a DTensor, all-reduced
             norms.append(torch.nn.utils.get_total_norm([p.grad for p in sharded]).full_tensor())
         total = torch.linalg.vector_norm(torch.stack(norms))
         torch.nn.utils.clip_grads_with_norm_(whole, max_norm, total)
@@ -491,7 +507,7 @@ def clip_grad_norm(model, max_norm):
         return total
     # Single and DDP: every rank holds whole gradients, so the norm is local. torch's
     # clip_grad_norm_ multiplies every gradient by its clamped coefficient even when that is 1
-    # (a read and a write of the whole gradient: 4 ms a step for MiniLM on one CPU thread), so
+    # (a read and a write of the whole gradient, every step: docs/speed.md), so
     # that a GPU never waits for the norm on the host. train.py reads each step's loss on the
     # host anyway; here the norm is read too, and the multiply by 1, which changes nothing, is
     # skipped.
@@ -549,8 +565,8 @@ def safetensors_keys(folder):
 
 
 def load_pretrained_sharded(model, folder, file_names, fresh_tensors):
-    """Fill a model that `wrap_model` sharded while it was on the meta device. EVERY rank must
-    call it: the checkpoint reader and FSDP's loading are collectives.
+    """Fill a model that `wrap_model` sharded while it was on the meta device. The checkpoint
+    reader and FSDP's loading are collectives (all ranks participate).
 
     `file_names` maps state-dict names to the tensor names in the safetensors files of `folder`
     (read slice by slice: each rank reads what its shards hold). `fresh_tensors` holds the whole
@@ -565,20 +581,21 @@ def load_pretrained_sharded(model, folder, file_names, fresh_tensors):
     )
 
     with quiet_checkpoint_warnings():
-        state = get_model_state_dict(model)  # this rank's shards, uninitialised
+        state = get_model_state_dict(model)  # this rank's shards, uninitialised (all ranks participate)
         unknown = set(state) - set(file_names) - set(fresh_tensors)
         if unknown:
             raise ValueError(f"no value for {sorted(unknown)[:3]}: neither in {folder} nor new")
-        # Loaded in place, into the shards' own storage, read under the files' names.
+        # Loaded in place, into the shards' own storage, read under the files' names: each rank
+        # reads the slices its shards hold (all ranks participate).
         dcp.load(
             {file_names[name]: state[name] for name in file_names},
             storage_reader=dcp.HuggingFaceStorageReader(folder),
         )
-        set_model_state_dict(
+        set_model_state_dict(  # (all ranks participate)
             model, {name: state[name] for name in file_names}, options=StateDictOptions(strict=False)
         )
-        if fresh_tensors:
-            set_model_state_dict(
+        if fresh_tensors:  # the same on every rank
+            set_model_state_dict(  # (all ranks participate): each rank keeps its part
                 model, fresh_tensors, options=StateDictOptions(full_state_dict=True, strict=False)
             )
 

@@ -22,8 +22,10 @@ Usage (one process, CPU is fine):
 
 Cross-device negatives (`mnrl_loss(..., gather=True)`): under torchrun every rank's
 candidates become negatives for every rank's anchors; works on any wrapper (DDP, FSDP1, FSDP2)
-because it only sees embeddings. GradCache is not here: it re-runs the model, so it lives in
-the training loop (train.py, `cached_backward`), and serves every loss below unchanged.
+because it only sees embeddings. A collective hidden in a loss (all ranks participate): an
+all_gather in the forward, a reduce-scatter in the backward, so every rank computes the loss.
+GradCache is not here: it re-runs the model, so it lives in the training loop (train.py,
+`cached_backward`), and serves every loss below unchanged.
 
 Left out on purpose: similarity functions other than cosine.
 """
@@ -51,23 +53,25 @@ class _GatherWithGrad(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, emb_BD):
+        """The all_gather (all ranks participate)."""
         gathered = emb_BD.new_empty((dist.get_world_size() * emb_BD.shape[0], *emb_BD.shape[1:]))
-        _all_gather(gathered, emb_BD.contiguous())
+        _all_gather(gathered, emb_BD.contiguous())  # (all ranks participate)
         return gathered
 
     @staticmethod
     def backward(ctx, grad_gathered):
+        """The reduce-scatter (all ranks participate): every rank calls backward on its loss."""
         grad_BD = grad_gathered.new_empty(
             (grad_gathered.shape[0] // dist.get_world_size(), *grad_gathered.shape[1:])
         )
-        _reduce_scatter(grad_BD, grad_gathered.contiguous(), op=dist.ReduceOp.SUM)
+        _reduce_scatter(grad_BD, grad_gathered.contiguous(), op=dist.ReduceOp.SUM)  # (all ranks participate)
         return grad_BD
 
 
 def gather_with_grad(emb_BD):
     """Every rank's rows, in rank order -> (world * B, D), with the gradient of each row
-    flowing back to the rank that produced it. All ranks must call it, with the same B
-    (an all_gather of unequal sizes aborts one rank and hands the others garbage rows).
+    flowing back to the rank that produced it. A collective (all ranks participate), with the
+    same B: an all_gather of unequal sizes aborts one rank and hands the others garbage rows.
 
     Backward is a reduce-scatter (sum): rank r receives the sum, over all ranks' losses, of
     their gradients with respect to r's rows. DDP/FSDP then average over ranks, so the result
@@ -75,25 +79,27 @@ def gather_with_grad(emb_BD):
     factor of the world size (several public trainers are off by exactly that factor)."""
     if not dist.is_initialized() or dist.get_world_size() == 1:
         return emb_BD
-    return _GatherWithGrad.apply(emb_BD)
+    return _GatherWithGrad.apply(emb_BD)  # (all ranks participate)
 
 
 def gather_ids(ids_B):
-    """Every rank's text ids, in rank order -> (world * B,); integers, so no gradient."""
+    """Every rank's text ids, in rank order -> (world * B,); integers, so no gradient.
+    A collective (all ranks participate), with the same B."""
     if not dist.is_initialized() or dist.get_world_size() == 1:
         return ids_B
     gathered = ids_B.new_empty(dist.get_world_size() * ids_B.shape[0])
-    _all_gather(gathered, ids_B.contiguous())
+    _all_gather(gathered, ids_B.contiguous())  # (all ranks participate)
     return gathered
 
 
-def duplicate_mask(query_ids_B, own_ids_B, candidate_ids_N, own_index_B):
-    """(B, N) True where candidate j is the same text as row i's query or its own candidate
-    (but not at j = own_index[i]): such a candidate is no negative for row i."""
+def duplicate_mask(query_ids_B, pair_ids_B, candidate_ids_N, pair_index_B):
+    """(B, N) True where candidate j is the same text as row i's query or as the other text of
+    its pair, candidate pair_index[i] (but not at j = pair_index[i] itself): such a candidate is
+    no negative for row i."""
     same_BN = (candidate_ids_N[None, :] == query_ids_B[:, None]) | (
-        candidate_ids_N[None, :] == own_ids_B[:, None]
+        candidate_ids_N[None, :] == pair_ids_B[:, None]
     )
-    same_BN[torch.arange(len(own_index_B), device=own_index_B.device), own_index_B] = False
+    same_BN[torch.arange(len(pair_index_B), device=pair_index_B.device), pair_index_B] = False
     return same_BN
 
 
@@ -118,32 +124,32 @@ def mnrl_loss(
         scores_BN = scale * cos(a_i, c_j)    with c = concat(positives, negatives...)
         loss      = mean_i  -log( exp(scores[i, i]) / sum_j exp(scores[i, j]) )
 
-    gather=True (cross-device negatives): the candidates (and, for `symmetric`, the anchors) of
-    all W ranks are gathered, N = W * B * (1 + negatives); anchors stay local, row i's positive
-    at rank * B + i: with the sampler's contiguous slices, the single-process batch of W * B rows.
+    gather=True (all ranks participate), cross-device negatives: the candidates (and, for `symmetric`,
+    the anchors) of all W ranks are gathered, N = W * B * (1 + negatives); anchors stay local, row i's
+    positive at rank * B + i: with the sampler's contiguous slices, the single-process batch of W * B rows.
 
     symmetric=True (sentence-transformers' MultipleNegativesSymmetricRankingLoss) averages it
     with the positive -> anchors direction: ( CE(a_i -> all candidates) + CE(p_i -> all anchors) ) / 2
 
-    text_ids (duplicate-safe negatives): one (B,) integer tensor per column, equal where the texts
-    are (e.g. a hash of each text). A candidate with the text of row i's anchor or positive is no
-    negative for row i (score -inf), on every rank when gathered: a text never pushes itself away.
+    text_ids (duplicate-safe negatives): one (B,) integer tensor per column, equal where the texts are
+    (a hash): a candidate with row i's anchor's or positive's text is no negative for row i (-inf).
 
-    directions, partition: more negatives for each pair, as sentence-transformers' `directions`
-    and `partition_mode` (see `_mnrl_directions`). Not with `symmetric` or `text_ids`.
+    directions, partition: more negatives per pair (`_mnrl_directions`); not with `symmetric` or `text_ids`.
     """
     if tuple(directions) != ("query_to_doc",):
         assert not symmetric and text_ids is None, "mnrl_loss: directions, not with symmetric or text_ids"
+        # (all ranks participate) when gather, as below
         return _mnrl_directions(emb_anchor_BD, emb_candidates, scale, gather, directions, partition)
     num_rows = emb_anchor_BD.shape[0]
     offset = dist.get_rank() * num_rows if gather and dist.is_initialized() else 0
-    if gather:
-        emb_candidates = [gather_with_grad(emb) for emb in emb_candidates]
+    # (all ranks participate) when gather: every column, in the same order on every rank
+    emb_candidates = [gather_with_grad(emb) for emb in emb_candidates] if gather else emb_candidates
     labels_B = torch.arange(offset, offset + num_rows, device=emb_anchor_BD.device)
     emb_cand_ND = torch.cat(emb_candidates, dim=0)
     scores_BN = scale * cosine_scores(emb_anchor_BD, emb_cand_ND)
     if text_ids is not None:
         anchor_ids_B = text_ids[0]
+        # (all ranks participate) when gather: each column's ids, in the same order on every rank
         cand_ids_N = torch.cat([gather_ids(ids) if gather else ids for ids in text_ids[1:]])
         scores_BN = scores_BN.masked_fill(
             duplicate_mask(anchor_ids_B, cand_ids_N[labels_B], cand_ids_N, labels_B), float("-inf")
@@ -151,11 +157,11 @@ def mnrl_loss(
     loss = F.cross_entropy(scores_BN, labels_B)
     if not symmetric:
         return loss
-    emb_all_anchors_MD = gather_with_grad(emb_anchor_BD) if gather else emb_anchor_BD
+    all_anchors_MD = gather_with_grad(emb_anchor_BD) if gather else emb_anchor_BD  # (all ranks participate)
     emb_local_positive_BD = emb_candidates[0][offset : offset + num_rows]
-    scores_BM = scale * cosine_scores(emb_local_positive_BD, emb_all_anchors_MD)
+    scores_BM = scale * cosine_scores(emb_local_positive_BD, all_anchors_MD)
     if text_ids is not None:
-        all_anchor_ids_M = gather_ids(anchor_ids_B) if gather else anchor_ids_B
+        all_anchor_ids_M = gather_ids(anchor_ids_B) if gather else anchor_ids_B  # (all ranks participate)
         scores_BM = scores_BM.masked_fill(
             duplicate_mask(cand_ids_N[labels_B], anchor_ids_B, all_anchor_ids_M, labels_B), float("-inf")
         )
@@ -163,7 +169,8 @@ def mnrl_loss(
 
 
 def _mnrl_directions(emb_anchor_BD, emb_candidates, scale, gather, directions, partition):
-    """mnrl_loss with more directions than query_to_doc; -inf marks what is no negative.
+    """mnrl_loss with more directions than query_to_doc; -inf marks what is no negative. With
+    `gather`, the gathers of mnrl_loss (all ranks participate).
 
     directions (sentence-transformers' `directions`; GTE's "improved contrastive loss" is all
     four): more negatives for row i's positive pair, all at `scale`, from
@@ -177,26 +184,28 @@ def _mnrl_directions(emb_anchor_BD, emb_candidates, scale, gather, directions, p
     """
     num_rows = emb_anchor_BD.shape[0]
     offset = dist.get_rank() * num_rows if gather and dist.is_initialized() else 0
+    # (all ranks participate) when gather: every column, in the same order on every rank
     all_candidates = [gather_with_grad(emb) for emb in emb_candidates] if gather else emb_candidates
-    # The anchors of every rank, where a direction ranks against them (ALL ranks gather alike).
     uses_anchors = "query_to_query" in directions or "doc_to_query" in directions
+    # The anchors of every rank, where a direction ranks against them: the same directions on
+    # every rank, so the same gathers (all ranks participate).
     all_anchors_MD = gather_with_grad(emb_anchor_BD) if gather and uses_anchors else emb_anchor_BD
     cand_ND, rows_B = torch.cat(all_candidates), torch.arange(num_rows, device=emb_anchor_BD.device)
-    own_M = rows_B + offset  # row i's place among the gathered rows of one column
-    positive_BD = all_candidates[0][own_M]
+    place_B = rows_B + offset  # row i's place among the gathered rows of one column
+    positive_BD = all_candidates[0][place_B]
     scores = {"query_to_doc": cosine_scores(emb_anchor_BD, cand_ND)}
     if "query_to_query" in directions:
-        own_anchor_BM = F.one_hot(own_M, all_anchors_MD.shape[0]).bool()
+        same_anchor_BM = F.one_hot(place_B, all_anchors_MD.shape[0]).bool()
         scores["query_to_query"] = cosine_scores(emb_anchor_BD, all_anchors_MD).masked_fill(
-            own_anchor_BM, float("-inf")
+            same_anchor_BM, float("-inf")
         )
     if "doc_to_query" in directions:
         scores["doc_to_query"] = cosine_scores(positive_BD, all_anchors_MD)
     if "doc_to_doc" in directions:
-        own_docs_BN = F.one_hot(own_M, all_candidates[0].shape[0]).bool().repeat(1, len(all_candidates))
-        scores["doc_to_doc"] = cosine_scores(positive_BD, cand_ND).masked_fill(own_docs_BN, float("-inf"))
+        row_docs_BN = F.one_hot(place_B, all_candidates[0].shape[0]).bool().repeat(1, len(all_candidates))
+        scores["doc_to_doc"] = cosine_scores(positive_BD, cand_ND).masked_fill(row_docs_BN, float("-inf"))
     scores = {name: scale * s for name, s in scores.items()}
-    positive_B = scores["query_to_doc"][rows_B, own_M]
+    positive_B = scores["query_to_doc"][rows_B, place_B]
     if partition == "joint":
         log_z_B = torch.logsumexp(torch.cat(list(scores.values()), dim=1), dim=1)
     else:

@@ -6,7 +6,7 @@ across ranks: sentence-transformers' `mine_hard_negatives`, by processes.
         --corpus corpus.jsonl --num-negatives 5 --relative-margin 0.05 --output-format grouped
     python mine.py --help                                                 # every flag
 
-What it does (every rank runs the same code; gloo on CPU, NCCL on CUDA):
+What it does (every rank runs the same code, all ranks participate; gloo on CPU, NCCL on CUDA):
   1. Every rank reads the same rows and checks them, then loads the same whole model
      (embedding_model.load_model: a SentenceTransformer folder's pooling, max length, casing and
      prompts kept). The queries are the distinct anchors; the corpus is the distinct texts of
@@ -62,7 +62,8 @@ OUTPUT_FORMATS = ("triplet", "n-tuple", "grouped")
 
 def main(argv=None):
     """Mine, write the output on rank 0, and return the exit code: 0, or 2 for bad input (after
-    one `error:` line from rank 0). Every rank runs it; `argv`: sys.argv[1:] when None."""
+    one `error:` line from rank 0). Every rank runs it (all ranks participate); `argv`:
+    sys.argv[1:] when None."""
     try:
         args, bad_flags = parse_args(argv), None
     except BadFlags as e:  # every rank parses the same flags: all stop at `agreed` below
@@ -72,19 +73,19 @@ def main(argv=None):
         datasets.disable_progress_bars()  # one "Generating train split" bar per file, not per rank
     try:
         try:
-            # All ranks, both: the cheap checks first, so a bad flag or file stops every rank
-            # before any of them loads the model.
+            # (all ranks participate), both: the cheap checks first, so a bad flag or file stops
+            # every rank before any of them loads the model.
             plan = agreed(rank, device, make_plan, args, rank, bad_flags)
-            plan.loaded = agreed(rank, device, load_model, args, device)
+            plan.loaded = agreed(rank, device, load_model, args, device)  # (all ranks participate)
         except Refused as e:
             fsdp_utils.print0(f"error: {e}", file=sys.stderr)
-            # All ranks reach it (all agreed on the error): rank 0 has printed before any exits,
-            # as torchrun stops the other ranks as soon as one leaves with an error.
+            # (all ranks participate): all agreed on the error; rank 0 has printed before any
+            # exits, as torchrun stops the other ranks as soon as one leaves with an error.
             fsdp_utils.barrier()
             return 2
         started = time.perf_counter()
         describe(plan, args, world_size)
-        candidates = find_candidates(plan, args)  # all ranks: encoding and top-k collectives
+        candidates = find_candidates(plan, args)  # (all ranks participate): encoding and top k
         if rank == 0:
             mined = select_negatives(plan, args, *candidates)
             written = output_rows(plan, args, mined)
@@ -105,14 +106,14 @@ class Refused(ValueError):
 
 def agreed(rank, device, function, *args):
     """function(*args) on every rank, then one verdict for all: its result, or Refused with the
-    first failing rank's message on EVERY rank, so no rank walks on into a collective that would
-    hang. ALL ranks must call it (startup_checks.agree_on_error: two collectives)."""
+    first failing rank's message on every rank, so no rank walks on into a collective that would
+    hang. Two collectives (all ranks participate): startup_checks.agree_on_error."""
     result, error = None, None
     try:
         result = function(*args)
     except (ValueError, OSError) as e:  # OSError: a model folder transformers cannot read
         error = str(e)
-    error = startup_checks.agree_on_error(error, rank, device)  # all ranks
+    error = startup_checks.agree_on_error(error, rank, device)  # (all ranks participate)
     if error is not None:
         raise Refused(error)
     return result
@@ -468,35 +469,37 @@ def check_range(args, max_positives):
 
 
 # ----------------------------------------------------------------------------------------------
-# Candidates: encoding and the sharded top-k (ALL ranks)
+# Candidates: encoding and the sharded top-k (all ranks participate)
 
 
 def find_candidates(plan, args):
     """(scores_QK, rows_QK, positive_scores_P) on every rank: each query's best K corpus rows
     (K = range_max + max_positives, as sentence-transformers retrieves) and the score of every
-    (query, positive) pair, queries in order, each query's positives in order. ALL ranks."""
+    (query, positive) pair, queries in order, each query's positives in order. Encoding and the
+    top k are collective (all ranks participate)."""
     loaded = plan.loaded
     query_prompt, corpus_prompt = plan.prompts(args)
 
     def tokenizer(prompt):
         return lambda texts: loaded.tokenize([prompt + text for text in texts])  # as batches.with_prompt
 
-    # All ranks, both calls (forwards and collectives inside): the queries on every rank, the
-    # corpus sharded (rows_R are the corpus rows this rank encoded).
+    # (all ranks participate), both calls (forwards and collectives inside): the queries on
+    # every rank, the corpus sharded (rows_R are the corpus rows this rank encoded).
     query_QD = eval_dist.encode(loaded.model, tokenizer(query_prompt), plan.queries, args.batch_size)
-    rows_R, corpus_RD = eval_dist.encode_local(
+    rows_R, corpus_RD = eval_dist.encode_local(  # (all ranks participate)
         loaded.model, tokenizer(corpus_prompt), plan.corpus, args.batch_size
     )
     query_QD, corpus_RD = F.normalize(query_QD, dim=-1), F.normalize(corpus_RD, dim=-1)  # cosine
     k = plan.range_max + plan.max_positives
-    # All ranks: ceil(Q / chunk_size) all_reduces, the same on every rank.
+    # (all ranks participate): ceil(Q / chunk_size) all_reduces, the same on every rank.
     scores_QK, rows_QK = eval_dist.top_k_sharded(query_QD, corpus_RD, rows_R, k, args.chunk_size)
-    return scores_QK.cpu(), rows_QK.cpu(), positive_scores(plan, query_QD, rows_R, corpus_RD).cpu()
+    positive_P = positive_scores(plan, query_QD, rows_R, corpus_RD)  # (all ranks participate)
+    return scores_QK.cpu(), rows_QK.cpu(), positive_P.cpu()
 
 
 def positive_scores(plan, query_QD, rows_R, corpus_RD):
     """The cosine of every (query, positive) pair, as a flat vector over the queries' positive
-    lists. The rank holding the positive's embedding scores it; ALL ranks (one all_reduce)."""
+    lists. The rank holding the positive's embedding scores it; one all_reduce (all ranks participate)."""
     query_P = [q for q, rows in enumerate(plan.positive_rows) for _ in rows]
     row_P = torch.tensor([r for rows in plan.positive_rows for r in rows], device=query_QD.device)
     column_of_row = torch.full((len(plan.corpus),), -1, dtype=torch.long, device=query_QD.device)
@@ -506,7 +509,8 @@ def positive_scores(plan, query_QD, rows_R, corpus_RD):
     query_rows = torch.tensor(query_P, device=query_QD.device)[local_P]
     scores_P[local_P] = (query_QD[query_rows] * corpus_RD[column_of_row[row_P[local_P]]]).sum(-1).double()
     if dist.is_initialized():
-        # All ranks: each pair was scored by exactly one rank, so the sum IS its score (x + 0).
+        # (all ranks participate): each pair was scored by exactly one rank, so the sum IS its
+        # score (x + 0).
         dist.all_reduce(scores_P, op=dist.ReduceOp.SUM)
     return scores_P.float()
 
@@ -745,4 +749,4 @@ STATISTICS = [
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(main())  # (all ranks participate)

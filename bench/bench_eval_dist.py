@@ -94,7 +94,7 @@ def worker(strategy, out_file):
                 model, tokenize, s1[:WARMUP_PAIRS], s2[:WARMUP_PAIRS], scores[:WARMUP_PAIRS], **options
             )
             if world_size > 1:
-                torch.distributed.barrier()  # all ranks: start the clock together
+                torch.distributed.barrier()  # (all ranks participate): start the clock together
             started = time.perf_counter()
             spearman = eval_dist.evaluate_sts(model, tokenize, s1, s2, scores, **options)["spearman"]
             seconds = time.perf_counter() - started

@@ -111,7 +111,7 @@ def worker(args):
             torch.cuda.synchronize()
         times.append(time.perf_counter() - start)
 
-    # All ranks take part: the per-rank numbers are reduced to their maximum.
+    # (all ranks participate): the per-rank numbers are reduced to their maximum.
     stats = torch.tensor(
         [
             held,

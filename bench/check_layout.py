@@ -1,7 +1,8 @@
 """Measure the layout a reader meets: how long train.py is, where its loop starts, how long the
 longest function is, how long each project file is, how many lines are too wide, how long the
-README is, and which project files each file needs. Exits 1 when a target is missed
-(tests/test_layout.py runs it).
+README is, which project files each file needs, and where a collective is called without the
+marker that says every rank must reach it. Exits 1 when a target is missed (tests/test_layout.py
+runs it).
 
     python bench/check_layout.py            # the table, and any target missed
     python bench/check_layout.py --json     # the same numbers as JSON
@@ -12,13 +13,18 @@ any top-level file; no top-level file (a project file) over 800 lines; no line o
 characters in any Python file (ruff's setting too); the README at most 350 lines; no file but
 train.py imports train; losses.py, eval_dist.py, lora.py and collectives.py import no other file
 of the project; every other file names in its docstring each project file it imports, so a
-reader can copy it with the few it needs.
+reader can copy it with the few it needs; in the top-level files, every call of a torch.distributed
+collective (or DCP's save and load, or a state-dict function) and every call of a function that
+reaches one carries "(all ranks participate)" in a comment on its line or directly above, and each
+such function says it in its docstring (`unmarked_collectives` says what it cannot see).
 """
 
 import argparse
 import ast
+import io
 import json
 import sys
+import tokenize
 from pathlib import Path
 
 REPO_DIR = Path(__file__).resolve().parents[1]
@@ -50,6 +56,182 @@ def project_imports(tree, modules):
         elif isinstance(node, ast.ImportFrom) and node.module in modules:
             found.add(node.module)
     return found
+
+
+# ----------------------------------------------------------------------------------------------
+# The collective marker: every call that every rank must reach says so, in one wording
+
+MARKER = "(all ranks participate)"
+# torch.distributed's collectives and point-to-point calls, as `dist.NAME(...)`.
+DIST_CALLS = {
+    "all_reduce", "all_gather", "all_gather_object", "all_gather_into_tensor", "all_gather_single",
+    "broadcast", "broadcast_object_list", "barrier", "monitored_barrier", "reduce", "reduce_scatter",
+    "reduce_scatter_tensor", "reduce_scatter_single", "gather", "gather_object", "scatter",
+    "scatter_object_list", "all_to_all", "all_to_all_single", "send", "recv", "isend", "irecv",
+    "batch_isend_irecv",
+}  # fmt: skip
+DCP_CALLS = {"save", "load"}  # `dcp.NAME(...)`, torch.distributed.checkpoint (not with no_dist=True)
+# Called by name (imported from torch.distributed.checkpoint.state_dict), and what torch hides in a
+# constructor or a method: DDP's constructor broadcasts rank 0's weights; FSDP1's clip_grad_norm_
+# and torch's on DTensors all-reduce the norm; a DTensor's full_tensor() gathers it.
+NAMED_CALLS = {
+    "get_state_dict", "set_state_dict", "get_model_state_dict", "set_model_state_dict",
+    "get_optimizer_state_dict", "set_optimizer_state_dict",
+    "DistributedDataParallel", "clip_grad_norm_", "full_tensor",
+}  # fmt: skip
+
+
+def collective_name(call, aliases):
+    """The collective `call` makes directly ("dist.all_reduce", ...), or None."""
+    func = call.func
+    if isinstance(func, ast.Attribute) and isinstance(func.value, ast.Name):
+        if func.value.id == "dist" and func.attr in DIST_CALLS:
+            return f"dist.{func.attr}"
+        no_dist = any(k.arg == "no_dist" and ast.unparse(k.value) == "True" for k in call.keywords)
+        if func.value.id == "dcp" and func.attr in DCP_CALLS and not no_dist:
+            return f"dcp.{func.attr}"
+    name = func.attr if isinstance(func, ast.Attribute) else getattr(func, "id", None)
+    if name in NAMED_CALLS or (isinstance(func, ast.Name) and name in aliases):
+        return name
+    return None
+
+
+def module_aliases(tree):
+    """Module-level names bound to a collective (`_all_gather = ... dist.all_gather_into_tensor`)."""
+    aliases = set()
+    for node in tree.body:
+        if isinstance(node, ast.Assign) and any(
+            isinstance(n, ast.Attribute) and ast.unparse(n.value) == "dist" and n.attr in DIST_CALLS
+            for n in ast.walk(node.value)
+        ):
+            aliases.update(t.id for t in node.targets if isinstance(t, ast.Name))
+    return aliases
+
+
+def marked_lines(source):
+    """{line: its comment text} and the set of lines that hold only a comment."""
+    comments, comment_only = {}, set()
+    for tok in tokenize.generate_tokens(io.StringIO(source).readline):
+        if tok.type == tokenize.COMMENT:
+            comments[tok.start[0]] = comments.get(tok.start[0], "") + tok.string
+            if not tok.line[: tok.start[1]].strip():
+                comment_only.add(tok.start[0])
+    return comments, comment_only
+
+
+def is_marked(statement_line, first, last, comments, comment_only):
+    """Whether the marker is in a comment on the call's lines (`first`..`last`), on its
+    statement's first line, or in the comment lines directly above either."""
+    lines = {statement_line, *range(first, last + 1)}
+    for line in (statement_line, first):
+        while line - 1 in comment_only:
+            line -= 1
+            lines.add(line)
+    return any(MARKER in comments.get(line, "") for line in lines)
+
+
+def functions_of(tree):
+    """[(qualified name, node, class name or None)] of every function and method."""
+    found = []
+
+    def visit(node, prefix, cls):
+        for child in ast.iter_child_nodes(node):
+            if isinstance(child, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                found.append((prefix + child.name, child, cls))
+                visit(child, f"{prefix}{child.name}.", None)
+            elif isinstance(child, ast.ClassDef):
+                visit(child, f"{prefix}{child.name}.", child.name)
+            else:
+                visit(child, prefix, cls)
+
+    visit(tree, "", None)
+    return found
+
+
+def calls_of(sources, trees, functions):
+    """[(file, function or None, call, the collective it makes or None, the functions it may run)]
+    of every call in `sources`; `function`: the innermost around it (None: module level)."""
+    modules = {name.removesuffix(".py") for name in sources}
+
+    def callees(name, func, cls):
+        if isinstance(func, ast.Name):  # a function of this file, or a class of it (its methods)
+            return [k for k in functions if k[0] == name and func.id in (k[1], k[1].split(".")[0])]
+        if not (isinstance(func, ast.Attribute) and isinstance(func.value, ast.Name)):
+            return []
+        owner, attr = func.value.id, func.attr
+        if owner in modules:  # module.name(...)
+            return [k for k in [(f"{owner}.py", attr)] if k in functions]
+        if owner == "self":  # self.name(...): a method of the same class
+            return [k for k in [(name, f"{cls}.{attr}")] if k in functions]
+        return [k for k in functions if k[0] == name and k[1].startswith(owner + ".")]  # Class.apply
+
+    found = []
+    for name, tree in trees.items():
+        aliases = module_aliases(tree)
+        around = {}  # node -> (innermost function, its class); outer functions first, inner overwrite
+        for (file, qualified), (node, cls) in sorted(functions.items(), key=lambda f: f[0][1].count(".")):
+            if file == name:
+                around.update({child: (qualified, cls) for child in ast.walk(node)})
+        for call in (c for c in ast.walk(tree) if isinstance(c, ast.Call)):
+            qualified, cls = around.get(call, (None, None))
+            found.append(
+                (name, qualified, call, collective_name(call, aliases), callees(name, call.func, cls))
+            )
+    return found
+
+
+def unmarked_collectives(sources):
+    """Problems, one line each, in `sources` ({file name: Python source}): a collective called, or
+    a function that reaches one called, with the marker neither in a comment on the call's lines
+    (or its statement's first line) nor in the comment lines directly above; and a function that
+    reaches one without the marker in its docstring.
+
+    By name: `name(...)` is a function or class of the same file, `module.name(...)` a function of
+    the project's `module`, `self.name(...)` a method of the same class, `Class.name(...)` (an
+    autograd Function's `apply`) any method of `Class`. A function reaches a collective when its
+    body, nested functions included, calls one or a function that reaches one. Not seen: one
+    reached through a value (an FSDP forward through `model(...)`, a gradient scaler's step, a hook
+    or an object that DDP or FSDP calls, a function passed as an argument), through an FSDP1
+    `state_dict()`, through torch.distributed imported under another name than `dist` (or its
+    checkpoint module under another than `dcp`), or through a name bound at run time."""
+    trees = {name: ast.parse(source, name) for name, source in sources.items()}
+    functions = {
+        (name, q): (node, cls) for name, tree in trees.items() for q, node, cls in functions_of(tree)
+    }
+    calls = calls_of(sources, trees, functions)
+    reaches = reaching(calls, functions)
+    problems = []
+    for name, source in sources.items():
+        comments, comment_only = marked_lines(source)
+        parent = {child: node for node in ast.walk(trees[name]) for child in ast.iter_child_nodes(node)}
+        for file, qualified, call, direct, targets in calls:
+            if file != name or not (direct or reaches.intersection(targets)):
+                continue
+            statement = call
+            while not isinstance(statement, ast.stmt):
+                statement = parent[statement]
+            if not is_marked(statement.lineno, call.lineno, call.end_lineno, comments, comment_only):
+                where = f"in {qualified}()" if qualified else "at module level"
+                what = direct or f"{ast.unparse(call.func)}(), which reaches a collective,"
+                problems.append((name, call.lineno, f"{where}: {what} called without {MARKER!r}"))
+        for file, qualified in reaches:
+            node = functions[file, qualified][0]
+            if file == name and MARKER not in (ast.get_docstring(node) or ""):
+                what = f"{qualified}() reaches a collective: {MARKER!r} not in its docstring"
+                problems.append((name, node.lineno, what))
+    return [f"{name}:{line} {problem}" for name, line, problem in sorted(problems)]
+
+
+def reaching(calls, functions):
+    """{(file, function)} of the functions that reach a collective: those that call one, those
+    that call one of them, to a fixed point; and those around a nested function that does."""
+    reaches = {(name, f) for name, f, _, direct, _ in calls if direct and f}
+    while True:
+        more = {(name, f) for name, f, _, _, targets in calls if f and reaches.intersection(targets)}
+        more |= {(name, f.rsplit(".", 1)[0]) for name, f in reaches} & functions.keys()
+        if more <= reaches:
+            return reaches
+        reaches |= more
 
 
 def measure():
@@ -90,6 +272,7 @@ def measure():
         "readme_lines": len((REPO_DIR / "README.md").read_text().splitlines()),
         "imports": imports,
         "imports_not_named_in_docstring": {name: missing for name, missing in unnamed.items() if missing},
+        "unmarked_collectives": unmarked_collectives({f.name: f.read_text() for f in files}),
     }
 
 
@@ -119,7 +302,7 @@ def missed(m):
         f"{name} imports {', '.join(missing)} without naming it in its docstring"
         for name, missing in m["imports_not_named_in_docstring"].items()
     ]
-    return problems
+    return problems + m["unmarked_collectives"]
 
 
 def main():

@@ -1,7 +1,8 @@
 """The layout a reader meets holds its targets: train.py short, its loop near the top, no long
-function, no project file over 800 lines, no line wider than 110 characters, a short README, and
-every helper file copyable with the few project files its docstring names (bench/check_layout.py
-measures all of it).
+function, no project file over 800 lines, no line wider than 110 characters, a short README,
+every helper file copyable with the few project files its docstring names, and every collective
+(and every function that reaches one) marked "(all ranks participate)" where it is called
+(bench/check_layout.py measures all of it).
 
     python -m pytest tests/test_layout.py
 """
@@ -46,6 +47,7 @@ def test_the_checker_reports_what_it_should():
         "readme_lines": 351,
         "imports": {**m["imports"], "losses.py": ["train"]},
         "imports_not_named_in_docstring": {"export.py": ["lora"]},
+        "unmarked_collectives": ["faults.py:94 in check_space(): dist.broadcast called without the marker"],
     }
     problems = "\n".join(check_layout.missed(broken))
     for expected in (
@@ -58,6 +60,63 @@ def test_the_checker_reports_what_it_should():
         "README.md has 351",
         "losses.py imports train",
         "export.py imports lora without naming it",
+        "faults.py:94 in check_space(): dist.broadcast",
     ):
         assert expected in problems, (expected, problems)
     assert check_layout.missed(m) == []
+
+
+HELPERS = """import torch.distributed as dist
+_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+
+
+def agree(x):
+    \"\"\"The sum over ranks (all ranks participate).\"\"\"
+    dist.all_reduce(x)  # (all ranks participate)
+
+
+def unmarked(x):
+    \"\"\"Waits.\"\"\"
+    dist.barrier()
+
+
+def gathered(x):
+    \"\"\"Every rank's rows (all ranks participate).\"\"\"
+    # (all ranks participate): above the call, which spans lines
+    return _gather(
+        x, x
+    )
+
+
+def read_alone(folder):
+    \"\"\"One reader.\"\"\"
+    dcp.load({}, storage_reader=None, no_dist=True)
+"""
+MAIN = """import helpers
+
+
+def step(x):
+    \"\"\"One step.\"\"\"
+    helpers.agree(x)
+    y = helpers.gathered(  # (all ranks participate)
+        x
+    )
+    helpers.read_alone(x)
+    return helpers.unmarked(y)
+"""
+
+
+def test_the_collective_marker_check_names_each_unmarked_call_and_docstring():
+    """Unmarked: a direct collective, the call of a function that reaches one (through another
+    file, and through a module-level alias of a collective), and the docstrings of the functions
+    that reach one; marked on the line, on the statement's first line or in the comment lines
+    directly above, and a DCP load with no_dist=True, are not reported."""
+    problems = check_layout.unmarked_collectives({"helpers.py": HELPERS, "main.py": MAIN})
+    marker = "'(all ranks participate)'"
+    assert problems == [
+        f"helpers.py:10 unmarked() reaches a collective: {marker} not in its docstring",
+        f"helpers.py:12 in unmarked(): dist.barrier called without {marker}",
+        f"main.py:4 step() reaches a collective: {marker} not in its docstring",
+        f"main.py:6 in step(): helpers.agree(), which reaches a collective, called without {marker}",
+        f"main.py:11 in step(): helpers.unmarked(), which reaches a collective, called without {marker}",
+    ], problems

@@ -47,20 +47,20 @@ def test_mean_pooling_ignores_padding_by_hand():
 def test_micro_batches_cut_one_global_batch_the_same_way_for_any_split(world_size, grad_accum_steps):
     """Rank r, micro-step j gets slice j * world + r of the step's global batch, so the rows of a
     step depend only on (seed, epoch, step) and on the global batch size, and one micro-step's
-    rows across ranks are consecutive (what --gather-negatives needs)."""
+    rows across ranks are consecutive (what --gather-negatives needs). The reference: step k's
+    global batch is the k-th slice of the epoch's permutation, cut by hand here."""
     num_rows, global_batch = 103, 12
     per_device = global_batch // (world_size * grad_accum_steps)
     order = batches.epoch_order(num_rows, seed=7, epoch=1)
     perm = torch.randperm(num_rows, generator=torch.Generator().manual_seed(7 + 1)).tolist()
     assert order.tolist() == perm  # the seed alone defines it
     for step in range(num_rows // global_batch):
-        pieces = [
-            batches.micro_batch_indices(order, step, r, j, per_device, world_size, grad_accum_steps)
-            for j in range(grad_accum_steps)
-            for r in range(world_size)
-        ]
-        assert all(len(p) == per_device for p in pieces)
-        assert sum(pieces, []) == perm[step * global_batch : (step + 1) * global_batch]
+        step_rows = perm[step * global_batch : (step + 1) * global_batch]
+        for j in range(grad_accum_steps):
+            for r in range(world_size):
+                piece = batches.micro_batch_indices(torch.tensor(step_rows), r, j, per_device, world_size)
+                first = (j * world_size + r) * per_device  # slice j * world + r, by hand
+                assert piece == step_rows[first : first + per_device]
     assert sorted(perm) == list(range(num_rows))
     # A different epoch is a different order.
     assert batches.epoch_order(num_rows, seed=7, epoch=2).tolist() != perm

@@ -117,7 +117,7 @@ class OwnMaskEncoder(torch.nn.Module):
         raise NotImplementedError
 
 
-def test_a_model_packing_cannot_serve_is_named_and_trains_as_sub_batches(tiny_model, capsys):
+def test_a_model_packing_cannot_serve_is_named_and_trains_as_sub_batches(tiny_model):
     flash = types.SimpleNamespace(config=types.SimpleNamespace(_attn_implementation="flash_attention_2"))
     assert "'flash_attention_2'" in embedding_model.packing_support(flash, True)
     assert "builds its own attention mask" in embedding_model.packing_support(OwnMaskEncoder(), True)
@@ -131,8 +131,8 @@ def test_a_model_packing_cannot_serve_is_named_and_trains_as_sub_batches(tiny_mo
     cfg = config.Config(model=str(tiny_model))
     model = embedding_model.load_model(cfg, 0).model
     model.cannot_pack = "a reason"
-    assert not embedding_model.use_packing(cfg, model)
-    assert "forwards: length-sorted sub-batches, not packed rows (a reason)" in capsys.readouterr().out
+    packed, line = embedding_model.packing_choice(cfg, model)
+    assert not packed and line == "forwards: length-sorted sub-batches, not packed rows (a reason)"
 
 
 def test_the_training_loop_feeds_the_encoder_packed_rows(tmp_path, tiny_model, monkeypatch, capsys):

@@ -184,7 +184,7 @@ def unmarked_collectives(sources):
     """Problems, one line each, in `sources` ({file name: Python source}): a collective called, or
     a function that reaches one called, with the marker neither in a comment on the call's lines
     (or its statement's first line) nor in the comment lines directly above; and a function that
-    reaches one without the marker in its docstring.
+    reaches one without the marker on one line of its docstring (so that grep finds it).
 
     By name: `name(...)` is a function or class of the same file, `module.name(...)` a function of
     the project's `module`, `self.name(...)` a method of the same class, `Class.name(...)` (an
@@ -217,7 +217,7 @@ def unmarked_collectives(sources):
         for file, qualified in reaches:
             node = functions[file, qualified][0]
             if file == name and MARKER not in (ast.get_docstring(node) or ""):
-                what = f"{qualified}() reaches a collective: {MARKER!r} not in its docstring"
+                what = f"{qualified}() reaches a collective: {MARKER!r} not on one line of its docstring"
                 problems.append((name, node.lineno, what))
     return [f"{name}:{line} {problem}" for name, line, problem in sorted(problems)]
 

@@ -114,9 +114,9 @@ def test_the_collective_marker_check_names_each_unmarked_call_and_docstring():
     problems = check_layout.unmarked_collectives({"helpers.py": HELPERS, "main.py": MAIN})
     marker = "'(all ranks participate)'"
     assert problems == [
-        f"helpers.py:10 unmarked() reaches a collective: {marker} not in its docstring",
+        f"helpers.py:10 unmarked() reaches a collective: {marker} not on one line of its docstring",
         f"helpers.py:12 in unmarked(): dist.barrier called without {marker}",
-        f"main.py:4 step() reaches a collective: {marker} not in its docstring",
+        f"main.py:4 step() reaches a collective: {marker} not on one line of its docstring",
         f"main.py:6 in step(): helpers.agree(), which reaches a collective, called without {marker}",
         f"main.py:11 in step(): helpers.unmarked(), which reaches a collective, called without {marker}",
     ], problems

@@ -213,7 +213,7 @@ def collate(rows, text_columns, target, loss_name, tokenize, device, prompts=Non
     return features, labels
 
 
-def micro_batches(plan, cfg, loaded, rank, world_size, start_step):
+def micro_batches(plan, cfg, loaded, rank, start_step):
     """This rank's micro-batches from start_step on, in training order: (train set, rows,
     features, labels), tokenized on the CPU. A background thread reads and tokenizes the next
     one while the caller computes on this one, so tokenizing overlaps the step (a small share of
@@ -225,7 +225,7 @@ def micro_batches(plan, cfg, loaded, rank, world_size, start_step):
     def read(step, micro_step):
         _, set_index, batch_rows = plan.schedule[step]
         ts = plan.train_sets[set_index]
-        indices = micro_batch_indices(batch_rows, rank, micro_step, ts.per_device_batch_size, world_size)
+        indices = micro_batch_indices(batch_rows, rank, micro_step, ts.per_device_batch_size, plan.world_size)
         rows = ts.ds[indices]
         if ts.group_size:
             rows = grouped_rows(rows, indices, ts.group_size, cfg.seed, step)

@@ -30,6 +30,7 @@ import functools
 import glob
 import itertools
 import json
+import math
 import os
 import re
 import shutil
@@ -312,11 +313,14 @@ def weights_finite(model, device):
     return non_finite.item() == 0
 
 
-def diverged_message(loss_value, step, checkpoints_dir):
-    """What the exit-3 error says: the step, and the newest checkpoint a rerun can start from."""
-    usable, skipped = newest_usable_checkpoint(checkpoints_dir)
+def check_loss_finite(loss_value, step, output_dir):
+    """FloatingPointError (exit 3) for a loss that is NaN or inf: its step, and the newest
+    checkpoint a rerun can start from. Every rank holds the same loss, so every rank raises."""
+    if math.isfinite(loss_value):
+        return
+    usable, skipped = newest_usable_checkpoint(os.path.join(output_dir, "checkpoints"))
     passed_over = "".join(f" ({path}: {problem})" for path, problem in skipped)
-    return (
+    raise FloatingPointError(
         f"the loss is {loss_value} at step {step}; stopped before the optimizer step. "
         f"Newest checkpoint with finite weights: {usable or 'none'}{passed_over}"
         f"{'' if usable or skipped else ' (use --save-steps)'}. "

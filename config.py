@@ -4,7 +4,9 @@ Each field carries its --help line and its own rules: the bounds its value must 
 start-up, on every rank: `check_field_rules`) and whether a resumed run may change it (any other
 field must equal the checkpoint's). `parse_config()` builds argparse from the fields, grouped
 into the sections of --help; `python train.py --help` prints them. The few values read from a
-field's text (--matryoshka-dims, --prompts, --lora-*) are parsed here, in one place.
+field's text (--matryoshka-dims, --prompts, --max-seq-length, --dataset-settings, --report-to,
+--lora-*) are parsed here, in one place, and called from one place: run_plan.resolve_flags, which
+resolves them once into the run's plan.
 
 Needs only the standard library.
 """
@@ -245,8 +247,11 @@ class Config:
         choices=("auto", "full_shard", "shard_grad_op", "hybrid_shard", "no_shard"),
     )
     fsdp_version: int = arg(
-        1,
-        "1: FullyShardedDataParallel with an auto-wrap policy; 2: fully_shard on each block, then the root",
+        2,
+        "2: fully_shard on each block, then the root (the faster: its collectives as rings over gloo, and "
+        "under shard_grad_op the embedding tables whole, their used rows averaged); 1: "
+        "FullyShardedDataParallel with transformer_auto_wrap_policy, needed for --sharding no_shard and "
+        "to resume a run written with it",
         choices=(1, 2),
     )
     fsdp_layer_cls: str = arg(
@@ -462,18 +467,46 @@ REPORT_TOOLS = ("tensorboard", "wandb", "mlflow")
 
 
 def report_tools(cfg):
-    """--report-to as a list of names, in the order given (checked at start-up)."""
-    return [name.strip() for name in cfg.report_to.split(",") if name.strip()]
+    """--report-to as a list of names, in the order given, each known and named once (whether its
+    package is installed is a start-up check). Raises ValueError."""
+    tools = [name.strip() for name in cfg.report_to.split(",") if name.strip()]
+    unknown = [name for name in tools if name not in REPORT_TOOLS]
+    if unknown:
+        raise ValueError(
+            f"--report-to {cfg.report_to}: unknown {unknown}; choose from "
+            f"{', '.join(REPORT_TOOLS)}, comma-separated (e.g. wandb,mlflow)"
+        )
+    twice = sorted({name for name in tools if tools.count(name) > 1})
+    if twice:
+        raise ValueError(f"--report-to {cfg.report_to}: {', '.join(twice)} named twice; name each tool once")
+    return tools
 
 
 def matryoshka_sizes(cfg):
-    """(dims, weights) from --matryoshka-dims/--matryoshka-weights, or None (checked at start-up)."""
+    """(dims, weights) from --matryoshka-dims/--matryoshka-weights, or None. Raises ValueError."""
+    if cfg.matryoshka_weights and not cfg.matryoshka_dims:
+        raise ValueError("--matryoshka-weights weighs the sizes of --matryoshka-dims; pass those too")
     if not cfg.matryoshka_dims:
         return None
-    dims = [int(d) for d in cfg.matryoshka_dims.split(",")]
-    weights = (
-        [float(w) for w in cfg.matryoshka_weights.split(",")] if cfg.matryoshka_weights else [1.0] * len(dims)
-    )
+    try:
+        dims = [int(d) for d in cfg.matryoshka_dims.split(",")]
+        weights = (
+            [float(w) for w in cfg.matryoshka_weights.split(",")]
+            if cfg.matryoshka_weights
+            else [1.0] * len(dims)
+        )
+    except ValueError:
+        raise ValueError(
+            f"--matryoshka-dims {cfg.matryoshka_dims!r} / --matryoshka-weights {cfg.matryoshka_weights!r}: "
+            "give comma-separated whole numbers (and numbers for the weights), e.g. 384,128,64 and 1,1,0.5"
+        ) from None
+    if min(dims) < 1 or len(set(dims)) < len(dims):
+        raise ValueError(f"--matryoshka-dims {cfg.matryoshka_dims}: sizes must be positive and distinct")
+    if len(weights) != len(dims) or not all(math.isfinite(w) and w >= 0 for w in weights) or not any(weights):
+        raise ValueError(
+            f"--matryoshka-weights {cfg.matryoshka_weights}: one finite, non-negative weight per size "
+            f"({len(dims)}), not all 0"
+        )
     return dims, weights
 
 
@@ -482,9 +515,15 @@ MNRL_DIRECTIONS = ("query_to_doc", "query_to_query", "doc_to_query", "doc_to_doc
 
 
 def mnrl_options(cfg):
-    """mnrl_loss's directions and partition from --mnrl-directions/--mnrl-partition (checked at
-    start-up): query_to_doc first, the others in their fixed order."""
+    """mnrl_loss's directions and partition from --mnrl-directions/--mnrl-partition: query_to_doc
+    first, the others in their fixed order. Raises ValueError for an unknown direction."""
     named = {d.strip() for d in cfg.mnrl_directions.split(",")}
+    unknown = sorted(named - set(MNRL_DIRECTIONS))
+    if unknown:
+        raise ValueError(
+            f"--mnrl-directions {cfg.mnrl_directions}: unknown {', '.join(unknown)}; "
+            f"choose from {', '.join(MNRL_DIRECTIONS)}"
+        )
     return {
         "directions": tuple(d for d in MNRL_DIRECTIONS if d in named | {"query_to_doc"}),
         "partition": cfg.mnrl_partition,
@@ -534,9 +573,9 @@ DATASET_SETTINGS = {
 }
 
 
-def dataset_settings_of(cfg, names):
-    """--dataset-settings as {file stem: {setting: value}}, for the stems in `names` (the
-    --train-data files'). Raises ValueError naming the key or value at fault."""
+def dataset_settings_of(cfg):
+    """--dataset-settings as {file stem: {setting: value}} (data.py checks that each stem is a
+    --train-data file's). Raises ValueError naming the key or value at fault."""
     if not cfg.dataset_settings:
         return {}
     flag = "--dataset-settings"
@@ -547,8 +586,6 @@ def dataset_settings_of(cfg, names):
     if not isinstance(settings, dict) or not all(isinstance(v, dict) for v in settings.values()):
         raise ValueError(f'{flag}: must be a JSON object of objects, e.g. {{"nli": {{"weight": 2}}}}')
     for name, values in settings.items():
-        if name not in names:
-            raise ValueError(f"{flag}: {name!r} is no --train-data file (their stems: {', '.join(names)})")
         for key, value in values.items():
             kind = DATASET_SETTINGS.get(key)
             if kind is None:
@@ -567,8 +604,10 @@ def dataset_settings_of(cfg, names):
 
 
 def lora_alpha(cfg):
+    """LoRA's alpha: --lora-alpha, or twice the rank."""
     return cfg.lora_alpha or 2.0 * cfg.lora_rank
 
 
 def lora_leaf_names(cfg):
+    """--lora-target-modules as a list of the Linear layers' names."""
     return [name.strip() for name in cfg.lora_target_modules.split(",") if name.strip()]

@@ -9,9 +9,10 @@
   - `data_fingerprint`: what a resume compares, so it never continues on changed data.
 Every rank loads the same rows; what to do with them step by step is batches.py.
 
-Needs datasets, config.py (`matryoshka_sizes` for the names of Matryoshka metrics,
-`prompts_of` and `dataset_settings_of` for each file's settings) and eval_dist.py
-(`retrieval_from_pairs`).
+Each function reads the flags' values as the run's plan resolved them (run_plan.py: the losses,
+prompts, per-file settings and Matryoshka sizes), never the flags' text.
+
+Needs datasets and eval_dist.py (`retrieval_from_pairs`).
 """
 
 import hashlib
@@ -22,7 +23,6 @@ from dataclasses import dataclass
 
 import datasets
 
-import config
 import eval_dist
 
 
@@ -172,7 +172,8 @@ class TrainSet:
     weight: float = 1.0
     own_negatives: bool = False
     prompts: dict = None
-    global_batch: int = 0  # set at start-up, when the world size is known
+    global_batch: int = 0  # set by run_plan.add_data, when the world size is known
+    loss_plan: object = None  # run_plan.LossPlan: how its micro-batches' loss is computed
 
     @property
     def prompt_columns(self):
@@ -196,6 +197,7 @@ class EvalSet:
     target: str | None
     loss: str = ""  # for kind "loss": the loss it is scored with
     beir: "BeirSet" = None  # for kind "beir": a corpus, its queries and their graded relevance
+    loss_plan: object = None  # kind "loss": run_plan.LossPlan, set by run_plan.add_data
 
     @property
     def metric_names(self):
@@ -238,9 +240,10 @@ def loss_from_columns(columns):
     return "mnrl"
 
 
-def load_train_sets(cfg):
-    """The --train-data files as TrainSets, each checked against its loss (--loss, or its columns')."""
-    paths, names = cfg.train_data.split(","), cfg.loss.split(",") if cfg.loss else []
+def load_train_sets(cfg, plan):
+    """The --train-data files as TrainSets, each checked against its loss (--loss, or its columns'),
+    with its settings (the plan's --dataset-settings and --prompts: run_plan.py)."""
+    paths, names = cfg.train_data.split(","), plan.losses
     if len(names) > 1 and len(names) != len(paths):
         raise ValueError(
             f"--loss {cfg.loss} names {len(names)} losses for {len(paths)} --train-data files; give one, "
@@ -282,16 +285,23 @@ def load_train_sets(cfg):
             "--train-data: several files train with --loss softmax, but the run has one Softmax head; "
             "keep one"
         )
-    settings = config.dataset_settings_of(cfg, stems)
+    for name in plan.dataset_settings:
+        if name not in stems:
+            raise ValueError(
+                f"--dataset-settings: {name!r} is no --train-data file (their stems: {', '.join(stems)})"
+            )
     for ts in train_sets:
-        own = settings.get(ts.name, {})
-        ts.per_device_batch_size = own.get("per_device_batch_size", cfg.per_device_batch_size)
-        ts.weight, ts.own_negatives = own.get("weight", 1.0), own.get("own_negatives", False)
-        ts.prompts = {**config.prompts_of(cfg), **own.get("prompts", {})}
+        set_settings = plan.dataset_settings.get(ts.name, {})
+        ts.per_device_batch_size = set_settings.get("per_device_batch_size", cfg.per_device_batch_size)
+        ts.weight, ts.own_negatives = (
+            set_settings.get("weight", 1.0),
+            set_settings.get("own_negatives", False),
+        )
+        ts.prompts = {**plan.prompts, **set_settings.get("prompts", {})}
     return train_sets
 
 
-def load_eval_sets(cfg, num_labels):
+def load_eval_sets(cfg, plan, num_labels):
     """The --eval-data files as EvalSets, checked like the training data."""
     eval_sets = []
     for path in [p for p in cfg.eval_data.split(",") if p]:
@@ -311,7 +321,7 @@ def load_eval_sets(cfg, num_labels):
             )
         kind = cfg.eval_type or eval_kind(columns)
         # Scored by its loss: --loss when it names one, else the file's columns decide (as for training).
-        loss = cfg.loss if cfg.loss and "," not in cfg.loss else loss_from_columns(columns)
+        loss = plan.losses[0] if len(plan.losses) == 1 else loss_from_columns(columns)
         try:
             text_columns, target, eval_labels = data_columns(ds, EVAL_COLUMNS_LIKE.get(kind, loss))
         except ValueError as e:
@@ -336,11 +346,11 @@ def load_eval_sets(cfg, num_labels):
             )
         name = os.path.splitext(os.path.basename(path.rstrip("/")))[0]
         eval_sets.append(EvalSet(name, kind, ds, text_columns, target, loss))
-    check_eval_names(cfg, eval_sets)
+    check_eval_names(cfg, plan, eval_sets)
     return eval_sets
 
 
-def check_eval_names(cfg, eval_sets):
+def check_eval_names(cfg, plan, eval_sets):
     """Distinct evaluation names, and --metric-for-best among the metrics they make."""
     stems = [es.name for es in eval_sets]
     if len(set(stems)) < len(stems):
@@ -349,7 +359,7 @@ def check_eval_names(cfg, eval_sets):
             f"--eval-data: several files are named {twice} (without folder and extension), so their metrics "
             "would overwrite each other; give them distinct file names"
         )
-    sizes = [""] + [f"@{d}" for d in (config.matryoshka_sizes(cfg) or [()])[0]]
+    sizes = [""] + [f"@{d}" for d in (plan.matryoshka or [()])[0]]
     names = [
         f"{es.name}/{metric}{size}"
         for es in eval_sets

@@ -252,9 +252,10 @@ def resolve_model_path(name):
     return name  # a hub id: transformers downloads it where a hub is reachable
 
 
-def load_model(cfg, num_labels, on_meta=False):
-    """The encoder, its pooling and (num_labels > 0) a new Softmax head, in train mode. A
-    SentenceTransformer folder's pooling, normalisation, max length and casing are kept.
+def load_model(cfg, plan, on_meta=False):
+    """The encoder, its pooling and (plan.num_labels > 0) a new Softmax head, in train mode. A
+    SentenceTransformer folder's pooling, normalisation, max length and casing are kept; the
+    prompts, lengths and LoRA's settings are the plan's (run_plan.py).
 
     `on_meta` (FSDP): the model is built on the meta device, without storage, when its weights
     can be read slice by slice (a local folder whose safetensors files hold every tensor); then
@@ -278,14 +279,13 @@ def load_model(cfg, num_labels, on_meta=False):
     pooling = cfg.pooling or st_config["pooling"]
     normalize = st_config["normalize"] if cfg.normalize is None else cfg.normalize
     positions = getattr(train_config, "max_position_embeddings", None) or 512
-    own_length, column_lengths = config.column_lengths(cfg)
     max_seq_length = (
-        own_length or st_config["max_seq_length"] or min(tokenizer.model_max_length, 512, positions)
+        plan.max_seq_length or st_config["max_seq_length"] or min(tokenizer.model_max_length, 512, positions)
     )
-    lora_names = prepare_encoder(encoder, cfg)  # LoRA adapters drawn from the RNG, before the head
-    model = EmbeddingModel(encoder, pooling, normalize, num_labels)
+    lora_names = prepare_encoder(encoder, cfg, plan)  # LoRA adapters drawn from the RNG, before the head
+    model = EmbeddingModel(encoder, pooling, normalize, plan.num_labels)
     model.train()  # from_pretrained returns eval mode: dropout would silently stay off
-    prompts = config.prompts_of(cfg)
+    prompts = plan.prompts
     loaded = LoadedModel(
         model,
         tokenizer,
@@ -296,7 +296,7 @@ def load_model(cfg, num_labels, on_meta=False):
         base_tokenizer_files(path, subfolder),
         prompts,
         {**st_config["prompts"], **prompts},
-        column_lengths=column_lengths,
+        column_lengths=plan.column_lengths,
         parameter_counts=(
             sum(p.numel() for p in model.parameters()),
             sum(p.numel() for p in model.parameters() if p.requires_grad),
@@ -344,7 +344,7 @@ def drop_pooler(encoder, missing_keys, file_names, folder):
     return untrained_state
 
 
-def prepare_encoder(encoder, cfg):
+def prepare_encoder(encoder, cfg, plan):
     """What is set on the encoder before wrapping: the LoRA adapters (--lora-rank, drawn from the
     seeded RNG), so DDP/FSDP see them as the trained parameters, and activation checkpointing.
     Returns the names of the Linear layers that got adapters ([] without LoRA)."""
@@ -353,9 +353,9 @@ def prepare_encoder(encoder, cfg):
         lora_names = lora.linear_names(
             encoder,
             fsdp_utils.resolve_layer_classes(encoder, cfg.fsdp_layer_cls),
-            config.lora_leaf_names(cfg),
+            plan.lora_leaf_names,
         )
-        lora.add_lora(encoder, lora_names, cfg.lora_rank, config.lora_alpha(cfg), cfg.lora_dropout)
+        lora.add_lora(encoder, lora_names, cfg.lora_rank, plan.lora_alpha, cfg.lora_dropout)
     # Non-reentrant: the reentrant kind fails under FSDP1 ("mat2 must be a matrix").
     if cfg.activation_checkpointing:
         if hasattr(encoder, "activation_checkpointing_enable"):  # its name from transformers 5.2x on

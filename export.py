@@ -18,8 +18,9 @@ Usage (stage_state_dict: all ranks participate; the writer alone the rest):
         export.export_sentence_transformer(out_dir, [lambda: export.read_staged(staging, names)],
                                            config, tokenizer, pooling_mode="mean", ...)
 
-Needs torch, transformers and safetensors, and fsdp_utils.py, collectives.py, lora.py, config.py
-and faults.py (for `export_model` and the model card; `export_sentence_transformer` needs none).
+Needs torch, transformers and safetensors, and fsdp_utils.py, collectives.py, lora.py, faults.py
+and run_plan.py (for `export_model` and the model card; `export_sentence_transformer`
+needs none).
 """
 
 import copy
@@ -38,13 +39,13 @@ import torch.distributed as dist
 from safetensors.torch import save_file
 
 import collectives
-import config
 import faults
 import fsdp_utils
 import lora
+import run_plan
 
 
-def export_model(model, loaded, out_dir, cfg, derived, summary, is_rank0, sees_output_dir=(True,)):
+def export_model(model, loaded, out_dir, cfg, plan, summary, is_rank0):
     """(all ranks participate) Under FSDP each rank writes the part of the weights it holds beside
     the export (a collective; nothing is gathered), and rank 0 reads it back one output file's worth at a
     time: no rank ever holds the whole model. A rank on a host without rank 0's disk
@@ -53,7 +54,7 @@ def export_model(model, loaded, out_dir, cfg, derived, summary, is_rank0, sees_o
     own copy. Rank 0 alone writes the SentenceTransformer folder, with its model card.
     A disk without room for it stops every rank before anything is written, and a write that
     fails stops every rank with what was half written removed (faults.DiskFull): an older export
-    at `out_dir` is then untouched."""
+    at `out_dir` is then untouched. `plan`: the run's (run_plan.py), saved in the export."""
     # A leftover of a killed run goes at the next start, as the other *.tmp-*.
     staging = f"{out_dir}.tmp-staged"
     sharded = fsdp_utils.is_fsdp1(model) or fsdp_utils.is_fsdp2(model)
@@ -69,9 +70,9 @@ def export_model(model, loaded, out_dir, cfg, derived, summary, is_rank0, sees_o
     with faults.agreed_writes(what, folder, remove_half_written):
         if sharded:  # the same on every rank
             # (all ranks participate): each rank writes the shards it holds
-            stage_state_dict(model, staging, sees_output_dir)
+            stage_state_dict(model, staging, plan.sees_output_dir)
         if is_rank0:
-            write_export(loaded, out_dir, cfg, derived, summary, staging if sharded else None)
+            write_export(loaded, out_dir, cfg, plan, summary, staging if sharded else None)
 
 
 def size_estimate(loaded, cfg, sharded):
@@ -86,7 +87,7 @@ def size_estimate(loaded, cfg, sharded):
     return weights + tokenizer + 10**6
 
 
-def write_export(loaded, out_dir, cfg, derived, summary, staging):
+def write_export(loaded, out_dir, cfg, plan, summary, staging):
     """Rank 0: the SentenceTransformer folder, its weights read from `staging` (FSDP: what
     stage_state_dict wrote) or, when None, from the model itself (one process, DDP)."""
     if staging:
@@ -98,8 +99,9 @@ def write_export(loaded, out_dir, cfg, derived, summary, staging):
         tensors_of = lambda names: {name: state[name].detach().clone() for name in names}  # noqa: E731
         shapes = {name: (t.shape, t.dtype) for name, t in state.items()}
     staged = sorted(shapes)
+    derived = run_plan.record(plan, loaded)  # saved beside the config, as rank 0 printed it
     dtype = fsdp_utils.PRECISIONS[cfg.export_dtype]
-    weight_files = exported_files(tensors_of, shapes, loaded.untrained_state, cfg, dtype)
+    weight_files = exported_files(tensors_of, shapes, loaded.untrained_state, cfg, plan, dtype)
     head = tensors_of([name for name in staged if name.startswith("classifier.")])
     export_sentence_transformer(
         out_dir,
@@ -111,7 +113,7 @@ def write_export(loaded, out_dir, cfg, derived, summary, staging):
         max_seq_length=loaded.max_seq_length,
         do_lower_case=loaded.lowercase,
         tokenizer_files=loaded.tokenizer_files,
-        model_card=model_card(cfg, loaded, derived, summary),
+        model_card=model_card(cfg, plan, loaded, derived, summary),
         prompts=loaded.named_prompts,
         dtype=dtype,
         training_config={**dataclasses.asdict(cfg), **derived, **summary},
@@ -128,7 +130,7 @@ def write_export(loaded, out_dir, cfg, derived, summary, staging):
             os.path.join(out_dir, "adapter"),
             {k.removeprefix("encoder."): v for k, v in adapters.items()},
             rank=cfg.lora_rank,
-            alpha=config.lora_alpha(cfg),
+            alpha=plan.lora_alpha,
             dropout=cfg.lora_dropout,
             base_model=public_name(cfg.model),
         )
@@ -136,7 +138,7 @@ def write_export(loaded, out_dir, cfg, derived, summary, staging):
         shutil.rmtree(staging, ignore_errors=True)
 
 
-def exported_files(tensors_of, shapes, untrained_state, cfg, dtype):
+def exported_files(tensors_of, shapes, untrained_state, cfg, plan, dtype):
     """The export's weight files, as functions that each read one file's tensors (at most
     --export-max-shard-size) through `tensors_of(names)`. Each exported tensor and the staged
     ones it is made of: the encoder's under plain HF names; a LoRA layer's weight from its base
@@ -159,7 +161,7 @@ def exported_files(tensors_of, shapes, untrained_state, cfg, dtype):
         )
         tensors = {name.removeprefix("encoder."): t for name, t in tensors.items()}
         if cfg.lora_rank:
-            tensors = lora.merge_lora(tensors, config.lora_alpha(cfg) / cfg.lora_rank)
+            tensors = lora.merge_lora(tensors, plan.lora_alpha / cfg.lora_rank)
         tensors.update({name: t for name, t in untrained_state.items() if name in names})
         return {name: tensors[name] for name in names}
 
@@ -650,13 +652,13 @@ with torch.no_grad():
 """
 
 
-def model_card(cfg, loaded, derived, summary):
+def model_card(cfg, plan, loaded, derived, summary):
     """The export's README.md: the run's base model, data, loss, settings and last evaluation,
     and how to use the model with sentence-transformers and with plain transformers."""
     base, pooling = public_name(cfg.model), loaded.model.pooling
     base_is_hub = not os.path.exists(cfg.model) or base == "sentence-transformers/all-MiniLM-L6-v2"
     settings = card_settings(cfg)
-    sizes = config.matryoshka_sizes(cfg)
+    sizes = plan.matryoshka
     multiple_sets = len(derived["train_sets"]) > 1
     return MODEL_CARD.format(
         base_model=f"base_model: {base}" if base_is_hub else "",
@@ -678,7 +680,7 @@ def model_card(cfg, loaded, derived, summary):
         global_batch=derived["global_batch"],
         world_size=derived["world_size"],
         final_loss=summary["final_loss"],
-        notes=card_notes(cfg, loaded, sizes),
+        notes=card_notes(cfg, plan, loaded),
         evaluation=evaluation_section(
             summary.get("eval") or last_evaluation(cfg.output_dir),
             summary.get("step", derived["total_steps"]),
@@ -717,10 +719,10 @@ def card_settings(cfg):
     }
 
 
-def card_notes(cfg, loaded, sizes):
+def card_notes(cfg, plan, loaded):
     """The model card's lines after the final loss, each starting with a newline: Matryoshka
-    sizes (`sizes`: config.matryoshka_sizes), prompts, the appended EOS token and LoRA."""
-    notes = ""
+    sizes, prompts, the appended EOS token and LoRA."""
+    notes, sizes = "", plan.matryoshka
     if sizes:
         notes += (
             f"\n- Matryoshka: trained at sizes {', '.join(map(str, sizes[0]))} "
@@ -735,9 +737,7 @@ def card_notes(cfg, loaded, sizes):
     if cfg.append_eos:
         notes += "\n- Every text ends with the EOS token: the tokenizer appends it (after truncation)"
     if cfg.lora_rank:
-        notes += (
-            f"\n- LoRA: rank {cfg.lora_rank}, alpha {config.lora_alpha(cfg):g}, merged into these weights"
-        )
+        notes += f"\n- LoRA: rank {cfg.lora_rank}, alpha {plan.lora_alpha:g}, merged into these weights"
         if cfg.export_adapter:
             notes += " (the adapters alone, for peft on the base model: `adapter/`)"
     return notes

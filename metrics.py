@@ -26,7 +26,7 @@ class MetricsLog:
     once (a crash loses no logged step), and the same numbers to each tracker of --report-to
     (tracking.py), at the same steps. A tracker that fails costs a warning line, never the run."""
 
-    def __init__(self, cfg, start_step, run_config=None):
+    def __init__(self, cfg, start_step, run_config=None, report_tools=()):
         # On resume the rows up to the checkpoint's step are kept (the later ones are about to be
         # redone); a crash can tear the last line (or leave NUL bytes): such lines are dropped.
         os.makedirs(cfg.output_dir, exist_ok=True)
@@ -43,7 +43,8 @@ class MetricsLog:
         # The trackers first: one that cannot start stops the run here (TrackerError), before the
         # first step. `run_config`: what rank 0 printed (the Config and the derived values).
         run_config = run_config if run_config is not None else dataclasses.asdict(cfg)
-        self.trackers = tracking.start_trackers(cfg, start_step, run_config, [row for _, row in kept])
+        kept_rows = [row for _, row in kept]
+        self.trackers = tracking.start_trackers(cfg, report_tools, start_step, run_config, kept_rows)
         self.file = open(path, "w")
         self.file.writelines(line for line, _ in kept)
         # The last logged loss, for the summary of a run resumed at its very last step.

@@ -32,7 +32,8 @@ inference needs no FSDP), cross-encoder rescoring, the labeled-pair and labeled-
 FAISS, embedding caches, a BEIR corpus's titles (only its `text` column is read).
 
 Needs torch, transformers, datasets, and config.py, data.py, embedding_model.py, eval_dist.py,
-fsdp_utils.py and startup_checks.py (`agree_on_error`).
+fsdp_utils.py, run_plan.py (`resolve_flags`: the prompts and lengths as train.py reads them) and
+startup_checks.py (`agree_on_error`).
 """
 
 import argparse
@@ -55,6 +56,7 @@ import data
 import embedding_model
 import eval_dist
 import fsdp_utils
+import run_plan
 import startup_checks
 
 OUTPUT_FORMATS = ("triplet", "n-tuple", "grouped")
@@ -370,7 +372,7 @@ def load_model(args, device):
         append_eos=args.append_eos,
         trust_remote_code=args.trust_remote_code,
     )
-    loaded = embedding_model.load_model(cfg, num_labels=0)
+    loaded = embedding_model.load_model(cfg, run_plan.resolve_flags(cfg, 1, device))
     loaded.model.to(device)
     return loaded
 

@@ -1,6 +1,6 @@
 """The model, checked from its folder and config before any weights load, in a second or two.
 
-`check_model(cfg, strategy)` (startup_checks.py calls it on every rank, no collective) loads
+`check_model(cfg, plan)` (startup_checks.py calls it on every rank, no collective) loads
 --model's config without weights (`model_config_of`) and checks: the folder holds tokenizer
 files and weights that look whole (`check_model_files`; `weights_problem` reads the weight
 files' headers alone: a safetensors file as long as its header says, a pickle file of tensors
@@ -9,13 +9,13 @@ Matryoshka sizes and the sequence lengths fit the model; and, on a copy built on
 device (`check_meta_model`: no memory, no time), the FSDP block class, activation
 checkpointing and the LoRA target modules. It returns the FSDP block class names, or None.
 
-    layer_classes = model_checks.check_model(cfg, "fsdp")       # ValueError naming the fix
+    layer_classes = model_checks.check_model(cfg, plan)         # ValueError naming the fix
     problem = model_checks.weights_problem(folder)              # None: the weights look whole
 
 Left out on purpose: loading the weights (embedding_model.py does, once every check passed),
 and checking the values in them (the loss and the weights are checked while training).
 
-Needs transformers, and config.py, data.py (`root_cause`), embedding_model.py, export.py
+Needs transformers, and data.py (`root_cause`), embedding_model.py, export.py
 (`read_sentence_transformer_config`), fsdp_utils.py (`resolve_layer_classes`) and lora.py.
 """
 
@@ -25,7 +25,6 @@ import os
 import torch
 import transformers
 
-import config
 import data
 import embedding_model
 import export
@@ -33,7 +32,7 @@ import fsdp_utils
 import lora
 
 
-def check_model(cfg, strategy):
+def check_model(cfg, plan):
     """The model checks that need no weights, in a second or two: the folder or hub id exists
     and its config loads (read here once more, without the weights, so a bad --model fails
     before anything heavy); under FSDP, the block class to wrap is found (in a copy built on
@@ -43,21 +42,20 @@ def check_model(cfg, strategy):
     if cfg.append_eos:
         check_eos_tokenizer(cfg, path, subfolder)
     width = getattr(model_config, "hidden_size", None)
-    if width and cfg.matryoshka_dims and max(config.matryoshka_sizes(cfg)[0]) > width:
+    if width and plan.matryoshka and max(plan.matryoshka[0]) > width:
         raise ValueError(
             f"--matryoshka-dims {cfg.matryoshka_dims}: {cfg.model} gives {width}-dimensional embeddings; "
             f"use sizes up to {width}"
         )
     positions = getattr(model_config, "max_position_embeddings", None)
-    own_length, column_lengths = config.column_lengths(cfg)
-    if positions and max([own_length, *column_lengths.values()]) > positions:
+    if positions and max([plan.max_seq_length, *plan.column_lengths.values()]) > positions:
         raise ValueError(
             f"--max-seq-length {cfg.max_seq_length} is beyond the {positions} positions {cfg.model} has; "
             f"use at most {positions}"
         )
-    if strategy != "fsdp" and not cfg.lora_rank and not cfg.activation_checkpointing:
+    if plan.strategy != "fsdp" and not cfg.lora_rank and not cfg.activation_checkpointing:
         return None
-    return check_meta_model(cfg, strategy, model_config)
+    return check_meta_model(cfg, plan, model_config)
 
 
 def model_config_of(cfg):
@@ -127,7 +125,7 @@ def check_eos_tokenizer(cfg, path, subfolder):
         )
 
 
-def check_meta_model(cfg, strategy, model_config):
+def check_meta_model(cfg, plan, model_config):
     """The checks that need the model's modules, on a copy built on the meta device (no memory,
     no time): --activation-checkpointing is supported, the block class is found (or
     --fsdp-layer-cls names one), and --lora-target-modules names Linear layers in it. Returns
@@ -140,14 +138,14 @@ def check_meta_model(cfg, strategy, model_config):
             "in transformers; drop the flag"
         )
     blocks = fsdp_utils.resolve_layer_classes(encoder, cfg.fsdp_layer_cls)
-    if cfg.lora_rank and not lora.linear_names(encoder, blocks, config.lora_leaf_names(cfg)):
+    if cfg.lora_rank and not lora.linear_names(encoder, blocks, plan.lora_leaf_names):
         inside = sorted({name.rsplit(".", 1)[-1] for name in lora.linear_names(encoder, blocks)})
         raise ValueError(
             f"--lora-target-modules {cfg.lora_target_modules}: no Linear layer of that name "
             f"in {cfg.model}'s block ({', '.join(sorted(c.__name__ for c in blocks))}); "
             f"its Linear layers: {', '.join(inside)}"
         )
-    return sorted(c.__name__ for c in blocks) if strategy == "fsdp" else None
+    return sorted(c.__name__ for c in blocks) if plan.strategy == "fsdp" else None
 
 
 # The weight files transformers loads, in the order it prefers them.

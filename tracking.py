@@ -31,7 +31,7 @@ before its first step (TrackerError, a ValueError; train.py's open_log makes eve
 it: one `error:` line, exit 2); one that fails later costs one `warning:` line and reports nothing
 more, never the run (MetricsLog).
 
-Needs config.py; tensorboard, wandb and mlflow only when asked for (imported inside the classes).
+Needs no other project file; tensorboard, wandb and mlflow only when asked for (imported inside the classes).
 """
 
 import contextlib
@@ -41,20 +41,19 @@ import os
 import re
 import time
 
-import config
-
 
 class TrackerError(ValueError):
     """A tracker of --report-to could not start (exit 2, before the first step)."""
 
 
-def start_trackers(cfg, start_step, run_config, kept_rows):
-    """{tool: tracker} for --report-to, each started (and on resume, continuing its run);
-    OUTPUT_DIR/tracking.json then names their runs. `kept_rows`: metrics.jsonl's rows up to
-    `start_step`. Raises TrackerError naming the tool that could not start."""
+def start_trackers(cfg, tools, start_step, run_config, kept_rows):
+    """{tool: tracker} for each of `tools` (--report-to's, as the run's plan lists them), each
+    started (and on resume, continuing its run); OUTPUT_DIR/tracking.json then names their runs.
+    `kept_rows`: metrics.jsonl's rows up to `start_step`. Raises TrackerError naming the tool that
+    could not start."""
     previous = read_run_ids(cfg.output_dir) if start_step else {}
     trackers = {}
-    for tool in config.report_tools(cfg):
+    for tool in tools:
         try:
             if tool == "tensorboard":
                 trackers[tool] = TensorBoard(cfg, start_step)

@@ -1,9 +1,11 @@
 """Train a sentence-embedding model with plain PyTorch: one process, DDP or FSDP under torchrun.
 
-main() is the story: check the launch, build the model, run the loop (forward, loss, backward,
-clip, step, log, evaluate, save), export. The step's helpers follow in the order main() calls
-them; every other concern is a file named after it (config, startup_checks, data, batches,
-embedding_model, losses, eval_dist, checkpoints, export, metrics, fsdp_utils, lora).
+main() is the story: check the flags (resolved once into the run's plan), plan the data and every
+step's rows, build the model, run the loop (forward, loss, backward, clip, step, log, evaluate,
+save), export. The step's helpers follow in the order main() calls them; every other concern is a
+file named after it (config, run_plan, startup_checks, data, batches, embedding_model, losses,
+eval_dist, gradcache, checkpoints, export, metrics, fsdp_utils, collectives, lora). A call that every rank
+must reach (a collective) says "(all ranks participate)".
 
 Run it:
     python train.py                                   # one process (CPU or one GPU)
@@ -53,89 +55,81 @@ import eval_dist
 import export
 import faults
 import fsdp_utils
+import gradcache
 import losses
 import metrics
+import run_plan
 import startup_checks
 
 
 def main(cfg):
-    """Train and export; returns the trained, unwrapped model (None: the export was already there)."""
+    """Train and export (all ranks participate); returns the unwrapped model (None: exported already)."""
     rank, world_size, device = fsdp_utils.setup_dist(cfg.dist_timeout_minutes)
-    is_rank0 = rank == 0
-    # ALL ranks check the flags, data (data.py), model files and output folder, and agree (collectives):
-    # bad input stops every rank with one message, before any weights load or any file is written.
-    plan = startup_checks.agreed_start_up(cfg, rank, world_size, device)
+    # 1. Check: the flags, resolved once into the run's plan; the model's files; the output folder.
+    plan = startup_checks.agreed_check(cfg, rank, world_size, device)  # (all ranks participate)
+    # 2. Plan: the data, checked, and every step's rows, from the seed alone (batches.py).
+    plan = startup_checks.agreed_plan(cfg, plan, rank, device)  # (all ranks participate)
     final_dir = os.path.join(cfg.output_dir, "final")
     if plan.finished:
         fsdp_utils.print0(f"{final_dir} already holds this run's export: nothing left to do")
         return None
-    # ALL ranks: DDP broadcasts rank 0's weights; FSDP shards them (each rank reads its part).
-    model, loaded, no_decay_names = build_model(cfg, plan, device)
-    if cfg.eval_only:  # ALL ranks: evaluation is collective
-        evaluate_only(model, loaded, plan, cfg, device, is_rank0)
+    # 3. The model: DDP broadcasts rank 0's weights; FSDP shards them (each rank reads its part).
+    model, loaded, no_decay_names = build_model(cfg, plan)  # (all ranks participate)
+    if cfg.eval_only:
+        evaluate_only(model, loaded, cfg, plan)  # (all ranks participate)
         return loaded.model
-    derived = startup_checks.derived_values(cfg, plan, loaded, world_size, device)
-    total_steps = derived["total_steps"]
-    optimizer, scheduler, scaler = build_training(model, no_decay_names, cfg, plan, derived, device)
-    opts = step_options(cfg, plan, loaded, scaler, device)
-    # ALL ranks: loading sharded state is a collective. (0, None) for a fresh run.
+    optimizer, scheduler, scaler = build_training(model, no_decay_names, cfg, plan)
+    opts = step_options(cfg, plan, loaded, scaler)
+    # (all ranks participate) loading sharded state is a collective. (0, None) for a fresh run.
     start_step, best_value = checkpoints.restore_checkpoint(
-        plan.resume_dir, model, optimizer, scheduler, scaler, total_steps
+        plan.resume_dir, model, optimizer, scheduler, scaler, plan.total_steps
     )
-    fsdp_utils.print0(json.dumps({**dataclasses.asdict(cfg), **derived}, indent=2))
-    log = open_log(cfg, start_step, derived, device)  # ALL ranks; rank 0 writes the metrics
+    fsdp_utils.print0(json.dumps(run_record(cfg, plan, loaded), indent=2))
+    log = clear_output_and_open_log(cfg, plan, loaded, start_step)  # (all ranks participate)
     meter = metrics.StepMeter(several_sets=len(plan.train_sets) > 1)
-    if cfg.eval_on_start and start_step == 0:  # ALL ranks: evaluation is collective
-        with metrics.timed(meter.paused, "eval"):
-            best_value = evaluate_and_log(model, loaded, plan, cfg, derived, device, 0, best_value, log)
-    last_loss = log.last_loss if is_rank0 else math.nan
-    progress = tqdm(
-        total=total_steps, initial=start_step, disable=not is_rank0, desc="train", dynamic_ncols=True
-    )
-    # This rank's micro-batches, tokenized in a background thread; every rank runs exactly
-    # (total_steps - start_step) x grad_accum_steps of them, of equal size (batches.py).
-    micro_batches = batches.micro_batches(plan, cfg, loaded, rank, world_size, start_step)
+    if cfg.eval_on_start and start_step == 0:
+        with metrics.timed(meter.paused, "eval"):  # (all ranks participate)
+            best_value = evaluate_and_log(model, loaded, cfg, plan, 0, best_value, log)
+    last_loss = log.last_loss if log is not None else math.nan
+    progress = tqdm(total=plan.total_steps, initial=start_step, disable=rank != 0, desc="train")
+    # This rank's micro-batches, tokenized ahead in a thread; every rank runs as many (batches.py).
+    micro_batches = batches.micro_batches(plan, cfg, loaded, rank, start_step)
+    faults.HEARTBEAT.start()  # a thread writes this rank's step to the rendezvous store every 2 s
 
     # ---- the loop
-    for step in range(start_step + 1, total_steps + 1):  # optimizer steps, counted from 1
-        faults.HEARTBEAT.at_step(step)  # should a collective time out, who went silent, and when
+    for step in range(start_step + 1, plan.total_steps + 1):  # optimizer steps, counted from 1
+        faults.HEARTBEAT.step = step  # should a collective time out, who went silent, and when
         step_loss = torch.zeros((), device=device)
         for micro_step in range(cfg.grad_accum_steps):
             train_set, rows, features, labels = next(micro_batches)  # one set per step, on every rank
-            # ALL ranks: forward and backward gather and reduce-scatter every block under FSDP;
-            # DDP all-reduces the gradients in the last micro-step's backward only.
-            sync = micro_step == cfg.grad_accum_steps - 1
-            step_loss += forward_backward(model, train_set, rows, features, labels, opts, device, sync)
-        # ALL ranks, every step: one scalar all_reduce gives the step's mean loss, and a NaN or
-        # inf on any rank reaches all of them, so all stop together, before the update.
+            sync = micro_step == cfg.grad_accum_steps - 1  # DDP: all-reduce in the last backward only
+            # (all ranks participate) FSDP gathers and reduce-scatters every block in each.
+            step_loss += forward_backward(model, train_set, rows, features, labels, opts, sync)
+        # One scalar all_reduce: the step's mean loss; a NaN or inf on any rank stops all, unchanged.
         if world_size > 1:
-            dist.all_reduce(step_loss)
+            dist.all_reduce(step_loss)  # (all ranks participate)
         step_loss_value = step_loss.item() / world_size
-        if not math.isfinite(step_loss_value):
-            checkpoints_dir = os.path.join(cfg.output_dir, "checkpoints")
-            raise FloatingPointError(checkpoints.diverged_message(step_loss_value, step, checkpoints_dir))
-        # ALL ranks: collectives under FSDP (the norm of sharded gradients; the whole tables' gradients).
+        checkpoints.check_loss_finite(step_loss_value, step, cfg.output_dir)  # raises on every rank
+        # (all ranks participate) under FSDP: the norm of sharded gradients; the whole tables' gradients.
         grad_norm, lr = clip_and_step(model, optimizer, scheduler, scaler, cfg.max_grad_norm)
         progress.update(1)
         meter.add(train_set.name, step_loss_value, train_set.global_batch)
-        if step % cfg.log_steps == 0 or step == total_steps:  # no collective: rank 0 writes
+        if step % cfg.log_steps == 0 or step == plan.total_steps:  # no collective: rank 0 writes
             last_loss = log_step(meter, log, progress, step, plan.schedule[step - 1][0], grad_norm, lr)
-        if plan.eval_sets and ((cfg.eval_steps and step % cfg.eval_steps == 0) or step == total_steps):
-            with metrics.timed(meter.paused, "eval"):  # ALL ranks: evaluation, best export: collective
-                best_value = evaluate_and_log(
-                    model, loaded, plan, cfg, derived, device, step, best_value, log, last_loss
-                )
+        if plan.eval_sets and ((cfg.eval_steps and step % cfg.eval_steps == 0) or step == plan.total_steps):
+            with metrics.timed(meter.paused, "eval"):  # (all ranks participate) and the best export
+                best_value = evaluate_and_log(model, loaded, cfg, plan, step, best_value, log, last_loss)
         if cfg.save_steps and step % cfg.save_steps == 0:
-            with metrics.timed(meter.paused, "save"):  # ALL ranks: each writes its own shard (DCP)
-                save_state(model, optimizer, scheduler, scaler, cfg, derived, step, best_value, device)
+            with metrics.timed(meter.paused, "save"):  # (all ranks participate) each writes its shard
+                save_state(model, optimizer, scheduler, scaler, cfg, plan, loaded, step, best_value)
     progress.close()
 
     summary = meter.summary(last_loss)
-    with metrics.timed(summary, "export_seconds"):  # ALL ranks: each stages its shards, rank 0 writes
-        export.export_model(model, loaded, final_dir, cfg, derived, summary, is_rank0, plan.sees_output_dir)
+    with metrics.timed(summary, "export_seconds"):  # (all ranks participate) rank 0 writes
+        export.export_model(model, loaded, final_dir, cfg, plan, summary, rank == 0)
     fsdp_utils.print0(json.dumps(summary))
-    if is_rank0:
-        close_log(log, {"step": total_steps, **summary}, cfg.output_dir)
+    if log is not None:
+        close_log(log, {"step": plan.total_steps, **summary}, cfg.output_dir)
         fsdp_utils.print0(f"exported {final_dir}")
     return loaded.model
 
@@ -144,48 +138,64 @@ def main(cfg):
 # Building the model and the optimizer
 
 
-def build_model(cfg, plan, device):
-    """(wrapped model, LoadedModel, names of the parameters without weight decay). ALL ranks:
-    DDP broadcasts rank 0's weights when it wraps; FSDP shards them, and a model built on the
-    meta device is then filled shard by shard from its files (collectives)."""
+def build_model(cfg, plan):
+    """(wrapped model, LoadedModel, names of the parameters without weight decay). Collectives
+    (all ranks participate): DDP broadcasts rank 0's weights when it wraps; FSDP shards them, and
+    a model built on the meta device is then filled shard by shard from its files."""
     torch.manual_seed(cfg.seed)  # the same initial head on every rank (DDP broadcasts it anyway)
-    loaded = embedding_model.load_model(cfg, plan.num_labels, on_meta=plan.strategy == "fsdp")
-    raw_model = loaded.model if loaded.pretrained_dir else loaded.model.to(device)
+    loaded = embedding_model.load_model(cfg, plan, on_meta=plan.strategy == "fsdp")
+    raw_model = loaded.model if loaded.pretrained_dir else loaded.model.to(plan.device)
     no_decay_names = {name for name, param in raw_model.named_parameters() if param.ndim < 2}
     export_bytes = export.size_estimate(loaded, cfg, sharded=plan.strategy == "fsdp")
-    faults.warn_space(cfg, loaded.parameter_counts, len(plan.schedule), export_bytes)  # rank 0 prints
-    options = {"sharding": cfg.sharding, "fsdp_version": cfg.fsdp_version, "layer_cls": cfg.fsdp_layer_cls}
-    model = fsdp_utils.wrap_model(raw_model, plan.strategy, device, precision=cfg.precision, **options)
-    if loaded.pretrained_dir:  # ALL ranks: each reads the slices of the weights its shards hold
+    faults.warn_space(cfg, loaded.parameter_counts, plan.total_steps, export_bytes)  # rank 0 prints
+    # (all ranks participate) under FSDP: --sharding auto agrees on the least free memory (an all_reduce).
+    plan.sharding, why = fsdp_utils.resolve_sharding(
+        raw_model, plan.strategy, plan.device, cfg.sharding, cfg.precision
+    )
+    allocator = fsdp_utils.set_cpu_allocator(plan.device, plan.strategy, plan.sharding)  # glibc's malloc, CPU
+    for line in (why, allocator):
+        if line:
+            fsdp_utils.print0(line)
+    options = {"sharding": plan.sharding, "fsdp_version": cfg.fsdp_version, "layer_cls": cfg.fsdp_layer_cls}
+    # (all ranks participate) DDP broadcasts rank 0's weights as it wraps.
+    model = fsdp_utils.wrap_model(raw_model, plan.strategy, plan.device, precision=cfg.precision, **options)
+    if loaded.pretrained_dir:  # each rank reads the slices of the weights its shards hold
         embedding_model.init_non_persistent_buffers(raw_model.encoder)
-        fsdp_utils.load_pretrained_sharded(
+        fsdp_utils.load_pretrained_sharded(  # (all ranks participate)
             model, loaded.pretrained_dir, loaded.pretrained_names, loaded.fresh_tensors
         )
         loaded.fresh_tensors = {}
     return model, loaded, no_decay_names
 
 
-def build_training(model, no_decay_names, cfg, plan, derived, device):
+def build_training(model, no_decay_names, cfg, plan):
     """(AdamW, its learning-rate schedule, the fp16 loss scaler or None), for the wrapped model."""
     # torch 2.13's fused AdamW rejects the ShardedGradScaler's found-inf tensor (shape [1], not
     # []): "output with shape [] doesn't match the broadcast shape [1]". fp16 + FSDP goes unfused.
     fused = not (cfg.precision == "fp16" and plan.strategy == "fsdp")
     optimizer = build_optimizer(model, no_decay_names, cfg.lr, cfg.weight_decay, fused=fused)
-    schedule = linear_schedule(derived["warmup_steps"], derived["total_steps"])
+    schedule = linear_schedule(plan.warmup_steps, plan.total_steps)
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, schedule)
-    return optimizer, scheduler, fsdp_utils.grad_scaler(model, cfg.precision, device)
+    return optimizer, scheduler, fsdp_utils.grad_scaler(model, cfg.precision, plan.device)
 
 
-def open_log(cfg, start_step, derived, device):
-    """Rank 0 clears what earlier runs left that must not be kept, opens metrics.jsonl (kept up to
-    `start_step` when resuming) and starts the --report-to trackers, with the config as printed;
-    one that cannot start stops ALL ranks with its one message. Rank 0 gets the MetricsLog."""
+def run_record(cfg, plan, loaded):
+    """The config and what the run derived from it (run_plan.record): printed at start, saved with
+    every checkpoint, the metrics log and the trackers."""
+    return {**dataclasses.asdict(cfg), **run_plan.record(plan, loaded)}
+
+
+def clear_output_and_open_log(cfg, plan, loaded, start_step):
+    """Rank 0 removes what earlier runs left that must not be kept (under --overwrite, the old
+    checkpoints: checkpoints.prepare_output_dir), opens metrics.jsonl (kept up to `start_step` when
+    resuming) and starts the --report-to trackers with the run's record. (all ranks participate) A
+    tracker that cannot start stops every rank with its one message. Rank 0 gets the MetricsLog."""
 
     def start():
         checkpoints.prepare_output_dir(cfg, os.path.join(cfg.output_dir, "checkpoints"))
-        return metrics.MetricsLog(cfg, start_step, {**dataclasses.asdict(cfg), **derived})
+        return metrics.MetricsLog(cfg, start_step, run_record(cfg, plan, loaded), plan.report_tools)
 
-    return startup_checks.agreed_on_rank0(start, device)  # ALL ranks: a collective
+    return startup_checks.agreed_on_rank0(start, plan.device)  # (all ranks participate)
 
 
 def build_optimizer(model, no_decay_names, lr, weight_decay, fused=True):
@@ -221,7 +231,7 @@ def linear_schedule(warmup_steps, total_steps):
 
 
 # ----------------------------------------------------------------------------------------------
-# One micro-batch: forward, loss and backward (plain, or GradCache)
+# One micro-batch: forward, loss and backward (plain, or GradCache: gradcache.py)
 
 
 @dataclass
@@ -233,81 +243,86 @@ class StepOptions:
     packed: bool  # one forward over packed rows (batches.pack); else length_buckets' sub-batches
     length_buckets: int  # forwards per micro-batch; 0: chosen for each (batches.sub_batches)
     prepare: object  # None, or the model's text preparation, for MNRL's duplicate-safe negatives
-    idle_head: bool  # the model has a Softmax head, which a micro-batch's loss may leave unused
-    loss: dict  # embeddings_loss's settings: gather, symmetric, scale, matryoshka
+    has_head: bool  # the model has a Softmax head (GradCache touches it in its last backward)
     autocast: object  # () -> the autocast context (single, DDP; FSDP casts per block itself)
     scale_loss: object  # loss -> the loss to backward (fp16: scaled by the GradScaler)
+    device: object
 
 
-def step_options(cfg, plan, loaded, scaler, device):
+def step_options(cfg, plan, loaded, scaler):
     """The StepOptions of this run. Under FSDP, one forward per micro-batch unless
-    --length-buckets says otherwise: another forward gathers every weight again (in forward and
-    in backward) and holds a whole unsharded gradient until backward has been through both
-    (embed_columns says why). Under FSDP the low precision is FSDP's own (parameters cast per
-    block); single and DDP keep fp32 parameters and compute under autocast."""
+    --length-buckets says otherwise (the plan's length_buckets): another forward gathers every
+    weight again (in forward and in backward) and holds a whole unsharded gradient until backward
+    has been through both (embed_columns says why). Under FSDP the low precision is FSDP's own
+    (parameters cast per block); single and DDP keep fp32 parameters and compute under autocast."""
     use_autocast = cfg.precision != "fp32" and plan.strategy in ("single", "ddp")
-    dtype = fsdp_utils.PRECISIONS[cfg.precision]
+    dtype, device_type = fsdp_utils.PRECISIONS[cfg.precision], plan.device.type
+    packed, packing_line = embedding_model.packing_choice(cfg, loaded.model)
+    fsdp_utils.print0(packing_line)
     return StepOptions(
         grad_accum_steps=cfg.grad_accum_steps,
         cache_chunk_size=cfg.cache_chunk_size,
-        packed=embedding_model.use_packing(cfg, loaded.model),  # and says so in the log
-        length_buckets=cfg.length_buckets or (1 if plan.strategy == "fsdp" else 0),
+        packed=packed,
+        length_buckets=plan.length_buckets,
         prepare=loaded.prepare if cfg.mask_duplicates else None,
-        idle_head=plan.num_labels > 0,
-        loss={"gather": cfg.gather_negatives, "symmetric": cfg.symmetric, **loss_options(cfg)},
-        autocast=lambda: torch.autocast(device.type, dtype=dtype, enabled=use_autocast),
+        has_head=plan.num_labels > 0,
+        autocast=lambda: torch.autocast(device_type, dtype=dtype, enabled=use_autocast),
         scale_loss=scaler.scale if scaler else lambda loss: loss,
+        device=plan.device,
     )
 
 
-def forward_backward(model, train_set, rows, features, labels, opts, device, sync):
+def forward_backward(model, train_set, rows, features, labels, opts, sync):
     """One micro-batch's forward, loss and backward; returns its loss (detached, divided by the
-    accumulation steps). ALL ranks: under FSDP every forward and backward is a collective;
-    under DDP the backward all-reduces the gradients when `sync` (the step's last micro-batch:
-    fsdp_utils.gradient_sync)."""
+    accumulation steps). (all ranks participate) Under FSDP every forward and backward is a
+    collective; under DDP the backward all-reduces the gradients when `sync` (the step's last
+    micro-batch: fsdp_utils.gradient_sync)."""
     ids = None
     if opts.prepare and train_set.loss == "mnrl":
-        ids = [batches.text_ids(rows[c], opts.prepare).to(device) for c in train_set.text_columns]
+        ids = [batches.text_ids(rows[c], opts.prepare).to(opts.device) for c in train_set.text_columns]
     # Less padding computed, the same batch for the loss (batches.py: why each rank may cut its own).
     if opts.packed:
         groups = batches.pack(features)
     else:
-        groups = batches.sub_batches(features, opts.length_buckets, device, opts.cache_chunk_size > 0)
-    features = [{k: v.to(device) for k, v in tokens.items()} for tokens in features]
-    labels = labels.to(device) if labels is not None else None
+        groups = batches.sub_batches(features, opts.length_buckets, opts.device, opts.cache_chunk_size > 0)
+    features = [{k: v.to(opts.device) for k, v in tokens.items()} for tokens in features]
+    labels = labels.to(opts.device) if labels is not None else None
 
-    def loss_of(embs):  # the micro-batch's loss from its column embeddings (GradCache: cached ones)
-        kwargs = {"text_ids": ids, "idle_head": opts.idle_head, **opts.loss}
-        kwargs["own_negatives"] = train_set.own_negatives  # MNRL over each row's own texts only
-        return embeddings_loss(model, embs, labels, train_set.loss, **kwargs) / opts.grad_accum_steps
+    def micro_batch_loss(embs):
+        """From its column embeddings (GradCache: cached ones). (all ranks participate)"""
+        # (all ranks participate)
+        return embeddings_loss(model, embs, labels, train_set.loss_plan, ids) / opts.grad_accum_steps
 
     if opts.cache_chunk_size:
-        return cached_backward(
+        return gradcache.cached_backward(  # (all ranks participate)
             model,
             features,
-            loss_of,
+            micro_batch_loss,
             opts.cache_chunk_size,
             sync=sync,
             autocast=opts.autocast,
             scale_loss=opts.scale_loss,
-            touch_head=opts.idle_head,
+            has_head=opts.has_head,
             groups=groups,
         )
     with fsdp_utils.gradient_sync(model, enabled=sync):
         with opts.autocast():
-            loss = loss_of(embed_columns(model, features, groups))
-        opts.scale_loss(loss).backward()
+            loss = micro_batch_loss(embed_columns(model, features, groups))  # (all ranks participate)
+        opts.scale_loss(loss).backward()  # (all ranks participate)
     return loss.detach()
 
 
 def clip_and_step(model, optimizer, scheduler, scaler, max_grad_norm):
     """Clip the gradients and update the weights; returns (the gradient norm before clipping, the
-    learning rate this step used). ALL ranks: under FSDP the norm of the sharded gradients is
-    all-reduced, and so are the gradients FSDP2 leaves whole. With clipping off (max_grad_norm 0)
-    it only measures the norm, which is logged: the gradient's scale shows, not only its direction."""
-    fsdp_utils.all_reduce_replicated(model)  # the gradients of the tables FSDP2 leaves whole
+    learning rate this step used). Collectives under FSDP (all ranks participate): the norm of the
+    sharded gradients is all-reduced, and so are the gradients FSDP2 leaves whole. With clipping off
+    (max_grad_norm 0) it only measures the norm, which is logged: the gradient's scale shows, not
+    only its direction."""
+    # (all ranks participate) the gradients of the tables FSDP2 leaves whole
+    fsdp_utils.all_reduce_replicated(model)
     if scaler:
         scaler.unscale_(optimizer)  # clip the true gradients, not the scaled ones
+    # (all ranks participate)
     grad_norm = fsdp_utils.clip_grad_norm(model, max_grad_norm if max_grad_norm > 0 else math.inf)
     lr = scheduler.get_last_lr()[0]  # the rate this step uses
     if scaler:
@@ -346,209 +361,133 @@ def embed_columns(model, features, groups=None):
     return list(embs.split(len(features[0]["input_ids"])))
 
 
-def embeddings_loss(
-    model,
-    embs,
-    labels,
-    loss_name,
-    gather=False,
-    symmetric=False,
-    *,
-    scale=20.0,
-    matryoshka=None,
-    text_ids=None,
-    idle_head=False,
-    mnrl=None,
-    temperatures=(1.0, 1.0),
-    own_negatives=False,
-):
-    """The loss of one micro-batch from its column embeddings (each (B, D), fp32). `model` is
-    only used for the Softmax head, which runs through the wrapped root (FSDP gathers it).
-    `matryoshka`: (dims, weights), the loss summed over truncated sizes; `text_ids`: one id
-    tensor per column, for MNRL's duplicate-safe negatives; `mnrl`: mnrl_loss's directions and
-    partition; `temperatures`: distill_kl's (student, teacher); `own_negatives`: MNRL against each
-    row's own positive and hard negatives only (own_negatives_loss). `idle_head`: the model has a
-    Softmax head that this loss does not use (another set's, in a mix): it is touched with a
-    zero, so its gradient is 0 on every rank and in every strategy (DDP reduces only what the
-    backward reaches, and would wait for it)."""
+def embeddings_loss(model, embs, labels, loss, text_ids=None):
+    """The loss of one micro-batch from its column embeddings (each (B, D), fp32), as its LossPlan
+    `loss` says (run_plan.py). `model` is only used for the Softmax head, which runs through the
+    wrapped root (FSDP gathers it). `text_ids`: one id tensor per column, for MNRL's duplicate-safe
+    negatives. (all ranks participate) With loss.gather, MNRL all-gathers every rank's candidates.
+    loss.idle_head: the model has a Softmax head that this loss does not use (another set's, in a
+    mix): it is touched with a zero, so its gradient is 0 on every rank and in every strategy (DDP
+    reduces only what the backward reaches, and would wait for it)."""
     touch = None
-    if idle_head and loss_name != "softmax":
+    if loss.idle_head:
         touch = 0.0 * model(head_input=embs[0].detach()[:1].repeat(1, 3)).float().sum()
 
-    def loss_of(embs):
-        if loss_name == "mnrl" and own_negatives:
-            return losses.own_negatives_loss(embs[0], embs[1:], scale=scale)
-        if loss_name == "mnrl":
-            mnrl_options = {"gather": gather, "symmetric": symmetric, "text_ids": text_ids, **(mnrl or {})}
-            return losses.mnrl_loss(embs[0], embs[1:], scale=scale, **mnrl_options)
-        if loss_name == "cosent":
-            return losses.cosent_loss(embs[0], embs[1], labels, scale=scale)
-        if loss_name == "margin_mse":
+    def at_one_size(embs):
+        """The loss of embeddings of one size (Matryoshka: of each). (all ranks participate)"""
+        if loss.name == "mnrl" and loss.own_negatives:
+            return losses.own_negatives_loss(embs[0], embs[1:], scale=loss.scale)
+        if loss.name == "mnrl":
+            return losses.mnrl_loss(  # (all ranks participate) when loss.gather
+                embs[0],
+                embs[1:],
+                scale=loss.scale,
+                gather=loss.gather,
+                symmetric=loss.symmetric,
+                text_ids=text_ids,
+                directions=loss.directions,
+                partition=loss.partition,
+            )
+        if loss.name == "cosent":
+            return losses.cosent_loss(embs[0], embs[1], labels, scale=loss.scale)
+        if loss.name == "margin_mse":
             return losses.margin_mse_loss(embs[0], embs[1], embs[2], labels)
-        if loss_name == "distill_kl":
-            return losses.distill_kl_loss(embs[0], embs[1:], labels, *temperatures)
+        if loss.name == "distill_kl":
+            return losses.distill_kl_loss(embs[0], embs[1:], labels, *loss.temperatures)
         return losses.softmax_loss(embs[0], embs[1], labels, classifier=lambda x: model(head_input=x).float())
 
-    loss = losses.matryoshka_loss(loss_of, embs, *matryoshka) if matryoshka else loss_of(embs)
-    return loss if touch is None else loss + touch
-
-
-def compute_loss(model, features, labels, loss_name, gather=False, symmetric=False, groups=None, **options):
-    return embeddings_loss(
-        model, embed_columns(model, features, groups), labels, loss_name, gather, symmetric, **options
+    value = (
+        losses.matryoshka_loss(at_one_size, embs, *loss.matryoshka) if loss.matryoshka else at_one_size(embs)
     )
-
-
-def loss_options(cfg):
-    """embeddings_loss's settings from the config (the same in training and evaluation)."""
-    temperatures = (cfg.student_temperature, cfg.teacher_temperature)  # distill_kl's
-    options = {"scale": cfg.scale, "matryoshka": config.matryoshka_sizes(cfg), "temperatures": temperatures}
-    return {**options, "mnrl": config.mnrl_options(cfg)}
-
-
-def cached_backward(
-    model, features, loss_of, chunk_size, *, sync, autocast, scale_loss, touch_head=False, groups=None
-):
-    """GradCache (Gao et al., 2021): backward of the loss of the whole micro-batch while only
-    one chunk of `chunk_size` rows holds activations. `loss_of(embs)` is the micro-batch's loss
-    from its column embeddings. Returns the (detached) loss.
-
-      1. embed every chunk without a graph, noting the RNG state before each;
-      2. compute the loss on those embeddings (leaves that require grad) and backward it:
-         d loss / d embedding for every row (and the Softmax head's own gradient);
-      3. re-embed each chunk with a graph from its noted RNG state (the same dropout masks)
-         and backward the cached d loss / d embedding through the encoder.
-    Step 2 is the loss itself, so every loss (and --gather-negatives) works unchanged. Chunks
-    are cut from each of sub_batches' `groups` (length-sorted row sets of the pool of all
-    columns; None: the pool in order), so with chunk_size >= the group sizes the forwards (and
-    the random numbers they draw) are exactly those of compute_loss with the same groups.
-
-    ALL ranks run the same number of chunks (equal batch sizes, equal groups): each forward is a
-    collective under FSDP (a buffer broadcast under DDP). DDP all-reduces the gradients only in
-    the step's last backward (`sync`); FSDP reduce-scatters in every one (gradient_sync).
-    `touch_head`: the model has a Softmax head, which gets its gradient in step 2."""
-    pool = batches.pool_columns(features)
-    device = pool["input_ids"].device
-    groups = groups or [torch.arange(len(pool["input_ids"]), device=device)]
-    chunks = [rows for group in groups for rows in group.split(chunk_size)]
-
-    # 1. embeddings without a graph, put back in pool order, one leaf per column
-    chunk_rng, pieces = [], []
-    with torch.no_grad(), autocast():
-        for rows in chunks:
-            chunk_rng.append(checkpoints.rng_states())
-            pieces.append(model(**embedding_model.select_rows(pool, rows)).float())
-    in_pool_order = torch.cat(pieces)[torch.argsort(torch.cat(groups))]
-    embs = [e.requires_grad_() for e in in_pool_order.split(len(features[0]["input_ids"]))]
-
-    # 2. the loss and its gradient with respect to every embedding (DDP: nothing all-reduced yet)
-    with fsdp_utils.gradient_sync(model, enabled=False):
-        with autocast():
-            loss = loss_of(embs)
-        scale_loss(loss).backward()
-
-    # 3. re-embed each chunk with a graph and push its cached gradient through the encoder
-    grad_PD = torch.cat([e.grad for e in embs])
-    for i, rows in enumerate(chunks):
-        is_last = i == len(chunks) - 1
-        checkpoints.set_rng_states(chunk_rng[i])
-        with fsdp_utils.gradient_sync(model, enabled=sync and is_last):
-            with autocast():
-                emb_CD = model(**embedding_model.select_rows(pool, rows)).float()
-            surrogate = (emb_CD * grad_PD[rows]).sum()
-            if is_last and touch_head:
-                # The head got its gradient in step 2; DDP reduces a parameter only when the
-                # synchronised backward reaches it, so touch it here with a zero (all ranks).
-                with autocast():
-                    head_out = model(head_input=emb_CD.detach()[:1].repeat(1, 3)).float()
-                surrogate = surrogate + 0.0 * head_out.sum()
-            surrogate.backward()
-    return loss.detach()
+    return value if touch is None else value + touch
 
 
 # ----------------------------------------------------------------------------------------------
-# Evaluation, saving and the export (ALL ranks: each is collective)
+# Evaluation, saving and the export (all ranks participate: each is collective)
 
 
-def evaluate_and_log(
-    model, loaded, plan, cfg, derived, device, step, best_value, log, last_loss=float("nan")
-):
-    """ALL ranks: evaluation is collective (sharded encoding, all_reduce), and so is gathering the
-    best export; the scores, hence the decision, are the same on every rank. Rank 0 (the one
-    with a `log`) writes and prints them. When --metric-for-best improves, OUTPUT_DIR/best gets
-    this model. Returns the best value so far."""
-    scores = evaluate(model, plan.eval_sets, loaded, cfg, device)
+def evaluate_and_log(model, loaded, cfg, plan, step, best_value, log, last_loss=float("nan")):
+    """Evaluate, log the scores, and export OUTPUT_DIR/best when --metric-for-best improves; returns
+    the best value so far. (all ranks participate) Evaluation is collective (sharded encoding,
+    all_reduce), and so is the best export; the scores, hence the decision, are the same on every
+    rank. Rank 0 (the one with a `log`) writes and prints them."""
+    scores = evaluate(model, loaded, cfg, plan)  # (all ranks participate)
     if log is not None:
         log.write({"step": step, "eval": scores})
         tqdm.write(f"step {step}: " + ", ".join(f"{k} {v:.4f}" for k, v in scores.items()))
-    if cfg.metric_for_best and not cfg.eval_only:
-        value, lower_is_better = scores[cfg.metric_for_best], cfg.metric_for_best.endswith("/loss")
-        # A NaN metric (e.g. a correlation with constant scores) is never the best.
-        if math.isfinite(value) and (
-            best_value is None or (value < best_value if lower_is_better else value > best_value)
-        ):
-            best_value = value
-            summary = {"step": step, "eval": scores, "final_loss": last_loss, "samples_per_s": float("nan")}
-            best_dir = os.path.join(cfg.output_dir, "best")
-            export.export_model(
-                model, loaded, best_dir, cfg, derived, summary, log is not None, plan.sees_output_dir
-            )
-    return best_value
+    if not cfg.metric_for_best or cfg.eval_only:
+        return best_value
+    value, lower_is_better = scores[cfg.metric_for_best], cfg.metric_for_best.endswith("/loss")
+    # A NaN metric (e.g. a correlation with constant scores) is never the best.
+    improved = best_value is None or (value < best_value if lower_is_better else value > best_value)
+    if not (math.isfinite(value) and improved):
+        return best_value
+    summary = {"step": step, "eval": scores, "final_loss": last_loss, "samples_per_s": float("nan")}
+    best_dir = os.path.join(cfg.output_dir, "best")
+    export.export_model(
+        model, loaded, best_dir, cfg, plan, summary, log is not None
+    )  # (all ranks participate)
+    return value
 
 
-def evaluate(model, eval_sets, loaded, cfg, device):
-    """Every evaluation set, every metric, the same dict on every rank. ALL ranks must call it:
-    each encodes its shard through the wrapped model (a collective under FSDP) and eval_dist
+def evaluate(model, loaded, cfg, plan):
+    """Every evaluation set, every metric, the same dict on every rank. (all ranks participate)
+    Each rank encodes its shard through the wrapped model (a collective under FSDP) and eval_dist
     combines the shards with all_reduce. Dropout off, RNG and training mode left untouched.
     Texts get their column's prompt and length (`loaded.tokenize`), as in training."""
     results = {}
-    dims = (config.matryoshka_sizes(cfg) or [()])[0]  # Matryoshka: every metric at every size too
-    for es in eval_sets:
-        options = {"batch_size": cfg.eval_batch_size, "device": device, "columns": es.text_columns}
+    dims = (plan.matryoshka or [()])[0]  # Matryoshka: every metric at every size too
+    for es in plan.eval_sets:
+        options = {"batch_size": cfg.eval_batch_size, "device": plan.device, "columns": es.text_columns}
         texts = [batches.with_prompt(t, loaded.prompts, c) for c, t in zip(es.text_columns, es.texts())]
         if es.kind == "sts":
-            scores = eval_dist.evaluate_sts(
+            scores = eval_dist.evaluate_sts(  # (all ranks participate)
                 model, loaded.tokenize, texts[0], texts[1], es.ds[es.target][:], dims=dims, **options
             )
         elif es.kind in ("retrieval", "beir"):  # pairs, or a BEIR folder with graded relevance
             retrieval = es.retrieval_set(texts)  # (queries, corpus, relevant)
             options.update(dims=dims, metrics=es.metric_names)
-            scores = eval_dist.evaluate_retrieval(model, loaded.tokenize, *retrieval, **options)
+            scores = eval_dist.evaluate_retrieval(
+                model, loaded.tokenize, *retrieval, **options
+            )  # (all ranks participate)
         elif es.kind == "nli":
             # The head runs through the wrapped root, like in training (FSDP gathers it there).
             classify = lambda u, v: model(head_input=losses.softmax_features(u, v)).float()  # noqa: E731
-            scores = eval_dist.evaluate_nli(
+            scores = eval_dist.evaluate_nli(  # (all ranks participate)
                 model, loaded.tokenize, texts[0], texts[1], es.ds[es.target][:], classify, **options
             )
         else:
-            batch_loss = functools.partial(eval_batch_loss, model, es, loaded, cfg, device)
-            scores = eval_dist.evaluate_loss(model, len(es.ds), cfg.eval_batch_size, batch_loss)
+            batch_loss = functools.partial(eval_batch_loss, model, es, loaded, cfg, plan)
+            scores = eval_dist.evaluate_loss(
+                model, len(es.ds), cfg.eval_batch_size, batch_loss
+            )  # (all ranks participate)
         results.update({f"{es.name}/{metric}": value for metric, value in scores.items()})
     return results
 
 
-def eval_batch_loss(model, es, loaded, cfg, device, indices):
-    """The training loss of an evaluation set's rows `indices` (--eval-type loss)."""
+def eval_batch_loss(model, es, loaded, cfg, plan, indices):
+    """The training loss of an evaluation set's rows `indices` (--eval-type loss): a forward through
+    the wrapped model, a collective under FSDP (all ranks participate)."""
     rows = es.ds[indices]
     features, labels = batches.collate(
-        rows, es.text_columns, es.target, es.loss, loaded.tokenize, device, loaded.prompts
+        rows, es.text_columns, es.target, es.loss, loaded.tokenize, plan.device, loaded.prompts
     )
     ids = None
     if cfg.mask_duplicates and es.loss == "mnrl":
-        ids = [batches.text_ids(rows[c], loaded.prepare).to(device) for c in es.text_columns]
-    return compute_loss(
-        model, features, labels, es.loss, symmetric=cfg.symmetric, text_ids=ids, **loss_options(cfg)
-    )
+        ids = [batches.text_ids(rows[c], loaded.prepare).to(plan.device) for c in es.text_columns]
+    # (all ranks participate)
+    return embeddings_loss(model, embed_columns(model, features), labels, es.loss_plan, ids)
 
 
-def evaluate_only(model, loaded, plan, cfg, device, is_rank0):
-    """--eval-only. ALL ranks: evaluation is collective. Rank 0 writes metrics.jsonl (step 0) and
-    prints the metrics as one JSON line."""
-    log = startup_checks.agreed_on_rank0(lambda: metrics.MetricsLog(cfg, 0), device)  # ALL ranks
+def evaluate_only(model, loaded, cfg, plan):
+    """--eval-only. (all ranks participate) Evaluation is collective. Rank 0 writes metrics.jsonl
+    (step 0) and prints the metrics as one JSON line."""
+    start_log = lambda: metrics.MetricsLog(cfg, 0, report_tools=plan.report_tools)  # noqa: E731
+    log = startup_checks.agreed_on_rank0(start_log, plan.device)  # (all ranks participate)
     seconds = {}
     with metrics.timed(seconds, "eval_seconds"):
-        evaluate_and_log(model, loaded, plan, cfg, {}, device, 0, None, log)
-    if is_rank0:
+        evaluate_and_log(model, loaded, cfg, plan, 0, None, log)  # (all ranks participate)
+    if log is not None:
         close_log(log, {"step": 0, **seconds}, cfg.output_dir)
         print(json.dumps({"step": 0, **seconds}), flush=True)
 
@@ -560,19 +499,21 @@ def close_log(log, summary_record, output_dir):
     checkpoints.release_output_lock(output_dir)
 
 
-def save_state(model, optimizer, scheduler, scaler, cfg, derived, step, best_value, device):
-    """A resumable checkpoint, OUTPUT_DIR/checkpoints/step-N. ALL ranks: every rank writes its
-    own shard (DCP), then rank 0 makes it visible; checking the weights is an all_reduce."""
+def save_state(model, optimizer, scheduler, scaler, cfg, plan, loaded, step, best_value):
+    """A resumable checkpoint, OUTPUT_DIR/checkpoints/step-N. (all ranks participate) Every rank
+    writes its own shard (DCP), then rank 0 makes it visible; checking the weights is an all_reduce."""
     trainer_state = {
         "config": dataclasses.asdict(cfg),
-        **derived,
+        **run_plan.record(plan, loaded),
         "scheduler": scheduler.state_dict(),
         "grad_scaler": scaler.state_dict() if scaler else None,
         "best_value": best_value,
-        "weights_finite": checkpoints.weights_finite(model, device),  # ALL ranks: an all_reduce
+        "weights_finite": checkpoints.weights_finite(model, plan.device),  # (all ranks participate)
     }
     folder = os.path.join(cfg.output_dir, "checkpoints")
-    checkpoints.save_checkpoint(model, optimizer, folder, step, trainer_state, keep_last=cfg.save_total_limit)
+    checkpoints.save_checkpoint(  # (all ranks participate)
+        model, optimizer, folder, step, trainer_state, keep_last=cfg.save_total_limit
+    )
 
 
 if __name__ == "__main__":
@@ -583,7 +524,7 @@ if __name__ == "__main__":
     newest_checkpoint = lambda: checkpoints.newest_usable_checkpoint(checkpoints_dir)[0]  # noqa: E731
     faults.watch_sigterm(cfg, newest_checkpoint)  # torchrun stopping this rank after a peer was killed
     try:
-        main(cfg)
+        main(cfg)  # (all ranks participate)
     except Exception as e:
         # A fault: its one error: line and exit code (faults.py). Anything else is a bug: its traceback.
         code = faults.end_run(e, cfg, newest_checkpoint)
@@ -594,7 +535,7 @@ if __name__ == "__main__":
             faults.end_job(code)  # no teardown; the silent ranks on this host, or a stuck launcher, ended
         if isinstance(e, startup_checks.StartUpError) and dist.is_initialized():
             # All ranks agreed on it, so all are here: wait for rank 0's line (torchrun then stops them).
-            dist.barrier()
+            dist.barrier()  # (all ranks participate)
         sys.exit(code)
     finally:
         fsdp_utils.cleanup_dist()

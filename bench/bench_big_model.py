@@ -520,6 +520,7 @@ def ac_worker(args):
     sys.path.insert(0, REPO_DIR)
     import config
     import embedding_model
+    import run_plan
 
     flags = [
         "--model",
@@ -536,7 +537,8 @@ def ac_worker(args):
     ] + (["--activation-checkpointing"] if args.ac_worker != "off" else [])
     cfg = config.parse_config(flags)
     torch.manual_seed(0)
-    model = embedding_model.load_model(cfg, 0).model  # train mode, checkpointing enabled as train.py does
+    plan = run_plan.resolve_flags(cfg, 1, torch.device("cpu"))
+    model = embedding_model.load_model(cfg, plan).model  # train mode, checkpointing enabled as train.py does
     encoder = model.encoder
     generator = torch.Generator().manual_seed(0)
     input_ids = torch.randint(

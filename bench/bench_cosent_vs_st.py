@@ -224,6 +224,7 @@ def floor(task, precision, max_steps, work_dir, repeats=3, timed_batches=20):
     import config
     import data
     import embedding_model
+    import run_plan
     import train
 
     torch.manual_seed(SETTINGS["seed"])
@@ -231,7 +232,7 @@ def floor(task, precision, max_steps, work_dir, repeats=3, timed_batches=20):
     cfg = config.parse_config(
         ["--train-data", train_file, "--loss", loss, "--max-seq-length", str(SETTINGS["max_seq_length"])]
     )
-    loaded = embedding_model.load_model(cfg, 0)
+    loaded = embedding_model.load_model(cfg, run_plan.resolve_flags(cfg, 1, torch.device("cpu")))
     ds = data.load_data(train_file, "train")
     columns = [c for c in ds.column_names if c != "score"]
     order = batches.epoch_order(len(ds), SETTINGS["seed"], 0)
@@ -251,9 +252,8 @@ def floor(task, precision, max_steps, work_dir, repeats=3, timed_batches=20):
         for f, y in zip(features, labels):
             groups = batches.sub_batches(f, 0, "cpu") if sub_batched else None
             with autocast():
-                loss_value = train.embeddings_loss(
-                    loaded.model, train.embed_columns(loaded.model, f, groups), y, loss
-                )
+                embs = train.embed_columns(loaded.model, f, groups)
+                loss_value = train.embeddings_loss(loaded.model, embs, y, run_plan.LossPlan(loss))
             loss_value.backward()
         return time.perf_counter() - started
 

@@ -78,13 +78,13 @@ def worker(strategy, out_file):
         import eval_dist
         import config
         import embedding_model
+        import run_plan
         import fsdp_utils
 
         rank, world_size, device = fsdp_utils.setup_dist(timeout_minutes=10)
         try:
-            loaded = embedding_model.load_model(
-                config.Config(model="all-MiniLM-L6-v2", max_seq_length=MAX_SEQ_LENGTH), num_labels=0
-            )
+            cfg = config.Config(model="all-MiniLM-L6-v2", max_seq_length=MAX_SEQ_LENGTH)
+            loaded = embedding_model.load_model(cfg, run_plan.resolve_flags(cfg, 1, device))
             model = fsdp_utils.wrap_model(
                 loaded.model.to(device), strategy, device, sharding="full_shard", fsdp_version=1
             )

@@ -2,8 +2,8 @@
 initialised bert-base-sized encoder (`BertConfig()` defaults, 109M parameters), at 2 and 4 ranks.
 
 For every configuration it runs a few MNRL training steps through the same code as train.py
-(fsdp_utils.wrap_model, train.build_optimizer, train.compute_loss) on random token batches and
-reports, per rank:
+(fsdp_utils.wrap_model, train.build_optimizer, train.embed_columns, train.embeddings_loss) on
+random token batches and reports, per rank:
   - state MB: bytes of parameters + gradients + optimizer state, summed over the distinct
     storages those local tensors live in (a sharded parameter counts its local shard only),
     measured after the optimizer step, before the gradients are freed;
@@ -67,6 +67,7 @@ def worker(args):
     import transformers
 
     import embedding_model
+    import run_plan
 
     import fsdp_utils
     import train
@@ -98,7 +99,8 @@ def worker(args):
         ]
         start = time.perf_counter()
         with torch.autocast(device.type, dtype=fsdp_utils.PRECISIONS[args.precision], enabled=use_autocast):
-            loss = train.compute_loss(model, features, None, "mnrl")
+            embs = train.embed_columns(model, features)
+            loss = train.embeddings_loss(model, embs, None, run_plan.LossPlan("mnrl"))
         (scaler.scale(loss) if scaler else loss).backward()
         if scaler:
             scaler.unscale_(optimizer)

@@ -26,6 +26,7 @@ sys.path.insert(0, REPO_DIR)
 import config  # noqa: E402
 
 import embedding_model  # noqa: E402
+import run_plan  # noqa: E402
 
 import export  # noqa: E402
 
@@ -52,9 +53,9 @@ def main():
 
     out = args.out or os.path.join(args.folder, "onnx", "model.onnx")
     os.makedirs(os.path.dirname(os.path.abspath(out)), exist_ok=True)
-    loaded = embedding_model.load_model(
-        config.Config(model=args.folder), 0
-    )  # encoder + the folder's pooling and normalisation
+    cfg = config.Config(model=args.folder)
+    # encoder + the folder's pooling and normalisation
+    loaded = embedding_model.load_model(cfg, run_plan.resolve_flags(cfg, 1, torch.device("cpu")))
     model = loaded.model.eval()
     batch = loaded.tokenize(TEXTS)
     # In the order of EmbeddingModel.forward's arguments, which export passes positionally.

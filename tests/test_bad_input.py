@@ -16,8 +16,7 @@ import subprocess
 import time
 
 import pytest
-from conftest import data_file, run_train
-import startup_checks
+from conftest import data_file, run_train, start_up
 import data
 import config
 
@@ -137,7 +136,7 @@ CASES = [
 ]
 
 
-# Checked in-process (startup_checks.start_up_checks at world size 2, the function every rank runs), to keep
+# Checked in-process (conftest.start_up at world size 2: the functions every rank runs), to keep
 # CI short: the launches above already show that any start-up error stops every rank the same way.
 IN_PROCESS_CASES = [
     (
@@ -846,11 +845,8 @@ def test_bad_input_stops_every_rank_at_start_up_with_one_message(results, case):
 
 @pytest.mark.parametrize("case", IN_PROCESS_CASES, ids=[c[0] for c in IN_PROCESS_CASES])
 def test_more_bad_input_is_refused_by_the_start_up_checks(tmp_path, case):
-    import torch
 
     import config
-
-    import startup_checks
 
     name, setup, expected = case
     extra = setup(tmp_path)
@@ -858,7 +854,7 @@ def test_more_bad_input_is_refused_by_the_start_up_checks(tmp_path, case):
     before = listing(out)
     cfg = config.parse_config([str(a) for a in [*extra, "--output-dir", out]])
     with pytest.raises(ValueError) as error:
-        startup_checks.start_up_checks(cfg, 2, torch.device("cpu"))
+        start_up(cfg, 2)
     assert expected in str(error.value), str(error.value)
     assert listing(out) == before
     assert not (tmp_path / "PICKLE-CODE-RAN").exists()
@@ -872,8 +868,6 @@ def test_resume_names_each_setting_that_differs_and_only_those(tmp_path):
     import dataclasses
     import shutil
 
-    import torch
-
     out = tmp_path / "out"
     saved = dataclasses.asdict(config.Config(output_dir=str(out)))
     saved.update(lr=1e-3, eval_steps=7, log_steps=3, save_steps=5)
@@ -885,7 +879,7 @@ def test_resume_names_each_setting_that_differs_and_only_those(tmp_path):
     )
     cfg = config.parse_config(["--output-dir", str(out), "--resume", "auto"])
     with pytest.raises(ValueError) as error:
-        startup_checks.start_up_checks(cfg, 2, torch.device("cpu"))
+        start_up(cfg, 2)
     message = str(error.value)
     assert "--lr 0.001 (this run: 2e-05)" in message, message
     assert "--eval-steps" not in message and "--log-steps" not in message and "--save-steps" not in message, (
@@ -898,7 +892,7 @@ def test_resume_names_each_setting_that_differs_and_only_those(tmp_path):
     cfg = config.parse_config(
         ["--output-dir", str(out), "--resume", "auto", "--lr", "1e-3", "--train-data", str(moved)]
     )
-    assert startup_checks.start_up_checks(cfg, 2, torch.device("cpu")).resume_dir == str(folder)
+    assert start_up(cfg, 2).resume_dir == str(folder)
     # One row edited: refused, naming both fingerprints.
     rows = [json.loads(line) for line in moved.read_text().splitlines()]
     rows[0]["anchor"] += " (edited)"
@@ -906,16 +900,15 @@ def test_resume_names_each_setting_that_differs_and_only_those(tmp_path):
     with pytest.raises(
         ValueError, match=rf"other training data \({fingerprint}; --train-data {moved} now: 320 rows, sha256 "
     ):
-        startup_checks.start_up_checks(cfg, 2, torch.device("cpu"))
+        start_up(cfg, 2)
 
 
 def test_an_output_dir_that_is_a_file_is_refused(tmp_path):
-    import torch
 
     (tmp_path / "taken").write_text("a file")
     cfg = config.parse_config(["--output-dir", str(tmp_path / "taken")])
     with pytest.raises(ValueError, match="is a file, not a folder"):
-        startup_checks.start_up_checks(cfg, 2, torch.device("cpu"))
+        start_up(cfg, 2)
     assert (tmp_path / "taken").read_text() == "a file"
 
 
@@ -944,10 +937,6 @@ def test_resume_auto_on_a_finished_run_checks_its_settings(tmp_path, tiny_model)
     ]
     train.main(config.parse_config(args))
     assert (out / "final" / "training_config.json").exists()
-    assert startup_checks.start_up_checks(
-        config.parse_config([*args, "--resume", "auto"]), 1, torch.device("cpu")
-    ).finished
+    assert start_up(config.parse_config([*args, "--resume", "auto"]), 1, torch.device("cpu")).finished
     with pytest.raises(ValueError, match=r"--seed 12 \(this run: 99\)"):
-        startup_checks.start_up_checks(
-            config.parse_config([*args, "--resume", "auto", "--seed", "99"]), 1, torch.device("cpu")
-        )
+        start_up(config.parse_config([*args, "--resume", "auto", "--seed", "99"]), 1, torch.device("cpu"))

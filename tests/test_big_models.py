@@ -34,6 +34,7 @@ import pytest
 import torch
 import transformers
 from conftest import (
+    load_model,
     REPO_DIR,
     assert_same_training,
     data_file,
@@ -46,7 +47,6 @@ from safetensors import safe_open
 
 import config
 
-import embedding_model
 
 import train
 
@@ -340,14 +340,14 @@ def test_weights_that_cannot_be_read_by_slices_are_loaded_in_full_with_a_note(tm
         base / "model.safetensors", framework="pt"
     ) as f:  # the older pickle format, which has no slices to read
         torch.save({k: f.get_tensor(k) for k in f.keys()}, tmp_path / "bin" / "pytorch_model.bin")
-    on_meta = embedding_model.load_model(config.Config(model=str(base)), 0, on_meta=True)
+    on_meta = load_model(config.Config(model=str(base)), 0, on_meta=True)
     assert on_meta.pretrained_dir == str(base) and all(p.is_meta for p in on_meta.model.parameters())
     assert (
         on_meta.pretrained_names["encoder.layers.1.mlp.down_proj.weight"] == "layers.1.mlp.down_proj.weight"
     )
-    in_full = embedding_model.load_model(config.Config(model=str(tmp_path / "bin")), 0, on_meta=True)
+    in_full = load_model(config.Config(model=str(tmp_path / "bin")), 0, on_meta=True)
     assert (
         in_full.pretrained_dir is None and "note: every rank loads the whole model" in capsys.readouterr().out
     )
-    want = embedding_model.load_model(config.Config(model=str(base)), 0).model.state_dict()
+    want = load_model(config.Config(model=str(base)), 0).model.state_dict()
     assert all(torch.equal(in_full.model.state_dict()[k], v) for k, v in want.items())

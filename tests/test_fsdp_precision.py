@@ -13,13 +13,11 @@ import functools
 
 import pytest
 import torch
-from conftest import data_file, loss_on_fixed_rows, run_train, warm_run
+from conftest import data_file, load_model, loss_on_fixed_rows, run_train, warm_run
 from safetensors.torch import load_file
 from sentence_transformers import SentenceTransformer
 
 import config
-
-import embedding_model
 
 
 TEXTS = ["A woman is slicing an onion.", "Nobody is riding the bike", "A dog runs after a ball in the park."]
@@ -80,7 +78,7 @@ def test_fsdp_mixed_precision_trains_and_exports_fp32(version, precision, tmp_pa
     w = weights["encoder.layer.0.attention.self.query.weight"]
     assert (w.to(LOW[precision]).float() != w).float().mean() > 0.5
 
-    loaded = embedding_model.load_model(config.Config(model=str(final)), 0)
+    loaded = load_model(config.Config(model=str(final)), 0)
     loaded.model.eval()
     with torch.no_grad():
         ours = loaded.model(**loaded.tokenize(TEXTS))
@@ -90,7 +88,7 @@ def test_fsdp_mixed_precision_trains_and_exports_fp32(version, precision, tmp_pa
 
 @pytest.mark.parametrize(
     "extra",
-    [[], ["--fsdp-version", 2, "--gather-negatives", "--symmetric", "--mask-duplicates"]],
+    [["--fsdp-version", 1], ["--fsdp-version", 2, "--gather-negatives", "--symmetric", "--mask-duplicates"]],
     ids=["fsdp1", "fsdp2-gathered-negatives"],
 )
 def test_plain_fsdp_run_prints_no_torch_deprecation(tmp_path, tiny_model, extra):

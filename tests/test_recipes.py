@@ -17,7 +17,7 @@ import json
 
 import pytest
 import torch
-from conftest import data_file, read_metrics, run_train, warm_run
+from conftest import data_file, load_model, micro_batch_loss, read_metrics, run_train, start_up, warm_run
 
 import batches
 
@@ -25,7 +25,6 @@ import config
 
 import data
 
-import embedding_model
 
 import train
 
@@ -201,15 +200,13 @@ def test_scale_reaches_the_loss(tmp_path, tiny_model):
     logged = read_metrics(out)[0]["loss"]
     ds = data.load_data(data_path, "train")
     rows = ds[batches.epoch_order(len(ds), seed=12, epoch=0)[:8].tolist()]
-    loaded = embedding_model.load_model(
-        config.Config(model=str(tiny_model), dropout=0.0, max_seq_length=32), 0
-    )
+    loaded = load_model(config.Config(model=str(tiny_model), dropout=0.0, max_seq_length=32), 0)
     features, _ = batches.collate(
         rows, ["anchor", "positive", "negative"], None, "mnrl", loaded.tokenize, "cpu"
     )
     with torch.no_grad():
         at_5, at_20 = (
-            train.compute_loss(loaded.model, features, None, "mnrl", scale=s).item() for s in (5.0, 20.0)
+            micro_batch_loss(loaded.model, features, None, "mnrl", scale=s).item() for s in (5.0, 20.0)
         )
     assert abs(logged - at_5) < 1e-5 and abs(at_5 - at_20) > 1e-2, (logged, at_5, at_20)
 
@@ -219,11 +216,8 @@ def test_scale_reaches_the_loss(tmp_path, tiny_model):
 
 def schedule_for(args, world_size=1):
     cfg = config.parse_config([str(a) for a in args])
-    sets = data.load_train_sets(cfg)
-    for ts in sets:  # as the start-up checks set it
-        ts.global_batch = ts.per_device_batch_size * world_size * cfg.grad_accum_steps
-    global_batch = cfg.per_device_batch_size * world_size * cfg.grad_accum_steps
-    return sets, batches.training_schedule(sets, cfg), global_batch, cfg
+    plan = start_up(cfg, world_size)
+    return plan.train_sets, plan.schedule, plan.global_batch, cfg
 
 
 def test_each_set_has_its_own_batch_size_and_weight(tmp_path):

@@ -32,7 +32,7 @@ import time
 from pathlib import Path
 
 import torch
-from conftest import REPO_DIR, data_file, read_metrics, run_train, torchrun_command, warm_run
+from conftest import REPO_DIR, data_file, read_metrics, run_train, start_up, torchrun_command, warm_run
 from safetensors.torch import load_file
 
 import checkpoints
@@ -41,7 +41,6 @@ import config
 
 import metrics
 
-import startup_checks
 
 import train
 
@@ -436,9 +435,7 @@ def test_a_diverged_run_names_the_newest_checkpoint_with_finite_weights(tmp_path
 
     cfg = config.parse_config([str(a) for a in [*args, "--resume", "auto"]])
     capsys.readouterr()
-    assert startup_checks.start_up_checks(cfg, 2, torch.device("cpu")).resume_dir == str(
-        checkpoints / "step-1"
-    )
+    assert start_up(cfg, 2).resume_dir == str(checkpoints / "step-1")
     assert (
         f"warning: not resuming from {checkpoints / 'step-2'}: its weights are not finite"
         in capsys.readouterr().out

@@ -34,6 +34,7 @@ import pytest
 import torch
 import transformers
 from conftest import (
+    load_model,
     assert_same_training,
     data_file,
     grouped_file,
@@ -66,7 +67,7 @@ def test_sub_batches_embed_as_one_padded_batch(which, tmp_path):
             pooling="lasttoken",
             max_seq_length=64,
         )
-    loaded = embedding_model.load_model(cfg, 0)
+    loaded = load_model(cfg, 0)
     if which == "minilm-left":  # absolute positions: a row's must not depend on its padding
         loaded.tokenizer.padding_side = "left"
     model = loaded.model.eval()
@@ -182,7 +183,7 @@ def test_ranks_with_short_and_long_texts_cut_their_own_sub_batches(tmp_path, tin
             }
     data = tmp_path / "short-and-long.jsonl"
     data.write_text("".join(json.dumps(r) + "\n" for r in rows))
-    loaded = embedding_model.load_model(config.Config(model=str(tiny_model), max_seq_length=128), 0)
+    loaded = load_model(config.Config(model=str(tiny_model), max_seq_length=128), 0)
     for step in range(steps):  # the test's premise: alone, the two ranks would choose differently
         batch = order[step * per_device * world : (step + 1) * per_device * world]
         masks = [

@@ -34,12 +34,10 @@ import sys
 from pathlib import Path
 
 import pytest
-import torch
-from conftest import data_file, free_port, run_train, warm_run
+from conftest import data_file, free_port, run_train, start_up, warm_run
 
 import config
 
-import startup_checks
 
 import train
 
@@ -422,7 +420,7 @@ def test_a_tracker_failing_mid_run_costs_one_warning_line_not_the_run(
 
     def save_then_break_the_trackers(*args):
         save_state(*args)
-        if args[6] == RESUME_STEP:  # the step
+        if args[7] == RESUME_STEP:  # the step
             kill_wandb_service()
             shutil.rmtree(store)
             store.write_text("not a folder")
@@ -509,4 +507,4 @@ def test_report_to_is_checked_at_start_up(tmp_path, monkeypatch, report_to, miss
     )
     cfg = config.parse_config(["--report-to", report_to, "--output-dir", str(tmp_path / "out")])
     with pytest.raises(ValueError, match=expected.replace("[", r"\[").replace("]", r"\]")):
-        startup_checks.start_up_checks(cfg, 1, torch.device("cpu"))
+        start_up(cfg, 1)

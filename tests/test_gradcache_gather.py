@@ -2,9 +2,9 @@
 
 - GradCache (`gradcache.cached_backward`) gives the gradient of the plain loss, for every loss and
   chunk sizes 1, 3 and B, its chunks cut from the batch order or from length-sorted sub-batches:
-  with dropout 0 against `compute_loss`; with dropout 0.1 against a naive reference that embeds
-  the same chunks with a graph (the same random numbers), and with chunks of all the columns'
-  rows against `compute_loss` itself (they are its very forwards);
+  with dropout 0 against `conftest.micro_batch_loss` (train.py's embed_columns + embeddings_loss);
+  with dropout 0.1 against a naive reference that embeds the same chunks with a graph (the same
+  random numbers), and with chunks of all the columns' rows against `micro_batch_loss` itself (they are its very forwards);
 - through train.py at world 2 and 4 (started by conftest.warm_run: torchrun's environment and
   train.py as __main__, without re-importing; a tiny random BERT, conftest.tiny_model):
   world 2 x batch B with --gather-negatives == one process with batch 2B (FSDP1 full_shard,
@@ -197,7 +197,7 @@ def test_cached_gradient_equals_plain_with_distill_kl_on_groups(tmp_path):
 def test_cached_gradient_with_dropout_replays_the_same_masks(loss):
     model, features, labels = model_for(loss, dropout=0.1)
     assert model.training
-    # Chunks of all the columns' rows (the pool) are compute_loss's own forwards: the same random
+    # Chunks of all the columns' rows (the pool) are micro_batch_loss's own forwards: the same random
     # numbers, the same gradient; so are chunks cut from the same length-sorted sub-batches.
     pool = B * len(features)
     want = grads_after(model, lambda: plain(model, features, labels, loss))

@@ -4,7 +4,8 @@
   chunk sizes 1, 3 and B, its chunks cut from the batch order or from length-sorted sub-batches:
   with dropout 0 against `conftest.micro_batch_loss` (train.py's embed_columns + embeddings_loss);
   with dropout 0.1 against a naive reference that embeds the same chunks with a graph (the same
-  random numbers), and with chunks of all the columns' rows against `micro_batch_loss` itself (they are its very forwards);
+  random numbers), and with chunks of all the columns' rows against `micro_batch_loss` itself
+  (they are its very forwards);
 - through train.py at world 2 and 4 (started by conftest.warm_run: torchrun's environment and
   train.py as __main__, without re-importing; a tiny random BERT, conftest.tiny_model):
   world 2 x batch B with --gather-negatives == one process with batch 2B (FSDP1 full_shard,

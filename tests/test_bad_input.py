@@ -937,6 +937,6 @@ def test_resume_auto_on_a_finished_run_checks_its_settings(tmp_path, tiny_model)
     ]
     train.main(config.parse_config(args))
     assert (out / "final" / "training_config.json").exists()
-    assert start_up(config.parse_config([*args, "--resume", "auto"]), 1, torch.device("cpu")).finished
+    assert start_up(config.parse_config([*args, "--resume", "auto"]), 1).finished
     with pytest.raises(ValueError, match=r"--seed 12 \(this run: 99\)"):
-        start_up(config.parse_config([*args, "--resume", "auto", "--seed", "99"]), 1, torch.device("cpu"))
+        start_up(config.parse_config([*args, "--resume", "auto", "--seed", "99"]), 1)

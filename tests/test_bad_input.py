@@ -916,7 +916,6 @@ def test_resume_auto_on_a_finished_run_checks_its_settings(tmp_path, tiny_model)
     """A real finished run (2 steps of the tiny BERT, its export's training_config.json as
     train.py writes it), then --resume auto: nothing to do for the same run; another run (here
     another seed) is refused, not silently "finished"."""
-    import torch
 
     import train
 

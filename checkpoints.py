@@ -332,10 +332,12 @@ def check_loss_finite(loss_value, step, output_dir):
 # Resuming: which checkpoint, and only for the same run
 
 
-def checkpoint_to_resume(cfg, world_size, fingerprint):
+def checkpoint_to_resume(cfg, world_size, fingerprint, fingerprint_before_arrow=None):
     """The checkpoint this run continues from (None: start fresh), or "finished" when
     --output-dir already holds the finished run. Refuses to overwrite anything by accident, and
-    to continue a run with other settings or other training data (`fingerprint`)."""
+    to continue a run with other settings or other training data (`fingerprint`; a checkpoint
+    written before fingerprints hashed Arrow's buffers is compared with
+    `fingerprint_before_arrow()`, computed only then)."""
     final_dir, checkpoints_dir = (
         os.path.join(cfg.output_dir, "final"),
         os.path.join(cfg.output_dir, "checkpoints"),
@@ -345,7 +347,9 @@ def checkpoint_to_resume(cfg, world_size, fingerprint):
             # e.g. torchrun restarting a job that had already exported: nothing to do, provided it
             # is the same run (another one would silently "finish" without training).
             with open(os.path.join(final_dir, "training_config.json")) as f:
-                check_same_run(cfg, json.load(f), world_size, fingerprint, final_dir)
+                check_same_run(
+                    cfg, json.load(f), world_size, fingerprint, final_dir, fingerprint_before_arrow
+                )
             return "finished"
         raise ValueError(
             f"{final_dir} already holds a finished run's export; "
@@ -374,13 +378,18 @@ def checkpoint_to_resume(cfg, world_size, fingerprint):
             return None
     with open(os.path.join(resume_dir, "trainer_state.json")) as f:
         saved = json.load(f)
-    check_same_run(cfg, {**saved["config"], **saved}, world_size, fingerprint, resume_dir)
+    check_same_run(
+        cfg, {**saved["config"], **saved}, world_size, fingerprint, resume_dir, fingerprint_before_arrow
+    )
     return resume_dir
 
 
-def check_same_run(cfg, saved, world_size, fingerprint, where):
+def check_same_run(cfg, saved, world_size, fingerprint, where, fingerprint_before_arrow=None):
     """`saved` (a checkpoint's or an export's config and derived values) must describe this run:
     every setting but those a resume may change, the number of processes, the training data."""
+    saved_fingerprint = saved.get("train_data_fingerprint", fingerprint)
+    if "arrow-sha256" not in saved_fingerprint and fingerprint_before_arrow is not None:
+        fingerprint = fingerprint_before_arrow()  # saved by an earlier version, hashed as it hashed
     current = dataclasses.asdict(cfg)
     may_change = {
         field.name
@@ -397,7 +406,7 @@ def check_same_run(cfg, saved, world_size, fingerprint, where):
             f"{saved.get('world_size')} processes (this run: {world_size}); "
             "each process holds its own shard of the state"
         )
-    if saved.get("train_data_fingerprint", fingerprint) != fingerprint:
+    if saved_fingerprint != fingerprint:
         diffs.append(
             f"other training data ({saved['train_data_fingerprint']}; "
             f"--train-data {cfg.train_data} now: {fingerprint}), "

@@ -22,6 +22,8 @@ import os
 from dataclasses import dataclass
 
 import datasets
+import pyarrow as pa
+import pyarrow.compute as pc
 
 import eval_dist
 
@@ -448,7 +450,7 @@ def data_columns(ds, loss_name):
                 "--loss distill_kl needs (query, positive, negative[, negative ...]) text columns and a "
                 f"'scores' (or 'label') list with the teacher's score of each; got {ds.column_names}"
             )
-        check_score_lists(ds[target][:], target, len(texts) - 1)
+        check_score_lists(ds, target, len(texts) - 1)
     elif loss_name == "margin_mse":
         if len(texts) != 3 or target is None:
             raise ValueError(
@@ -469,7 +471,7 @@ def data_columns(ds, loss_name):
     ):
         raise ValueError(
             f"--loss {loss_name} needs numeric scores in {target!r}; "
-            f"{first_offender(ds[target][:], 'a number')}"
+            f"{first_offender(ds[target][:ROWS_AT_ONCE], 'a number')}"
         )
     num_labels = softmax_classes(ds, target) if loss_name == "softmax" else 0
     return texts, target, num_labels
@@ -484,14 +486,47 @@ def is_score_list(value, length):
     )
 
 
-def check_score_lists(values, column, length):
-    """Every row's `column` lists one finite teacher score per text after the query."""
-    for i, value in enumerate(values):
-        if not is_score_list(value, length):
-            raise ValueError(
-                f"row {i} has {column} = {value!r}; it must list {length} finite numbers, the teacher's "
-                "score of each text after the query"
+def check_score_lists(ds, column, lengths):
+    """Every row's `column` lists one finite teacher score per text after the query: `lengths`, an
+    int (every row's count) or the name of the list column whose lengths each row's must match."""
+    for start, values in windows(ds, column):
+        expected = length_of(ds, lengths, start) if isinstance(lengths, str) else lengths
+        i = bad_score_list(values, expected)
+        if i is not None:
+            count = expected if isinstance(expected, int) else expected[i].as_py()
+            what = (
+                f"the teacher's score of each text in {lengths}"
+                if isinstance(lengths, str)
+                else ("the teacher's score of each text after the query")
             )
+            raise ValueError(
+                f"row {start + i} has {column} = {values[i].as_py()!r}; it must list {count} finite numbers, "
+                + what
+            )
+
+
+def length_of(ds, list_column, start):
+    """The lengths of `list_column`'s lists in the window that starts at row `start`."""
+    values = ds.with_format("arrow")[start : start + ROWS_AT_ONCE].column(list_column)
+    return pc.list_value_length(pa.concat_arrays(values.chunks))
+
+
+def bad_score_list(values, expected):
+    """The index of the first row whose value is not a list of `expected` finite numbers (an int,
+    or an Arrow array of each row's count), or None."""
+    if not (pa.types.is_list(values.type) or pa.types.is_large_list(values.type)):
+        return 0
+    item = values.type.value_type
+    if not (pa.types.is_floating(item) or pa.types.is_integer(item) or pa.types.is_null(item)):
+        return 0
+    wrong_length = pc.not_equal(pc.list_value_length(values), expected)
+    if (i := first_true(pc.or_kleene(pc.is_null(values), wrong_length))) is not None:
+        return i
+    flat = pc.list_flatten(values)
+    finite = pc.is_finite(flat) if pa.types.is_floating(item) else pc.is_valid(flat)
+    if (j := first_true(pc.invert(pc.fill_null(finite, False)))) is not None:
+        return pc.list_parent_indices(values)[j].as_py()
+    return None
 
 
 def grouped_columns(ds, loss_name, group_size):
@@ -510,51 +545,66 @@ def grouped_columns(ds, loss_name, group_size):
         raise ValueError(
             "--loss distill_kl over groups needs --group-size 2 or more (a positive and a negative)"
         )
-    for i, (query, pos, neg) in enumerate(zip(*(ds[c][:] for c in GROUPED_COLUMNS))):
-        if not isinstance(query, str) or not query.strip():
-            raise ValueError(f"row {i} has {'no' if query is None else 'an empty'} query; remove or fill it")
-        for column, texts, needed in (("pos", pos, 1), ("neg", neg, 1 if group_size > 1 else 0)):
-            if not isinstance(texts, list) or len(texts) < needed:
-                raise ValueError(
-                    f"row {i} has {column} = {texts!r}; it must be a list of at least {needed} text(s)"
-                    + (f" for --group-size {group_size}" if column == "neg" else "")
-                )
-            if not all(isinstance(t, str) and t.strip() for t in texts):
-                raise ValueError(f"row {i}: {column} holds a null or empty text; remove or fill it")
+    for start, queries in windows(ds, "query"):
+        if (i := first_true(blank_texts(queries))) is not None:
+            query = queries[i].as_py()
+            raise ValueError(
+                f"row {start + i} has {'no' if query is None else 'an empty'} query; remove or fill it"
+            )
+    for column, needed in (("pos", 1), ("neg", 1 if group_size > 1 else 0)):
+        for start, texts in windows(ds, column):
+            check_text_lists(texts, start, column, needed, group_size)
     if loss_name == "distill_kl":
         for column, texts_column in zip(GROUP_SCORES, GROUPED_COLUMNS[1:]):
-            for i, (values, texts) in enumerate(zip(ds[column][:], ds[texts_column][:])):
-                if not is_score_list(values, len(texts)):
-                    raise ValueError(
-                        f"row {i} has {column} = {values!r}; it must list {len(texts)} finite numbers, "
-                        f"the teacher's score of each text in {texts_column}"
-                    )
+            check_score_lists(ds, column, texts_column)
     negatives = [f"neg_{g}" for g in range(1, group_size)]
     return ["query", "pos", *negatives], "scores" if loss_name == "distill_kl" else None, 0
+
+
+def check_text_lists(texts, start, column, needed, group_size):
+    """A window of grouped rows' `column` (from row `start`): every row a list of at least `needed`
+    texts, none of them null or empty."""
+    is_list = pa.types.is_list(texts.type) or pa.types.is_large_list(texts.type)
+    short = (
+        None if not is_list else pc.or_kleene(pc.is_null(texts), pc.less(pc.list_value_length(texts), needed))
+    )
+    if not is_list or (i := first_true(short)) is not None:
+        i = 0 if not is_list else i
+        raise ValueError(
+            f"row {start + i} has {column} = {texts[i].as_py()!r}; it must be a list of at least {needed} "
+            "text(s)" + (f" for --group-size {group_size}" if column == "neg" else "")
+        )
+    flat = pc.list_flatten(texts)
+    if not (pa.types.is_string(flat.type) or pa.types.is_large_string(flat.type) or len(flat) == 0):
+        raise ValueError(f"row {start}: {column} holds {flat.type} values, not texts")
+    if len(flat) and (j := first_true(blank_texts(flat))) is not None:
+        i = pc.list_parent_indices(texts)[j].as_py()
+        raise ValueError(f"row {start + i}: {column} holds a null or empty text; remove or fill it")
 
 
 def softmax_classes(ds, target):
     """The number of classes of the --loss softmax labels in column `target`, after checking that
     every row has an integer label in 0..C-1 (C: the ClassLabel's classes, else the largest label + 1)."""
-    feature, labels = ds.features[target], ds[target][:]
-    if None in labels:
-        raise ValueError(f"--loss softmax: row {labels.index(None)} has no {target}; every row needs a class")
-    if isinstance(feature, datasets.ClassLabel):
-        num_labels = feature.num_classes
-    elif getattr(feature, "dtype", "").startswith("int"):
-        num_labels = max(labels) + 1
-    else:
+    feature = ds.features[target]
+    if not (isinstance(feature, datasets.ClassLabel) or getattr(feature, "dtype", "").startswith("int")):
         raise ValueError(
             f"--loss softmax needs integer class labels in {target!r}; "
-            f"{first_offender(labels, 'an integer', int)}"
+            f"{first_offender(ds[target][:ROWS_AT_ONCE], 'an integer', int)}"
         )
-    if min(labels) < 0:
+    lowest, highest = math.inf, -math.inf
+    for start, labels in windows(ds, target):
+        if (i := first_true(pc.is_null(labels))) is not None:
+            raise ValueError(f"--loss softmax: row {start + i} has no {target}; every row needs a class")
+        extremes = pc.min_max(labels).as_py()
+        lowest, highest = min(lowest, extremes["min"]), max(highest, extremes["max"])
+    num_labels = feature.num_classes if isinstance(feature, datasets.ClassLabel) else highest + 1
+    if lowest < 0:
         raise ValueError(
-            f"--loss softmax: {target!r} holds negative labels ({min(labels)}); classes are numbered 0..C-1"
+            f"--loss softmax: {target!r} holds negative labels ({lowest}); classes are numbered 0..C-1"
         )
-    if max(labels) >= num_labels:
+    if highest >= num_labels:
         raise ValueError(
-            f"--loss softmax: {target!r} holds class {max(labels)}, but the data set declares "
+            f"--loss softmax: {target!r} holds class {highest}, but the data set declares "
             f"{num_labels} classes (0..{num_labels - 1})"
         )
     return num_labels
@@ -573,28 +623,85 @@ def first_offender(values, what, kind=(int, float)):
     )
 
 
+# ----------------------------------------------------------------------------------------------
+# Every row checked, and the data's fingerprint, in Arrow's compute: no text becomes a Python
+# object, and a window of ROWS_AT_ONCE rows is all that is held at a time, so start-up costs
+# seconds and memory flat in the data's size (bench/bench_data_scale.py).
+
+ROWS_AT_ONCE = 1 << 16
+
+
+def windows(ds, column):
+    """(first row, the column's values there as one Arrow array) for each window of ROWS_AT_ONCE
+    rows, in order: memory-mapped slices of the data set's table, not copies."""
+    table = ds.with_format("arrow")
+    for start in range(0, len(ds), ROWS_AT_ONCE):
+        values = table[start : start + ROWS_AT_ONCE].column(column)
+        yield start, values.chunk(0) if values.num_chunks == 1 else pa.concat_arrays(values.chunks)
+
+
+def first_true(mask):
+    """The index of the first true value of a boolean Arrow array (nulls count as false), or None."""
+    index = pc.index(pc.fill_null(mask, False), True).as_py()
+    return None if index < 0 else index
+
+
+def blank_texts(values):
+    """Which texts are null, empty or all whitespace (what `not text.strip()` finds)."""
+    return pc.or_kleene(
+        pc.or_kleene(pc.is_null(values), pc.equal(pc.binary_length(values), 0)), pc.utf8_is_space(values)
+    )
+
+
 def check_rows(ds, text_columns, target, flag):
     """What the schema cannot show: null or empty texts, missing or non-finite targets. Each
     problem is reported with the first row that has it, so it can be found and fixed."""
     for column in text_columns:
-        for i, text in enumerate(ds[column][:]):
-            if text is None or not text.strip():
+        for start, values in windows(ds, column):
+            if (i := first_true(blank_texts(values))) is not None:
+                text = values[i].as_py()
                 raise ValueError(
-                    f"{flag}: row {i} has {'a null' if text is None else 'an empty'} {column!r}; remove or "
-                    "fill such rows"
+                    f"{flag}: row {start + i} has {'a null' if text is None else 'an empty'} {column!r}; "
+                    "remove or fill such rows"
                 )
     if target is None:
         return
-    for i, value in enumerate(ds[target][:]):
-        if isinstance(value, list):  # a teacher's scores (distill_kl): checked by check_score_lists
-            continue
-        if value is None or not math.isfinite(value):
-            raise ValueError(f"{flag}: row {i} has {target} = {value}; every row needs a finite {target}")
+    for start, values in windows(ds, target):
+        if pa.types.is_list(values.type) or pa.types.is_large_list(values.type):
+            return  # a teacher's scores (distill_kl): checked by check_score_lists
+        finite = pc.is_finite(values) if pa.types.is_floating(values.type) else pc.is_valid(values)
+        if (i := first_true(pc.invert(pc.fill_null(finite, False)))) is not None:
+            value = values[i].as_py()
+            raise ValueError(
+                f"{flag}: row {start + i} has {target} = {value}; every row needs a finite {target}"
+            )
 
 
 def data_fingerprint(ds, columns):
-    """'N rows, sha256 HASH' of the columns the run reads: saved with every checkpoint, so a resume
-    on data that changed (rows added, removed, edited or reordered) is refused."""
+    """'N rows, arrow-sha256 HASH' of the columns the run reads: saved with every checkpoint, so a
+    resume on data that changed (rows added, removed, edited or reordered) is refused. Texts are
+    hashed from Arrow's buffers (each text's length, then the bytes of all of them), window by
+    window, so the hash is the same however the table is cut into chunks; other columns (targets,
+    grouped lists) as JSON, a window at a time."""
+    digest = hashlib.sha256()
+    for column in columns:
+        digest.update(json.dumps(column).encode())
+        for _, values in windows(ds, column):
+            digest.update(pc.is_null(values).cast(pa.int8()).buffers()[1])
+            if pa.types.is_string(values.type) or pa.types.is_large_string(values.type):
+                values = pa.concat_arrays([values.cast(pa.large_string())])  # one buffer, from offset 0
+                lengths = pc.fill_null(pc.binary_length(values), 0)
+                digest.update(memoryview(lengths.buffers()[1])[: 8 * len(values)])
+                digest.update(memoryview(values.buffers()[2])[: pc.sum(lengths).as_py() or 0])
+            else:
+                digest.update(json.dumps(values.to_pylist()).encode())
+    return f"{len(ds)} rows, arrow-sha256 {digest.hexdigest()[:16]}"
+
+
+def fingerprint_before_arrow(ds, columns):
+    """The fingerprint as checkpoints written before data_fingerprint hashed Arrow's buffers hold
+    it ('N rows, sha256 HASH'), so a resume from one still recognises its data. It reads every
+    text into Python: computed only when such a checkpoint is resumed."""
     digest = hashlib.sha256()
     for column in columns:
         digest.update(json.dumps([column, ds[column][:]]).encode())

@@ -212,7 +212,10 @@ def planned_data(cfg, plan):
     check_losses(cfg, plan, train_sets)
     # One set: 'N rows, sha256 H', as before several sets could train together.
     fingerprint = "; ".join(data.data_fingerprint(ts.ds, ts.read_columns) for ts in train_sets)
-    resume_dir = checkpoints.checkpoint_to_resume(cfg, plan.world_size, fingerprint)
+    before_arrow = lambda: "; ".join(  # noqa: E731
+        data.fingerprint_before_arrow(ts.ds, ts.read_columns) for ts in train_sets
+    )
+    resume_dir = checkpoints.checkpoint_to_resume(cfg, plan.world_size, fingerprint, before_arrow)
     if resume_dir == "finished":
         return dataclasses.replace(plan, finished=True)
     plan = run_plan.add_train_sets(plan, cfg, train_sets)

@@ -898,9 +898,21 @@ def test_resume_names_each_setting_that_differs_and_only_those(tmp_path):
     rows[0]["anchor"] += " (edited)"
     write_jsonl(moved, rows)
     with pytest.raises(
-        ValueError, match=rf"other training data \({fingerprint}; --train-data {moved} now: 320 rows, sha256 "
+        ValueError,
+        match=rf"other training data \({fingerprint}; --train-data {moved} now: 320 rows, arrow-sha256 ",
     ):
         start_up(cfg, 2)
+    # A checkpoint written before fingerprints hashed Arrow's buffers holds the old hash of its data:
+    # the unchanged data is recognised by it, the edited data still refused.
+    old = data.fingerprint_before_arrow(ds, ds.column_names)
+    assert old.startswith("320 rows, sha256 ") and old != fingerprint
+    write_checkpoint(folder, {"step": 2, "world_size": 2, "config": saved, "train_data_fingerprint": old})
+    with pytest.raises(
+        ValueError, match=rf"other training data \({old}; --train-data {moved} now: 320 rows, sha256 "
+    ):
+        start_up(cfg, 2)
+    shutil.copy(saved["train_data"], moved)
+    assert start_up(cfg, 2).resume_dir == str(folder)
 
 
 def test_an_output_dir_that_is_a_file_is_refused(tmp_path):

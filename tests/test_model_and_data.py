@@ -169,3 +169,66 @@ def test_columns_follow_sentence_transformers_conventions():
 def test_bad_columns_name_the_problem(loss, columns, message):
     with pytest.raises(ValueError, match=message):
         data.data_columns(table(**columns), loss)
+
+
+def naive_first_problem(rows, text_columns, target):
+    """The first bad row as the Python loop over every row found it (the reference)."""
+    for column in text_columns:
+        for i, row in enumerate(rows):
+            if row[column] is None or not row[column].strip():
+                return f"row {i} has {'a null' if row[column] is None else 'an empty'} {column!r}"
+    for i, row in enumerate(rows):
+        if row[target] is None or row[target] != row[target] or abs(row[target]) == float("inf"):
+            return f"row {i} has {target} = {row[target]}"
+    return None
+
+
+@pytest.mark.parametrize("where", [0, 65535, 65536, 70000])
+@pytest.mark.parametrize("problem", ["null", "empty", "spaces", "nan", "missing score"])
+def test_row_checks_name_the_first_bad_row_past_a_window(where, problem):
+    """check_rows works a window of data.ROWS_AT_ONCE rows at a time, in Arrow: the row it names
+    is the one a Python loop over every row names, before, at and past a window's edge."""
+    rows = [{"sentence1": f"text {i}", "sentence2": f"other {i}", "score": i % 5 / 5} for i in range(70002)]
+    column = "sentence2" if problem in ("null", "empty", "spaces") else "score"
+    rows[where][column] = {"null": None, "empty": "", "spaces": " \t", "nan": float("nan")}.get(problem)
+    if column != "score":
+        rows[-1]["score"] = float("inf")  # texts are checked first: a bad score later is found after
+    rows[where + 1][column] = None  # and the next row has a problem too
+    ds = datasets.Dataset.from_list(rows)
+    want = naive_first_problem(rows, ["sentence1", "sentence2"], "score")
+    assert want.startswith(f"row {where} "), want
+    with pytest.raises(ValueError) as error:
+        data.check_rows(ds, ["sentence1", "sentence2"], "score", "--train-data x")
+    assert want in str(error.value), (want, str(error.value))
+
+
+def test_the_fingerprint_follows_the_rows_not_the_chunks(tmp_path):
+    """The same rows give the same fingerprint however the Arrow table is cut into chunks (a
+    JSON Lines file loaded by datasets, the same rows built in memory, one row per chunk); a text
+    edited by one character, a row moved, or a score changed give another."""
+    import json
+
+    rows = [
+        {"anchor": f"query {i} é", "positive": f"document {i}" * (i % 3), "score": i / 7} for i in range(300)
+    ]
+    path = tmp_path / "rows.jsonl"
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    columns = ["anchor", "positive", "score"]
+    from_file = data.data_fingerprint(data.load_data(str(path), "train"), columns)
+    in_memory = datasets.Dataset.from_list(rows)
+    one_per_chunk = datasets.concatenate_datasets([datasets.Dataset.from_list([r]) for r in rows])
+    assert (
+        data.data_fingerprint(in_memory, columns)
+        == from_file
+        == data.data_fingerprint(one_per_chunk, columns)
+    )
+    assert from_file.startswith("300 rows, arrow-sha256 ")
+    for change in ("edit", "move", "score"):
+        changed = [dict(r) for r in rows]
+        if change == "edit":
+            changed[150]["positive"] = changed[150]["positive"].replace("1", "2", 1) or "x"
+        elif change == "move":
+            changed[3], changed[4] = changed[4], changed[3]
+        else:
+            changed[299]["score"] += 1e-9
+        assert data.data_fingerprint(datasets.Dataset.from_list(changed), columns) != from_file, change

@@ -1,7 +1,8 @@
 """Batches: every step's rows from the seed alone, tokenized, and cut into sub-batches.
 
-  - the schedule (`training_schedule`): each epoch's permutation is drawn from (seed, epoch) and
-    cut into global batches of per_device_batch_size x world x grad_accum_steps rows; rank r,
+  - the schedule (`Schedule`): each epoch's permutation is drawn from (seed, epoch) and cut
+    into global batches of per_device_batch_size x world x grad_accum_steps rows, an epoch at a
+    time, as the loop reaches it (memory flat in rows and epochs); rank r,
     micro-step j takes its own contiguous slice (`micro_batch_indices`). So 2 ranks x batch B
     train on exactly the rows of 1 process x batch B x 2 accumulation steps, and a resumed run
     continues with the same rows. Several data sets are mixed a whole global batch at a time,
@@ -20,6 +21,7 @@
 Needs only torch.
 """
 
+import bisect
 import collections
 import concurrent.futures
 import copy
@@ -42,88 +44,160 @@ def epoch_order(num_rows, seed, epoch):
     return torch.randperm(num_rows, generator=torch.Generator().manual_seed(seed + epoch))
 
 
-def training_schedule(train_sets, cfg):
-    """Every optimizer step's global batch, [(epoch, set index, row indices)], the same on every
-    rank and in a resumed run: a function of the seed and the data alone. Epochs follow each
-    other until --max-steps (or --epochs) is reached."""
-    schedule = []
-    for epoch in itertools.count():
-        batches = epoch_batches(train_sets, cfg, epoch)
-        if not batches:
-            raise ValueError(
-                f"--train-data: epoch {epoch} makes no global batch of "
-                f"{' / '.join(str(ts.global_batch) for ts in train_sets)} rows"
-                + (
-                    " with no text twice (--batch-sampler no_duplicates)"
-                    if cfg.batch_sampler == "no_duplicates"
-                    else ""
+class Schedule:
+    """Every optimizer step's global batch: `schedule[step]` (from 0) is (epoch, set index, row
+    indices), the same on every rank and in a resumed run, a function of the seed and the data
+    alone. Epochs follow each other until --max-steps (or --epochs) is reached.
+
+    Planned at start-up from counts alone: each epoch's sequence of sets (`set_orders`, a few
+    bytes a step). An epoch's rows are drawn when a step of it is first asked for, and only that
+    epoch's are held: one permutation of each set's rows (8 bytes a row; with --batch-sampler
+    no_duplicates also 8 bytes a text of hashes), whatever the number of epochs planned."""
+
+    def __init__(self, train_sets, cfg):
+        self.train_sets, self.cfg = train_sets, cfg
+        self.held = (None, [])  # (epoch, its batches): the one epoch whose rows are held
+        self.hashes = {}  # --batch-sampler no_duplicates: set index -> its texts' hashes (text_hashes)
+        self.set_orders = []  # per epoch: the set index of each of its global batches
+        planned = 0
+        for epoch in itertools.count():
+            self.set_orders.append(self.set_order(epoch))
+            if not len(self.set_orders[-1]):
+                raise ValueError(
+                    f"--train-data: epoch {epoch} makes no global batch of "
+                    f"{' / '.join(str(ts.global_batch) for ts in train_sets)} rows"
+                    + (" with no text twice (--batch-sampler no_duplicates)" if self.no_duplicates else "")
                 )
-            )
-        schedule += [
-            (epoch + (i + 1) / len(batches), set_index, rows) for i, (set_index, rows) in enumerate(batches)
-        ]
-        if (cfg.max_steps and len(schedule) >= cfg.max_steps) or (
-            not cfg.max_steps and epoch + 1 == cfg.epochs
-        ):
-            return schedule[: cfg.max_steps or None]
+            planned += len(self.set_orders[-1])
+            if planned >= cfg.max_steps if cfg.max_steps else epoch + 1 == cfg.epochs:
+                break
+        self.total_steps = min(planned, cfg.max_steps) if cfg.max_steps else planned
+        self.epoch_starts = list(itertools.accumulate([0] + [len(order) for order in self.set_orders]))
+
+    @property
+    def no_duplicates(self):
+        return self.cfg.batch_sampler == "no_duplicates"
+
+    def __len__(self):
+        return self.total_steps
+
+    def __getitem__(self, step):
+        """(epoch, set index, row indices) of optimizer step `step` (from 0); a slice: a list of them."""
+        if isinstance(step, slice):
+            return [self[i] for i in range(*step.indices(self.total_steps))]
+        if not 0 <= step < self.total_steps:
+            raise IndexError(f"step {step} of {self.total_steps}")
+        epoch, i = self.locate(step)
+        if self.held[0] != epoch:
+            self.held = (None, [])  # the previous epoch's rows go before the next epoch's are drawn
+            self.held = (epoch, self.epoch_batches(epoch))
+        set_index, rows = self.held[1][i]
+        return self.epoch_at(step), set_index, rows
+
+    def locate(self, step):
+        """(epoch, the step's place in it)."""
+        epoch = bisect.bisect_right(self.epoch_starts, step) - 1
+        return epoch, step - self.epoch_starts[epoch]
+
+    def epoch_at(self, step):
+        """The epochs done after step `step` (from 0), e.g. 1.5 halfway through the second."""
+        epoch, i = self.locate(step)
+        return epoch + (i + 1) / len(self.set_orders[epoch])
+
+    def steps_of_set(self, set_index):
+        """How many of the planned steps train on set `set_index`."""
+        orders = torch.cat(self.set_orders)[: self.total_steps]
+        return int((orders == set_index).sum())
+
+    def set_order(self, epoch):
+        """The set index of each global batch of epoch `epoch`, in order: each set's batches
+        interleaved by --mix. Proportional: every batch of every set once, in an order drawn from
+        (seed, epoch); round_robin: the sets in turn, until the smallest runs out."""
+        counts = [self.batch_count(i, epoch) for i in range(len(self.train_sets))]
+        if self.cfg.mix == "round_robin":
+            return torch.arange(len(counts)).repeat(min(counts))
+        labels = torch.cat([torch.full((count,), i) for i, count in enumerate(counts)])
+        if len(counts) > 1:
+            seed = self.cfg.seed + 104729 + epoch
+            labels = labels[torch.randperm(len(labels), generator=torch.Generator().manual_seed(seed))]
+        return labels
+
+    def batch_count(self, set_index, epoch):
+        """Set `set_index`'s global batches in epoch `epoch`: from its size and weight alone, but
+        with --batch-sampler no_duplicates, whose batches depend on the epoch's order (drawn here
+        and dropped: set_batches draws them again when the epoch is trained)."""
+        if self.no_duplicates:
+            return len(self.set_batches(set_index, epoch))
+        ts = self.train_sets[set_index]
+        cut = len(ts.ds) // ts.global_batch
+        return max(1, round(ts.weight * cut)) if cut else 0
+
+    def epoch_batches(self, epoch):
+        """Epoch `epoch`'s global batches, [(set index, row indices)], in the order of set_order.
+        One set with the default sampler: the epoch's permutation cut in order."""
+        per_set = [self.set_batches(i, epoch) for i in range(len(self.train_sets))]
+        taken = [0] * len(per_set)
+        batches = []
+        for i in self.set_orders[epoch].tolist():
+            batches.append((i, per_set[i][taken[i]]))
+            taken[i] += 1
+        return batches
+
+    def set_batches(self, set_index, epoch):
+        """One set's global batches of an epoch: its rows shuffled from (seed, set, epoch) and cut
+        into global batches of its size (the tail dropped; with --batch-sampler no_duplicates, no
+        text twice in one). A weight w (--dataset-settings) keeps round(w x that many) batches, at
+        least one: from one shuffle below 1, from further shuffles above (each row then w times)."""
+        ts = self.train_sets[set_index]
+        if self.no_duplicates and set_index not in self.hashes:
+            self.hashes[set_index] = text_hashes(ts.ds, ts.text_columns)
+        batches, keep = [], 0
+        for shuffle in range(max(1, math.ceil(ts.weight))):
+            # Set 0, shuffle 0: the one-set order; every other (set, shuffle) a seed of its own.
+            order = epoch_order(len(ts.ds), self.cfg.seed + 7919 * set_index + 15485863 * shuffle, epoch)
+            if self.no_duplicates:
+                cut = no_duplicate_batches(self.hashes[set_index], order, ts.global_batch)
+            else:
+                cut = list(order[: len(order) // ts.global_batch * ts.global_batch].split(ts.global_batch))
+            batches += cut
+            if shuffle == 0:
+                keep = max(1, round(ts.weight * len(cut))) if cut else 0
+            if len(batches) >= keep:
+                break  # the further shuffles would be cut off anyway
+        return batches[:keep]
 
 
-def epoch_batches(train_sets, cfg, epoch):
-    """One epoch's global batches, [(set index, row indices)]: each set's (set_batches), then
-    interleaved by --mix. One set with the default sampler: the epoch's permutation cut in order."""
-    per_set = [set_batches(ts, cfg, i, epoch) for i, ts in enumerate(train_sets)]
-    if cfg.mix == "round_robin":
-        rounds = min(len(batches) for batches in per_set)
-        return [(i, per_set[i][r]) for r in range(rounds) for i in range(len(per_set))]
-    # Proportional: every batch of every set once, in an order drawn from (seed, epoch).
-    labels = torch.cat([torch.full((len(batches),), i) for i, batches in enumerate(per_set)])
-    if len(per_set) > 1:
-        labels = labels[
-            torch.randperm(len(labels), generator=torch.Generator().manual_seed(cfg.seed + 104729 + epoch))
-        ]
-    taken = [0] * len(per_set)
-    plan = []
-    for i in labels.tolist():
-        plan.append((i, per_set[i][taken[i]]))
-        taken[i] += 1
-    return plan
+def text_hashes(ds, text_columns):
+    """(rows, columns) int64: 8 bytes of blake2b of each text as written, what no_duplicate_batches
+    compares (equal texts, equal hashes; another text collides once in ~10^19). Read a window of
+    rows at a time, so no column is held as Python strings."""
+    hashes = torch.empty((len(ds), len(text_columns)), dtype=torch.int64)
+    table = ds.with_format("arrow")
+    for start in range(0, len(ds), 1 << 16):
+        window = table[start : start + (1 << 16)]
+        for j, column in enumerate(text_columns):
+            texts = window.column(column).to_pylist()
+            hashes[start : start + len(texts), j] = torch.tensor([text_hash(t) for t in texts])
+    return hashes
 
 
-def set_batches(ts, cfg, set_index, epoch):
-    """One set's global batches of an epoch: its rows shuffled from (seed, set, epoch) and cut
-    into global batches of its size (the tail dropped; with --batch-sampler no_duplicates, no
-    text twice in one). A weight w (--dataset-settings) keeps round(w x that many) batches, at
-    least one: from one shuffle below 1, from further shuffles above (each row then w times)."""
-    batches = []
-    for shuffle in range(max(1, math.ceil(ts.weight))):
-        # Set 0, shuffle 0: the one-set order; every other (set, shuffle) a seed of its own.
-        order = epoch_order(len(ts.ds), cfg.seed + 7919 * set_index + 15485863 * shuffle, epoch)
-        if cfg.batch_sampler == "no_duplicates":
-            cut = no_duplicate_batches(
-                [ts.ds[c][:] for c in ts.text_columns], order.tolist(), ts.global_batch
-            )
-        else:
-            cut = [
-                order[k * ts.global_batch : (k + 1) * ts.global_batch]
-                for k in range(len(order) // ts.global_batch)
-            ]
-        batches += cut
-        if shuffle == 0:
-            keep = max(1, round(ts.weight * len(cut))) if cut else 0
-    return batches[:keep]
+def text_hash(text):
+    """8 bytes of blake2b of `text`, as a signed int64: the same in every process."""
+    return int.from_bytes(hashlib.blake2b(text.encode(), digest_size=8).digest(), "little", signed=True)
 
 
-def no_duplicate_batches(columns, order, global_batch):
-    """Cut `order` into global batches in which no text (as written, in any text column) appears
-    in two rows: a row that would repeat a text waits, and joins the first later batch where it
-    fits (waiting rows go first, oldest first). Rows still waiting at the end are dropped, as is
-    a last batch that cannot be filled. One pass, so fast on large data (see the README)."""
-    batches, waiting, stream = [], collections.deque(), iter(order)
+def no_duplicate_batches(hashes, order, global_batch):
+    """Cut `order` into global batches in which no text (as written, in any text column: `hashes`,
+    one row of text hashes per data row) appears in two rows: a row that would repeat a text
+    waits, and joins the first later batch where it fits (waiting rows go first, oldest first).
+    Rows still waiting at the end are dropped, as is a last batch that cannot be filled. One pass,
+    so fast on large data (see the README)."""
+    batches, waiting, stream = [], collections.deque(), iter(order.tolist())
     while True:
         batch, seen, still_waiting = [], set(), collections.deque()
 
         def fits(row):
-            texts = [column[row] for column in columns]
+            texts = hashes[row].tolist()
             if seen.isdisjoint(texts):
                 batch.append(row)
                 seen.update(texts)

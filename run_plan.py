@@ -62,7 +62,7 @@ class Plan:
     # the data (add_train_sets, add_schedule)
     train_sets: list = dataclasses.field(default_factory=list)  # data.TrainSet, each with its LossPlan
     eval_sets: list = dataclasses.field(default_factory=list)  # data.EvalSet
-    schedule: list = dataclasses.field(default_factory=list)  # every step's (epoch, set index, rows)
+    schedule: object = ()  # batches.Schedule: every step's (epoch, set index, rows), drawn an epoch at a time
     total_steps: int = 0
     warmup_steps: int = 0
     steps_per_epoch: int = 0
@@ -111,7 +111,7 @@ def add_train_sets(plan, cfg, train_sets):
 
 
 def add_schedule(plan, cfg, schedule, steps_per_epoch, eval_sets, fingerprint):
-    """Step 2b: every step's rows (batches.training_schedule), the steps they make, and the
+    """Step 2b: every step's rows (batches.Schedule), the steps they make, and the
     evaluation sets (data.load_eval_sets), each scored by --eval-type loss with its LossPlan."""
     for es in eval_sets:  # the training loss, of one rank's rows at a time: nothing gathered
         es.loss_plan = loss_plan(plan, cfg, es.loss, False, plan.num_labels, gather=False)
@@ -175,7 +175,7 @@ def record(plan, loaded=None):
             "weight": ts.weight,
             "own_negatives": ts.own_negatives,
             "prompts": ts.prompts,
-            "steps": sum(1 for _, i, _ in plan.schedule if i == index),
+            "steps": plan.schedule.steps_of_set(index),
         }
         for index, ts in enumerate(plan.train_sets)
     ]

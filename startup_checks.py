@@ -226,8 +226,8 @@ def planned_data(cfg, plan):
                 f"(= {ts.per_device_batch_size} per device x {plan.world_size} processes x "
                 f"{cfg.grad_accum_steps} accumulation); lower --per-device-batch-size"
             )
-    schedule = batches.training_schedule(plan.train_sets, cfg)
-    steps_per_epoch = len(batches.epoch_batches(plan.train_sets, cfg, 0))
+    schedule = batches.Schedule(plan.train_sets, cfg)
+    steps_per_epoch = len(schedule.set_orders[0])
     eval_sets = data.load_eval_sets(cfg, plan, plan.num_labels)
     check_prompt_columns(cfg, plan, train_sets, eval_sets)
     plan = run_plan.add_schedule(plan, cfg, schedule, steps_per_epoch, eval_sets, fingerprint)

@@ -115,7 +115,7 @@ def main(cfg):
         progress.update(1)
         meter.add(train_set.name, step_loss_value, train_set.global_batch)
         if step % cfg.log_steps == 0 or step == plan.total_steps:  # no collective: rank 0 writes
-            last_loss = log_step(meter, log, progress, step, plan.schedule[step - 1][0], grad_norm, lr)
+            last_loss = log_step(meter, log, progress, step, plan.schedule.epoch_at(step - 1), grad_norm, lr)
         if plan.eval_sets and ((cfg.eval_steps and step % cfg.eval_steps == 0) or step == plan.total_steps):
             with metrics.timed(meter.paused, "eval"):  # (all ranks participate) and the best export
                 best_value = evaluate_and_log(model, loaded, cfg, plan, step, best_value, log, last_loss)

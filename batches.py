@@ -40,8 +40,10 @@ import torch
 
 def epoch_order(num_rows, seed, epoch):
     """The epoch's permutation of the rows: a function of (seed, epoch) alone, the same on every
-    rank and in a resumed run."""
-    return torch.randperm(num_rows, generator=torch.Generator().manual_seed(seed + epoch))
+    rank and in a resumed run. In int32 below 2^31 rows: 4 bytes a row, and the same permutation
+    as in int64 (torch draws the same numbers for either)."""
+    dtype = torch.int32 if num_rows < 2**31 else torch.int64
+    return torch.randperm(num_rows, generator=torch.Generator().manual_seed(seed + epoch), dtype=dtype)
 
 
 class Schedule:
@@ -51,12 +53,12 @@ class Schedule:
 
     Planned at start-up from counts alone: each epoch's sequence of sets (`set_orders`, a few
     bytes a step). An epoch's rows are drawn when a step of it is first asked for, and only that
-    epoch's are held: one permutation of each set's rows (8 bytes a row; with --batch-sampler
+    epoch's are held: one permutation of each set's rows (4 bytes a row; with --batch-sampler
     no_duplicates also 8 bytes a text of hashes), whatever the number of epochs planned."""
 
     def __init__(self, train_sets, cfg):
         self.train_sets, self.cfg = train_sets, cfg
-        self.held = (None, [])  # (epoch, its batches): the one epoch whose rows are held
+        self.held = (None, [], None)  # (epoch, epoch_rows(epoch)): the one epoch whose rows are held
         self.hashes = {}  # --batch-sampler no_duplicates: set index -> its texts' hashes (text_hashes)
         self.set_orders = []  # per epoch: the set index of each of its global batches
         planned = 0
@@ -89,10 +91,15 @@ class Schedule:
             raise IndexError(f"step {step} of {self.total_steps}")
         epoch, i = self.locate(step)
         if self.held[0] != epoch:
-            self.held = (None, [])  # the previous epoch's rows go before the next epoch's are drawn
-            self.held = (epoch, self.epoch_batches(epoch))
-        set_index, rows = self.held[1][i]
-        return self.epoch_at(step), set_index, rows
+            self.held = (None, [], None)  # the previous epoch's rows go before the next one's are drawn
+            self.held = (epoch, *self.epoch_rows(epoch))
+        set_index = int(self.set_orders[epoch][i])
+        chunks, place = self.held[1][set_index], self.held[2][i]
+        return (
+            self.epoch_at(step),
+            set_index,
+            nth_batch(chunks, place, self.train_sets[set_index].global_batch),
+        )
 
     def locate(self, step):
         """(epoch, the step's place in it)."""
@@ -126,45 +133,55 @@ class Schedule:
         """Set `set_index`'s global batches in epoch `epoch`: from its size and weight alone, but
         with --batch-sampler no_duplicates, whose batches depend on the epoch's order (drawn here
         and dropped: set_batches draws them again when the epoch is trained)."""
-        if self.no_duplicates:
-            return len(self.set_batches(set_index, epoch))
         ts = self.train_sets[set_index]
+        if self.no_duplicates:
+            return sum(len(chunk) for chunk in self.set_batches(set_index, epoch)) // ts.global_batch
         cut = len(ts.ds) // ts.global_batch
         return max(1, round(ts.weight * cut)) if cut else 0
 
-    def epoch_batches(self, epoch):
-        """Epoch `epoch`'s global batches, [(set index, row indices)], in the order of set_order.
-        One set with the default sampler: the epoch's permutation cut in order."""
-        per_set = [self.set_batches(i, epoch) for i in range(len(self.train_sets))]
-        taken = [0] * len(per_set)
-        batches = []
-        for i in self.set_orders[epoch].tolist():
-            batches.append((i, per_set[i][taken[i]]))
-            taken[i] += 1
-        return batches
+    def epoch_rows(self, epoch):
+        """What epoch `epoch`'s steps read their rows from: each set's batches (set_batches, as
+        flat tensors of rows) and each step's place among its set's batches. No object per batch:
+        a batch is a slice taken when its step is asked for."""
+        order = self.set_orders[epoch]
+        places = torch.empty_like(order)
+        for set_index in range(len(self.train_sets)):
+            steps = order == set_index
+            places[steps] = torch.arange(int(steps.sum()))
+        return [self.set_batches(i, epoch) for i in range(len(self.train_sets))], places
 
     def set_batches(self, set_index, epoch):
-        """One set's global batches of an epoch: its rows shuffled from (seed, set, epoch) and cut
-        into global batches of its size (the tail dropped; with --batch-sampler no_duplicates, no
-        text twice in one). A weight w (--dataset-settings) keeps round(w x that many) batches, at
-        least one: from one shuffle below 1, from further shuffles above (each row then w times)."""
+        """One set's global batches of an epoch, end to end in flat tensors of rows (one a shuffle;
+        nth_batch cuts them): its rows shuffled from (seed, set, epoch) and cut into global batches
+        of its size (the tail dropped; with --batch-sampler no_duplicates, no text twice in one). A
+        weight w (--dataset-settings) keeps round(w x that many) batches, at least one: from one
+        shuffle below 1, from further shuffles above (each row then w times)."""
         ts = self.train_sets[set_index]
         if self.no_duplicates and set_index not in self.hashes:
             self.hashes[set_index] = text_hashes(ts.ds, ts.text_columns)
-        batches, keep = [], 0
+        chunks, count, keep, size = [], 0, 0, ts.global_batch
         for shuffle in range(max(1, math.ceil(ts.weight))):
             # Set 0, shuffle 0: the one-set order; every other (set, shuffle) a seed of its own.
             order = epoch_order(len(ts.ds), self.cfg.seed + 7919 * set_index + 15485863 * shuffle, epoch)
             if self.no_duplicates:
-                cut = no_duplicate_batches(self.hashes[set_index], order, ts.global_batch)
-            else:
-                cut = list(order[: len(order) // ts.global_batch * ts.global_batch].split(ts.global_batch))
-            batches += cut
+                order = no_duplicate_batches(self.hashes[set_index], order, size)
+            cut = len(order) // size
             if shuffle == 0:
-                keep = max(1, round(ts.weight * len(cut))) if cut else 0
-            if len(batches) >= keep:
+                keep = max(1, round(ts.weight * cut)) if cut else 0
+            chunks.append(order[: min(cut, keep - count) * size])  # a view: no copy
+            count += len(chunks[-1]) // size
+            if count >= keep:
                 break  # the further shuffles would be cut off anyway
-        return batches[:keep]
+        return chunks
+
+
+def nth_batch(chunks, n, size):
+    """Batch `n` of the batches of `size` rows laid end to end in `chunks` (set_batches)."""
+    for chunk in chunks:
+        if n < len(chunk) // size:
+            return chunk[n * size : (n + 1) * size]
+        n -= len(chunk) // size
+    raise IndexError(f"batch {n} past the end")
 
 
 def text_hashes(ds, text_columns):
@@ -191,8 +208,9 @@ def no_duplicate_batches(hashes, order, global_batch):
     one row of text hashes per data row) appears in two rows: a row that would repeat a text
     waits, and joins the first later batch where it fits (waiting rows go first, oldest first).
     Rows still waiting at the end are dropped, as is a last batch that cannot be filled. One pass,
-    so fast on large data (see the README)."""
-    batches, waiting, stream = [], collections.deque(), iter(order.tolist())
+    so fast on large data (see the README). Returns the batches end to end, one flat tensor."""
+    batches, filled, waiting = torch.empty_like(order), 0, collections.deque()
+    stream = (row for rows in order.split(1 << 16) for row in rows.tolist())  # no list of every row
     while True:
         batch, seen, still_waiting = [], set(), collections.deque()
 
@@ -215,8 +233,9 @@ def no_duplicate_batches(hashes, order, global_batch):
             if len(batch) == global_batch:
                 break
         if len(batch) < global_batch:
-            return batches
-        batches.append(torch.tensor(batch))
+            return batches[:filled]
+        batches[filled : filled + global_batch] = torch.tensor(batch)
+        filled += global_batch
 
 
 def micro_batch_indices(global_batch_rows, rank, micro_step, per_device_batch_size, world_size):

@@ -60,6 +60,7 @@ class Schedule:
         self.train_sets, self.cfg = train_sets, cfg
         self.held = (None, [], None)  # (epoch, epoch_rows(epoch)): the one epoch whose rows are held
         self.hashes = {}  # --batch-sampler no_duplicates: set index -> its texts' hashes (text_hashes)
+        self.counted = {}  # no_duplicates: the last planned epoch's set_batches, {(set, epoch): ...}
         self.set_orders = []  # per epoch: the set index of each of its global batches
         planned = 0
         for epoch in itertools.count():
@@ -132,10 +133,13 @@ class Schedule:
     def batch_count(self, set_index, epoch):
         """Set `set_index`'s global batches in epoch `epoch`: from its size and weight alone, but
         with --batch-sampler no_duplicates, whose batches depend on the epoch's order (drawn here
-        and dropped: set_batches draws them again when the epoch is trained)."""
+        and kept for the epoch's first step if the epoch is the last one planned, else drawn
+        again when the epoch is trained)."""
         ts = self.train_sets[set_index]
         if self.no_duplicates:
-            return sum(len(chunk) for chunk in self.set_batches(set_index, epoch)) // ts.global_batch
+            self.counted = {key: chunks for key, chunks in self.counted.items() if key[1] == epoch}
+            self.counted[set_index, epoch] = self.set_batches(set_index, epoch)
+            return sum(len(chunk) for chunk in self.counted[set_index, epoch]) // ts.global_batch
         cut = len(ts.ds) // ts.global_batch
         return max(1, round(ts.weight * cut)) if cut else 0
 
@@ -148,7 +152,9 @@ class Schedule:
         for set_index in range(len(self.train_sets)):
             steps = order == set_index
             places[steps] = torch.arange(int(steps.sum()))
-        return [self.set_batches(i, epoch) for i in range(len(self.train_sets))], places
+        counted, self.counted = self.counted, {}
+        sets = range(len(self.train_sets))
+        return [counted.get((i, epoch)) or self.set_batches(i, epoch) for i in sets], places
 
     def set_batches(self, set_index, epoch):
         """One set's global batches of an epoch, end to end in flat tensors of rows (one a shuffle;
@@ -210,12 +216,13 @@ def no_duplicate_batches(hashes, order, global_batch):
     Rows still waiting at the end are dropped, as is a last batch that cannot be filled. One pass,
     so fast on large data (see the README). Returns the batches end to end, one flat tensor."""
     batches, filled, waiting = torch.empty_like(order), 0, collections.deque()
-    stream = (row for rows in order.split(1 << 16) for row in rows.tolist())  # no list of every row
+    # (row, its texts' hashes), 65,536 rows at a time: no list of every row
+    stream = (entry for rows in order.split(1 << 16) for entry in zip(rows.tolist(), hashes[rows].tolist()))
     while True:
         batch, seen, still_waiting = [], set(), collections.deque()
 
-        def fits(row):
-            texts = hashes[row].tolist()
+        def fits(entry):
+            row, texts = entry
             if seen.isdisjoint(texts):
                 batch.append(row)
                 seen.update(texts)
@@ -223,13 +230,13 @@ def no_duplicate_batches(hashes, order, global_batch):
             return False
 
         while waiting and len(batch) < global_batch:
-            row = waiting.popleft()
-            if not fits(row):
-                still_waiting.append(row)
+            entry = waiting.popleft()
+            if not fits(entry):
+                still_waiting.append(entry)
         waiting = still_waiting + waiting
-        for row in stream:
-            if not fits(row):
-                waiting.append(row)
+        for entry in stream:
+            if not fits(entry):
+                waiting.append(entry)
             if len(batch) == global_batch:
                 break
         if len(batch) < global_batch:

@@ -45,9 +45,10 @@ class Config:
     )
     train_data: str = arg(
         os.path.join(REPO_DIR, "data", "example-pairs.jsonl"),
-        "a .jsonl/.json/.csv/.parquet file, a Dataset.save_to_disk folder, or a hub data-set id; several, "
-        "comma-separated, train together (--mix). A resume may find them elsewhere; their rows must not "
-        "change",
+        "a .jsonl/.json/.csv/.parquet file, a folder or quoted glob of such files ('shards/*.parquet': the "
+        "shards of one data set, read in sorted name order, named after their folder, for a glob the last "
+        "before the pattern), a Dataset.save_to_disk folder, or a hub data-set id; several, comma-separated, "
+        "train together (--mix). A resume may find them elsewhere; their rows must not change",
         resume_may_change=True,
     )
     train_split: str = arg("train", "split to use for a hub id or a saved DatasetDict")

@@ -15,6 +15,8 @@ prompts, per-file settings and Matryoshka sizes), never the flags' text.
 Needs datasets and eval_dist.py (`retrieval_from_pairs`).
 """
 
+import csv
+import glob
 import hashlib
 import json
 import math
@@ -24,6 +26,7 @@ from dataclasses import dataclass
 import datasets
 import pyarrow as pa
 import pyarrow.compute as pc
+import pyarrow.parquet as pq
 
 import eval_dist
 
@@ -32,30 +35,17 @@ import eval_dist
 # Reading a file, a saved folder or a hub data set, with one message naming the line at fault
 
 
+FILE_TYPES = {"jsonl": "json", "json": "json", "csv": "csv", "parquet": "parquet"}  # extension: reader
+
+
 def load_data(path, split, subset="", flag="--train-data"):
     """Every rank loads the same rows. All ranks may load at once: `datasets` guards its cache
-    with file locks, and a rank-0-first barrier would hang the others if rank 0 failed."""
-    if os.path.isfile(path):
-        ext = path.rsplit(".", 1)[-1].lower()
-        builder = {"jsonl": "json", "json": "json", "csv": "csv", "parquet": "parquet"}.get(ext)
-        if builder is None:
-            raise ValueError(f"{flag} {path}: unknown file type .{ext}; use .jsonl, .json, .csv or .parquet")
-        if os.path.getsize(path) == 0:
-            raise ValueError(f"{flag} {path}: the file is empty")
-        if builder != "parquet" and (bad := first_non_utf8(path)):
-            # datasets would read it, and fail later with no file or line named.
-            raise ValueError(
-                f"{flag} {path}: line {bad[0]} is not UTF-8 (byte 0x{bad[1]:02x}); save the file as UTF-8"
-            )
-        try:
-            return datasets.load_dataset(builder, data_files=path, split="train")
-        except Exception as e:  # malformed JSON/CSV, numbers out of range: one message naming the line
-            detail = (
-                (ext == "jsonl" and first_bad_json_line(path))
-                or (ext == "json" and json_document_error(path))
-                or root_cause(e)
-            )
-            raise ValueError(f"{flag} {path}: cannot be read as {builder}: {detail}") from e
+    with file locks, and a rank-0-first barrier would hang the others if rank 0 failed. `path`: a
+    file, a folder or glob of shards of one type (one data set, the shards in sorted order), a
+    Dataset.save_to_disk folder, or a hub id."""
+    files = [path] if os.path.isfile(path) else shards_of(path, flag)
+    if files:
+        return load_files(files, flag)
     if os.path.isdir(path):
         try:
             loaded = datasets.load_from_disk(path)
@@ -74,6 +64,108 @@ def load_data(path, split, subset="", flag="--train-data"):
         raise ValueError(
             f"{flag} {path}: not a local file or folder, and loading it as a hub data set failed: {e}"
         ) from e
+
+
+def shards_of(path, flag):
+    """The data files a glob (`shards/*.parquet`) or a folder of data files names, sorted, so that
+    every rank and every host reads the rows in one order; [] when `path` is neither (a
+    save_to_disk folder, a hub id, a missing file). One file type only."""
+    if any(c in path for c in "*?["):
+        files = sorted(f for f in glob.glob(path, recursive=True) if os.path.isfile(f))  # ** crosses folders
+        if not files:
+            raise ValueError(f"{flag} {path}: no file matches the pattern")
+    elif os.path.isdir(path) and not is_saved_dataset(path):
+        # Names starting with . or _ are left out, as pyarrow's datasets do (Spark's _SUCCESS, .crc files).
+        names = sorted(n for n in os.listdir(path) if not n.startswith((".", "_")))
+        files = [os.path.join(path, n) for n in names if n.rsplit(".", 1)[-1].lower() in FILE_TYPES]
+        if not files:
+            raise ValueError(
+                f"{flag} {path}: a folder with no data files (.jsonl, .json, .csv, .parquet) that "
+                "Dataset.save_to_disk did not write either; pass files, a glob of them, or such a folder"
+            )
+    else:
+        return []
+    types = sorted({f.rsplit(".", 1)[-1].lower() for f in files})
+    if len(types) > 1:
+        raise ValueError(
+            f"{flag} {path}: its files are .{', .'.join(types)}; the shards of one data set share one "
+            "type (all .jsonl, all .json, all .csv or all .parquet): move the others out or name one type"
+        )
+    return files
+
+
+def load_files(files, flag):
+    """One data set from data files of one type (a file, or shards in order), with one message
+    naming the file and line at fault when one cannot be read."""
+    ext = files[0].rsplit(".", 1)[-1].lower()
+    builder = FILE_TYPES.get(ext)
+    if builder is None:
+        raise ValueError(f"{flag} {files[0]}: unknown file type .{ext}; use .jsonl, .json, .csv or .parquet")
+    for path in files:
+        if os.path.getsize(path) == 0:
+            raise ValueError(f"{flag} {path}: the file is empty")
+        if builder != "parquet" and (bad := first_non_utf8(path)):
+            # datasets would read it, and fail later with no file or line named.
+            raise ValueError(
+                f"{flag} {path}: line {bad[0]} is not UTF-8 (byte 0x{bad[1]:02x}); save the file as UTF-8"
+            )
+    try:
+        return datasets.load_dataset(builder, data_files=files, split="train")
+    except Exception as e:  # malformed JSON/CSV, numbers out of range: one message naming the line
+        for path in files:
+            detail = (ext == "jsonl" and first_bad_json_line(path)) or (
+                ext == "json" and json_document_error(path)
+            )
+            if detail:
+                raise ValueError(f"{flag} {path}: cannot be read as {builder}: {detail}") from e
+        # datasets' "Couldn't cast" names neither shard: find the first whose columns differ.
+        first = first_columns(files[0], ext)
+        for path in files[1:]:
+            if first is not None and (columns := first_columns(path, ext)) not in (None, first):
+                raise ValueError(
+                    f"{flag} {path}: columns {columns}, but {files[0]} has {first}; the shards of one "
+                    "data set share their columns"
+                ) from e
+        where = files[0] if len(files) == 1 else f"{files[0]} .. {files[-1]}"
+        raise ValueError(f"{flag} {where}: cannot be read as {builder}: {root_cause(e)}") from e
+
+
+def first_columns(path, ext):
+    """The sorted column names of a Parquet file, a CSV file's header or a JSON Lines file's first
+    row; None for a .json document or a file that cannot be read this far. Only for naming the
+    shard at fault after datasets has refused the shards: a later row may add a column."""
+    try:
+        if ext == "parquet":
+            return sorted(pq.read_schema(path).names)
+        with open(path, encoding="utf-8") as f:
+            if ext == "csv":
+                return sorted(next(csv.reader(f)))
+            if ext == "jsonl":
+                return sorted(json.loads(next(line for line in f if line.strip())))
+    except Exception:  # the caller's own message stands
+        return None
+    return None
+
+
+def set_name(path):
+    """A data set's name (its steps' loss is logged as loss/NAME; --dataset-settings keys it): a
+    file's stem, a folder's name, or a glob's last folder before the pattern (`shards` for
+    `data/shards/*.parquet`). A file's or a saved folder's stem as before shards were read."""
+    if any(c in path for c in "*?["):
+        parts = path.split(os.path.sep)
+        fixed = parts[: next(i for i, p in enumerate(parts) if any(c in p for c in "*?["))]
+        return os.path.basename(os.path.abspath(os.path.sep.join(fixed) or "."))
+    if os.path.isdir(path) and not is_saved_dataset(path):
+        return os.path.basename(os.path.abspath(path))
+    return os.path.splitext(os.path.basename(path.rstrip("/")))[0]
+
+
+def is_saved_dataset(path):
+    """Whether the folder `path` was written by Dataset(Dict).save_to_disk (its files say so)."""
+    return any(
+        os.path.exists(os.path.join(path, name))
+        for name in ("dataset_info.json", "dataset_dict.json", "state.json")
+    )
 
 
 def first_non_utf8(path):

@@ -364,7 +364,7 @@ def load_train_sets(cfg, plan):
             raise ValueError(f"{flag}: {e}") from e
         if not grouped:
             check_rows(ds, text_columns, target, flag)
-        name = os.path.splitext(os.path.basename(path.rstrip("/")))[0]
+        name = set_name(path)
         group_size = cfg.group_size if grouped else 0
         train_sets.append(TrainSet(name, ds, loss, text_columns, target, num_labels, group_size))
     stems = [ts.name for ts in train_sets]
@@ -438,7 +438,7 @@ def load_eval_sets(cfg, plan, num_labels):
                 f"{flag}: the softmax loss needs the Softmax head, which no --train-data file of this run "
                 "trains; use --eval-type sts"
             )
-        name = os.path.splitext(os.path.basename(path.rstrip("/")))[0]
+        name = set_name(path)
         eval_sets.append(EvalSet(name, kind, ds, text_columns, target, loss))
     check_eval_names(cfg, plan, eval_sets)
     return eval_sets

@@ -14,39 +14,22 @@
     `gradient_sync`, `clip_grad_norm`, `grad_scaler` for the loop;
   - `load_pretrained_sharded`: a model built on the meta device and sharded gets its weights
     from the safetensors files, each rank reading only the slices its shards hold.
-Checkpoints are checkpoints.py, the export export.py; files sent to rank 0, collectives.py.
 
-It imports only the standard library, torch, safetensors and collectives.py (the rings and the
-embedding-rows hook, itself standard library and torch only), never the other files of this
-project, so the two can be copied into another pipeline together.
-
+Needs torch, safetensors and collectives.py (standard library and torch only): copy the two.
 Usage (all ranks participate: every rank calls each of these):
     rank, world_size, device = fsdp_utils.setup_dist(timeout_minutes=30)
-    with torch.device("meta"):
-        raw_model = AutoModel.from_config(config)                # shapes only, no storage
+    raw_model = AutoModel.from_config(config)  # under `with torch.device("meta")`: shapes only
     sharding, why = fsdp_utils.resolve_sharding(raw_model, "fsdp", device, "auto", "fp32")
     fsdp_utils.set_cpu_allocator(device, "fsdp", sharding)       # glibc's malloc, on CPU
     model = fsdp_utils.wrap_model(raw_model, "fsdp", device, sharding=sharding, fsdp_version=2)
     fsdp_utils.load_pretrained_sharded(model, folder, {name: name for name in raw_model.state_dict()}, {})
-    ...                                                          # train; each step, after its last
-    fsdp_utils.all_reduce_replicated(model)                      # backward: whole tables' gradients
-    fsdp_utils.clip_grad_norm(model, 1.0)                        # (FSDP2 shard_grad_op), then clip
-    ...
+    fsdp_utils.all_reduce_replicated(model)   # each step, after its last backward: whole tables (FSDP2)
+    fsdp_utils.clip_grad_norm(model, 1.0)
     fsdp_utils.cleanup_dist()
 
-FSDP1 -> FSDP2, as this file shows them side by side:
-    FullyShardedDataParallel(model, auto_wrap_policy=...)  ->  fully_shard(block) for each block,
-                                                               then fully_shard(model)
-    ShardingStrategy.FULL_SHARD / SHARD_GRAD_OP            ->  reshard_after_forward=True / False
-    ShardingStrategy.HYBRID_SHARD + device_mesh            ->  fully_shard(..., mesh=2-D mesh)
-    MixedPrecision(param_dtype, reduce_dtype)              ->  MixedPrecisionPolicy(param_dtype, reduce_dtype)
-    model.no_sync()                                        ->  model.set_requires_gradient_sync(False)
-                                                               (neither used here: gradient_sync)
-    model.clip_grad_norm_(max_norm)                        ->  torch.nn.utils.clip_grad_norm_ (on DTensors)
-    FSDP.state_dict_type(...) + state_dict()               ->  get_model_state_dict (serves both, and DDP)
-
-Left out on purpose: CPU offload of parameters, resuming at another world size (refused at
-start-up). Activation checkpointing is the model's own (transformers' gradient checkpointing).
+FSDP1 -> FSDP2: `wrap_fsdp1` and `wrap_fsdp2` side by side; docs/fsdp.md has the table. Left out
+on purpose: CPU offload, resuming at another world size (refused at start-up). Activation
+checkpointing is the model's own (transformers' gradient checkpointing).
 """
 
 import contextlib
@@ -118,7 +101,7 @@ def barrier():
         dist.barrier()  # (all ranks participate)
 
 
-def print0(*args, **kwargs):
+def print0(*args, **kwargs):  # rank 0's print
     if not dist.is_initialized() or dist.get_rank() == 0:
         print(*args, **kwargs, flush=True)
 
@@ -283,7 +266,7 @@ def hybrid_mesh(device):
     )
 
 
-def wrap_model(model, strategy, device, *, sharding="auto", fsdp_version=1, layer_cls="", precision="fp32"):
+def wrap_model(model, strategy, device, *, sharding="auto", fsdp_version=2, layer_cls="", precision="fp32"):
     """Return the module the training loop calls: `model` itself, DDP, FSDP1 or FSDP2 around it.
 
     The wrapped module must own every trainable parameter (encoder, pooling, heads), and every

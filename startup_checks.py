@@ -243,6 +243,11 @@ def check_launch(cfg, world_size, device):
             f"--strategy single with {world_size} processes would train {world_size} unrelated models; "
             "use --strategy ddp"
         )
+    if cfg.strategy == "fsdp" and cfg.sharding == "no_shard" and cfg.fsdp_version == 2:
+        raise ValueError(
+            "--sharding no_shard has no FSDP2 form (FSDP2 is the default --fsdp-version); "
+            "use --strategy ddp (the same thing) or --fsdp-version 1"
+        )
     if device.type == "cuda" and cfg.precision == "bf16" and not torch.cuda.is_bf16_supported():
         raise ValueError(
             "--precision bf16: this GPU has no bf16 support (it needs Ampere or newer); use --precision fp16"

@@ -10,8 +10,8 @@ must reach (a collective) says "(all ranks participate)".
 Run it:
     python train.py                                   # one process (CPU or one GPU)
     torchrun --nproc_per_node=2 train.py              # DDP: gloo on CPU, NCCL on CUDA
-    torchrun --nproc_per_node=4 train.py --strategy fsdp                  # FSDP1, --sharding auto
-    torchrun --nproc_per_node=4 train.py --strategy fsdp --fsdp-version 2 --precision bf16
+    torchrun --nproc_per_node=4 train.py --strategy fsdp                  # FSDP2, --sharding auto
+    torchrun --nproc_per_node=4 train.py --strategy fsdp --fsdp-version 1 --precision bf16
     torchrun --nproc_per_node=4 train.py --per-device-batch-size 1024 --cache-chunk-size 64 --gather-negatives
     torchrun --nproc_per_node=4 --max-restarts=3 train.py --save-steps 500 --resume auto
     python train.py --help                            # every flag, with its default
@@ -92,7 +92,7 @@ def main(cfg):
             best_value = evaluate_and_log(model, loaded, cfg, plan, 0, best_value, log)
     last_loss = log.last_loss if log is not None else math.nan
     progress = tqdm(total=plan.total_steps, initial=start_step, disable=rank != 0, desc="train")
-    # This rank's micro-batches, tokenized ahead in a thread; every rank runs as many (batches.py).
+    # This rank's micro-batches, read ahead in a thread (ids tokenized once); every rank runs as many.
     micro_batches = batches.micro_batches(plan, cfg, loaded, rank, start_step)
     faults.HEARTBEAT.start()  # a thread writes this rank's step to the rendezvous store every 2 s
 

@@ -1,4 +1,4 @@
-"""Benchmark: FSDP2 against DDP, in throughput and quality, at 2 processes.
+"""Benchmark: FSDP (as launched, FSDP1, FSDP2) against DDP, in throughput and quality, at 2 processes.
 
 train.py alone, all-MiniLM-L6-v2, the settings of bench_cosent_vs_st.py (global batch 32, lr
 2e-5, 10% warm-up, weight decay 0.01, max length 128, seed 12), packed rows (the default):
@@ -9,13 +9,16 @@ the last step: not counted in samples/s). Each strategy runs --rounds times, the
 round each round (this machine's speed drifts by ~10% over minutes). samples/s is train.py's
 own summary (the training loop only), the mean of the rounds.
 
-Strategies: ddp; fsdp2 (--sharding auto: shard_grad_op for a model this small, with its log
-line); fsdp2_full_shard (memory first: every block gathered again in backward, and on CPU
-freed blocks given back to the system at once).
+Strategies: ddp; fsdp (`--strategy fsdp` as a user launches it, no version flag: the default
+FSDP, with its --sharding auto); fsdp1 and fsdp2 (--fsdp-version 1 / 2, --sharding auto:
+shard_grad_op for a model this small, with its log line); fsdp2_full_shard (memory first: every
+block gathered again in backward, and on CPU freed blocks given back to the system at once).
+The FSDP version each run used is read from its exported config and printed beside its sharding.
 
 Run (a quiet machine; about 15 minutes on 2 CPU cores with the defaults):
     python bench/bench_fsdp_vs_ddp.py          # the public sets in data/ (--data-dir: another copy)
     python bench/bench_fsdp_vs_ddp.py --precisions bf16 --strategies ddp,fsdp2
+    python bench/bench_fsdp_vs_ddp.py --strategies ddp,fsdp,fsdp1 --steps 40   # the default FSDP
 """
 
 import argparse
@@ -31,6 +34,8 @@ REPO_DIR = Path(__file__).resolve().parents[1]
 FILES = {"cosent": "stsb-train.jsonl", "mnrl": "sick-pairs-train.jsonl"}
 STRATEGIES = {
     "ddp": ["--strategy", "ddp"],
+    "fsdp": ["--strategy", "fsdp"],
+    "fsdp1": ["--strategy", "fsdp", "--fsdp-version", "1"],
     "fsdp2": ["--strategy", "fsdp", "--fsdp-version", "2"],
     "fsdp2_full_shard": ["--strategy", "fsdp", "--fsdp-version", "2", "--sharding", "full_shard"],
 }
@@ -43,7 +48,7 @@ def free_port():
 
 
 def train(task, precision, strategy, args, out):
-    """(samples/s, STS-B dev Spearman x100, the log's sharding line or "")."""
+    """(samples/s, STS-B dev Spearman x100, "FSDP<version> <the log's sharding line>" or "")."""
     data = Path(args.data_dir)
     command = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2"]
     command += ["--master_addr=127.0.0.1", f"--master_port={free_port()}", str(REPO_DIR / "train.py")]
@@ -58,6 +63,9 @@ def train(task, precision, strategy, args, out):
     lines = [json.loads(line) for line in Path(out, "metrics.jsonl").read_text().splitlines()]
     spearman = [v for line in lines for k, v in line.get("eval", {}).items() if k.endswith("spearman")][-1]
     sharding = next((line for line in done.stdout.splitlines() if line.startswith("sharding:")), "")
+    if sharding:  # the version this run trained with (the default one, for "fsdp")
+        version = json.loads(Path(out, "final", "training_config.json").read_text())["fsdp_version"]
+        sharding = f"FSDP{version} {sharding}"
     return lines[-1]["samples_per_s"], spearman, sharding  # train.py logs it x 100
 
 

@@ -140,6 +140,11 @@ CASES = [
 # CI short: the launches above already show that any start-up error stops every rank the same way.
 IN_PROCESS_CASES = [
     (
+        "no_shard under the default FSDP2",
+        lambda t: ["--strategy", "fsdp", "--sharding", "no_shard"],
+        "--sharding no_shard has no FSDP2 form",
+    ),
+    (
         "layer class not in the model",
         lambda t: ["--strategy", "fsdp", "--fsdp-layer-cls", "XLMRobertaLayer"],
         "no such layer class",

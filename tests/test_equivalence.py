@@ -82,8 +82,8 @@ def test_fsdp_two_ranks_equals_ddp_and_one_process(runs, version, sharding):
 @pytest.mark.parametrize(
     "name,extra,nproc,nnodes",
     [
-        ("fsdp1-full-4", ["--strategy", "fsdp"], 4, 1),
-        ("fsdp1-hybrid-2x2", ["--strategy", "fsdp", "--sharding", "hybrid_shard"], 2, 2),
+        ("fsdp1-full-4", ["--strategy", "fsdp", "--fsdp-version", 1], 4, 1),
+        ("fsdp1-hybrid-2x2", ["--strategy", "fsdp", "--fsdp-version", 1, "--sharding", "hybrid_shard"], 2, 2),
         pytest.param(
             "fsdp2-hybrid-2x2",
             ["--strategy", "fsdp", "--fsdp-version", 2, "--sharding", "hybrid_shard"],

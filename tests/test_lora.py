@@ -166,7 +166,7 @@ LORA = ["--lora-rank", 4, "--lora-alpha", 16]
     "model, strategy",
     [
         ("bert", ["--strategy", "ddp"]),
-        ("qwen2", ["--strategy", "fsdp"]),
+        ("qwen2", ["--strategy", "fsdp", "--fsdp-version", 1]),
         ("qwen2", ["--strategy", "fsdp", "--fsdp-version", 2, "--cache-chunk-size", 3]),
     ],
     ids=["ddp-bert", "fsdp1-qwen2", "fsdp2-gradcache-qwen2"],

@@ -66,7 +66,7 @@ def assert_bitwise_same_run(got_dir, want_dir):
     [
         ("single", [], 1, "after-save:2:0", 0),
         ("ddp", ["--save-total-limit", 1], 2, "after-save:4:1", 1),
-        ("fsdp1", ["--strategy", "fsdp"], 2, "in-save:4:1", 0),
+        ("fsdp1", ["--strategy", "fsdp", "--fsdp-version", 1], 2, "in-save:4:1", 0),
         ("fsdp2", ["--strategy", "fsdp", "--fsdp-version", 2], 2, "after-save:2:1", 1),
     ],
 )

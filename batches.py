@@ -18,7 +18,7 @@
     encoder pass that computes (almost) no padding, where the model can attend within each text
     (embedding_model.EmbeddingModel.embed_packed).
 
-Needs only torch.
+Needs torch, and token_cache.py (the token ids read once, --tokenize once).
 """
 
 import bisect
@@ -29,9 +29,12 @@ import dataclasses
 import hashlib
 import itertools
 import math
+import os
 import random
 
 import torch
+
+import token_cache
 
 
 # ----------------------------------------------------------------------------------------------
@@ -305,22 +308,29 @@ def collate(rows, text_columns, target, loss_name, tokenize, device, prompts=Non
         {k: v[i * len(texts[0]) : (i + 1) * len(texts[0])].to(device) for k, v in tokens.items()}
         for i in range(len(texts))
     ]
-    labels = None
-    if target is not None:
-        labels = torch.tensor(
-            rows[target], dtype=torch.long if loss_name == "softmax" else torch.float32, device=device
-        )
-    return features, labels
+    return features, targets(rows, target, loss_name, device)
+
+
+def targets(rows, target, loss_name, device):
+    """The rows' targets as a tensor (class ids for softmax, else floats), or None without a target."""
+    if target is None:
+        return None
+    return torch.tensor(
+        rows[target], dtype=torch.long if loss_name == "softmax" else torch.float32, device=device
+    )
 
 
 def micro_batches(plan, cfg, loaded, rank, start_step):
     """This rank's micro-batches from start_step on, in training order: (train set, rows,
-    features, labels), tokenized on the CPU. A background thread reads and tokenizes the next
-    one while the caller computes on this one, so tokenizing overlaps the step (a small share of
-    a CPU's step, a far larger one of a GPU's: docs/steps.md). The thread has its own copy of
-    the tokenizer: a fast tokenizer used from two threads at once fails ("Already borrowed"), and
-    evaluation tokenizes in the main thread."""
-    thread_tokenize = dataclasses.replace(loaded, tokenizer=copy.deepcopy(loaded.tokenizer)).tokenize
+    features, labels), tokenized on the CPU. With --tokenize once, each set's ids are read from
+    its token file (token_cache.py: written here first, once a host, if it is not there yet), and
+    only padded; else each micro-batch is tokenized as it is read. A background thread reads the
+    next one while the caller computes on this one, so reading overlaps the step (tokenizing: a
+    small share of a CPU's step, a far larger one of a GPU's: docs/steps.md). The thread has its
+    own copy of the tokenizer: a fast tokenizer used from two threads at once fails ("Already
+    borrowed"), and evaluation tokenizes in the main thread."""
+    thread_loaded = dataclasses.replace(loaded, tokenizer=copy.deepcopy(loaded.tokenizer))
+    tables = token_tables(plan, loaded, cfg, rank)  # each set's ids, written first where no process has
 
     def read(step, micro_step):
         _, set_index, batch_rows = plan.schedule[step]
@@ -329,22 +339,63 @@ def micro_batches(plan, cfg, loaded, rank, start_step):
         rows = ts.ds[indices]
         if ts.group_size:
             rows = grouped_rows(rows, indices, ts.group_size, cfg.seed, step)
+        if tables[set_index] is not None:  # the ids read, only padded here
+            features = token_cache.features(tables[set_index], indices, ts.text_columns, thread_loaded)
+            return ts, rows, features, targets(rows, ts.target, ts.loss, "cpu")
         features, labels = collate(
-            rows, ts.text_columns, ts.target, ts.loss, thread_tokenize, "cpu", ts.prompts, ts.prompt_columns
+            rows,
+            ts.text_columns,
+            ts.target,
+            ts.loss,
+            thread_loaded.tokenize,
+            "cpu",
+            ts.prompts,
+            ts.prompt_columns,
         )
         return ts, rows, features, labels
 
-    order = [
-        (step, micro_step)
-        for step in range(start_step, len(plan.schedule))
-        for micro_step in range(cfg.grad_accum_steps)
-    ]
-    with concurrent.futures.ThreadPoolExecutor(max_workers=1) as worker:
-        pending = worker.submit(read, *order[0]) if order else None
-        for following in order[1:] + [None]:
-            batch = pending.result()  # re-raises whatever reading or tokenizing raised
-            pending = worker.submit(read, *following) if following else None
-            yield batch
+    def steps():  # one at a time: no list of every step
+        for step in range(start_step, len(plan.schedule)):
+            yield from ((step, micro_step) for micro_step in range(cfg.grad_accum_steps))
+
+    def read_ahead():
+        order = steps()
+        with concurrent.futures.ThreadPoolExecutor(max_workers=1) as worker:
+            first = next(order, None)
+            pending = worker.submit(read, *first) if first else None
+            while pending is not None:
+                batch = pending.result()  # re-raises whatever reading or tokenizing raised
+                following = next(order, None)
+                pending = worker.submit(read, *following) if following else None
+                yield batch
+
+    return read_ahead()
+
+
+def token_tables(plan, loaded, cfg, rank):
+    """Each training set's token table (token_cache.py), or None where it is tokenized on the fly:
+    --tokenize on_the_fly, grouped rows (drawn anew each step), or a tokenizer whose features are
+    more than padded ids (token_cache.unsupported)."""
+    problem = token_cache.unsupported(loaded.tokenizer) if cfg.tokenize == "once" else ""
+    if problem and rank == 0:
+        print(f"tokenized on the fly, not once: {problem}", flush=True)
+    # Each set's content hash (data.data_fingerprint, joined by startup_checks), so that an edit
+    # datasets' own fingerprint (path and time) misses still makes a new file.
+    fingerprints = plan.data_fingerprint.split("; ")
+    if len(fingerprints) != len(plan.train_sets):
+        fingerprints = [plan.data_fingerprint] * len(plan.train_sets)
+    tables = []
+    for ts, fingerprint in zip(plan.train_sets, fingerprints):
+        if cfg.tokenize != "once" or ts.group_size or problem:
+            tables.append(None)
+            continue
+        fallback = os.path.join(cfg.output_dir, "token-cache")  # for data sets with no cache folder
+        table, path, wrote = token_cache.token_table(ts, loaded, fallback, fingerprint)
+        if wrote or rank == 0:  # whichever process of a host took the lock first wrote the file
+            said = "written to" if wrote else "read from"
+            print(f"tokens of {ts.name}: {said} {path} (rank {rank})", flush=True)
+        tables.append(table)
+    return tables
 
 
 def text_ids(texts, prepare):

@@ -77,7 +77,8 @@ class Config:
     )
     dataset_settings: str = arg(
         "",
-        "several --train-data files: settings of each, as a JSON object keyed by the file's stem, e.g. "
+        "several --train-data files: settings of each, as a JSON object keyed by the file's stem (shards: "
+        "their folder's name), e.g. "
         '\'{"nli": {"per_device_batch_size": 16, "weight": 2, "own_negatives": true, "prompts": {"anchor": '
         '"query: "}}}\'. per_device_batch_size: its own batch (default --per-device-batch-size); weight: its '
         "batches an epoch, times this (proportional mix); own_negatives (mnrl): each anchor against its own "
@@ -280,6 +281,17 @@ class Config:
         "micro-batch (at most 8), except under FSDP (where every rank must run as many): 1; 1: one padded "
         "forward. Setting it turns packing off",
         at_least=0,
+        resume_may_change=True,
+    )
+    tokenize: str = arg(
+        "once",
+        "once: each training file's texts tokenized once, the first time a host trains on it, into an "
+        "Arrow file of token ids beside the data set's cache (tokens-NAME-HASH.arrow, keyed by the data, "
+        "tokenizer, prompts, lengths and --append-eos: token_cache.py), which every rank of the host, "
+        "every epoch and every resume reads; on_the_fly: each micro-batch tokenized as it is read, no file "
+        "written: for data that changes between runs (each version would write a file of its own) or a run "
+        "too short to repay the writing. Grouped rows are always tokenized on the fly",
+        choices=("once", "on_the_fly"),
         resume_may_change=True,
     )
     packing: str = arg(

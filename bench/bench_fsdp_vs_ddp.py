@@ -7,7 +7,11 @@ train.py alone, all-MiniLM-L6-v2, the settings of bench_cosent_vs_st.py (global 
 --steps steps each, then STS-B dev Spearman (x100, train.py's own sharded evaluation, after
 the last step: not counted in samples/s). Each strategy runs --rounds times, the order turned
 round each round (this machine's speed drifts by ~10% over minutes). samples/s is train.py's
-own summary (the training loop only), the mean of the rounds.
+own summary (the training loop only), the mean of the rounds; the ratio to DDP is that of the
+means, then each round's (a round's runs follow each other, so drift shows less there). "others'
+CPU" is how many cores processes other than the run's own kept busy while it ran (from
+/proc/stat, less the run's own CPU time; Linux only): a round with more than ~0.2 was not measured
+on a quiet machine.
 
 Strategies: ddp; fsdp (`--strategy fsdp` as a user launches it, no version flag: the default
 FSDP, with its --sharding auto); fsdp1 and fsdp2 (--fsdp-version 1 / 2, --sharding auto:
@@ -24,10 +28,12 @@ Run (a quiet machine; about 15 minutes on 2 CPU cores with the defaults):
 import argparse
 import json
 import os
+import resource
 import socket
 import subprocess
 import sys
 import tempfile
+import time
 from pathlib import Path
 
 REPO_DIR = Path(__file__).resolve().parents[1]
@@ -47,8 +53,25 @@ def free_port():
         return s.getsockname()[1]
 
 
+def busy_cpu_seconds():
+    """CPU seconds spent busy by the whole machine so far (all cores, all processes), or None."""
+    try:
+        with open("/proc/stat") as f:
+            user, nice, system, idle, iowait, irq, softirq, steal = map(int, f.readline().split()[1:9])
+    except (OSError, ValueError):
+        return None
+    return (user + nice + system + irq + softirq + steal) / os.sysconf("SC_CLK_TCK")
+
+
+def own_cpu_seconds():
+    """CPU seconds of this script's finished children (the runs): user and system."""
+    usage = resource.getrusage(resource.RUSAGE_CHILDREN)
+    return usage.ru_utime + usage.ru_stime
+
+
 def train(task, precision, strategy, args, out):
-    """(samples/s, STS-B dev Spearman x100, "FSDP<version> <the log's sharding line>" or "")."""
+    """(samples/s, STS-B dev Spearman x100, "FSDP<version> <the log's sharding line>" or "",
+    cores kept busy by other processes during the run or None)."""
     data = Path(args.data_dir)
     command = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2"]
     command += ["--master_addr=127.0.0.1", f"--master_port={free_port()}", str(REPO_DIR / "train.py")]
@@ -57,7 +80,11 @@ def train(task, precision, strategy, args, out):
     command += ["--max-steps", str(args.steps), "--per-device-batch-size", "16", "--max-seq-length", "128"]
     command += ["--lr", "2e-5", "--warmup-ratio", "0.1", "--weight-decay", "0.01", "--seed", "12"]
     command += ["--precision", precision, *STRATEGIES[strategy], "--output-dir", str(out), "--overwrite"]
+    busy, own, start = busy_cpu_seconds(), own_cpu_seconds(), time.perf_counter()
     done = subprocess.run(command, cwd=REPO_DIR, capture_output=True, text=True)
+    others = None
+    if busy is not None:
+        others = (busy_cpu_seconds() - busy - (own_cpu_seconds() - own)) / (time.perf_counter() - start)
     if done.returncode != 0:
         sys.exit(f"error: train.py exited {done.returncode}:\n{done.stderr[-3000:]}")
     lines = [json.loads(line) for line in Path(out, "metrics.jsonl").read_text().splitlines()]
@@ -66,7 +93,7 @@ def train(task, precision, strategy, args, out):
     if sharding:  # the version this run trained with (the default one, for "fsdp")
         version = json.loads(Path(out, "final", "training_config.json").read_text())["fsdp_version"]
         sharding = f"FSDP{version} {sharding}"
-    return lines[-1]["samples_per_s"], spearman, sharding  # train.py logs it x 100
+    return lines[-1]["samples_per_s"], spearman, sharding, others  # train.py logs it x 100
 
 
 def main():
@@ -87,8 +114,11 @@ def main():
     work = Path(tempfile.mkdtemp(prefix="bench-fsdp-"))
     strategies = args.strategies.split(",")
     results = []
-    print("| task | precision | strategy | samples/s (by round) | ratio to DDP | STS-B dev Spearman |")
-    print("|---|---|---|---|---:|---:|")
+    print(
+        "| task | precision | strategy | samples/s (by round) | ratio to DDP (by round) "
+        "| STS-B dev Spearman | others' CPU (by round) |"
+    )
+    print("|---|---|---|---|---:|---:|---|")
     for task in args.tasks.split(","):
         for precision in args.precisions.split(","):
             runs = {s: [] for s in strategies}
@@ -99,10 +129,14 @@ def main():
             mean = {s: sum(r[0] for r in runs[s]) / len(runs[s]) for s in strategies}
             for strategy in strategies:
                 speeds = ", ".join(f"{r[0]:.1f}" for r in runs[strategy])
-                ratio = f"{mean[strategy] / mean['ddp']:.2f}" if "ddp" in mean else "-"
+                ratio = "-"
+                if "ddp" in mean:
+                    each = ", ".join(f"{r[0] / d[0]:.2f}" for r, d in zip(runs[strategy], runs["ddp"]))
+                    ratio = f"{mean[strategy] / mean['ddp']:.2f} ({each})"
                 spearman = runs[strategy][-1][1]
+                others = ", ".join("-" if r[3] is None else f"{r[3]:.2f}" for r in runs[strategy])
                 row = f"| {task} | {precision} | {strategy} | {mean[strategy]:.1f} ({speeds})"
-                print(f"{row} | {ratio} | {spearman:.2f} |")
+                print(f"{row} | {ratio} | {spearman:.2f} | {others} |")
                 if runs[strategy][-1][2]:
                     print(f"  {strategy}: {runs[strategy][-1][2]}", file=sys.stderr)
                 row = {"task": task, "precision": precision, "strategy": strategy}

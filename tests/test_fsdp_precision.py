@@ -30,7 +30,7 @@ def loss_before_training(model, data):
     return loss_on_fixed_rows(str(model), "softmax", data)
 
 
-@pytest.mark.parametrize("version,precision", [(1, "bf16"), (1, "fp16"), (2, "bf16")])
+@pytest.mark.parametrize("version,precision", [(1, "bf16"), (1, "fp16"), (2, "bf16"), (2, "fp16")])
 def test_fsdp_mixed_precision_trains_and_exports_fp32(version, precision, tmp_path, tiny_model):
     data = data_file("sick-nli-train.jsonl")
     steps, lr = 6, 1e-3

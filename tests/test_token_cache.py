@@ -1,14 +1,15 @@
 """Texts tokenized once (--tokenize once, token_cache.py): every micro-batch's features equal, as
 tensors, those of tokenizing it on the fly (batches.collate with LoadedModel.tokenize), for
-all-MiniLM-L6-v2 and for a decoder that pads left and appends EOS, both with prompts and a column
-of its own length; a writer that fails leaves no file a later run reads, and windows of rows write
-the same table as one; two processes train to the same losses and weights either way, one
-process of the host writes the file, a later run reads it unchanged, a changed prompt or length
-writes another.
+all-MiniLM-L6-v2 and for a decoder that pads left and appends EOS (another file without
+--append-eos), both with prompts and a column of its own length; a writer that fails leaves no
+file a later run reads, and windows of rows write the same table as one; two processes train to
+the same losses and weights either way, one process of the host writes the file, a later run
+reads it unchanged, a changed prompt or length writes another.
 
 Run: python -m pytest tests/test_token_cache.py
 """
 
+import dataclasses
 import json
 import os
 import shutil
@@ -70,6 +71,8 @@ def test_cached_ids_pad_to_the_features_of_on_the_fly_tokenizing(tmp_path, model
     if model == "decoder-eos":  # every text ends with EOS, kept through the cut
         eos = loaded.tokenizer.eos_token_id
         assert all(i[-1] == eos for c in ts.text_columns for i in table[c].to_pylist())
+        without_eos = load_model(dataclasses.replace(cfg, append_eos=False))
+        assert token_cache.cache_path(ts, without_eos, str(tmp_path / "fallback"), "f") != path
     else:
         assert "token_type_ids" in got[0]
     # The same data, tokenizer and settings: the file is read, not written again.

@@ -295,14 +295,17 @@ def grouped_rows(rows, indices, group_size, seed, step):
 def collate(rows, text_columns, target, loss_name, tokenize, device, prompts=None, prompt_columns=None):
     """The text columns (each with its prompt and length: `prompt_columns` names each column's
     --prompts and --max-seq-length key, when not the column itself), one dict of tokens per
-    column, and the targets. `tokenize(texts, columns)`: LoadedModel.tokenize. All
+    column, and the targets. `tokenize(texts, columns, prompts)`: LoadedModel.tokenize. All
     columns are tokenized in one call, so they share one padded length (and padding side) and
     embed_columns can run rows of different columns in the same forward."""
     keys = prompt_columns or text_columns
     texts = [with_prompt(rows[column], prompts or {}, key) for column, key in zip(text_columns, keys)]
     # Each text's column key too: --max-seq-length may cut columns at lengths of their own.
+    # Each text's prompt too: pooling leaves its tokens out under --no-include-prompt.
     tokens = tokenize(
-        [text for column in texts for text in column], [k for k, t in zip(keys, texts) for _ in t]
+        [text for column in texts for text in column],
+        [k for k, t in zip(keys, texts) for _ in t],
+        [(prompts or {}).get(k, "") for k, t in zip(keys, texts) for _ in t],
     )
     features = [
         {k: v[i * len(texts[0]) : (i + 1) * len(texts[0])].to(device) for k, v in tokens.items()}
@@ -340,7 +343,8 @@ def micro_batches(plan, cfg, loaded, rank, start_step):
         if ts.group_size:
             rows = grouped_rows(rows, indices, ts.group_size, cfg.seed, step)
         if tables[set_index] is not None:  # the ids read, only padded here
-            features = token_cache.features(tables[set_index], indices, ts.text_columns, thread_loaded)
+            prompts = [ts.prompts.get(key, "") for key in ts.prompt_columns]
+            features = token_cache.features(tables[set_index], indices, ts.text_columns, thread_loaded, prompts)
             return ts, rows, features, targets(rows, ts.target, ts.loss, "cpu")
         features, labels = collate(
             rows,

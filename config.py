@@ -117,6 +117,19 @@ class Config:
     normalize: bool = arg(
         None, "L2-normalise embeddings; unset: as the SentenceTransformer folder does, else no", type=bool
     )
+    include_prompt: bool = arg(
+        None,
+        "pool the prompt's tokens too (sentence-transformers' Pooling include_prompt); --no-include-prompt "
+        "leaves them out of mean, max, cls and lasttoken pooling, in training, evaluation and the export; "
+        "unset: as the SentenceTransformer folder does, else include",
+        type=bool,
+    )
+    bidirectional: bool = arg(
+        False,
+        "decoders: attend in both directions (no causal mask) in training, evaluation and the export, "
+        "through the config's use_bidirectional_attention (Gemma family); a model whose config cannot "
+        "carry it is refused. Off: the model's config decides",
+    )
     dropout: float = arg(
         None,
         "override every dropout probability of the encoder config (0 makes runs exactly comparable)",

@@ -15,6 +15,7 @@ and export.py (`read_sentence_transformer_config`).
 
 import copy
 import dataclasses
+import importlib
 import inspect
 import os
 from dataclasses import dataclass
@@ -31,28 +32,67 @@ import lora
 
 
 def pool(token_states_BTD, mask_BT, mode):
-    """Pool token states into one vector per row, ignoring padding (as sentence-transformers'
-    Pooling). The modes are config.POOLING_MODES, the ones the export can write."""
+    """Pool token states into one vector per row over the positions `mask_BT` keeps: the
+    attention mask (padding left out), or the pool mask (`pool_mask`: the prompt's tokens left out
+    too), as sentence-transformers' Pooling computes them. The modes are config.POOLING_MODES,
+    the ones the export can write."""
+    rows_B = torch.arange(len(mask_BT), device=mask_BT.device)
     if mode == "mean":
         mask_BT1 = mask_BT.unsqueeze(-1).to(token_states_BTD.dtype)
         return (token_states_BTD * mask_BT1).sum(1) / mask_BT1.sum(1).clamp(min=1e-9)
-    if mode == "cls":
-        return token_states_BTD[:, 0]
+    if mode == "cls":  # the first position kept: [CLS], or the text's first token after its prompt
+        return token_states_BTD[rows_B, mask_BT.int().argmax(1)]
     if mode == "max":
         return token_states_BTD.masked_fill(mask_BT.unsqueeze(-1) == 0, -1e9).max(1).values
-    if mode == "lasttoken":  # the last non-padding token, whichever side the padding is on
-        last_B = mask_BT.shape[1] - 1 - mask_BT.flip(1).argmax(1)
-        return token_states_BTD[torch.arange(len(last_B), device=last_B.device), last_B]
+    if mode == "lasttoken":  # the last position kept, whichever side the padding is on
+        last_B = mask_BT.shape[1] - 1 - mask_BT.int().flip(1).argmax(1)
+        return token_states_BTD[rows_B, last_B] * mask_BT[rows_B, last_B].unsqueeze(-1)
     raise ValueError(f"unknown pooling mode {mode!r}; one of {config.POOLING_MODES}")
 
 
+def pool_mask(mask_BT, prompt_lengths_B):
+    """The positions pooling keeps when it leaves out each row's first `prompt_lengths_B[i]`
+    tokens (its prompt's, Pooling(include_prompt=False)): sentence-transformers' rule, counted
+    from the row's first real token, on either padding side."""
+    lengths_B = torch.as_tensor(prompt_lengths_B, dtype=torch.long)
+    first_B = mask_BT.int().argmax(1)  # 0 under right padding
+    positions_T = torch.arange(mask_BT.shape[1], device=mask_BT.device)
+    return mask_BT * (positions_T[None, :] >= (first_B + lengths_B)[:, None]).to(mask_BT.dtype)
+
+
+class DenseLayer(torch.nn.Module):
+    """sentence-transformers' Dense module on the sentence embedding: activation(linear(x)), plus x
+    (or a bias-free projection of it) with use_residual. Its parameter names are Dense's own
+    (linear.weight, linear.bias, residual.weight), so the export writes them unchanged."""
+
+    def __init__(self, in_features, out_features, bias, activation, use_residual):
+        super().__init__()
+        self.linear = torch.nn.Linear(in_features, out_features, bias=bias)
+        module, _, name = activation.rpartition(".")
+        self.activation = getattr(importlib.import_module(module), name)()
+        self.activation_name = activation  # as the export's config.json names it
+        self.use_residual = use_residual
+        if use_residual and in_features != out_features:
+            self.residual = torch.nn.Linear(in_features, out_features, bias=False)
+
+    def forward(self, x_BD):
+        out_BE = self.activation(self.linear(x_BD))
+        if self.use_residual:
+            out_BE = out_BE + (self.residual(x_BD) if hasattr(self, "residual") else x_BD)
+        return out_BE
+
+
 class EmbeddingModel(torch.nn.Module):
-    def __init__(self, encoder, pooling, normalize, num_labels=0):
+    def __init__(self, encoder, pooling, normalize, num_labels=0, dense=()):
         super().__init__()
         self.encoder = encoder
         self.pooling = pooling
+        # A SentenceTransformer folder's Dense layers, after pooling and before normalising (
+        # EmbeddingGemma: 768 -> 3072 -> 768). Small: under FSDP they sit in the root unit with
+        # the embedding tables' neighbours, gathered once per forward (fsdp_utils.wrap_model).
+        self.dense = torch.nn.ModuleList(dense)
         self.normalize = normalize
-        dim = encoder.config.hidden_size
+        dim = self.dense[-1].linear.out_features if self.dense else encoder.config.hidden_size
         # The SoftmaxLoss head lives here, not in the loss: FSDP only gathers parameters of the
         # module it wraps, and only during that module's forward.
         self.classifier = torch.nn.Linear(3 * dim, num_labels) if num_labels else None
@@ -69,8 +109,12 @@ class EmbeddingModel(torch.nn.Module):
         from_pad = hasattr(embeddings, "create_position_ids_from_inputs_embeds")
         self.first_position = embeddings.padding_idx + 1 if from_pad else 0
 
-    def forward(self, input_ids=None, attention_mask=None, token_type_ids=None, head_input=None, groups=None):
-        """Token batch -> embeddings (B, D), in batch order. `groups` (row-index tensors that
+    def forward(
+        self, input_ids=None, attention_mask=None, token_type_ids=None, pool_mask=None, head_input=None, groups=None
+    ):
+        """Token batch -> embeddings (B, D), in batch order. `pool_mask` (B, T): the positions
+        pooling keeps, when it leaves out the prompts' tokens (LoadedModel.tokenize; None: the
+        attention mask). `groups` (row-index tensors that
         together hold every row once: sub_batches) runs the encoder once per group, each without
         the positions that are padding in all its rows; a batches.Packing runs it once over packed
         rows (embed_packed); None runs it once. Or, with `head_input`
@@ -91,6 +135,8 @@ class EmbeddingModel(torch.nn.Module):
         }
         if token_type_ids is not None:
             tokens["token_type_ids"] = token_type_ids
+        if pool_mask is not None:
+            tokens["pool_mask"] = pool_mask
         if groups is None:
             return self.embed(tokens)
         if isinstance(groups, batches.Packing):
@@ -99,13 +145,18 @@ class EmbeddingModel(torch.nn.Module):
         return torch.cat(pieces)[torch.argsort(torch.cat(groups))]
 
     def embed(self, tokens):
+        tokens = dict(tokens)
         mask_BT = tokens["attention_mask"]
+        pool_mask_BT = tokens.pop("pool_mask", mask_BT)  # the encoder attends by the attention mask
         if self.takes_positions and not bool(mask_BT[:, 0].all()):  # left padding
-            tokens = {**tokens, "position_ids": (mask_BT.long().cumsum(1) - 1).clamp(min=0)}
-        return self.pooled(self.encoder(**tokens).last_hidden_state, mask_BT)
+            tokens["position_ids"] = (mask_BT.long().cumsum(1) - 1).clamp(min=0)
+        return self.pooled(self.encoder(**tokens).last_hidden_state, pool_mask_BT)
 
     def pooled(self, token_states_BTD, mask_BT):
+        """Pooling, then the Dense layers, then normalising: sentence-transformers' module order."""
         emb_BD = pool(token_states_BTD, mask_BT, self.pooling)
+        for layer in self.dense:
+            emb_BD = layer(emb_BD)
         return F.normalize(emb_BD, p=2, dim=-1) if self.normalize else emb_BD
 
     def embed_packed(self, tokens, packing):
@@ -126,11 +177,14 @@ class EmbeddingModel(torch.nn.Module):
             mask_P1LL = torch.zeros(allowed_P1LL.shape, dtype=dtype, device=device)
             mask_P1LL.masked_fill_(~allowed_P1LL, torch.finfo(dtype).min)
         # A ready 4D mask goes through transformers' mask builders unchanged (packing_support).
-        packed = {k: v.flatten(0, 1)[take_PL] for k, v in tokens.items() if k != "attention_mask"}
+        packed = {
+            k: v.flatten(0, 1)[take_PL] for k, v in tokens.items() if k not in ("attention_mask", "pool_mask")
+        }
         packed["attention_mask"] = mask_P1LL
         packed["position_ids"] = packing.position_PL.to(device) + self.first_position
         states_QD = self.encoder(**packed).last_hidden_state.flatten(0, 1)
-        return self.pooled(states_QD[packing.put_NT.to(device)], tokens["attention_mask"])
+        pool_mask_BT = tokens.get("pool_mask", tokens["attention_mask"])
+        return self.pooled(states_QD[packing.put_NT.to(device)], pool_mask_BT)
 
 
 def packing_support(encoder, takes_positions):
@@ -201,18 +255,45 @@ class LoadedModel:
     column_lengths: dict = dataclasses.field(default_factory=dict)  # --max-seq-length's {column: tokens}
     # (all, trainable) parameter counts, taken before wrapping (FSDP1 leaves each rank its part)
     parameter_counts: tuple = (0, 0)
+    # --include-prompt: pooling keeps the prompt's tokens; False: tokenize adds a pool_mask
+    include_prompt: bool = True
+    prompt_lengths: dict = dataclasses.field(default_factory=dict)  # {prompt: tokens}, as counted
+
+    def prompt_length(self, prompt):
+        """The tokens of `prompt` that pooling leaves out, as sentence-transformers counts them:
+        the prompt tokenized alone (lowercased where the model is), less a special token it ends
+        with (an EOS or [SEP] the tokenizer appends); a [CLS] or BOS it starts with counts."""
+        if prompt not in self.prompt_lengths:
+            self.prompt_lengths[prompt] = prompt_token_count(self.tokenizer, prompt, self.lowercase)
+        return self.prompt_lengths[prompt]
+
+    def with_pool_mask(self, tokens, prompts):
+        """`tokens` with the pool mask that leaves out each row's prompt (`prompts`: one prefix a
+        row, "" for none), under --no-include-prompt; as they came otherwise."""
+        if self.include_prompt:
+            return tokens
+        lengths = [self.prompt_length(p) if p else 0 for p in prompts]
+        return {**tokens, "pool_mask": pool_mask(tokens["attention_mask"], lengths)}
 
     def prepare(self, texts):
         """Strip, and lowercase where the model was trained so, as sentence-transformers'
         Transformer module does (so the export embeds identically)."""
         return [t.strip().lower() if self.lowercase else t.strip() for t in texts]
 
-    def tokenize(self, texts, columns=None):
+    def tokenize(self, texts, columns=None, prompts=None):
         """The one place texts become token ids, for training and evaluation alike, so the two
         never disagree: prepare, truncate, pad to the longest row. `columns` (one per text) names
         the column each text comes from, where --max-seq-length gives columns their own lengths:
-        each text is cut at its column's, and all are padded together, as one call would."""
-        lengths = [self.column_lengths.get(c, self.max_seq_length) for c in columns or [None] * len(texts)]
+        each text is cut at its column's, and all are padded together, as one call would.
+        `prompts` (one per text): the prefix each text begins with (None: its column's --prompts
+        entry), whose tokens the pool mask leaves out under --no-include-prompt."""
+        columns = columns or [None] * len(texts)
+        if prompts is None:
+            prompts = [self.prompts.get(c, "") if c is not None else "" for c in columns]
+        return self.with_pool_mask(self.padded_ids(texts, columns), prompts)
+
+    def padded_ids(self, texts, columns):
+        lengths = [self.column_lengths.get(c, self.max_seq_length) for c in columns]
         if len(set(lengths)) <= 1:
             return self.tokenizer(
                 self.prepare(texts), padding=True, truncation=True, max_length=lengths[0], return_tensors="pt"
@@ -237,6 +318,13 @@ class LoadedModel:
             ]
             batch[key] = torch.tensor(padded)
         return batch
+
+
+def prompt_token_count(tokenizer, prompt, lowercase=False):
+    """The tokens of `prompt` that pooling leaves out under include_prompt False, counted as
+    sentence-transformers counts them (LoadedModel.prompt_length)."""
+    ids = tokenizer(prompt.lower() if lowercase else prompt)["input_ids"]
+    return len(ids) - (bool(ids) and ids[-1] in tokenizer.all_special_ids)
 
 
 def resolve_model_path(name):
@@ -271,6 +359,8 @@ def load_model(cfg, plan, on_meta=False):
     # Two copies of the config: the encoder is built from one whose dropout rates --dropout may
     # rewrite, the export keeps the other as it came, so an exported model keeps its base's rates.
     export_config = transformers.AutoConfig.from_pretrained(path, subfolder=subfolder, **remote)
+    if cfg.bidirectional:  # saved in the export's config.json: it loads bidirectional everywhere
+        export_config = bidirectional_config(export_config)
     train_config = with_dropout(export_config, cfg.dropout)
     folder = os.path.join(path, subfolder) if subfolder else path
     encoder, missing_keys, file_names = build_encoder(path, subfolder, train_config, remote, on_meta)
@@ -283,7 +373,8 @@ def load_model(cfg, plan, on_meta=False):
         plan.max_seq_length or st_config["max_seq_length"] or min(tokenizer.model_max_length, 512, positions)
     )
     lora_names = prepare_encoder(encoder, cfg, plan)  # LoRA adapters drawn from the RNG, before the head
-    model = EmbeddingModel(encoder, pooling, normalize, plan.num_labels)
+    dense = [dense_layer(path, settings) for settings in st_config["dense"]]
+    model = EmbeddingModel(encoder, pooling, normalize, plan.num_labels, dense)
     model.train()  # from_pretrained returns eval mode: dropout would silently stay off
     prompts = plan.prompts
     loaded = LoadedModel(
@@ -301,10 +392,38 @@ def load_model(cfg, plan, on_meta=False):
             sum(p.numel() for p in model.parameters()),
             sum(p.numel() for p in model.parameters() if p.requires_grad),
         ),
+        include_prompt=st_config["include_prompt"] if cfg.include_prompt is None else cfg.include_prompt,
     )
     if file_names is not None:
         to_meta(loaded, file_names, lora_names, folder)
     return loaded
+
+
+def bidirectional_config(model_config):
+    """A copy of `model_config` that attends in both directions (--bidirectional), made the way
+    from_pretrained reads it back (from its dict), so training runs the very config the export
+    saves: Gemma3's, for one, also halves its sliding window when the setting is on.
+    model_checks.bidirectional_problem has checked that the model's code honours it."""
+    return type(model_config).from_dict({**model_config.to_dict(), "use_bidirectional_attention": True})
+
+
+def dense_layer(path, settings):
+    """A DenseLayer with the weights of the SentenceTransformer folder `path`'s Dense module
+    (`settings`: export.dense_config_of's), in fp32."""
+    from safetensors.torch import load_file
+
+    layer = DenseLayer(*(settings[k] for k in ("in_features", "out_features", "bias", "activation", "use_residual")))
+    folder = settings["folder"]
+    file = transformers.utils.cached_file(
+        path, "model.safetensors", subfolder=folder, _raise_exceptions_for_missing_entries=False
+    )
+    if file is not None:
+        state = load_file(file)
+    else:  # sentence-transformers before 2.3 wrote pytorch_model.bin
+        file = transformers.utils.cached_file(path, "pytorch_model.bin", subfolder=folder)
+        state = torch.load(file, map_location="cpu", weights_only=True)
+    layer.load_state_dict({k: v.float() for k, v in state.items()})
+    return layer
 
 
 def with_dropout(model_config, dropout):

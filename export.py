@@ -103,12 +103,24 @@ def write_export(loaded, out_dir, cfg, plan, summary, staging):
     dtype = fsdp_utils.PRECISIONS[cfg.export_dtype]
     weight_files = exported_files(tensors_of, shapes, loaded.untrained_state, cfg, plan, dtype)
     head = tensors_of([name for name in staged if name.startswith("classifier.")])
+    dense = [  # each Dense layer's config and tensors, under Dense's own names
+        (
+            dense_config(layer),
+            {
+                name.removeprefix(f"dense.{i}."): t
+                for name, t in tensors_of([n for n in staged if n.startswith(f"dense.{i}.")]).items()
+            },
+        )
+        for i, layer in enumerate(loaded.model.dense)
+    ]
     export_sentence_transformer(
         out_dir,
         weight_files,
         loaded.export_config,
         loaded.tokenizer,
         pooling_mode=loaded.model.pooling,
+        include_prompt=loaded.include_prompt,
+        dense=dense,
         normalize=loaded.model.normalize,
         max_seq_length=loaded.max_seq_length,
         do_lower_case=loaded.lowercase,
@@ -136,6 +148,19 @@ def write_export(loaded, out_dir, cfg, plan, summary, staging):
         )
     if staging:
         shutil.rmtree(staging, ignore_errors=True)
+
+
+def dense_config(layer):
+    """A Dense module's config.json, as sentence-transformers writes it, for an
+    embedding_model.DenseLayer (use_residual only when set: sentence-transformers before 5.7
+    refuses keys it does not know)."""
+    settings = {
+        "in_features": layer.linear.in_features,
+        "out_features": layer.linear.out_features,
+        "bias": layer.linear.bias is not None,
+        "activation_function": layer.activation_name,
+    }
+    return {**settings, "use_residual": True} if layer.use_residual else settings
 
 
 def exported_files(tensors_of, shapes, untrained_state, cfg, plan, dtype):
@@ -282,23 +307,28 @@ POOLING_KEYS = {
 POOLING_MODES = tuple(POOLING_KEYS)
 
 
-def pooling_config(pooling_mode, dim):
+def pooling_config(pooling_mode, dim, include_prompt=True):
     """1_Pooling/config.json. Only the keys every sentence-transformers version since 2.0
-    understands, plus `pooling_mode_lasttoken` when it is the mode (2.3+ knows it)."""
+    understands, plus `pooling_mode_lasttoken` when it is the mode (2.3+ knows it) and
+    `include_prompt` when it is False (2.4+)."""
     pooling = {"word_embedding_dimension": dim, "pooling_mode_mean_sqrt_len_tokens": False}
     for mode in ("mean", "cls", "max"):
         pooling[POOLING_KEYS[mode]] = pooling_mode == mode
     if pooling_mode == "lasttoken":
         pooling[POOLING_KEYS["lasttoken"]] = True
+    if not include_prompt:
+        pooling["include_prompt"] = False
     return pooling
 
 
 def read_sentence_transformer_config(path):
     """What a SentenceTransformer folder (local or a hub id) says about how it embeds: the
-    transformer's subfolder, pooling mode, normalisation, max_seq_length, do_lower_case,
-    prompts, default_prompt_name and similarity_fn_name. A plain HF model (no modules.json)
-    gives the defaults: mean pooling, no normalisation, no max length of its own.
-    Raises ValueError for modules other than Transformer, Pooling and Normalize."""
+    transformer's subfolder, pooling mode, include_prompt, the Dense layers after pooling (a dict
+    each: folder, in_features, out_features, bias, activation, use_residual), normalisation,
+    max_seq_length, do_lower_case, prompts, default_prompt_name and similarity_fn_name. A plain HF
+    model (no modules.json) gives the defaults: mean pooling, no normalisation, no max length of
+    its own. Raises ValueError for modules other than Transformer, Pooling, Dense and Normalize,
+    or in another order than that."""
     import transformers
 
     def read_json(filename):
@@ -311,6 +341,8 @@ def read_sentence_transformer_config(path):
     st_config = {
         "subfolder": "",
         "pooling": "mean",
+        "include_prompt": True,
+        "dense": [],
         "normalize": False,
         "max_seq_length": None,
         "do_lower_case": False,
@@ -321,8 +353,14 @@ def read_sentence_transformer_config(path):
     modules = read_json("modules.json")
     if modules is None:
         return st_config
-    for module in modules:
-        kind = module["type"].rsplit(".", 1)[-1]
+    kinds = [module["type"].rsplit(".", 1)[-1] for module in modules]
+    expected = ["Transformer", "Pooling"] + ["Dense"] * kinds.count("Dense") + ["Normalize"] * ("Normalize" in kinds)
+    if kinds != expected:
+        raise ValueError(
+            f"{path}: modules {' -> '.join(kinds)} are not supported; "
+            "only Transformer -> Pooling -> [Dense ...] -> [Normalize] are"
+        )
+    for module, kind in zip(modules, kinds):
         if kind == "Transformer":
             st_config["subfolder"] = module["path"]
             bert_config = read_json(os.path.join(module["path"], "sentence_bert_config.json")) or {}
@@ -330,19 +368,48 @@ def read_sentence_transformer_config(path):
             st_config["do_lower_case"] = bool(bert_config.get("do_lower_case", False))
         elif kind == "Pooling":
             pooling_file = os.path.join(module["path"], "config.json")
-            st_config["pooling"] = pooling_mode_of(path, pooling_file, read_json(pooling_file))
-        elif kind == "Normalize":
-            st_config["normalize"] = True
+            pooling = read_json(pooling_file)
+            st_config["pooling"] = pooling_mode_of(path, pooling_file, pooling)
+            st_config["include_prompt"] = pooling.get("include_prompt", True) is not False
+        elif kind == "Dense":
+            st_config["dense"].append(dense_config_of(path, module["path"], read_json))
         else:
-            raise ValueError(
-                f"{path}: module {module['type']} is not supported; "
-                "only Transformer, Pooling and Normalize are"
-            )
+            st_config["normalize"] = True
     saved = read_json("config_sentence_transformers.json") or {}
     for key in ("prompts", "default_prompt_name", "similarity_fn_name"):
         if saved.get(key) is not None:
             st_config[key] = saved[key]
     return st_config
+
+
+def dense_config_of(path, folder, read_json):
+    """A Dense module's settings, from `folder`/config.json of the SentenceTransformer folder
+    `path`, as sentence-transformers writes them: in_features, out_features, bias, the activation's
+    class (a torch.nn module, built with no arguments) and use_residual. Raises ValueError for
+    what this project cannot train as sentence-transformers computes it."""
+    dense = read_json(os.path.join(folder, "config.json"))
+    if dense is None:
+        raise ValueError(f"{path}: modules.json lists a Dense module, but {folder}/config.json is missing")
+    activation = dense.get("activation_function", "torch.nn.modules.activation.Tanh")
+    if not activation.startswith("torch.nn."):
+        raise ValueError(
+            f"{path}: the Dense module in {folder} uses the activation {activation}; "
+            "only torch.nn modules are supported (no remote code)"
+        )
+    for key in ("module_input_name", "module_output_name"):
+        if dense.get(key, "sentence_embedding") not in (None, "sentence_embedding"):
+            raise ValueError(
+                f"{path}: the Dense module in {folder} reads or writes {dense[key]!r}; "
+                "only Dense layers on the sentence embedding are supported"
+            )
+    return {
+        "folder": folder,
+        "in_features": int(dense["in_features"]),
+        "out_features": int(dense["out_features"]),
+        "bias": bool(dense.get("bias", True)),
+        "activation": activation,
+        "use_residual": bool(dense.get("use_residual", False)),
+    }
 
 
 def pooling_mode_of(path, pooling_file, pooling):
@@ -353,10 +420,6 @@ def pooling_mode_of(path, pooling_file, pooling):
         raise ValueError(
             f"{path}: modules.json lists a Pooling module, but {pooling_file} is missing; "
             "restore it from the original folder"
-        )
-    if pooling.get("include_prompt") is False:
-        raise ValueError(
-            f"{path}: pooling that leaves out the prompt's tokens (include_prompt) is not supported"
         )
     named = pooling.get("pooling_mode")  # sentence-transformers 6 names the mode (or a list of them)
     if isinstance(named, (str, list)):
@@ -382,6 +445,8 @@ def export_sentence_transformer(
     pooling_mode,
     normalize,
     max_seq_length,
+    include_prompt=True,
+    dense=(),
     do_lower_case=False,
     model_card="",
     training_config=None,
@@ -401,7 +466,9 @@ def export_sentence_transformer(
     BERT pooler), or every `from_pretrained` of the folder warns of newly initialised weights.
     The tokenizer, truncating at `max_seq_length`, and `tokenizer_files`: `write_tokenizer`;
     `extra_tensor_files` ({filename: tensors}) go beside; on top of that, the sentence-transformers
-    files and README.md (`model_card`): `write_sentence_transformer_files`. The folder is written
+    files and README.md (`model_card`): `write_sentence_transformer_files`, with `dense` (a
+    (config, tensors) pair per Dense layer after pooling) and `include_prompt` (False: pooling
+    leaves the prompt's tokens out). The folder is written
     next to `out_dir` and renamed into place at the end (`swap_into_place`), so a crash never
     leaves a half-written export, and an older export is replaced only by a whole one.
     """
@@ -429,7 +496,11 @@ def export_sentence_transformer(
         prompts=prompts,
         training_config=training_config,
         model_card=model_card,
+        include_prompt=include_prompt,
+        dense=[settings for settings, _ in dense],
     )
+    for i, (_, tensors) in enumerate(dense):  # each Dense layer's weights in its own folder
+        write_weight_files(os.path.join(tmp_dir, f"{i + 2}_Dense"), [lambda tensors=tensors: dict(tensors)], dtype)
     swap_into_place(tmp_dir, out_dir)
 
 
@@ -502,13 +573,16 @@ def write_sentence_transformer_files(
     prompts,
     training_config,
     model_card,
+    include_prompt=True,
+    dense=(),
 ):
     """The sentence-transformers files of the folder `tmp_dir`, for a transformer of hidden size
     `dim`:
-        modules.json                      Transformer (path "") -> Pooling -> [Normalize]
+        modules.json                      Transformer (path "") -> Pooling -> [Dense ...] -> [Normalize]
         sentence_bert_config.json         max_seq_length, do_lower_case (texts lowercased first)
-        1_Pooling/config.json             pooling mode and dimension
-        2_Normalize/                      (empty) when the model normalises
+        1_Pooling/config.json             pooling mode, dimension, include_prompt when False
+        2_Dense/config.json ...           each Dense layer's settings (`dense`; its weights: the caller)
+        N_Normalize/                      (empty) when the model normalises
         config_sentence_transformers.json versions, similarity function, `prompts` ({name: prefix},
                                           for encode(texts, prompt_name=name))
         training_config.json              `training_config`, unless it is None
@@ -516,21 +590,21 @@ def write_sentence_transformer_files(
     """
     # sentence-transformers module list: the classic `sentence_transformers.models.*` names,
     # which 2.x loads natively and 3.x-6.x map to their current classes.
+    kinds = [("", "Transformer"), ("1_Pooling", "Pooling")]
+    kinds += [(f"{i + 2}_Dense", "Dense") for i in range(len(dense))]
+    kinds += [(f"{len(dense) + 2}_Normalize", "Normalize")] if normalize else []
     modules = [
-        {"idx": 0, "name": "0", "path": "", "type": "sentence_transformers.models.Transformer"},
-        {"idx": 1, "name": "1", "path": "1_Pooling", "type": "sentence_transformers.models.Pooling"},
+        {"idx": i, "name": str(i), "path": path, "type": f"sentence_transformers.models.{kind}"}
+        for i, (path, kind) in enumerate(kinds)
     ]
-    if normalize:
-        modules.append(
-            {"idx": 2, "name": "2", "path": "2_Normalize", "type": "sentence_transformers.models.Normalize"}
-        )
-        os.makedirs(os.path.join(tmp_dir, "2_Normalize"))
-    os.makedirs(os.path.join(tmp_dir, "1_Pooling"))
+    for path, _ in kinds[1:]:
+        os.makedirs(os.path.join(tmp_dir, path))
     files = {
         "modules.json": modules,
-        "1_Pooling/config.json": pooling_config(pooling_mode, dim),
+        "1_Pooling/config.json": pooling_config(pooling_mode, dim, include_prompt),
+        **{f"{i + 2}_Dense/config.json": settings for i, settings in enumerate(dense)},
         "sentence_bert_config.json": {"max_seq_length": max_seq_length, "do_lower_case": do_lower_case},
-        "config_sentence_transformers.json": config_sentence_transformers(pooling_mode, prompts),
+        "config_sentence_transformers.json": config_sentence_transformers(pooling_mode, prompts, include_prompt),
     }
     if training_config is not None:
         files["training_config.json"] = training_config
@@ -541,14 +615,16 @@ def write_sentence_transformer_files(
         f.write(model_card)
 
 
-def config_sentence_transformers(pooling_mode, prompts):
+def config_sentence_transformers(pooling_mode, prompts, include_prompt=True):
     """config_sentence_transformers.json: versions, similarity function, `prompts` ({name: prefix},
     for encode(texts, prompt_name=name))."""
+    oldest = "2.4.0" if not include_prompt else "2.3.0" if pooling_mode == "lasttoken" else "2.0.0"
     return {
         # The oldest sentence-transformers version that reads this folder (lasttoken pooling
-        # came in 2.3.0); a newer number would make older versions warn "update your library".
+        # came in 2.3.0, include_prompt in 2.4.0); a newer number would make older versions warn
+        # "update your library".
         "__version__": {
-            "sentence_transformers": "2.3.0" if pooling_mode == "lasttoken" else "2.0.0",
+            "sentence_transformers": oldest,
             "transformers": importlib.metadata.version("transformers"),
             "pytorch": torch.__version__,
         },
@@ -696,7 +772,8 @@ def model_card(cfg, plan, loaded, derived, summary):
             else ""
         ),
         prepare="t.strip().lower()" if loaded.lowercase else "t.strip()",
-        pooling_by_hand=POOLING_BY_HAND[pooling],
+        pooling_by_hand=POOLING_BY_HAND[pooling]
+        + ("\n# then the Dense layers (2_Dense/, ...), as sentence-transformers applies them" if loaded.model.dense else ""),
         normalize=(
             "\nembeddings = torch.nn.functional.normalize(embeddings, dim=-1)"
             if loaded.model.normalize
@@ -736,6 +813,13 @@ def card_notes(cfg, plan, loaded):
         )
     if cfg.append_eos:
         notes += "\n- Every text ends with the EOS token: the tokenizer appends it (after truncation)"
+    if loaded.model.dense:
+        sizes = [loaded.model.dense[0].linear.in_features] + [d.linear.out_features for d in loaded.model.dense]
+        notes += f"\n- Dense layers after pooling ({' -> '.join(map(str, sizes))}), trained with the model"
+    if cfg.bidirectional:
+        notes += "\n- Bidirectional attention (config.json: use_bidirectional_attention), in training and here"
+    if not loaded.include_prompt:
+        notes += "\n- Pooling leaves out the prompt's tokens (1_Pooling: include_prompt false)"
     if cfg.lora_rank:
         notes += f"\n- LoRA: rank {cfg.lora_rank}, alpha {plan.lora_alpha:g}, merged into these weights"
         if cfg.export_adapter:

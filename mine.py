@@ -483,7 +483,8 @@ def find_candidates(plan, args):
     query_prompt, corpus_prompt = plan.prompts(args)
 
     def tokenizer(prompt):
-        return lambda texts: loaded.tokenize([prompt + text for text in texts])  # as batches.with_prompt
+        # as batches.with_prompt; the prompt's tokens left out of pooling under include_prompt False
+        return lambda texts: loaded.tokenize([prompt + text for text in texts], prompts=[prompt] * len(texts))
 
     # (all ranks participate), both calls (forwards and collectives inside): the queries on
     # every rank, the corpus sharded (rows_R are the corpus rows this rank encoded).

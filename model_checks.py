@@ -41,7 +41,14 @@ def check_model(cfg, plan):
     check_model_files(cfg, os.path.normpath(os.path.join(path, subfolder)))
     if cfg.append_eos:
         check_eos_tokenizer(cfg, path, subfolder)
+    if cfg.bidirectional:
+        check_bidirectional(cfg, model_config)
+    st_config = export.read_sentence_transformer_config(path)
+    if not (st_config["include_prompt"] if cfg.include_prompt is None else cfg.include_prompt):
+        check_prompts_leave_text(cfg, plan, path, subfolder, st_config)
     width = getattr(model_config, "hidden_size", None)
+    if st_config["dense"]:  # the embedding is the last Dense layer's output
+        width = st_config["dense"][-1]["out_features"]
     if width and plan.matryoshka and max(plan.matryoshka[0]) > width:
         raise ValueError(
             f"--matryoshka-dims {cfg.matryoshka_dims}: {cfg.model} gives {width}-dimensional embeddings; "
@@ -123,6 +130,78 @@ def check_eos_tokenizer(cfg, path, subfolder):
             f"--append-eos needs a fast tokenizer (a tokenizer.json); "
             f"{cfg.model} has a {type(tokenizer).__name__}"
         )
+
+
+def check_prompts_leave_text(cfg, plan, path, subfolder, st_config):
+    """--no-include-prompt (or a folder whose pooling leaves the prompt out): every prompt, in
+    --prompts and --dataset-settings, is shorter than its column's --max-seq-length, so that
+    pooling keeps at least one token of each text."""
+    tokenizer = transformers.AutoTokenizer.from_pretrained(
+        path, subfolder=subfolder, trust_remote_code=cfg.trust_remote_code
+    )
+    default = plan.max_seq_length or st_config["max_seq_length"] or tokenizer.model_max_length
+    settings = [plan.prompts] + [s.get("prompts", {}) for s in plan.dataset_settings.values()]
+    for column, prompt in ((c, p) for prompts in settings for c, p in prompts.items()):
+        tokens = embedding_model.prompt_token_count(tokenizer, prompt, st_config["do_lower_case"])
+        length = plan.column_lengths.get(column, default)
+        if tokens >= length:
+            raise ValueError(
+                f"--prompts: the prompt of {column} takes {tokens} tokens, and its texts are cut at "
+                f"{length}: pooling without the prompt's tokens (--no-include-prompt) would keep none "
+                "of the text; shorten the prompt or raise --max-seq-length"
+            )
+
+
+def check_bidirectional(cfg, model_config):
+    """--bidirectional: the model is a decoder whose config carries use_bidirectional_attention
+    (saved in the export's config.json, so it loads bidirectional everywhere), and whose model
+    code in this transformers honours it: a tiny random model of the same class attends to later
+    tokens, with and without padding (transformers builds its mask differently for each)."""
+    kind, version = model_config.model_type, transformers.__version__
+    with torch.device("meta"):
+        encoder = transformers.AutoModel.from_config(model_config, trust_remote_code=cfg.trust_remote_code)
+    if not any(getattr(m, "is_causal", False) is True for m in encoder.modules()):
+        raise ValueError(f"--bidirectional: {cfg.model} ({kind}) attends in both directions already; drop the flag")
+    if "use_bidirectional_attention" not in model_config.to_dict():
+        raise ValueError(
+            f"--bidirectional: the config of {kind} models ({type(model_config).__name__}) cannot carry "
+            f"use_bidirectional_attention in transformers {version}, so the export would load causal; "
+            "drop --bidirectional, or train a model type whose config has it (the Gemma family)"
+        )
+    try:
+        ahead = attends_ahead(embedding_model.bidirectional_config(model_config))
+    except Exception as e:  # a config this shrinking does not fit
+        ahead = f"a tiny {kind} model could not be built to check it ({type(e).__name__}: {e})"
+    if ahead is not True:
+        raise ValueError(
+            f"--bidirectional: {kind} models in transformers {version} do not attend both ways with "
+            f"use_bidirectional_attention ({ahead or 'position 0 ignores later tokens'}); drop --bidirectional"
+        )
+
+
+def attends_ahead(model_config):
+    """True when a tiny random model (1 layer of each kind, 16 wide) with `model_config`'s
+    settings lets position 0 see the last token, in a batch without padding and in one with a
+    padded row; else a word on where it does not."""
+    small = model_config.to_dict()
+    layer_kinds = sorted(set(small.get("layer_types") or [])) or None
+    small.update(vocab_size=32, hidden_size=16, intermediate_size=32, num_attention_heads=2)
+    small.update(num_key_value_heads=1, head_dim=8, num_hidden_layers=len(layer_kinds or [0]))
+    if layer_kinds:
+        small["layer_types"] = layer_kinds
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(0)
+        model = transformers.AutoModel.from_config(type(model_config).from_dict(small)).eval()
+    ids = torch.tensor([[1, 2, 3, 4], [1, 2, 3, 5], [1, 2, 0, 0]])
+    mask = torch.tensor([[1, 1, 1, 1], [1, 1, 1, 1], [1, 1, 0, 0]])
+    with torch.no_grad():
+        unpadded = model(input_ids=ids[:2]).last_hidden_state[:, 0]
+        padded = model(input_ids=ids, attention_mask=mask).last_hidden_state[:2, 0]
+    if torch.allclose(unpadded[0], unpadded[1]):
+        return "not without padding"
+    if torch.allclose(padded[0], padded[1]):
+        return "not with padding"
+    return True
 
 
 def check_meta_model(cfg, plan, model_config):

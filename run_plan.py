@@ -163,6 +163,12 @@ def record(plan, loaded=None):
         values["max_seq_length_used"] = loaded.max_seq_length
         values["pooling_used"] = loaded.model.pooling
         values["normalize_used"] = loaded.model.normalize
+        values["include_prompt_used"] = loaded.include_prompt
+        values["dense_layers"] = [
+            f"{d.linear.in_features}->{d.linear.out_features} {d.activation_name.rsplit('.', 1)[-1]}"
+            for d in loaded.model.dense
+        ]
+        values["attention"] = "causal" if loaded.model.causal else "bidirectional"
     values["train_sets"] = [
         {
             "name": ts.name,

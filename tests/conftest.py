@@ -404,7 +404,8 @@ def sentences(n=2000):
 
 
 def tiny_decoder(folder, arch="qwen2", padding_side="left", **sizes):
-    """A tiny random Qwen2 or Llama model (2 layers, 64 dims; `sizes` overrides the config's)
+    """A tiny random Qwen2, Llama, Gemma3 (EmbeddingGemma's class; causal, with a sliding window
+    wider than any text) or Gemma model (2 layers, 64 dims; `sizes` overrides the config's)
     saved at `folder`, with a byte-level BPE tokenizer trained here on real sentences, as decoder
     tokenizers are: an EOS token (also the pad token) and no special tokens added to a text (a
     BERT tokenizer would hide EOS bugs)."""
@@ -442,6 +443,11 @@ def tiny_decoder(folder, arch="qwen2", padding_side="left", **sizes):
     }
     if arch == "qwen2":
         transformers.Qwen2Model(transformers.Qwen2Config(**sizes)).save_pretrained(folder)
+    elif arch == "gemma3":
+        model_config = transformers.Gemma3TextConfig(**{"head_dim": 32, "sliding_window": 256, **sizes})
+        transformers.Gemma3TextModel(model_config).save_pretrained(folder)
+    elif arch == "gemma":
+        transformers.GemmaModel(transformers.GemmaConfig(**{"head_dim": 32, **sizes})).save_pretrained(folder)
     else:
         transformers.LlamaModel(transformers.LlamaConfig(**sizes)).save_pretrained(folder)
     return folder

@@ -1,0 +1,228 @@
+"""Dense layers and prompt-free pooling, against sentence-transformers itself.
+
+- A SentenceTransformer folder shaped as EmbeddingGemma (a tiny random Gemma3, mean pooling,
+  Dense 64 -> 96 -> 64, Normalize) embeds as sentence-transformers embeds it, and one MNRL step
+  (plain, with prompts and include_prompt False, with Matryoshka, with GradCache, bidirectional)
+  gives the loss and every gradient, the Dense layers' too, that sentence-transformers' own
+  forward/backward gives on the same batch (MultipleNegativesRankingLoss, MatryoshkaLoss,
+  CachedMultipleNegativesRankingLoss);
+- --no-include-prompt pools as sentence-transformers' Pooling(include_prompt=False) on the same
+  token states: mean, max, cls and lasttoken, left and right padding, texts the truncation cuts
+  (the prompt's tokens counted as sentence-transformers counts them);
+- packed rows and length-sorted sub-batches leave out the same prompt tokens as the padded batch.
+
+Run: python -m pytest tests/test_dense_and_pooling.py
+"""
+
+import contextlib
+import json
+import shutil
+
+import pytest
+import torch
+from conftest import data_file, load_model, micro_batch_loss, tiny_decoder
+
+import batches
+import config
+import embedding_model
+import gradcache
+import run_plan
+import train
+
+pytestmark = pytest.mark.quick  # the quick tier: python -m pytest tests -m quick
+
+PROMPTS = {"anchor": "task: search result | query: ", "positive": "title: none | text: "}
+
+
+def rows(n=6):
+    pairs = [json.loads(line) for line in open(data_file("sick-pairs-train.jsonl"))][:n]
+    return {c: [r[c] for r in pairs] for c in ("anchor", "positive")}
+
+
+@pytest.fixture(scope="module")
+def gemma(tmp_path_factory):
+    """A tiny random Gemma3 (causal) as a plain HF folder, and a copy that attends both ways."""
+    folder = tiny_decoder(tmp_path_factory.mktemp("gemma3"), arch="gemma3")
+    both_ways = tmp_path_factory.mktemp("gemma3-bidirectional")
+    shutil.copytree(folder, both_ways, dirs_exist_ok=True)
+    model_config = json.loads((both_ways / "config.json").read_text())
+    (both_ways / "config.json").write_text(json.dumps({**model_config, "use_bidirectional_attention": True}))
+    return folder, both_ways
+
+
+def st_folder(base, out, pooling="mean", include_prompt=True, max_seq_length=32):
+    """sentence-transformers' own EmbeddingGemma-shaped folder on `base`: Transformer -> Pooling ->
+    Dense(64 -> 96, no bias, Identity) -> Dense(96 -> 64, Tanh) -> Normalize, fresh Dense layers."""
+    from sentence_transformers import SentenceTransformer
+    from sentence_transformers.base.modules import Dense, Normalize, Transformer
+    from sentence_transformers.sentence_transformer.modules import Pooling
+
+    torch.manual_seed(1)
+    modules = [
+        Transformer(str(base), max_seq_length=max_seq_length),
+        Pooling(64, pooling, include_prompt=include_prompt),
+        Dense(64, 96, bias=False, activation_function=torch.nn.Identity()),
+        Dense(96, 64, activation_function=torch.nn.Tanh()),
+        Normalize(),
+    ]
+    SentenceTransformer(modules=modules, device="cpu").save(str(out))
+    return out
+
+
+def st_name(name):
+    """sentence-transformers' name of one of our parameters: encoder.X -> 0.model.X,
+    dense.i.X -> (i + 2).X."""
+    if name.startswith("encoder."):
+        return "0.model." + name.removeprefix("encoder.")
+    _, index, rest = name.split(".", 2)
+    return f"{int(index) + 2}.{rest}"
+
+
+def largest_gradient_difference(ours, theirs):
+    """max |grad ours - grad theirs| over every parameter, and the largest gradient (scale)."""
+    their_grads = {name: p.grad for name, p in theirs.named_parameters() if p.grad is not None}
+    differences, largest = [], 0.0
+    for name, p in ours.named_parameters():
+        assert p.grad is not None, name
+        differences.append((p.grad - their_grads.pop(st_name(name))).abs().max().item())
+        largest = max(largest, p.grad.abs().max().item())
+    assert not their_grads, sorted(their_grads)  # every parameter of theirs has its counterpart
+    return max(differences), largest
+
+
+@pytest.mark.parametrize("variant", ["plain", "prompts", "matryoshka", "gradcache", "bidirectional"])
+def test_one_step_equals_sentence_transformers_forward_and_backward(tmp_path, gemma, variant):
+    from sentence_transformers import SentenceTransformer
+    from sentence_transformers.sentence_transformer import losses as st_losses
+
+    causal, both_ways = gemma
+    prompted = variant != "plain"
+    folder = st_folder(causal, tmp_path / "ours", include_prompt=not prompted)
+    # sentence-transformers gets the same folder, attending both ways where we pass --bidirectional
+    their_folder = st_folder(both_ways, tmp_path / "theirs", include_prompt=False) if variant == "bidirectional" else folder
+    cfg = config.Config(
+        model=str(folder),
+        dropout=0.0,
+        prompts=json.dumps(PROMPTS) if prompted else "",
+        matryoshka_dims="64,32" if variant == "matryoshka" else "",
+        bidirectional=variant == "bidirectional",
+    )
+    plan = run_plan.resolve_flags(cfg, 1, torch.device("cpu"))
+    loaded = load_model(cfg)
+    assert [type(m).__name__ for m in loaded.model.dense] == ["DenseLayer", "DenseLayer"]
+    assert loaded.include_prompt is not prompted
+    batch = rows()
+    features, _ = batches.collate(
+        batch, ["anchor", "positive"], None, "mnrl", loaded.tokenize, "cpu", loaded.prompts
+    )
+    if variant == "gradcache":
+        loss = gradcache.cached_backward(
+            loaded.model,
+            features,
+            lambda embs: train.embeddings_loss(loaded.model, embs, None, run_plan.LossPlan("mnrl")),
+            2,
+            sync=True,
+            autocast=contextlib.nullcontext,
+            scale_loss=lambda value: value,
+        )
+    else:
+        loss = micro_batch_loss(loaded.model, features, None, "mnrl", matryoshka=plan.matryoshka)
+        loss.backward()
+
+    st = SentenceTransformer(str(their_folder), device="cpu")
+    st.train()
+    their_features = [
+        st.preprocess(batch[c], prompt=PROMPTS[c] if prompted else None) for c in ("anchor", "positive")
+    ]
+    if prompted:  # what sentence-transformers leaves out: the prompt's tokens, as we count them
+        assert their_features[0]["prompt_length"] == loaded.prompt_length(PROMPTS["anchor"]) > 3
+    mnrl = st_losses.MultipleNegativesRankingLoss(st)
+    their_loss = {
+        "matryoshka": lambda: st_losses.MatryoshkaLoss(st, mnrl, [64, 32]),
+        "gradcache": lambda: st_losses.CachedMultipleNegativesRankingLoss(st, mini_batch_size=2),
+    }.get(variant, lambda: mnrl)()(their_features, None)
+    their_loss.backward()
+
+    assert abs(loss.item() - their_loss.item()) <= 1e-5
+    difference, largest = largest_gradient_difference(loaded.model, st)
+    # fp32 sums in another order: 1e-5 of the largest gradient (~14 here: embeddings' rows)
+    assert largest > 1e-3 and difference <= 1e-5 * max(1.0, largest), (difference, largest)
+    print(f"{variant}: loss {abs(loss.item() - their_loss.item()):.1e}, gradients {difference:.1e} of {largest:.1f}")
+
+
+def test_the_model_embeds_as_sentence_transformers_and_a_bad_dense_module_is_refused(tmp_path, gemma):
+    from sentence_transformers import SentenceTransformer
+
+    folder = st_folder(gemma[0], tmp_path / "st", include_prompt=False)
+    loaded = load_model(config.Config(model=str(folder)))
+    loaded.model.eval()
+    texts = rows(8)["anchor"]
+    prompt = PROMPTS["anchor"]
+    with torch.no_grad():
+        ours = loaded.model(**loaded.tokenize([prompt + t for t in texts], prompts=[prompt] * len(texts)))
+    theirs = SentenceTransformer(str(folder), device="cpu").encode(texts, prompt=prompt, convert_to_tensor=True)
+    assert (ours - theirs).abs().max().item() <= 1e-5
+    # A Dense module whose activation is not torch's would need remote code: refused, named.
+    dense_config = folder / "2_Dense" / "config.json"
+    dense_config.write_text(json.dumps({**json.loads(dense_config.read_text()), "activation_function": "my.Act"}))
+    with pytest.raises(ValueError, match="2_Dense uses the activation my.Act"):
+        load_model(config.Config(model=str(folder)))
+
+
+@pytest.mark.parametrize("padding_side", ["left", "right"])
+@pytest.mark.parametrize("pooling", ["mean", "max", "cls", "lasttoken"])
+def test_no_include_prompt_pools_as_sentence_transformers_pooling(tmp_path, gemma, pooling, padding_side):
+    """The same token states, pooled by embedding_model.pool over our pool mask and by
+    sentence-transformers' Pooling(include_prompt=False) with its prompt_length: equal, with texts
+    cut by truncation at 40 tokens (a prompt of 22 leaves 18 of the text: the count the mean
+    divides by) and texts padded."""
+    from sentence_transformers import SentenceTransformer
+    from sentence_transformers.sentence_transformer.modules import Pooling
+
+    folder = st_folder(gemma[0], tmp_path / "st", pooling, include_prompt=False, max_seq_length=40)
+    loaded = load_model(config.Config(model=str(folder)))
+    st = SentenceTransformer(str(folder), device="cpu")
+    loaded.tokenizer.padding_side = st.tokenizer.padding_side = padding_side
+    texts = ["short", *rows(7)["positive"]]
+    for prompt in PROMPTS.values():
+        tokens = loaded.tokenize([prompt + t for t in texts], prompts=[prompt] * len(texts))
+        theirs = st.preprocess(texts, prompt=prompt)
+        assert torch.equal(tokens["input_ids"], theirs["input_ids"])
+        lengths = tokens["attention_mask"].sum(1)
+        assert lengths.max() == 40 and lengths.min() < 40  # some texts cut, some padded
+        kept = tokens["pool_mask"].sum(1)
+        assert torch.equal(kept, lengths - theirs["prompt_length"])
+        states = torch.randn(*tokens["input_ids"].shape, 64)
+        ours = embedding_model.pool(states, tokens["pool_mask"], pooling)
+        features = {"token_embeddings": states, "attention_mask": theirs["attention_mask"]}
+        expected = Pooling(64, pooling, include_prompt=False)(
+            {**features, "prompt_length": theirs["prompt_length"]}
+        )["sentence_embedding"]
+        assert (ours - expected).abs().max().item() <= 1e-6
+        with_prompt = Pooling(64, pooling)(dict(features))["sentence_embedding"]
+        if pooling != "lasttoken":  # the last token is the text's either way
+            assert (ours - with_prompt).abs().max().item() > 1e-3
+
+
+def test_packed_rows_and_sub_batches_leave_out_the_same_prompt_tokens(tmp_path):
+    """A packable decoder (tiny Qwen2, left padding) with --no-include-prompt: the packed forward
+    and length-sorted sub-batches give the padded batch's embeddings, and they differ from
+    pooling with the prompt (so the pool mask reached every path)."""
+    folder = tiny_decoder(tmp_path / "qwen2", arch="qwen2")
+    embeddings = {}
+    for include in (False, True):
+        cfg = config.Config(model=str(folder), prompts=json.dumps(PROMPTS), include_prompt=include, dropout=0.0)
+        loaded = load_model(cfg)
+        assert loaded.model.cannot_pack is None
+        features, _ = batches.collate(
+            rows(8), ["anchor", "positive"], None, "mnrl", loaded.tokenize, "cpu", loaded.prompts
+        )
+        model = loaded.model.eval()
+        with torch.no_grad():
+            padded = train.embed_columns(model, features)
+            packed = train.embed_columns(model, features, batches.pack(features))
+            sub = train.embed_columns(model, features, batches.sub_batches(features, 3, "cpu"))
+        for got in (packed, sub):
+            assert max((g - p).abs().max().item() for g, p in zip(got, padded)) <= 1e-5
+        embeddings[include] = padded
+    assert (embeddings[False][0] - embeddings[True][0]).abs().max().item() > 1e-3

@@ -344,7 +344,9 @@ def micro_batches(plan, cfg, loaded, rank, start_step):
             rows = grouped_rows(rows, indices, ts.group_size, cfg.seed, step)
         if tables[set_index] is not None:  # the ids read, only padded here
             prompts = [ts.prompts.get(key, "") for key in ts.prompt_columns]
-            features = token_cache.features(tables[set_index], indices, ts.text_columns, thread_loaded, prompts)
+            features = token_cache.features(
+                tables[set_index], indices, ts.text_columns, thread_loaded, prompts
+            )
             return ts, rows, features, targets(rows, ts.target, ts.loss, "cpu")
         features, labels = collate(
             rows,

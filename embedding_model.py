@@ -110,7 +110,13 @@ class EmbeddingModel(torch.nn.Module):
         self.first_position = embeddings.padding_idx + 1 if from_pad else 0
 
     def forward(
-        self, input_ids=None, attention_mask=None, token_type_ids=None, pool_mask=None, head_input=None, groups=None
+        self,
+        input_ids=None,
+        attention_mask=None,
+        token_type_ids=None,
+        pool_mask=None,
+        head_input=None,
+        groups=None,
     ):
         """Token batch -> embeddings (B, D), in batch order. `pool_mask` (B, T): the positions
         pooling keeps, when it leaves out the prompts' tokens (LoadedModel.tokenize; None: the
@@ -412,7 +418,9 @@ def dense_layer(path, settings):
     (`settings`: export.dense_config_of's), in fp32."""
     from safetensors.torch import load_file
 
-    layer = DenseLayer(*(settings[k] for k in ("in_features", "out_features", "bias", "activation", "use_residual")))
+    layer = DenseLayer(
+        *(settings[k] for k in ("in_features", "out_features", "bias", "activation", "use_residual"))
+    )
     folder = settings["folder"]
     file = transformers.utils.cached_file(
         path, "model.safetensors", subfolder=folder, _raise_exceptions_for_missing_entries=False

@@ -354,7 +354,9 @@ def read_sentence_transformer_config(path):
     if modules is None:
         return st_config
     kinds = [module["type"].rsplit(".", 1)[-1] for module in modules]
-    expected = ["Transformer", "Pooling"] + ["Dense"] * kinds.count("Dense") + ["Normalize"] * ("Normalize" in kinds)
+    expected = (
+        ["Transformer", "Pooling"] + ["Dense"] * kinds.count("Dense") + ["Normalize"] * ("Normalize" in kinds)
+    )
     if kinds != expected:
         raise ValueError(
             f"{path}: modules {' -> '.join(kinds)} are not supported; "
@@ -500,7 +502,9 @@ def export_sentence_transformer(
         dense=[settings for settings, _ in dense],
     )
     for i, (_, tensors) in enumerate(dense):  # each Dense layer's weights in its own folder
-        write_weight_files(os.path.join(tmp_dir, f"{i + 2}_Dense"), [lambda tensors=tensors: dict(tensors)], dtype)
+        write_weight_files(
+            os.path.join(tmp_dir, f"{i + 2}_Dense"), [lambda tensors=tensors: dict(tensors)], dtype
+        )
     swap_into_place(tmp_dir, out_dir)
 
 
@@ -604,7 +608,9 @@ def write_sentence_transformer_files(
         "1_Pooling/config.json": pooling_config(pooling_mode, dim, include_prompt),
         **{f"{i + 2}_Dense/config.json": settings for i, settings in enumerate(dense)},
         "sentence_bert_config.json": {"max_seq_length": max_seq_length, "do_lower_case": do_lower_case},
-        "config_sentence_transformers.json": config_sentence_transformers(pooling_mode, prompts, include_prompt),
+        "config_sentence_transformers.json": config_sentence_transformers(
+            pooling_mode, prompts, include_prompt
+        ),
     }
     if training_config is not None:
         files["training_config.json"] = training_config
@@ -773,7 +779,11 @@ def model_card(cfg, plan, loaded, derived, summary):
         ),
         prepare="t.strip().lower()" if loaded.lowercase else "t.strip()",
         pooling_by_hand=POOLING_BY_HAND[pooling]
-        + ("\n# then the Dense layers (2_Dense/, ...), as sentence-transformers applies them" if loaded.model.dense else ""),
+        + (
+            "\n# then the Dense layers (2_Dense/, ...), as sentence-transformers applies them"
+            if loaded.model.dense
+            else ""
+        ),
         normalize=(
             "\nembeddings = torch.nn.functional.normalize(embeddings, dim=-1)"
             if loaded.model.normalize
@@ -814,10 +824,14 @@ def card_notes(cfg, plan, loaded):
     if cfg.append_eos:
         notes += "\n- Every text ends with the EOS token: the tokenizer appends it (after truncation)"
     if loaded.model.dense:
-        sizes = [loaded.model.dense[0].linear.in_features] + [d.linear.out_features for d in loaded.model.dense]
+        sizes = [loaded.model.dense[0].linear.in_features] + [
+            d.linear.out_features for d in loaded.model.dense
+        ]
         notes += f"\n- Dense layers after pooling ({' -> '.join(map(str, sizes))}), trained with the model"
     if cfg.bidirectional:
-        notes += "\n- Bidirectional attention (config.json: use_bidirectional_attention), in training and here"
+        notes += (
+            "\n- Bidirectional attention (config.json: use_bidirectional_attention), in training and here"
+        )
     if not loaded.include_prompt:
         notes += "\n- Pooling leaves out the prompt's tokens (1_Pooling: include_prompt false)"
     if cfg.lora_rank:

@@ -161,12 +161,14 @@ def check_bidirectional(cfg, model_config):
     with torch.device("meta"):
         encoder = transformers.AutoModel.from_config(model_config, trust_remote_code=cfg.trust_remote_code)
     if not any(getattr(m, "is_causal", False) is True for m in encoder.modules()):
-        raise ValueError(f"--bidirectional: {cfg.model} ({kind}) attends in both directions already; drop the flag")
+        raise ValueError(
+            f"--bidirectional: {cfg.model} ({kind}) attends in both directions already; drop the flag"
+        )
     if "use_bidirectional_attention" not in model_config.to_dict():
         raise ValueError(
             f"--bidirectional: the config of {kind} models ({type(model_config).__name__}) cannot carry "
             f"use_bidirectional_attention in transformers {version}, so the export would load causal; "
-            "drop --bidirectional, or train a model type whose config has it (the Gemma family)"
+            "drop --bidirectional, or train a model type whose config has it (Gemma3)"
         )
     try:
         ahead = attends_ahead(embedding_model.bidirectional_config(model_config))
@@ -174,8 +176,8 @@ def check_bidirectional(cfg, model_config):
         ahead = f"a tiny {kind} model could not be built to check it ({type(e).__name__}: {e})"
     if ahead is not True:
         raise ValueError(
-            f"--bidirectional: {kind} models in transformers {version} do not attend both ways with "
-            f"use_bidirectional_attention ({ahead or 'position 0 ignores later tokens'}); drop --bidirectional"
+            f"--bidirectional: {kind} models in transformers {version} do not attend both ways "
+            f"with use_bidirectional_attention ({ahead}); drop --bidirectional"
         )
 
 

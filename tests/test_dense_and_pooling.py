@@ -99,7 +99,11 @@ def test_one_step_equals_sentence_transformers_forward_and_backward(tmp_path, ge
     prompted = variant != "plain"
     folder = st_folder(causal, tmp_path / "ours", include_prompt=not prompted)
     # sentence-transformers gets the same folder, attending both ways where we pass --bidirectional
-    their_folder = st_folder(both_ways, tmp_path / "theirs", include_prompt=False) if variant == "bidirectional" else folder
+    their_folder = (
+        st_folder(both_ways, tmp_path / "theirs", include_prompt=False)
+        if variant == "bidirectional"
+        else folder
+    )
     cfg = config.Config(
         model=str(folder),
         dropout=0.0,
@@ -147,7 +151,8 @@ def test_one_step_equals_sentence_transformers_forward_and_backward(tmp_path, ge
     difference, largest = largest_gradient_difference(loaded.model, st)
     # fp32 sums in another order: 1e-5 of the largest gradient (~14 here: embeddings' rows)
     assert largest > 1e-3 and difference <= 1e-5 * max(1.0, largest), (difference, largest)
-    print(f"{variant}: loss {abs(loss.item() - their_loss.item()):.1e}, gradients {difference:.1e} of {largest:.1f}")
+    loss_difference = abs(loss.item() - their_loss.item())
+    print(f"{variant}: loss {loss_difference:.1e}, gradients {difference:.1e} of {largest:.1f}")
 
 
 def test_the_model_embeds_as_sentence_transformers_and_a_bad_dense_module_is_refused(tmp_path, gemma):
@@ -160,11 +165,15 @@ def test_the_model_embeds_as_sentence_transformers_and_a_bad_dense_module_is_ref
     prompt = PROMPTS["anchor"]
     with torch.no_grad():
         ours = loaded.model(**loaded.tokenize([prompt + t for t in texts], prompts=[prompt] * len(texts)))
-    theirs = SentenceTransformer(str(folder), device="cpu").encode(texts, prompt=prompt, convert_to_tensor=True)
+    theirs = SentenceTransformer(str(folder), device="cpu").encode(
+        texts, prompt=prompt, convert_to_tensor=True
+    )
     assert (ours - theirs).abs().max().item() <= 1e-5
     # A Dense module whose activation is not torch's would need remote code: refused, named.
     dense_config = folder / "2_Dense" / "config.json"
-    dense_config.write_text(json.dumps({**json.loads(dense_config.read_text()), "activation_function": "my.Act"}))
+    dense_config.write_text(
+        json.dumps({**json.loads(dense_config.read_text()), "activation_function": "my.Act"})
+    )
     with pytest.raises(ValueError, match="2_Dense uses the activation my.Act"):
         load_model(config.Config(model=str(folder)))
 
@@ -211,7 +220,9 @@ def test_packed_rows_and_sub_batches_leave_out_the_same_prompt_tokens(tmp_path):
     folder = tiny_decoder(tmp_path / "qwen2", arch="qwen2")
     embeddings = {}
     for include in (False, True):
-        cfg = config.Config(model=str(folder), prompts=json.dumps(PROMPTS), include_prompt=include, dropout=0.0)
+        cfg = config.Config(
+            model=str(folder), prompts=json.dumps(PROMPTS), include_prompt=include, dropout=0.0
+        )
         loaded = load_model(cfg)
         assert loaded.model.cannot_pack is None
         features, _ = batches.collate(

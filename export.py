@@ -7,9 +7,9 @@
   - `export_sentence_transformer` (one writer, no collective): a folder that
     `SentenceTransformer(path)` (sentence-transformers 2.x to 6.x) and
     `AutoModel.from_pretrained(path)` both load, its weights in files of a bounded size;
-    `read_sentence_transformer_config` reads back what it writes (pooling, normalisation, max
-    length, casing, prompts), from such a folder or any other SentenceTransformer folder;
-  - `model_card`: the folder's README.md, with the run's settings and last evaluation.
+    `read_sentence_transformer_config` reads back what it writes (pooling and include_prompt,
+    Dense layers, normalisation, max length, casing, prompts), from such a folder or any other
+    SentenceTransformer folder; the folder's README.md comes from model_card.py.
 
 Usage (stage_state_dict: all ranks participate; the writer alone the rest):
     export.stage_state_dict(model, staging)
@@ -18,9 +18,8 @@ Usage (stage_state_dict: all ranks participate; the writer alone the rest):
         export.export_sentence_transformer(out_dir, [lambda: export.read_staged(staging, names)],
                                            config, tokenizer, pooling_mode="mean", ...)
 
-Needs torch, transformers and safetensors, and fsdp_utils.py, collectives.py, lora.py, faults.py
-and run_plan.py (for `export_model` and the model card; `export_sentence_transformer`
-needs none).
+Needs torch, transformers and safetensors, and fsdp_utils.py, collectives.py, lora.py, faults.py,
+run_plan.py and model_card.py (for `export_model`; `export_sentence_transformer` needs none).
 """
 
 import copy
@@ -29,7 +28,6 @@ import functools
 import glob
 import importlib.metadata
 import json
-import math
 import os
 import re
 import shutil
@@ -42,6 +40,7 @@ import collectives
 import faults
 import fsdp_utils
 import lora
+import model_card
 import run_plan
 
 
@@ -102,16 +101,11 @@ def write_export(loaded, out_dir, cfg, plan, summary, staging):
     derived = run_plan.record(plan, loaded)  # saved beside the config, as rank 0 printed it
     dtype = fsdp_utils.PRECISIONS[cfg.export_dtype]
     weight_files = exported_files(tensors_of, shapes, loaded.untrained_state, cfg, plan, dtype)
-    head = tensors_of([name for name in staged if name.startswith("classifier.")])
-    dense = [  # each Dense layer's config and tensors, under Dense's own names
-        (
-            dense_config(layer),
-            {
-                name.removeprefix(f"dense.{i}."): t
-                for name, t in tensors_of([n for n in staged if n.startswith(f"dense.{i}.")]).items()
-            },
-        )
-        for i, layer in enumerate(loaded.model.dense)
+    head = tensors_under(tensors_of, staged, "classifier.")
+    # each Dense layer's config and tensors, under Dense's own names (linear.weight, ...)
+    dense = [
+        (dense_config(d), tensors_under(tensors_of, staged, f"dense.{i}."))
+        for i, d in enumerate(loaded.model.dense)
     ]
     export_sentence_transformer(
         out_dir,
@@ -125,16 +119,12 @@ def write_export(loaded, out_dir, cfg, plan, summary, staging):
         max_seq_length=loaded.max_seq_length,
         do_lower_case=loaded.lowercase,
         tokenizer_files=loaded.tokenizer_files,
-        model_card=model_card(cfg, plan, loaded, derived, summary),
+        model_card=model_card.card(cfg, plan, loaded, derived, summary),
         prompts=loaded.named_prompts,
         dtype=dtype,
         training_config={**dataclasses.asdict(cfg), **derived, **summary},
         # The Softmax head is not part of a SentenceTransformer; keep it beside, not lost.
-        extra_tensor_files={
-            "softmax_head.safetensors": {k.removeprefix("classifier."): v for k, v in head.items()}
-        }
-        if head
-        else None,
+        extra_tensor_files={"softmax_head.safetensors": head} if head else None,
     )
     if cfg.export_adapter:  # the adapters alone, for peft, on the base model
         adapters = tensors_of([name for name in staged if name.endswith((".lora_A", ".lora_B"))])
@@ -144,10 +134,17 @@ def write_export(loaded, out_dir, cfg, plan, summary, staging):
             rank=cfg.lora_rank,
             alpha=plan.lora_alpha,
             dropout=cfg.lora_dropout,
-            base_model=public_name(cfg.model),
+            base_model=model_card.public_name(cfg.model),
         )
     if staging:
         shutil.rmtree(staging, ignore_errors=True)
+
+
+def tensors_under(tensors_of, names, prefix):
+    """The tensors of `names` that start with `prefix`, read through `tensors_of`, without it."""
+    return {
+        n.removeprefix(prefix): t for n, t in tensors_of([n for n in names if n.startswith(prefix)]).items()
+    }
 
 
 def dense_config(layer):
@@ -338,18 +335,9 @@ def read_sentence_transformer_config(path):
         with open(file, encoding="utf8") as f:
             return json.load(f)
 
-    st_config = {
-        "subfolder": "",
-        "pooling": "mean",
-        "include_prompt": True,
-        "dense": [],
-        "normalize": False,
-        "max_seq_length": None,
-        "do_lower_case": False,
-        "prompts": {},
-        "default_prompt_name": None,
-        "similarity_fn_name": "cosine",
-    }
+    st_config = {"subfolder": "", "pooling": "mean", "include_prompt": True, "dense": [], "normalize": False}
+    st_config.update(max_seq_length=None, do_lower_case=False, prompts={}, default_prompt_name=None)
+    st_config["similarity_fn_name"] = "cosine"
     modules = read_json("modules.json")
     if modules is None:
         return st_config
@@ -461,26 +449,21 @@ def export_sentence_transformer(
 
     `weight_files` is a list of functions, one per weights file, each returning that file's
     tensors: the transformer's weights with plain HF names (no "encoder." prefix), so the folder
-    is also a plain HF model (config.json, tokenizer files, weights: `write_weight_files`). They
-    are called one at a time, so only one file's tensors need be in memory (`[lambda: state_dict]`
-    for a state dict already there). Floating-point tensors are written in `dtype`, which
-    config.json states. Give it every tensor of the base checkpoint, the untrained ones too (a
-    BERT pooler), or every `from_pretrained` of the folder warns of newly initialised weights.
-    The tokenizer, truncating at `max_seq_length`, and `tokenizer_files`: `write_tokenizer`;
-    `extra_tensor_files` ({filename: tensors}) go beside; on top of that, the sentence-transformers
-    files and README.md (`model_card`): `write_sentence_transformer_files`, with `dense` (a
-    (config, tensors) pair per Dense layer after pooling) and `include_prompt` (False: pooling
-    leaves the prompt's tokens out). The folder is written
-    next to `out_dir` and renamed into place at the end (`swap_into_place`), so a crash never
-    leaves a half-written export, and an older export is replaced only by a whole one.
-    """
+    is also a plain HF model (`write_weight_files`). They are called one at a time, so only one
+    file's tensors need be in memory (`[lambda: state_dict]` for a state dict already there).
+    Floating-point tensors are written in `dtype`, which config.json states. Give it every tensor
+    of the base checkpoint, the untrained ones too (a BERT pooler), or every `from_pretrained` of
+    the folder warns of newly initialised weights. The tokenizer: `write_tokenizer`;
+    `extra_tensor_files` ({filename: tensors}) go beside; the sentence-transformers files, the
+    Dense layers (`dense`: a (config, tensors) pair each) and README.md (`model_card`):
+    `write_sentence_transformer_files`. Written beside `out_dir`, then renamed into place
+    (`swap_into_place`): a crash never leaves a half-written export."""
     if pooling_mode not in POOLING_MODES:
         raise ValueError(f"pooling mode {pooling_mode!r} cannot be exported; use one of {POOLING_MODES}")
     out_dir = os.path.abspath(out_dir)
     tmp_dir = f"{out_dir}.tmp-{os.getpid()}"
     shutil.rmtree(tmp_dir, ignore_errors=True)
-    os.makedirs(tmp_dir)
-    write_weight_files(tmp_dir, weight_files, dtype)
+    write_weight_files(tmp_dir, weight_files, dtype)  # makes tmp_dir
     encoder_config = copy.deepcopy(encoder_config)
     encoder_config.dtype = dtype  # what from_pretrained(dtype="auto") loads it in
     encoder_config.save_pretrained(tmp_dir)
@@ -499,12 +482,9 @@ def export_sentence_transformer(
         training_config=training_config,
         model_card=model_card,
         include_prompt=include_prompt,
-        dense=[settings for settings, _ in dense],
+        dense=dense,
+        dtype=dtype,
     )
-    for i, (_, tensors) in enumerate(dense):  # each Dense layer's weights in its own folder
-        write_weight_files(
-            os.path.join(tmp_dir, f"{i + 2}_Dense"), [lambda tensors=tensors: dict(tensors)], dtype
-        )
     swap_into_place(tmp_dir, out_dir)
 
 
@@ -514,6 +494,7 @@ def write_weight_files(tmp_dir, weight_files, dtype):
     model-0000i-of-0000N.safetensors and model.safetensors.index.json. Floating-point tensors
     are written in `dtype`."""
     # safetensors refuses tensors that are not contiguous.
+    os.makedirs(tmp_dir, exist_ok=True)
     weight_map, total_bytes = {}, 0
     for i, read in enumerate(weight_files):
         file = (
@@ -579,13 +560,14 @@ def write_sentence_transformer_files(
     model_card,
     include_prompt=True,
     dense=(),
+    dtype=torch.float32,
 ):
     """The sentence-transformers files of the folder `tmp_dir`, for a transformer of hidden size
-    `dim`:
+    `dim` (`dense`: a (config, tensors) pair per Dense layer; its tensors written in `dtype`):
         modules.json                      Transformer (path "") -> Pooling -> [Dense ...] -> [Normalize]
         sentence_bert_config.json         max_seq_length, do_lower_case (texts lowercased first)
         1_Pooling/config.json             pooling mode, dimension, include_prompt when False
-        2_Dense/config.json ...           each Dense layer's settings (`dense`; its weights: the caller)
+        2_Dense/ ...                      each Dense layer's config.json and model.safetensors
         N_Normalize/                      (empty) when the model normalises
         config_sentence_transformers.json versions, similarity function, `prompts` ({name: prefix},
                                           for encode(texts, prompt_name=name))
@@ -606,7 +588,7 @@ def write_sentence_transformer_files(
     files = {
         "modules.json": modules,
         "1_Pooling/config.json": pooling_config(pooling_mode, dim, include_prompt),
-        **{f"{i + 2}_Dense/config.json": settings for i, settings in enumerate(dense)},
+        **{f"{i + 2}_Dense/config.json": settings for i, (settings, _) in enumerate(dense)},
         "sentence_bert_config.json": {"max_seq_length": max_seq_length, "do_lower_case": do_lower_case},
         "config_sentence_transformers.json": config_sentence_transformers(
             pooling_mode, prompts, include_prompt
@@ -619,6 +601,8 @@ def write_sentence_transformer_files(
             json.dump(content, f, indent=2)
     with open(os.path.join(tmp_dir, "README.md"), "w", encoding="utf8") as f:
         f.write(model_card)
+    for i, (_, tensors) in enumerate(dense):
+        write_weight_files(os.path.join(tmp_dir, f"{i + 2}_Dense"), [lambda t=tensors: dict(t)], dtype)
 
 
 def config_sentence_transformers(pooling_mode, prompts, include_prompt=True):
@@ -648,207 +632,3 @@ def swap_into_place(tmp_dir, out_dir):
         os.rename(out_dir, old_dir)
     os.rename(tmp_dir, out_dir)
     shutil.rmtree(old_dir, ignore_errors=True)
-
-
-# ----------------------------------------------------------------------------------------------
-# The model card
-
-
-def public_name(name):
-    """How the model card names a model or a data file: a hub id as it is, a local path by its
-    last component only (the training machine's folders mean nothing to a reader)."""
-    if name in ("all-MiniLM-L6-v2", "sentence-transformers/all-MiniLM-L6-v2"):
-        return "sentence-transformers/all-MiniLM-L6-v2"
-    return os.path.basename(os.path.normpath(name)) if os.path.exists(name) else name
-
-
-# Pooling by hand, for the model card's plain-transformers example: what `pool` does.
-POOLING_BY_HAND = {
-    "mean": (
-        'mask = batch["attention_mask"].unsqueeze(-1).to(states.dtype)\n'
-        "embeddings = (states * mask).sum(1) / mask.sum(1).clamp(min=1e-9)"
-    ),
-    "cls": "embeddings = states[:, 0]",
-    "max": (
-        'mask = batch["attention_mask"].unsqueeze(-1)\n'
-        "embeddings = states.masked_fill(mask == 0, -1e9).max(1).values"
-    ),
-    "lasttoken": (
-        'mask = batch["attention_mask"]\n'
-        "last = mask.shape[1] - 1 - mask.flip(1).argmax(1)  # the last real token, left or right padding\n"
-        "embeddings = states[torch.arange(len(last)), last]"
-    ),
-}
-
-
-def last_evaluation(output_dir):
-    """The newest evaluation in OUTPUT_DIR/metrics.jsonl (rank 0 wrote it), or None."""
-    path = os.path.join(output_dir, "metrics.jsonl")
-    if not os.path.exists(path):
-        return None
-    with open(path) as f:
-        evals = [row["eval"] for row in map(json.loads, f) if "eval" in row]
-    return evals[-1] if evals else None
-
-
-# The model card (README.md), filled in by `model_card` with str.format.
-MODEL_CARD = """---
-library_name: sentence-transformers
-pipeline_tag: sentence-similarity
-tags: [sentence-transformers, feature-extraction, sentence-similarity, fsdp-embed]
-{base_model}
----
-# Sentence embedding model trained with fsdp-embed
-
-- Base model: `{base}`
-- Training data: `{train_data}` ({train_rows} rows)
-- Loss: {losses}; pooling: `{pooling}`{normalised}; texts truncated at {max_seq_length} tokens{column_lengths}
-- Steps: {total_steps} of global batch {global_batch} on {world_size} process(es)
-- Final training loss: {final_loss:.4f}{notes}
-{evaluation}
-## Use with sentence-transformers
-```python
-from sentence_transformers import SentenceTransformer
-model = SentenceTransformer("path/to/this/folder")
-embeddings = model.encode(["A sentence.", "Another one."]){prompted}{truncated}
-```
-
-## Use with plain transformers
-```python
-import torch
-from transformers import AutoModel, AutoTokenizer
-
-texts = ["A sentence.", "Another one."]
-tokenizer = AutoTokenizer.from_pretrained("path/to/this/folder")  # truncates at {max_seq_length} tokens
-model = AutoModel.from_pretrained("path/to/this/folder").eval()
-batch = tokenizer([{prepare} for t in texts], padding=True, truncation=True, return_tensors="pt")
-with torch.no_grad():
-    states = model(**batch).last_hidden_state
-{pooling_by_hand}{normalize}
-```
-
-## Hyper-parameters
-```json
-{settings}
-```
-"""
-
-
-def model_card(cfg, plan, loaded, derived, summary):
-    """The export's README.md: the run's base model, data, loss, settings and last evaluation,
-    and how to use the model with sentence-transformers and with plain transformers."""
-    base, pooling = public_name(cfg.model), loaded.model.pooling
-    base_is_hub = not os.path.exists(cfg.model) or base == "sentence-transformers/all-MiniLM-L6-v2"
-    settings = card_settings(cfg)
-    sizes = plan.matryoshka
-    multiple_sets = len(derived["train_sets"]) > 1
-    return MODEL_CARD.format(
-        base_model=f"base_model: {base}" if base_is_hub else "",
-        base=base,
-        train_data=settings["train_data"],
-        train_rows=derived["train_rows"],
-        losses=", ".join(
-            f"`{s['loss']}`" + (f" on {s['name']}" if multiple_sets else "") for s in derived["train_sets"]
-        ),
-        pooling=pooling,
-        normalised=", L2-normalised" if loaded.model.normalize else "",
-        max_seq_length=loaded.max_seq_length,
-        column_lengths=(
-            " (in training: " + ", ".join(f"{c} at {n}" for c, n in loaded.column_lengths.items()) + ")"
-            if loaded.column_lengths
-            else ""
-        ),
-        total_steps=derived["total_steps"],
-        global_batch=derived["global_batch"],
-        world_size=derived["world_size"],
-        final_loss=summary["final_loss"],
-        notes=card_notes(cfg, plan, loaded),
-        evaluation=evaluation_section(
-            summary.get("eval") or last_evaluation(cfg.output_dir),
-            summary.get("step", derived["total_steps"]),
-        ),
-        prompted="".join(
-            f'\n{name}_embeddings = model.encode(["A text."], prompt_name="{name}")'
-            for name in loaded.prompts
-        ),
-        truncated=(
-            f"\n# Smaller embeddings, as trained: the first {min(sizes[0])} dimensions\n"
-            f'small = SentenceTransformer("path/to/this/folder", truncate_dim={min(sizes[0])})'
-            if sizes
-            else ""
-        ),
-        prepare="t.strip().lower()" if loaded.lowercase else "t.strip()",
-        pooling_by_hand=POOLING_BY_HAND[pooling]
-        + (
-            "\n# then the Dense layers (2_Dense/, ...), as sentence-transformers applies them"
-            if loaded.model.dense
-            else ""
-        ),
-        normalize=(
-            "\nembeddings = torch.nn.functional.normalize(embeddings, dim=-1)"
-            if loaded.model.normalize
-            else ""
-        ),
-        settings=json.dumps(settings, indent=2),
-    )
-
-
-def card_settings(cfg):
-    """The model card's hyper-parameters: the run's settings, with local paths by their last
-    component only (`public_name`)."""
-    return {
-        **dataclasses.asdict(cfg),
-        "model": public_name(cfg.model),
-        "train_data": ",".join(public_name(p) for p in cfg.train_data.split(",")),
-        "output_dir": public_name(cfg.output_dir),
-        "eval_data": ",".join(public_name(p) for p in cfg.eval_data.split(",") if p),
-        "resume": public_name(cfg.resume) if cfg.resume else "",
-    }
-
-
-def card_notes(cfg, plan, loaded):
-    """The model card's lines after the final loss, each starting with a newline: Matryoshka
-    sizes, prompts, the appended EOS token and LoRA."""
-    notes, sizes = "", plan.matryoshka
-    if sizes:
-        notes += (
-            f"\n- Matryoshka: trained at sizes {', '.join(map(str, sizes[0]))} "
-            f"(weights {', '.join(f'{w:g}' for w in sizes[1])}): "
-            "the first d dimensions of an embedding are an embedding too"
-        )
-    if loaded.prompts:
-        notes += (
-            "\n- Prompts, prepended to each column's texts in training (pass `prompt_name`): "
-            + ", ".join(f"`{name}`: {json.dumps(prefix)}" for name, prefix in loaded.prompts.items())
-        )
-    if cfg.append_eos:
-        notes += "\n- Every text ends with the EOS token: the tokenizer appends it (after truncation)"
-    if loaded.model.dense:
-        sizes = [loaded.model.dense[0].linear.in_features] + [
-            d.linear.out_features for d in loaded.model.dense
-        ]
-        notes += f"\n- Dense layers after pooling ({' -> '.join(map(str, sizes))}), trained with the model"
-    if cfg.bidirectional:
-        notes += (
-            "\n- Bidirectional attention (config.json: use_bidirectional_attention), in training and here"
-        )
-    if not loaded.include_prompt:
-        notes += "\n- Pooling leaves out the prompt's tokens (1_Pooling: include_prompt false)"
-    if cfg.lora_rank:
-        notes += f"\n- LoRA: rank {cfg.lora_rank}, alpha {plan.lora_alpha:g}, merged into these weights"
-        if cfg.export_adapter:
-            notes += " (the adapters alone, for peft on the base model: `adapter/`)"
-    return notes
-
-
-def evaluation_section(evaluation, step):
-    """The model card's table of the last evaluation ({metric: value}) at `step`; "" without one."""
-    if not evaluation:
-        return ""
-    rows = "\n".join(
-        f"| {name} | {value:.4f} |"
-        if value is not None and math.isfinite(value)
-        else f"| {name} | not computable |"
-        for name, value in evaluation.items()
-    )
-    return f"\n## Evaluation (step {step})\n| metric | value |\n|---|---|\n{rows}\n"

@@ -1,0 +1,213 @@
+"""The export's model card (README.md): the run's base model, data, loss, settings and last
+evaluation, and how to use the model with sentence-transformers and with plain transformers.
+
+    text = model_card.card(cfg, plan, loaded, run_plan.record(plan, loaded), summary)
+
+Needs nothing from the project: it reads the Config, the Plan (run_plan.py) and the LoadedModel
+(embedding_model.py) it is given.
+"""
+
+import dataclasses
+import json
+import math
+import os
+
+
+def public_name(name):
+    """How the model card names a model or a data file: a hub id as it is, a local path by its
+    last component only (the training machine's folders mean nothing to a reader)."""
+    if name in ("all-MiniLM-L6-v2", "sentence-transformers/all-MiniLM-L6-v2"):
+        return "sentence-transformers/all-MiniLM-L6-v2"
+    return os.path.basename(os.path.normpath(name)) if os.path.exists(name) else name
+
+
+# Pooling by hand, for the model card's plain-transformers example: what `pool` does.
+POOLING_BY_HAND = {
+    "mean": (
+        'mask = batch["attention_mask"].unsqueeze(-1).to(states.dtype)\n'
+        "embeddings = (states * mask).sum(1) / mask.sum(1).clamp(min=1e-9)"
+    ),
+    "cls": "embeddings = states[:, 0]",
+    "max": (
+        'mask = batch["attention_mask"].unsqueeze(-1)\n'
+        "embeddings = states.masked_fill(mask == 0, -1e9).max(1).values"
+    ),
+    "lasttoken": (
+        'mask = batch["attention_mask"]\n'
+        "last = mask.shape[1] - 1 - mask.flip(1).argmax(1)  # the last real token, left or right padding\n"
+        "embeddings = states[torch.arange(len(last)), last]"
+    ),
+}
+
+
+def last_evaluation(output_dir):
+    """The newest evaluation in OUTPUT_DIR/metrics.jsonl (rank 0 wrote it), or None."""
+    path = os.path.join(output_dir, "metrics.jsonl")
+    if not os.path.exists(path):
+        return None
+    with open(path) as f:
+        evals = [row["eval"] for row in map(json.loads, f) if "eval" in row]
+    return evals[-1] if evals else None
+
+
+# The model card (README.md), filled in by `model_card` with str.format.
+MODEL_CARD = """---
+library_name: sentence-transformers
+pipeline_tag: sentence-similarity
+tags: [sentence-transformers, feature-extraction, sentence-similarity, fsdp-embed]
+{base_model}
+---
+# Sentence embedding model trained with fsdp-embed
+
+- Base model: `{base}`
+- Training data: `{train_data}` ({train_rows} rows)
+- Loss: {losses}; pooling: `{pooling}`{normalised}; texts truncated at {max_seq_length} tokens{column_lengths}
+- Steps: {total_steps} of global batch {global_batch} on {world_size} process(es)
+- Final training loss: {final_loss:.4f}{notes}
+{evaluation}
+## Use with sentence-transformers
+```python
+from sentence_transformers import SentenceTransformer
+model = SentenceTransformer("path/to/this/folder")
+embeddings = model.encode(["A sentence.", "Another one."]){prompted}{truncated}
+```
+
+## Use with plain transformers
+```python
+import torch
+from transformers import AutoModel, AutoTokenizer
+
+texts = ["A sentence.", "Another one."]
+tokenizer = AutoTokenizer.from_pretrained("path/to/this/folder")  # truncates at {max_seq_length} tokens
+model = AutoModel.from_pretrained("path/to/this/folder").eval()
+batch = tokenizer([{prepare} for t in texts], padding=True, truncation=True, return_tensors="pt")
+with torch.no_grad():
+    states = model(**batch).last_hidden_state
+{pooling_by_hand}{normalize}
+```
+
+## Hyper-parameters
+```json
+{settings}
+```
+"""
+
+
+def card(cfg, plan, loaded, derived, summary):
+    """The export's README.md: the run's base model, data, loss, settings and last evaluation,
+    and how to use the model with sentence-transformers and with plain transformers."""
+    base, pooling = public_name(cfg.model), loaded.model.pooling
+    base_is_hub = not os.path.exists(cfg.model) or base == "sentence-transformers/all-MiniLM-L6-v2"
+    settings = card_settings(cfg)
+    sizes = plan.matryoshka
+    multiple_sets = len(derived["train_sets"]) > 1
+    return MODEL_CARD.format(
+        base_model=f"base_model: {base}" if base_is_hub else "",
+        base=base,
+        train_data=settings["train_data"],
+        train_rows=derived["train_rows"],
+        losses=", ".join(
+            f"`{s['loss']}`" + (f" on {s['name']}" if multiple_sets else "") for s in derived["train_sets"]
+        ),
+        pooling=pooling,
+        normalised=", L2-normalised" if loaded.model.normalize else "",
+        max_seq_length=loaded.max_seq_length,
+        column_lengths=(
+            " (in training: " + ", ".join(f"{c} at {n}" for c, n in loaded.column_lengths.items()) + ")"
+            if loaded.column_lengths
+            else ""
+        ),
+        total_steps=derived["total_steps"],
+        global_batch=derived["global_batch"],
+        world_size=derived["world_size"],
+        final_loss=summary["final_loss"],
+        notes=card_notes(cfg, plan, loaded),
+        evaluation=evaluation_section(
+            summary.get("eval") or last_evaluation(cfg.output_dir),
+            summary.get("step", derived["total_steps"]),
+        ),
+        prompted="".join(
+            f'\n{name}_embeddings = model.encode(["A text."], prompt_name="{name}")'
+            for name in loaded.prompts
+        ),
+        truncated=(
+            f"\n# Smaller embeddings, as trained: the first {min(sizes[0])} dimensions\n"
+            f'small = SentenceTransformer("path/to/this/folder", truncate_dim={min(sizes[0])})'
+            if sizes
+            else ""
+        ),
+        prepare="t.strip().lower()" if loaded.lowercase else "t.strip()",
+        pooling_by_hand=POOLING_BY_HAND[pooling]
+        + (
+            "\n# then the Dense layers (2_Dense/, ...), as sentence-transformers applies them"
+            if loaded.model.dense
+            else ""
+        ),
+        normalize=(
+            "\nembeddings = torch.nn.functional.normalize(embeddings, dim=-1)"
+            if loaded.model.normalize
+            else ""
+        ),
+        settings=json.dumps(settings, indent=2),
+    )
+
+
+def card_settings(cfg):
+    """The model card's hyper-parameters: the run's settings, with local paths by their last
+    component only (`public_name`)."""
+    return {
+        **dataclasses.asdict(cfg),
+        "model": public_name(cfg.model),
+        "train_data": ",".join(public_name(p) for p in cfg.train_data.split(",")),
+        "output_dir": public_name(cfg.output_dir),
+        "eval_data": ",".join(public_name(p) for p in cfg.eval_data.split(",") if p),
+        "resume": public_name(cfg.resume) if cfg.resume else "",
+    }
+
+
+def card_notes(cfg, plan, loaded):
+    """The model card's lines after the final loss, each starting with a newline: Matryoshka
+    sizes, prompts, the appended EOS token and LoRA."""
+    notes, sizes = "", plan.matryoshka
+    if sizes:
+        notes += (
+            f"\n- Matryoshka: trained at sizes {', '.join(map(str, sizes[0]))} "
+            f"(weights {', '.join(f'{w:g}' for w in sizes[1])}): "
+            "the first d dimensions of an embedding are an embedding too"
+        )
+    if loaded.prompts:
+        notes += (
+            "\n- Prompts, prepended to each column's texts in training (pass `prompt_name`): "
+            + ", ".join(f"`{name}`: {json.dumps(prefix)}" for name, prefix in loaded.prompts.items())
+        )
+    if cfg.append_eos:
+        notes += "\n- Every text ends with the EOS token: the tokenizer appends it (after truncation)"
+    if loaded.model.dense:
+        sizes = [loaded.model.dense[0].linear.in_features] + [
+            d.linear.out_features for d in loaded.model.dense
+        ]
+        notes += f"\n- Dense layers after pooling ({' -> '.join(map(str, sizes))}), trained with the model"
+    if cfg.bidirectional:
+        notes += (
+            "\n- Bidirectional attention (config.json: use_bidirectional_attention), in training and here"
+        )
+    if not loaded.include_prompt:
+        notes += "\n- Pooling leaves out the prompt's tokens (1_Pooling: include_prompt false)"
+    if cfg.lora_rank:
+        notes += f"\n- LoRA: rank {cfg.lora_rank}, alpha {plan.lora_alpha:g}, merged into these weights"
+        if cfg.export_adapter:
+            notes += " (the adapters alone, for peft on the base model: `adapter/`)"
+    return notes
+
+
+def evaluation_section(evaluation, step):
+    """The model card's table of the last evaluation ({metric: value}) at `step`; "" without one."""
+    if not evaluation:
+        return ""
+    rows = "\n".join(
+        f"| {name} | {value:.4f} |"
+        if value is not None and math.isfinite(value)
+        else f"| {name} | not computable |"
+        for name, value in evaluation.items()
+    )
+    return f"\n## Evaluation (step {step})\n| metric | value |\n|---|---|\n{rows}\n"

@@ -34,6 +34,7 @@ from conftest import (
 
 import batches
 import config
+import model_card
 import train
 
 PROMPTS = {"anchor": "task: search result | query: ", "positive": "title: none | text: "}
@@ -179,24 +180,29 @@ def test_the_export_attends_both_ways_keeps_its_dense_layers_and_embeds_as_train
 # The recipe at world 1 and 2
 
 
-def recipe_args(model, per_device_batch_size, out, extra=()):
+def recipe_args(model, dev, per_device_batch_size, out, extra=()):
     return [
         "--model", model, "--loss", "mnrl", "--train-data", data_file("sick-pairs-train.jsonl"),
         "--max-steps", 3, "--per-device-batch-size", per_device_batch_size, "--lr", 1e-3,
         "--dropout", 0, "--log-steps", 1, "--seed", 3, "--max-grad-norm", 0.1, "--gather-negatives",
         "--bidirectional", "--no-include-prompt", "--prompts", json.dumps(PROMPTS), "--save-steps", 0,
-        "--output-dir", out, *extra,
+        "--eval-data", dev, "--output-dir", out, *extra,
     ]  # fmt: skip
 
 
 @pytest.fixture(scope="module")
 def recipe_runs(tmp_path_factory, gemma_st):
+    """The recipe's runs by name, each launched once; evaluated after the last step on retrieval
+    pairs (anchor, positive: each column with its prompt, its tokens left out of pooling)."""
+    dev = tmp_path_factory.mktemp("dev") / "sick-dev.jsonl"
+    pairs = open(data_file("sick-pairs-train.jsonl")).read().splitlines()[-80:]
+    dev.write_text("\n".join(pairs) + "\n")
     done = {}
 
     def run(name, nproc, extra=()):
         if name not in done:
             out = tmp_path_factory.mktemp(name)
-            warm_run(recipe_args(gemma_st, 8 // nproc, out, extra), nproc=nproc)
+            warm_run(recipe_args(gemma_st, dev, 8 // nproc, out, extra), nproc=nproc)
             done[name] = out
         return done[name]
 
@@ -228,5 +234,9 @@ def test_the_recipe_trains_at_world_2_as_at_world_1(recipe_runs, case):
         assert got_weights.keys() == want_weights.keys()
         for name in want_weights:
             assert (got_weights[name] - want_weights[name]).abs().max().item() <= 1e-5, (dense, name)
+    # the sharded evaluator's metrics, as at world 1
+    got_eval, want_eval = (model_card.last_evaluation(out) for out in (got, want))
+    assert got_eval.keys() == want_eval.keys() and "sick-dev/mrr@10" in want_eval
+    assert all(abs(got_eval[k] - want_eval[k]) <= 1e-5 for k in want_eval), (got_eval, want_eval)
     record = json.loads((got / "final" / "training_config.json").read_text())
     assert record["attention"] == "bidirectional" and record["include_prompt_used"] is False

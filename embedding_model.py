@@ -365,7 +365,9 @@ def load_model(cfg, plan, on_meta=False):
     # Two copies of the config: the encoder is built from one whose dropout rates --dropout may
     # rewrite, the export keeps the other as it came, so an exported model keeps its base's rates.
     export_config = transformers.AutoConfig.from_pretrained(path, subfolder=subfolder, **remote)
-    if cfg.bidirectional:  # saved in the export's config.json: it loads bidirectional everywhere
+    # Saved in the export's config.json: it loads bidirectional everywhere. (An encoder's config has
+    # no such setting, nor needs one: model_checks.check_bidirectional.)
+    if cfg.bidirectional and "use_bidirectional_attention" in export_config.to_dict():
         export_config = bidirectional_config(export_config)
     train_config = with_dropout(export_config, cfg.dropout)
     folder = os.path.join(path, subfolder) if subfolder else path

@@ -156,15 +156,15 @@ def check_bidirectional(cfg, model_config):
     """--bidirectional: the model is a decoder whose config carries use_bidirectional_attention
     (saved in the export's config.json, so it loads bidirectional everywhere), and whose model
     code in this transformers honours it: a tiny random model of the same class attends to later
-    tokens, with and without padding (transformers builds its mask differently for each)."""
+    tokens, with and without padding (transformers builds its mask differently for each). An
+    encoder (BERT) attends both ways already: the flag changes nothing there."""
     kind, version = model_config.model_type, transformers.__version__
     with torch.device("meta"):
         encoder = transformers.AutoModel.from_config(model_config, trust_remote_code=cfg.trust_remote_code)
-    if not any(getattr(m, "is_causal", False) is True for m in encoder.modules()):
-        raise ValueError(
-            f"--bidirectional: {cfg.model} ({kind}) attends in both directions already; drop the flag"
-        )
-    if "use_bidirectional_attention" not in model_config.to_dict():
+    carries = "use_bidirectional_attention" in model_config.to_dict()
+    if not carries and not any(getattr(m, "is_causal", False) is True for m in encoder.modules()):
+        return
+    if not carries:
         raise ValueError(
             f"--bidirectional: the config of {kind} models ({type(model_config).__name__}) cannot carry "
             f"use_bidirectional_attention in transformers {version}, so the export would load causal; "

@@ -4,8 +4,9 @@
   embeddings equal a naive forward with a full (padding-only) attention mask, with left padding,
   one text at a time and in length-sorted sub-batches; without the flag they differ;
 - decoders whose config cannot carry the setting (Qwen2), whose code in this transformers does
-  not honour it with padding (Gemma), and encoders (BERT) are refused at start-up, one `error:`
-  line from a two-process launch;
+  not honour it with padding (Gemma) are refused at start-up, one `error:` line from a
+  two-process launch; models that attend both ways already (EmbeddingGemma's config, BERT) take
+  the flag and embed as without it;
 - the export of a run with Dense layers, --bidirectional, prompts and --no-include-prompt loads in
   sentence-transformers and in plain transformers (no remote code) attending both ways, and
   embeds as the trained model in memory did;
@@ -16,6 +17,7 @@ Run: python -m pytest tests/test_bidirectional.py
 """
 
 import json
+import shutil
 
 import pytest
 import torch
@@ -110,15 +112,34 @@ def test_bidirectional_attention_is_full_attention_over_each_text(gemma):
     [
         ("qwen2", r"the config of qwen2 models \(Qwen2Config\) cannot carry use_bidirectional_attention"),
         ("gemma", r"gemma models in transformers .* do not attend both ways .*\(not with padding\)"),
-        ("bert", r"attends in both directions already"),
     ],
 )
-def test_models_that_cannot_attend_both_ways_are_refused_at_start_up(tmp_path, tiny_model, arch, message):
-    folder = tiny_model if arch == "bert" else tiny_decoder(tmp_path / arch, arch=arch)
+def test_models_that_cannot_attend_both_ways_are_refused_at_start_up(tmp_path, arch, message):
+    folder = tiny_decoder(tmp_path / arch, arch=arch)
     cfg = config.Config(model=str(folder), bidirectional=True, output_dir=str(tmp_path / "out"))
     with pytest.raises(ValueError, match=f"^--bidirectional: .*{message}"):
         start_up(cfg)
     start_up(config.Config(model=str(folder), output_dir=str(tmp_path / "out")))  # causal: fine
+
+
+@pytest.mark.quick
+def test_models_that_attend_both_ways_already_take_the_flag(tmp_path, gemma, tiny_model):
+    """A Gemma3 whose config says bidirectional already (EmbeddingGemma's) and an encoder (BERT):
+    --bidirectional is accepted and changes nothing (the same embeddings without it)."""
+    already = tmp_path / "gemma3-bidirectional"
+    shutil.copytree(gemma, already)
+    model_config = json.loads((already / "config.json").read_text())
+    (already / "config.json").write_text(json.dumps({**model_config, "use_bidirectional_attention": True}))
+    for folder in (already, tiny_model):
+        cfg = config.Config(
+            model=str(folder), bidirectional=True, output_dir=str(tmp_path / "out"), dropout=0.0
+        )
+        start_up(cfg)
+        loaded, plain = load_model(cfg), load_model(config.Config(model=str(folder), dropout=0.0))
+        assert not loaded.model.causal and not plain.model.causal
+        tokens = loaded.tokenize(sentences(6))
+        with torch.no_grad():
+            assert torch.equal(loaded.model.eval()(**tokens), plain.model.eval()(**tokens))
 
 
 def test_a_refused_model_stops_a_launch_with_one_error_line(tmp_path):

@@ -362,7 +362,7 @@ def micro_batches(plan, cfg, loaded, rank, start_step):
 
     def steps():  # one at a time: no list of every step
         for step in range(start_step, len(plan.schedule)):
-            yield from ((step, micro_step) for micro_step in range(cfg.grad_accum_steps))
+            yield from ((step, micro_step) for micro_step in range(plan.grad_accum_steps))
 
     def read_ahead():
         order = steps()

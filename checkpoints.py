@@ -28,6 +28,7 @@ import dataclasses
 import datetime
 import functools
 import glob
+import hashlib
 import itertools
 import json
 import math
@@ -234,9 +235,10 @@ def _make_complete(tmp_dir, final_dir, checkpoints_dir, keep_last):
 
 
 def load_checkpoint(model, optimizer, checkpoint_dir):
-    """Load what `save_checkpoint` wrote into `model` and `optimizer` (built the same way, same
-    world size) and this rank's RNG; return the trainer state dict. Reading sharded state and
-    setting it are collectives (all ranks participate)."""
+    """Load what `save_checkpoint` wrote into `model` and `optimizer` (built the same way, at any
+    world size and strategy: DCP gives each rank its part of every tensor) and this rank's RNG;
+    return the trainer state dict. Reading sharded state and setting it are collectives
+    (all ranks participate)."""
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.state_dict import StateDictOptions, set_state_dict
 
@@ -257,8 +259,22 @@ def load_checkpoint(model, optimizer, checkpoint_dir):
             optim_state_dict=optim_state,
             options=StateDictOptions(**CHECKPOINT_OPTIONS),
         )
-    set_rng_states(load_file(os.path.join(checkpoint_dir, f"rng-rank-{rank}.safetensors")))
+    set_rng_states(rng_for_rank(checkpoint_dir, rank))
     return trainer_state
+
+
+def rng_for_rank(checkpoint_dir, rank):
+    """Rank `rank`'s saved random-number generator states; for a rank the run had not (resumed at
+    a larger world), a CPU stream of its own, drawn from rank 0's and the rank (another rank's
+    would repeat its dropout masks)."""
+    rng_file = os.path.join(checkpoint_dir, f"rng-rank-{rank}.safetensors")
+    if os.path.exists(rng_file):
+        return load_file(rng_file)
+    rank0_state = load_file(os.path.join(checkpoint_dir, "rng-rank-0.safetensors"))["cpu"]
+    digest = hashlib.blake2b(rank0_state.numpy().tobytes() + str(rank).encode(), digest_size=8)
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(int.from_bytes(digest.digest(), "little"))
+        return {"cpu": torch.get_rng_state()}
 
 
 def restore_checkpoint(resume_dir, model, optimizer, scheduler, scaler, total_steps):
@@ -285,6 +301,13 @@ def schedule_for_groups(schedule, groups):
         return schedule
     one_each = {key: schedule[key][:1] * groups for key in ("base_lrs", "_last_lr")}
     return {**schedule, **one_each}
+
+
+def saved_state(checkpoint_dir):
+    """The trainer state a checkpoint was written with: its config, the plan's record (world size,
+    each set's batches), the schedule's state."""
+    with open(os.path.join(checkpoint_dir, "trainer_state.json")) as f:
+        return json.load(f)
 
 
 def newest_usable_checkpoint(checkpoints_dir):
@@ -332,7 +355,7 @@ def check_loss_finite(loss_value, step, output_dir):
 # Resuming: which checkpoint, and only for the same run
 
 
-def checkpoint_to_resume(cfg, world_size, fingerprint, fingerprint_before_arrow=None):
+def checkpoint_to_resume(cfg, fingerprint, fingerprint_before_arrow=None):
     """The checkpoint this run continues from (None: start fresh), or "finished" when
     --output-dir already holds the finished run. Refuses to overwrite anything by accident, and
     to continue a run with other settings or other training data (`fingerprint`; a checkpoint
@@ -347,9 +370,7 @@ def checkpoint_to_resume(cfg, world_size, fingerprint, fingerprint_before_arrow=
             # e.g. torchrun restarting a job that had already exported: nothing to do, provided it
             # is the same run (another one would silently "finish" without training).
             with open(os.path.join(final_dir, "training_config.json")) as f:
-                check_same_run(
-                    cfg, json.load(f), world_size, fingerprint, final_dir, fingerprint_before_arrow
-                )
+                check_same_run(cfg, json.load(f), fingerprint, final_dir, fingerprint_before_arrow)
             return "finished"
         raise ValueError(
             f"{final_dir} already holds a finished run's export; "
@@ -378,15 +399,14 @@ def checkpoint_to_resume(cfg, world_size, fingerprint, fingerprint_before_arrow=
             return None
     with open(os.path.join(resume_dir, "trainer_state.json")) as f:
         saved = json.load(f)
-    check_same_run(
-        cfg, {**saved["config"], **saved}, world_size, fingerprint, resume_dir, fingerprint_before_arrow
-    )
+    check_same_run(cfg, {**saved["config"], **saved}, fingerprint, resume_dir, fingerprint_before_arrow)
     return resume_dir
 
 
-def check_same_run(cfg, saved, world_size, fingerprint, where, fingerprint_before_arrow=None):
+def check_same_run(cfg, saved, fingerprint, where, fingerprint_before_arrow=None):
     """`saved` (a checkpoint's or an export's config and derived values) must describe this run:
-    every setting but those a resume may change, the number of processes, the training data."""
+    every setting but those a resume may change, and the training data. The number of processes
+    may change: run_plan.resumed_batches keeps the global batch."""
     saved_fingerprint = saved.get("train_data_fingerprint", fingerprint)
     if "arrow-sha256" not in saved_fingerprint and fingerprint_before_arrow is not None:
         fingerprint = fingerprint_before_arrow()  # saved by an earlier version, hashed as it hashed
@@ -401,11 +421,6 @@ def check_same_run(cfg, saved, world_size, fingerprint, where, fingerprint_befor
         for k in current
         if k in saved and k not in may_change and current[k] != saved[k]
     ]
-    if saved.get("world_size") != world_size:
-        diffs.append(
-            f"{saved.get('world_size')} processes (this run: {world_size}); "
-            "each process holds its own shard of the state"
-        )
     if saved_fingerprint != fingerprint:
         diffs.append(
             f"other training data ({saved['train_data_fingerprint']}; "
@@ -416,8 +431,7 @@ def check_same_run(cfg, saved, world_size, fingerprint, where, fingerprint_befor
         raise ValueError(
             f"cannot resume from {where}: it was written with "
             + "; ".join(diffs)
-            + ". Resume with the same settings, data and number of processes, "
-            "or start a fresh --output-dir"
+            + ". Resume with the same settings and data, or start a fresh --output-dir"
         )
 
 

@@ -127,8 +127,9 @@ class Config:
     bidirectional: bool = arg(
         False,
         "decoders: attend in both directions (no causal mask) in training, evaluation and the export, "
-        "through the config's use_bidirectional_attention (Gemma family); a model whose config cannot "
-        "carry it is refused. Off: the model's config decides",
+        "through the config's use_bidirectional_attention (Gemma3); a decoder whose config cannot carry "
+        "it, or whose transformers code does not honour it, is refused. Off: the model's config decides "
+        "(EmbeddingGemma's says bidirectional already; encoders attend both ways anyway)",
     )
     dropout: float = arg(
         None,
@@ -175,11 +176,21 @@ class Config:
     # optimisation
     epochs: int = arg(3, "passes over the training data (ignored when --max-steps > 0)")
     max_steps: int = arg(0, "optimizer steps to run; 0: as many as --epochs give", at_least=0)
-    per_device_batch_size: int = arg(16, "rows per micro-batch on each rank", at_least=1)
+    # A resume may change the two, and the number of processes, as long as each set's global
+    # batch stays the checkpoint's (run_plan.resumed_batches; the same command at another world
+    # size is adjusted by its rule)
+    per_device_batch_size: int = arg(
+        16, "rows per micro-batch on each rank", at_least=1, resume_may_change=True
+    )
     grad_accum_steps: int = arg(
         1,
-        "micro-batches per optimizer step; global batch = per_device_batch_size x world x grad_accum_steps",
+        "micro-batches per optimizer step; global batch = per_device_batch_size x world x grad_accum_steps. "
+        "Resuming at another number of processes keeps each checkpoint's global batch: with "
+        "--gather-negatives by scaling the per-device batch (the gathered batch stays the same), else by "
+        "scaling the accumulation (each micro-batch stays the same), else the other; refused where neither "
+        "gives a whole number",
         at_least=1,
+        resume_may_change=True,
     )
     lr: float = arg(2e-5, "peak learning rate of AdamW", above=0)
     warmup_ratio: float = arg(
@@ -249,8 +260,9 @@ class Config:
     strategy: str = arg(
         "auto",
         "auto: single for one process, ddp under torchrun with several; fsdp shards parameters, gradients "
-        "and optimizer state",
+        "and optimizer state. A resume may change it: every rank reads its part of the checkpoint",
         choices=("auto", "single", "ddp", "fsdp"),
+        resume_may_change=True,
     )
     sharding: str = arg(
         "auto",
@@ -260,6 +272,7 @@ class Config:
         "weights takes at most 10%% of each process's free memory, else full_shard. On CPU, full_shard "
         "and hybrid_shard also give freed memory back to the system at once (slower)",
         choices=("auto", "full_shard", "shard_grad_op", "hybrid_shard", "no_shard"),
+        resume_may_change=True,
     )
     fsdp_version: int = arg(
         2,
@@ -268,6 +281,7 @@ class Config:
         "FullyShardedDataParallel with transformer_auto_wrap_policy, needed for --sharding no_shard and "
         "to resume a run written with it",
         choices=(1, 2),
+        resume_may_change=True,
     )
     fsdp_layer_cls: str = arg(
         "",

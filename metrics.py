@@ -2,7 +2,8 @@
 --report-to (TensorBoard, Weights & Biases, MLflow: tracking.py).
 
 One JSON object a line, flushed at once, so a crash loses no logged step: {"step", "epoch",
-"loss", "grad_norm", "lr", "samples_per_s"} every --log-steps steps, {"step", "eval": {...}} at
+"loss", "grad_norm", "lr", "samples_per_s", "world_size"} every --log-steps steps (a run resumed at
+another number of processes says so in its lines), {"step", "eval": {...}} at
 every evaluation, and the run's summary (final_loss, train_seconds, ...) at the end. NaN and inf
 are written as null. A resumed run keeps the rows up to its checkpoint's step.
 
@@ -123,8 +124,9 @@ class StepMeter:
     spent training, for samples/s. Evaluation and saving are not training: they are timed into
     `paused` (timed(meter.paused, "eval")) and left out."""
 
-    def __init__(self, several_sets):
+    def __init__(self, several_sets, world_size=1):
         self.several_sets = several_sets
+        self.world_size = world_size  # in every log line: a resumed run may run at another
         self.paused = {"eval": 0.0, "save": 0.0}
         self.start = self.last_time = time.perf_counter()
         self.paused_at_last = 0.0
@@ -146,6 +148,7 @@ class StepMeter:
         loss = sum(self.loss_sums.values()) / steps
         record = {"step": step, "epoch": round(epoch, 4), "loss": loss, "grad_norm": grad_norm, "lr": lr}
         record["samples_per_s"] = self.rows / seconds
+        record["world_size"] = self.world_size
         if self.several_sets:
             record.update(
                 {f"loss/{name}": self.loss_sums[name] / count for name, count in self.steps.items()}

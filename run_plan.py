@@ -46,6 +46,7 @@ class Plan:
     device: object  # the torch.device this rank computes on
     strategy: str  # single, ddp or fsdp (--strategy auto resolved)
     global_batch: int  # rows an optimizer step, over all ranks and micro-steps
+    grad_accum_steps: int  # micro-batches a step: the flag's, or what keeps a resumed run's global batch
     prompts: dict  # --prompts: {column: prefix}
     max_seq_length: int  # every column's (0: the model's own) but those in column_lengths
     column_lengths: dict  # --max-seq-length as JSON: {column: tokens}
@@ -70,6 +71,7 @@ class Plan:
     data_fingerprint: str = ""  # row counts and hashes of the training data: a resume refuses other data
     # the output folder (startup_checks.py)
     resume_dir: str | None = None  # the checkpoint this run continues from
+    resume_note: str = ""  # what resumed_batches changed to keep its global batch, for the log
     finished: bool = False  # --output-dir already holds this run's export
     sees_output_dir: list = dataclasses.field(default_factory=lambda: [True])  # by rank: rank 0's disk
 
@@ -85,6 +87,7 @@ def resolve_flags(cfg, world_size, device):
         device=device,
         strategy=strategy,
         global_batch=cfg.per_device_batch_size * world_size * cfg.grad_accum_steps,
+        grad_accum_steps=cfg.grad_accum_steps,
         prompts=config.prompts_of(cfg),
         max_seq_length=max_seq_length,
         column_lengths=column_lengths,
@@ -105,9 +108,124 @@ def add_train_sets(plan, cfg, train_sets):
     and the Softmax head's classes (at most one set has them)."""
     num_labels = max((ts.num_labels for ts in train_sets), default=0)
     for ts in train_sets:
-        ts.global_batch = ts.per_device_batch_size * plan.world_size * cfg.grad_accum_steps
+        ts.global_batch = ts.per_device_batch_size * plan.world_size * plan.grad_accum_steps
         ts.loss_plan = loss_plan(plan, cfg, ts.loss, ts.own_negatives, num_labels, cfg.gather_negatives)
     return dataclasses.replace(plan, train_sets=train_sets, num_labels=num_labels)
+
+
+def resumed_batches(plan, cfg, train_sets, saved):
+    """The accumulation and each set's per-device batch of a run resuming from a checkpoint whose
+    trainer state is `saved` (its config, and the plan `record` it was written with): each set's
+    global batch must stay the checkpoint's, so every step ahead takes the rows the unbroken run
+    would have taken. Returns (the Plan with its grad_accum_steps, a line saying what changed, or
+    ""), and sets each TrainSet's per_device_batch_size. Raises ValueError naming values that keep
+    the global batch.
+
+    The flags are kept when they give the checkpoint's global batches at this world size. The same
+    command at another world size (an elastic restart on fewer or more hosts) starts from what the
+    checkpoint used and scales one of the two by (its world / this world): with --gather-negatives
+    the per-device batch first (the gathered batch each loss sees stays the same, so the run
+    continues exactly), else the accumulation first (each micro-batch stays the same); the other
+    where the first gives no whole number."""
+    world, accum, saved_sets = saved_batches(saved)
+    wanted = [s["global_batch"] for s in saved_sets]
+
+    def global_batches(per_device, accumulation):
+        return [b * plan.world_size * accumulation for b in per_device]
+
+    flags = [ts.per_device_batch_size for ts in train_sets]
+    choice = None
+    if global_batches(flags, cfg.grad_accum_steps) == wanted:
+        choice = flags, cfg.grad_accum_steps
+    same_command = (cfg.per_device_batch_size, cfg.grad_accum_steps) == (
+        saved["config"]["per_device_batch_size"],
+        saved["config"].get("grad_accum_steps", 1),
+    )
+    if choice is None and same_command and plan.world_size != world:
+        used = [s["per_device_batch_size"] for s in saved_sets]
+        options = [
+            ([b * world // plan.world_size for b in used], accum),  # per-device batch scaled
+            (used, accum * world // plan.world_size),  # accumulation scaled
+        ]
+        for per_device, accumulation in options[:: 1 if cfg.gather_negatives else -1]:
+            if (
+                accumulation >= 1
+                and min(per_device) >= 1
+                and global_batches(per_device, accumulation) == wanted
+            ):
+                choice = per_device, accumulation
+                break
+    if choice is None:
+        given = global_batches(flags, cfg.grad_accum_steps)
+        raise ValueError(
+            other_global_batch(plan, cfg, saved, given, same_command and plan.world_size != world)
+        )
+    per_device, accumulation = choice
+    note = resume_note(plan, cfg, saved, per_device, accumulation)
+    for ts, b in zip(train_sets, per_device):
+        ts.per_device_batch_size = b
+    global_batch = per_device[0] * plan.world_size * accumulation
+    return dataclasses.replace(plan, grad_accum_steps=accumulation, global_batch=global_batch), note
+
+
+def resume_note(plan, cfg, saved, per_device, accumulation):
+    """The log line of a resume whose batches differ from the flags' or the checkpoint's, or ""."""
+    world, _, saved_sets = saved_batches(saved)
+    note = ""
+    if per_device != [ts["per_device_batch_size"] for ts in saved_sets] or world != plan.world_size:
+        note = (
+            f"resuming at {plan.world_size} processes (the checkpoint: {world}): per-device batch "
+            f"{', '.join(map(str, per_device))}, accumulation {accumulation}, global batch "
+            f"{', '.join(str(s['global_batch']) for s in saved_sets)} as before"
+        )
+    # The rows one loss sees together (its in-batch negatives): a micro-batch, or with gathered
+    # negatives every rank's. Kept, the run continues exactly; else the same rows, grouped anew.
+    ranks = (plan.world_size, world) if cfg.gather_negatives else (1, 1)
+    seen = [(b * ranks[0], s["per_device_batch_size"] * ranks[1]) for b, s in zip(per_device, saved_sets)]
+    if any(now != before for now, before in seen):
+        note += (
+            f"{'; ' if note else ''}note: each loss now sees {seen[0][0]} rows together where it saw "
+            f"{seen[0][1]}: the same rows, other in-batch negatives"
+        )
+    return note
+
+
+def saved_batches(saved):
+    """(world size, accumulation, [{per_device_batch_size, global_batch} of each set]) of a saved
+    trainer state; a checkpoint written before these were recorded: from its config."""
+    world = saved["world_size"]
+    accum = saved.get("grad_accum_steps_used", saved["config"].get("grad_accum_steps", 1))
+    per_device = saved["config"]["per_device_batch_size"]
+    default = [{"per_device_batch_size": per_device, "global_batch": per_device * world * accum}]
+    return world, accum, saved.get("train_sets") or default
+
+
+def other_global_batch(plan, cfg, saved, given, elastic):
+    """resumed_batches' refusal: the checkpoint's global batches, and values that keep them.
+    `elastic`: the same command at another world size, which no whole number could adjust."""
+    world, accum, saved_sets = saved_batches(saved)
+    wanted = ", ".join(str(s["global_batch"]) for s in saved_sets)
+    saved_as = ", ".join(
+        f"{s['global_batch']} ({s['per_device_batch_size']} per device x {world} processes x "
+        f"{accum} accumulation)"
+        for s in saved_sets
+    )
+    if elastic:
+        why = (
+            f"no whole per-device batch or accumulation gives the global batch {wanted} at "
+            f"{plan.world_size} processes"
+        )
+    else:
+        why = (
+            f"--per-device-batch-size {cfg.per_device_batch_size} and --grad-accum-steps "
+            f"{cfg.grad_accum_steps} give global batch {', '.join(map(str, given))}, and another global "
+            "batch would take other rows"
+        )
+    return (
+        f"cannot resume from a checkpoint with global batch {saved_as} at {plan.world_size} processes: "
+        f"{why}. Pass values whose per-device batch x accumulation x {plan.world_size} "
+        f"processes is {wanted}, resume at {world} processes, or start a fresh --output-dir"
+    )
 
 
 def add_schedule(plan, cfg, schedule, steps_per_epoch, eval_sets, fingerprint):
@@ -153,6 +271,7 @@ def record(plan, loaded=None):
         "sharding_used": plan.sharding if plan.strategy == "fsdp" else None,
         "device": str(plan.device),
         "global_batch": plan.global_batch,
+        "grad_accum_steps_used": plan.grad_accum_steps,
         "train_rows": sum(len(ts.ds) for ts in plan.train_sets),
         "train_data_fingerprint": plan.data_fingerprint,
         "steps_per_epoch": plan.steps_per_epoch,

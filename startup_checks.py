@@ -62,6 +62,8 @@ def agreed_plan(cfg, plan, rank, device):
     except ValueError as e:
         plan, error = None, str(e)
     raise_if_any_failed(error, rank, device)  # (all ranks participate)
+    if rank == 0 and plan.resume_note:
+        print(plan.resume_note, flush=True)
     # Hosts without a shared disk read their own copies of the data: each rank checks that its
     # copy is rank 0's (rows and contents), or every rank would train on other batches.
     # (An empty one: --eval-only, or a run already finished, which reads no training data.)
@@ -209,29 +211,32 @@ def planned_data(cfg, plan):
         check_prompt_columns(cfg, plan, [], eval_sets)
         return run_plan.add_schedule(plan, cfg, [], 0, eval_sets, "")
     train_sets = data.load_train_sets(cfg, plan)
-    check_losses(cfg, plan, train_sets)
     # One set: 'N rows, sha256 H', as before several sets could train together.
     fingerprint = "; ".join(data.data_fingerprint(ts.ds, ts.read_columns) for ts in train_sets)
     before_arrow = lambda: "; ".join(  # noqa: E731
         data.fingerprint_before_arrow(ts.ds, ts.read_columns) for ts in train_sets
     )
-    resume_dir = checkpoints.checkpoint_to_resume(cfg, plan.world_size, fingerprint, before_arrow)
+    resume_dir = checkpoints.checkpoint_to_resume(cfg, fingerprint, before_arrow)
     if resume_dir == "finished":
         return dataclasses.replace(plan, finished=True)
+    note = ""
+    if resume_dir is not None:  # at another world size too: the checkpoint's global batches kept
+        plan, note = run_plan.resumed_batches(plan, cfg, train_sets, checkpoints.saved_state(resume_dir))
+    check_losses(cfg, plan, train_sets)
     plan = run_plan.add_train_sets(plan, cfg, train_sets)
     for ts in plan.train_sets:
         if len(ts.ds) < ts.global_batch:
             raise ValueError(
                 f"--train-data {ts.name}: {len(ts.ds)} rows make no global batch of {ts.global_batch} "
                 f"(= {ts.per_device_batch_size} per device x {plan.world_size} processes x "
-                f"{cfg.grad_accum_steps} accumulation); lower --per-device-batch-size"
+                f"{plan.grad_accum_steps} accumulation); lower --per-device-batch-size"
             )
     schedule = batches.Schedule(plan.train_sets, cfg)
     steps_per_epoch = len(schedule.set_orders[0])
     eval_sets = data.load_eval_sets(cfg, plan, plan.num_labels)
     check_prompt_columns(cfg, plan, train_sets, eval_sets)
     plan = run_plan.add_schedule(plan, cfg, schedule, steps_per_epoch, eval_sets, fingerprint)
-    plan.resume_dir = resume_dir
+    plan.resume_dir, plan.resume_note = resume_dir, note
     return plan
 
 

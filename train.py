@@ -86,7 +86,7 @@ def main(cfg):
     )
     fsdp_utils.print0(json.dumps(run_record(cfg, plan, loaded), indent=2))
     log = clear_output_and_open_log(cfg, plan, loaded, start_step)  # (all ranks participate)
-    meter = metrics.StepMeter(several_sets=len(plan.train_sets) > 1)
+    meter = metrics.StepMeter(several_sets=len(plan.train_sets) > 1, world_size=world_size)
     if cfg.eval_on_start and start_step == 0:
         with metrics.timed(meter.paused, "eval"):  # (all ranks participate)
             best_value = evaluate_and_log(model, loaded, cfg, plan, 0, best_value, log)
@@ -100,9 +100,9 @@ def main(cfg):
     for step in range(start_step + 1, plan.total_steps + 1):  # optimizer steps, counted from 1
         faults.HEARTBEAT.step = step  # should a collective time out, who went silent, and when
         step_loss = torch.zeros((), device=device)
-        for micro_step in range(cfg.grad_accum_steps):
+        for micro_step in range(plan.grad_accum_steps):
             train_set, rows, features, labels = next(micro_batches)  # one set per step, on every rank
-            sync = micro_step == cfg.grad_accum_steps - 1  # DDP: all-reduce in the last backward only
+            sync = micro_step == plan.grad_accum_steps - 1  # DDP: all-reduce in the last backward only
             # (all ranks participate) FSDP gathers and reduce-scatters every block in each.
             step_loss += forward_backward(model, train_set, rows, features, labels, opts, sync)
         # One scalar all_reduce: the step's mean loss; a NaN or inf on any rank stops all, unchanged.
@@ -260,7 +260,7 @@ def step_options(cfg, plan, loaded, scaler):
     packed, packing_line = embedding_model.packing_choice(cfg, loaded.model)
     fsdp_utils.print0(packing_line)
     return StepOptions(
-        grad_accum_steps=cfg.grad_accum_steps,
+        grad_accum_steps=plan.grad_accum_steps,
         cache_chunk_size=cfg.cache_chunk_size,
         packed=packed,
         length_buckets=plan.length_buckets,

@@ -124,9 +124,13 @@ CASES = [
         "already holds a finished run's export; pass --overwrite",
     ),
     (
-        "resume at another world size",
-        lambda t: fake_checkpoint(t / "out", world_size=1) or ["--resume", "auto"],
-        "1 processes (this run: 2)",
+        "resume with another global batch",
+        lambda t: (
+            fake_checkpoint(t / "out", world_size=1)
+            or ["--resume", "auto", "--loss", "mnrl", "--per-device-batch-size", 12]
+        ),
+        "global batch 16 (16 per device x 1 processes x 1 accumulation) at 2 processes: "
+        "--per-device-batch-size 12 and --grad-accum-steps 1 give global batch 24, and another global batch",
     ),
     (
         "truncated model weights",

@@ -308,8 +308,23 @@ def lost_peer_message(lost, silent, step, newest_checkpoint, dist_timeout_minute
         f"other ranks ({lost}; --dist-timeout-minutes {dist_timeout_minutes:g}) at step {step}"
         f"{': ' + '; '.join(who) if who else ''}. A host, its network link or one of its processes "
         f"is gone or stopped. Newest complete checkpoint: {newest_checkpoint or 'none (use --save-steps)'}. "
-        "Once every host is back, run the same command on every host with --resume auto"
+        + next_move()
     )
+
+
+def next_move():
+    """What happens next after a lost peer: torchrun restarts this host's processes where it has
+    restarts left (--max-restarts; with --nnodes MIN:MAX and --resume auto they continue from the
+    newest checkpoint at the world size that meets again: run_plan.resumed_batches), else the
+    user runs the command again."""
+    restarts = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", 0))
+    if int(os.environ.get("TORCHELASTIC_MAX_RESTARTS", 0)) > restarts:
+        return (
+            f"torchrun restarts this host's processes (restart {restarts + 1} of "
+            f"{os.environ['TORCHELASTIC_MAX_RESTARTS']}): with --resume auto they continue from that "
+            "checkpoint, under --nnodes MIN:MAX with the hosts that meet again"
+        )
+    return "Once every host is back, run the same command on every host with --resume auto"
 
 
 def end_job(code):

@@ -459,7 +459,8 @@ def gradient_sync(model, enabled):
     set_requires_gradient_sync(False)) keeps every parameter's unsharded gradient until the
     last micro-step, a whole model's gradients on every rank, which is what FSDP is there to
     avoid. The price: one reduce-scatter per micro-step (per GradCache chunk), not per step."""
-    if enabled or not dist.is_initialized() or is_fsdp1(model) or is_fsdp2(model):
+    # Only DDP defers: one process needs nothing, also under torchrun (a process group of one).
+    if enabled or not isinstance(model, torch.nn.parallel.DistributedDataParallel):
         return contextlib.nullcontext()
     return model.no_sync()
 

@@ -14,7 +14,11 @@ a veth cable; one torchrun per host, c10d rendezvous at hosta, gloo on each host
 - the cable pulled out mid-run: every process on both hosts exits non-zero within
   --dist-timeout-minutes plus a margin, each host printing an error line, and every checkpoint
   that looks complete is;
-- a worker killed on hostb under --max-restarts heals across hosts to the weights of an unbroken run.
+- a worker killed on hostb under --max-restarts heals across hosts to the weights of an unbroken run;
+- an elastic launch (--nnodes 1:2, --max-restarts, --resume auto) whose hostb is cut off mid-run
+  goes on with hosta alone: its processes restart, meet at world 1, resume the newest checkpoint
+  with twice the accumulation (the global batch kept: run_plan.resumed_batches), and end on the
+  unbroken two-process run's weights, metrics.jsonl holding each step once with its world size.
 
 Skipped, with the reason, where namespaces cannot be made (not root, no iproute2).
 
@@ -223,3 +227,59 @@ def test_a_worker_killed_on_one_host_heals_across_hosts(tmp_path, tiny_model, on
     assert "resuming from" in outputs[0][0] + outputs[0][1]
     assert_same_training(out, one_host_world_2, NUM_STEPS)
     print("healed: largest weight difference to one host", largest_difference(out, one_host_world_2))
+
+
+ELASTIC_STEPS = 60
+
+
+def test_an_elastic_launch_goes_on_without_a_lost_host(tmp_path, tiny_model):
+    """hostb's cable is pulled once a checkpoint is complete. hosta's rank stops with its error
+    line (gloo's 9 s), torchrun restarts it (--max-restarts), the rendezvous meets with hosta
+    alone (--nnodes 1:2; last_call_timeout 5 s), and --resume auto continues from the newest
+    checkpoint at world 1 with 2 accumulation steps for the 2 processes it lost: the same rows,
+    micro-batch by micro-batch, so it ends on the weights of the unbroken run at world 2."""
+    args = [*common_args(tiny_model, grad_accum_steps=1, steps=ELASTIC_STEPS), "--strategy", "fsdp"]
+    args += [
+        "--per-device-batch-size",
+        4,
+        "--save-steps",
+        5,
+        "--resume",
+        "auto",
+        "--dist-timeout-minutes",
+        0.15,
+    ]
+    reference = tmp_path / "one-host"
+    warm_run([*args, "--output-dir", reference], nproc=2)
+    out = tmp_path / "shared"
+    with two_hosts.TwoHosts() as hosts:
+        procs = hosts.torchrun(
+            [TRAIN, *args, "--output-dir", out],
+            nproc=1,
+            max_restarts=2,
+            nnodes="1:2",
+            rdzv_conf=["last_call_timeout=5"],
+        )
+        deadline = time.monotonic() + 180
+        while not checkpoints.complete_checkpoints(out / "checkpoints") and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert all(p.poll() is None for p in procs), "the run ended before the cable was pulled"
+        hosts.link_down(1)
+        codes, outputs, seconds = hosts.wait(procs[:1], timeout=240)
+    assert codes == [0], outputs
+    text = outputs[0][0] + outputs[0][1]
+    print("hosta finished alone", seconds, "s after the cable was pulled")
+    errors = [line for line in text.splitlines() if line.startswith("error:")]
+    assert len(errors) == 1 and "lost contact with the other ranks" in errors[0], errors
+    assert "torchrun restarts this host's processes (restart 1 of 2)" in errors[0], errors[0]
+    resumed = re.search(r"resuming from (\S+)/step-(\d+) \(step \d+ of 60\)", text)
+    assert resumed, text[-3000:]
+    step = int(resumed.group(2))
+    assert "resuming at 1 processes (the checkpoint: 2): per-device batch 4, accumulation 2" in text
+    rows = [json.loads(r) for r in (out / "metrics.jsonl").read_text().splitlines()]
+    steps = [(r["step"], r["world_size"]) for r in rows if "loss" in r]
+    assert steps == [(s, 2 if s <= step else 1) for s in range(1, ELASTIC_STEPS + 1)], steps
+    assert_same_training(out, reference, ELASTIC_STEPS)
+    print(
+        "resumed from step", step, "at world 1; largest weight difference", largest_difference(out, reference)
+    )

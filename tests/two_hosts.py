@@ -121,11 +121,21 @@ class TwoHosts:
         return proc
 
     def torchrun(
-        self, script_args, nproc, env=None, max_restarts=0, port=29400, job="fsdp-embed", rendezvous="c10d"
+        self,
+        script_args,
+        nproc,
+        env=None,
+        max_restarts=0,
+        port=29400,
+        job="fsdp-embed",
+        rendezvous="c10d",
+        nnodes="2",
+        rdzv_conf=(),
     ):
         """One torchrun per host, as on a cluster: the rendezvous at hosta:PORT (c10d, or static:
         --master-addr and each host's --node-rank), gloo on each host's cable. `script_args` is a
-        list per host, or one list for both. Returns the two Popen objects (see `wait`)."""
+        list per host, or one list for both; `nnodes` "1:2" makes the launch elastic, `rdzv_conf`
+        its --rdzv-conf settings. Returns the two Popen objects (see `wait`)."""
         procs = []
         for host in (0, 1):
             args = script_args[host] if isinstance(script_args[0], list) else script_args
@@ -133,11 +143,12 @@ class TwoHosts:
                 meet = [f"--master-addr={self.HOSTNAMES[0]}", f"--master-port={port}", f"--node-rank={host}"]
             else:
                 meet = [f"--rdzv-endpoint={self.HOSTNAMES[0]}:{port}", f"--rdzv-id={job}"]
+                meet += [f"--rdzv-conf={','.join(rdzv_conf)}"] if rdzv_conf else []
             argv = [
                 sys.executable,
                 "-m",
                 "torch.distributed.run",
-                "--nnodes=2",
+                f"--nnodes={nnodes}",
                 f"--nproc-per-node={nproc}",
                 f"--rdzv-backend={rendezvous}",
                 *meet,

@@ -9,7 +9,8 @@ is written, and no rank walks on into a collective that would hang:
      model_checks.py); the output folder;
   2. `agreed_plan` (`planned_data` on each rank): the training and evaluation data (data.py),
      checked against the flags; which checkpoint a resume continues from (only one written by the
-     same run: same settings, data and number of processes; checkpoints.py); every step's rows
+     same run: same settings and data, checkpoints.py; at any world size with its global batch
+     kept, run_plan.resumed_batches); every step's rows
      (batches.py); then that every rank reads rank 0's data, and rank 0's lock on the output folder.
 
 Needs config.py, run_plan.py, data.py, batches.py, checkpoints.py, export.py (`parse_size`) and

@@ -168,6 +168,7 @@ def test_the_model_embeds_as_sentence_transformers_and_a_bad_dense_module_is_ref
     theirs = SentenceTransformer(str(folder), device="cpu").encode(
         texts, prompt=prompt, convert_to_tensor=True
     )
+    print("Dense model vs sentence-transformers encode:", (ours - theirs).abs().max().item())
     assert (ours - theirs).abs().max().item() <= 1e-5
     # A Dense module whose activation is not torch's would need remote code: refused, named.
     dense_config = folder / "2_Dense" / "config.json"
@@ -207,6 +208,7 @@ def test_no_include_prompt_pools_as_sentence_transformers_pooling(tmp_path, gemm
         expected = Pooling(64, pooling, include_prompt=False)(
             {**features, "prompt_length": theirs["prompt_length"]}
         )["sentence_embedding"]
+        print(f"{pooling}, {padding_side} padding: {(ours - expected).abs().max().item():.1e}")
         assert (ours - expected).abs().max().item() <= 1e-6
         with_prompt = Pooling(64, pooling)(dict(features))["sentence_embedding"]
         if pooling != "lasttoken":  # the last token is the text's either way

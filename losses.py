@@ -13,12 +13,16 @@ Shape legend (suffixes on tensor names):
     C  number of classes (Softmax loss)
 
 Each function returns a scalar: the mean over the batch (CoSENT: one log-sum-exp over all
-pairs of the batch), matching sentence-transformers' MultipleNegativesRankingLoss, CoSENTLoss,
-SoftmaxLoss, MarginMSELoss, DistillKLDivLoss and MatryoshkaLoss on the same embeddings, values and gradients.
+pairs of the batch), matching sentence-transformers' MultipleNegativesRankingLoss (its hardness
+weighting too), CoSENTLoss, SoftmaxLoss, MarginMSELoss, DistillKLDivLoss, MSELoss and MatryoshkaLoss
+on the same embeddings, values and gradients, and GISTEmbedLoss on the same models' embeddings.
 
 Usage (one process, CPU is fine):
     import losses
     loss = losses.mnrl_loss(emb_anchor_BD, [emb_positive_BD, emb_negative_BD])
+    # GISTEmbed: in-batch negatives the guide model rates as close as the positive are dropped
+    loss = losses.mnrl_loss(emb_anchor_BD, [emb_positive_BD], guide=(guide_anchor_BD, [guide_positive_BD]),
+                            false_negatives=("absolute", 0.0))
 
 Cross-device negatives (`mnrl_loss(..., gather=True)`): under torchrun every rank's
 candidates become negatives for every rank's anchors; works on any wrapper (DDP, FSDP1, FSDP2)
@@ -82,14 +86,19 @@ def gather_with_grad(emb_BD):
     return _GatherWithGrad.apply(emb_BD)  # (all ranks participate)
 
 
-def gather_ids(ids_B):
-    """Every rank's text ids, in rank order -> (world * B,); integers, so no gradient.
-    A collective (all ranks participate), with the same B."""
+def gather_no_grad(rows_B):
+    """Every rank's rows (any trailing shape), in rank order -> (world * B, ...), without gradient:
+    text ids, a guide model's embeddings. A collective (all ranks participate), with the same B."""
     if not dist.is_initialized() or dist.get_world_size() == 1:
-        return ids_B
-    gathered = ids_B.new_empty(dist.get_world_size() * ids_B.shape[0])
-    _all_gather(gathered, ids_B.contiguous())  # (all ranks participate)
+        return rows_B
+    gathered = rows_B.new_empty((dist.get_world_size() * rows_B.shape[0], *rows_B.shape[1:]))
+    _all_gather(gathered, rows_B.contiguous())  # (all ranks participate)
     return gathered
+
+
+def gather_ids(ids_B):
+    """Every rank's text ids, in rank order -> (world * B,): gather_no_grad (all ranks participate)."""
+    return gather_no_grad(ids_B)  # (all ranks participate)
 
 
 def duplicate_mask(query_ids_B, pair_ids_B, candidate_ids_N, pair_index_B):
@@ -104,6 +113,8 @@ def duplicate_mask(query_ids_B, pair_ids_B, candidate_ids_N, pair_index_B):
 
 
 MNRL_DIRECTIONS = ("query_to_doc", "query_to_query", "doc_to_query", "doc_to_doc")
+FALSE_NEGATIVE_STRATEGIES = ("absolute", "relative")
+HARDNESS_MODES = ("in_batch_negatives", "hard_negatives", "all_negatives")
 
 
 def mnrl_loss(
@@ -115,6 +126,9 @@ def mnrl_loss(
     text_ids=None,
     directions=("query_to_doc",),
     partition="joint",
+    guide=None,
+    false_negatives=None,
+    hardness=None,
 ):
     """MultipleNegativesRankingLoss (InfoNCE with in-batch negatives).
 
@@ -135,40 +149,75 @@ def mnrl_loss(
     (a hash): a candidate with row i's anchor's or positive's text is no negative for row i (-inf).
 
     directions, partition: more negatives per pair (`_mnrl_directions`); not with `symmetric` or `text_ids`.
+
+    false_negatives=(strategy, margin), guide=(guide_anchor_BD, [guide_candidate_BD, ...]): GISTEmbed's
+    guided masking in every direction ranked (`false_negative_mask`); without a guide the student's own
+    similarities, detached, are the guide. The guide's rows are gathered as the student's (all ranks
+    participate). hardness=(mode, strength): sentence-transformers' hardness weighting (`hardness_penalty`).
     """
+    options = {"guide": guide, "false_negatives": false_negatives, "hardness": hardness}
     if tuple(directions) != ("query_to_doc",):
         assert not symmetric and text_ids is None, "mnrl_loss: directions, not with symmetric or text_ids"
         # (all ranks participate) when gather, as below
-        return _mnrl_directions(emb_anchor_BD, emb_candidates, scale, gather, directions, partition)
+        return _mnrl_directions(
+            emb_anchor_BD, emb_candidates, scale, gather, directions, partition, **options
+        )
+    # (all ranks participate) when gather
+    return _mnrl_query_to_doc(emb_anchor_BD, emb_candidates, scale, gather, symmetric, text_ids, **options)
+
+
+def _mnrl_query_to_doc(
+    emb_anchor_BD, emb_candidates, scale, gather, symmetric, text_ids, guide, false_negatives, hardness
+):
+    """mnrl_loss with the query_to_doc direction alone (and `symmetric`'s positive -> anchors).
+    With `gather`, the gathers of mnrl_loss (all ranks participate)."""
     num_rows = emb_anchor_BD.shape[0]
     offset = dist.get_rank() * num_rows if gather and dist.is_initialized() else 0
     # (all ranks participate) when gather: every column, in the same order on every rank
     emb_candidates = [gather_with_grad(emb) for emb in emb_candidates] if gather else emb_candidates
     labels_B = torch.arange(offset, offset + num_rows, device=emb_anchor_BD.device)
-    emb_cand_ND = torch.cat(emb_candidates, dim=0)
-    scores_BN = scale * cosine_scores(emb_anchor_BD, emb_cand_ND)
+    cos_BN = cosine_scores(emb_anchor_BD, torch.cat(emb_candidates, dim=0))
+    scores = {"query_to_doc": scale * cos_BN}
+    if hardness is not None:
+        penalty_BN = hardness_penalty(cos_BN, labels_B, len(emb_candidates), *hardness)
+        scores["query_to_doc"] = scores["query_to_doc"] + penalty_BN
+    all_anchors_MD = emb_anchor_BD
+    if symmetric:  # the positive -> anchors direction: doc_to_query's pairs, with a softmax of its own
+        # (all ranks participate) when gather
+        all_anchors_MD = gather_with_grad(emb_anchor_BD) if gather else emb_anchor_BD
+        scores["doc_to_query"] = scale * cosine_scores(emb_candidates[0][labels_B], all_anchors_MD)
     if text_ids is not None:
-        anchor_ids_B = text_ids[0]
-        # (all ranks participate) when gather: each column's ids, in the same order on every rank
-        cand_ids_N = torch.cat([gather_ids(ids) if gather else ids for ids in text_ids[1:]])
-        scores_BN = scores_BN.masked_fill(
-            duplicate_mask(anchor_ids_B, cand_ids_N[labels_B], cand_ids_N, labels_B), float("-inf")
+        scores = _mask_duplicates(scores, text_ids, labels_B, gather)  # (all ranks participate) when gather
+    if false_negatives is not None:
+        scores = _mask_false_negatives(  # (all ranks participate) when gather with a guide
+            scores, false_negatives, guide, emb_anchor_BD, all_anchors_MD, emb_candidates, labels_B, gather
         )
-    loss = F.cross_entropy(scores_BN, labels_B)
+    loss = F.cross_entropy(scores["query_to_doc"], labels_B)
     if not symmetric:
         return loss
-    all_anchors_MD = gather_with_grad(emb_anchor_BD) if gather else emb_anchor_BD  # (all ranks participate)
-    emb_local_positive_BD = emb_candidates[0][offset : offset + num_rows]
-    scores_BM = scale * cosine_scores(emb_local_positive_BD, all_anchors_MD)
-    if text_ids is not None:
+    return (loss + F.cross_entropy(scores["doc_to_query"], labels_B)) / 2
+
+
+def _mask_duplicates(scores, text_ids, place_B, gather):
+    """mnrl_loss's text_ids: -inf where a candidate has the text of row i's anchor or positive
+    (query_to_doc), and where an anchor has (doc_to_query: `symmetric`'s positive -> anchors).
+    With `gather`, the ids' gathers (all ranks participate)."""
+    anchor_ids_B = text_ids[0]
+    # (all ranks participate) when gather: each column's ids, in the same order on every rank
+    cand_ids_N = torch.cat([gather_ids(ids) if gather else ids for ids in text_ids[1:]])
+    positive_ids_B = cand_ids_N[place_B]
+    same_BN = duplicate_mask(anchor_ids_B, positive_ids_B, cand_ids_N, place_B)
+    masked = {"query_to_doc": scores["query_to_doc"].masked_fill(same_BN, float("-inf"))}
+    if "doc_to_query" in scores:
         all_anchor_ids_M = gather_ids(anchor_ids_B) if gather else anchor_ids_B  # (all ranks participate)
-        scores_BM = scores_BM.masked_fill(
-            duplicate_mask(cand_ids_N[labels_B], anchor_ids_B, all_anchor_ids_M, labels_B), float("-inf")
-        )
-    return (loss + F.cross_entropy(scores_BM, labels_B)) / 2
+        same_BM = duplicate_mask(positive_ids_B, anchor_ids_B, all_anchor_ids_M, place_B)
+        masked["doc_to_query"] = scores["doc_to_query"].masked_fill(same_BM, float("-inf"))
+    return masked
 
 
-def _mnrl_directions(emb_anchor_BD, emb_candidates, scale, gather, directions, partition):
+def _mnrl_directions(
+    emb_anchor_BD, emb_candidates, scale, gather, directions, partition, guide, false_negatives, hardness
+):
     """mnrl_loss with more directions than query_to_doc; -inf marks what is no negative. With
     `gather`, the gathers of mnrl_loss (all ranks participate).
 
@@ -180,7 +229,7 @@ def _mnrl_directions(emb_anchor_BD, emb_candidates, scale, gather, directions, p
         doc_to_doc      p_i against every candidate but row i's own (its positive and negatives)
     partition "joint": one softmax over all of them; "per_direction": one normaliser per
     direction, their log-sum-exps averaged: only with query_to_doc and doc_to_query, the
-    directions whose candidates hold the positive pair.
+    directions whose candidates hold the positive pair. guide, false_negatives, hardness: mnrl_loss's.
     """
     num_rows = emb_anchor_BD.shape[0]
     offset = dist.get_rank() * num_rows if gather and dist.is_initialized() else 0
@@ -204,13 +253,112 @@ def _mnrl_directions(emb_anchor_BD, emb_candidates, scale, gather, directions, p
     if "doc_to_doc" in directions:
         row_docs_BN = F.one_hot(place_B, all_candidates[0].shape[0]).bool().repeat(1, len(all_candidates))
         scores["doc_to_doc"] = cosine_scores(positive_BD, cand_ND).masked_fill(row_docs_BN, float("-inf"))
+    cos_BN = scores["query_to_doc"]
     scores = {name: scale * s for name, s in scores.items()}
+    if hardness is not None:
+        penalty_BN = hardness_penalty(cos_BN, place_B, len(all_candidates), *hardness)
+        scores["query_to_doc"] = scores["query_to_doc"] + penalty_BN
+    if false_negatives is not None:
+        scores = _mask_false_negatives(  # (all ranks participate) when gather with a guide
+            scores, false_negatives, guide, emb_anchor_BD, all_anchors_MD, all_candidates, place_B, gather
+        )
     positive_B = scores["query_to_doc"][rows_B, place_B]
     if partition == "joint":
         log_z_B = torch.logsumexp(torch.cat(list(scores.values()), dim=1), dim=1)
     else:
         log_z_B = torch.stack([torch.logsumexp(s, dim=1) for s in scores.values()]).mean(0)
     return (log_z_B - positive_B).mean()
+
+
+def false_negative_mask(guide_scores_BN, guide_positive_B, strategy, margin, positive_place_B=None):
+    """(B, N) True where candidate j is, by the guide's similarities g, too close to row i to be
+    its negative (GISTEmbed, Solatorio 2024; sentence-transformers' GISTEmbedLoss margin_strategy):
+
+        absolute   g_ij > g_i+ - margin
+        relative   g_ij > g_i+ - |g_i+| * margin
+
+    g_i+ (`guide_positive_B`): the guide's similarity of row i's anchor and its own positive, the
+    threshold of every direction. Qwen3-Embedding's s_ij > s_i+ + 0.1 is ("absolute", -0.1).
+    `positive_place_B`: the column of row i's positive pair in this direction, never masked."""
+    if strategy not in FALSE_NEGATIVE_STRATEGIES:
+        raise ValueError(f"false-negative strategy {strategy!r}: use one of {FALSE_NEGATIVE_STRATEGIES}")
+    slack_B = margin if strategy == "absolute" else guide_positive_B.abs() * margin
+    mask_BN = guide_scores_BN > (guide_positive_B - slack_B)[:, None]
+    if positive_place_B is not None:
+        mask_BN[torch.arange(len(mask_BN), device=mask_BN.device), positive_place_B] = False
+    return mask_BN
+
+
+def _guide_embeddings(guide, emb_anchor_BD, all_anchors_MD, all_candidates, gather, needs_anchors):
+    """The guide's (anchors of this rank, anchors of every rank, candidate columns of every rank),
+    without gradient: `guide`'s rows gathered as the student's are (all ranks participate) when
+    gather, the anchors where a direction ranks against them; without a guide, the student's own."""
+    if guide is None:
+        return emb_anchor_BD.detach(), all_anchors_MD.detach(), [c.detach() for c in all_candidates]
+    guide_anchor_BD, guide_candidates = guide[0].detach(), [c.detach() for c in guide[1]]
+    if not gather:
+        return guide_anchor_BD, guide_anchor_BD, guide_candidates
+    # (all ranks participate): the same columns, in the same order on every rank, as the student's
+    guide_candidates = [gather_no_grad(c) for c in guide_candidates]
+    # (all ranks participate) where needs_anchors: the same directions on every rank
+    guide_anchors_MD = gather_no_grad(guide_anchor_BD) if needs_anchors else guide_anchor_BD
+    return guide_anchor_BD, guide_anchors_MD, guide_candidates
+
+
+def _mask_false_negatives(
+    scores, false_negatives, guide, anchor_BD, all_anchors_MD, all_candidates, place_B, gather
+):
+    """Each direction of `scores` ({name: (B, X) logits}, as in _mnrl_directions; "doc_to_query" is
+    also `symmetric`'s positive -> anchors) with its false negatives at -inf: false_negative_mask of
+    the guide's similarities of the same pairs, as GISTEmbedLoss does for its anchor-positive,
+    anchor-anchor, positive-positive and anchor-negative matrices. Unlike its positive-positive
+    (positives against positives), doc_to_doc ranks p_i against every document. With `gather` and a
+    guide, the guide's gathers (all ranks participate)."""
+    needs_anchors = not scores.keys().isdisjoint({"query_to_query", "doc_to_query"})
+    # (all ranks participate) when gather with a guide
+    g_anchor_BD, g_anchors_MD, g_candidates = _guide_embeddings(
+        guide, anchor_BD, all_anchors_MD, all_candidates, gather, needs_anchors
+    )
+    g_cand_ND, g_positive_BD = torch.cat(g_candidates), g_candidates[0][place_B]
+    pairs = {  # each direction's guide rows and columns, and the column of row i's positive pair
+        "query_to_doc": (g_anchor_BD, g_cand_ND, place_B),
+        "query_to_query": (g_anchor_BD, g_anchors_MD, None),
+        "doc_to_query": (g_positive_BD, g_anchors_MD, place_B),
+        "doc_to_doc": (g_positive_BD, g_cand_ND, None),
+    }
+    g_positive_B = cosine_scores(g_anchor_BD, g_cand_ND)[
+        torch.arange(len(place_B), device=place_B.device), place_B
+    ]
+    masked = {}
+    for name, scores_BX in scores.items():
+        g_rows_BD, g_cols_XD, positive_place_B = pairs[name]
+        mask_BX = false_negative_mask(
+            cosine_scores(g_rows_BD, g_cols_XD), g_positive_B, *false_negatives, positive_place_B
+        )
+        masked[name] = scores_BX.masked_fill(mask_BX, float("-inf"))
+    return masked
+
+
+def hardness_penalty(cos_BN, place_B, num_columns, mode, strength):
+    """sentence-transformers' MultipleNegativesRankingLoss hardness weighting (Lan et al. 2025, Eq. 5):
+    strength * stop_grad(cos), added to the selected query_to_doc logits after `scale`, so that harder
+    negatives weigh more in the softmax. `cos_BN`: the unscaled query_to_doc cosines, `num_columns`
+    columns of candidates (positives, then each negative column); the penalised candidates of row i
+    (its positive at `place_B[i]`):
+        in_batch_negatives  other rows' documents (their positives and hard negatives)
+        hard_negatives      row i's own hard negatives
+        all_negatives       every document but row i's positive"""
+    if mode not in HARDNESS_MODES:
+        raise ValueError(f"hardness mode {mode!r}: use one of {HARDNESS_MODES}")
+    num_world_rows = cos_BN.shape[1] // num_columns
+    own_docs_BN = F.one_hot(place_B, num_world_rows).bool().repeat(1, num_columns)
+    is_positive_BN = F.one_hot(place_B, cos_BN.shape[1]).bool()
+    penalised_BN = {
+        "in_batch_negatives": ~own_docs_BN,
+        "hard_negatives": own_docs_BN & ~is_positive_BN,
+        "all_negatives": ~is_positive_BN,
+    }[mode]
+    return torch.where(penalised_BN, strength * cos_BN.detach(), 0.0)
 
 
 def own_negatives_loss(emb_anchor_BD, emb_candidates, scale=20.0):
@@ -253,6 +401,21 @@ def margin_mse_loss(emb_query_BD, emb_positive_BD, emb_negative_BD, margins_B):
     """
     predicted_B = (emb_query_BD * emb_positive_BD).sum(-1) - (emb_query_BD * emb_negative_BD).sum(-1)
     return F.mse_loss(predicted_B, margins_B.to(predicted_B.dtype))
+
+
+def mse_loss(student_embs, teacher_embs):
+    """MSELoss (Reimers & Gurevych, 2020; sentence-transformers' EmbedDistillLoss with distance "mse",
+    no projection): distil a teacher's embeddings into the student's, column by column.
+
+        loss = mean_c  mean_{i, d} (s_cid - t_cid)^2
+
+    `student_embs`: C columns of (B, D). `teacher_embs` (labels, no gradient): (B, D), one target
+    for every column (multilingual distillation: a sentence and its translations), or (B, C, D)."""
+    teacher = teacher_embs.detach()
+    teacher_columns = [teacher] * len(student_embs) if teacher.dim() == 2 else list(teacher.unbind(1))
+    assert len(teacher_columns) == len(student_embs), (teacher.shape, len(student_embs))
+    per_column = [F.mse_loss(s, t.to(s.dtype)) for s, t in zip(student_embs, teacher_columns)]
+    return torch.stack(per_column).mean()
 
 
 def distill_kl_loss(emb_query_BD, emb_group, teacher_BG, student_temperature=1.0, teacher_temperature=1.0):

@@ -228,6 +228,23 @@ class Config:
         "mnrl: a candidate with the same text as the row's anchor or positive is never its negative (on "
         "every rank, with --gather-negatives)",
     )
+    false_negative_margin: float = arg(
+        None,
+        "mnrl: a candidate whose similarity to the row's anchor is above the positive's + M (the model's own "
+        "scores, no gradient) is taken for a false negative and left out, in every direction and with "
+        "--gather-negatives; Qwen3-Embedding uses 0.1. Unset: off",
+        type=float,
+    )
+    hardness_mode: str = arg(
+        "",
+        "mnrl: weight harder negatives more, as sentence-transformers' hardness_mode: in_batch_negatives, "
+        "hard_negatives (the row's own negative columns) or all_negatives get --hardness-strength x their "
+        "cosine (no gradient) added to their logits; empty: off",
+        choices=("", "in_batch_negatives", "hard_negatives", "all_negatives"),
+    )
+    hardness_strength: float = arg(
+        0.0, "the alpha of --hardness-mode (Lan et al. 2025 use 9 for in_batch_negatives)", at_least=0
+    )
     # large batches (contrastive)
     gather_negatives: bool = arg(
         False,

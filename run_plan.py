@@ -34,6 +34,8 @@ class LossPlan:
     gather: bool = False  # MNRL's candidates from every rank: a collective (all ranks participate)
     symmetric: bool = False  # MNRL also ranks the anchors for each positive
     own_negatives: bool = False  # MNRL against each row's own positive and hard negatives only
+    false_negatives: tuple | None = None  # MNRL's (strategy, margin): candidates above it left out
+    hardness: tuple | None = None  # MNRL's (mode, strength): harder negatives weighted more
     idle_head: bool = False  # the model has a Softmax head that this loss leaves unused
 
 
@@ -258,6 +260,11 @@ def loss_plan(plan, cfg, name, own_negatives, num_labels, gather):
         symmetric=cfg.symmetric,
         own_negatives=own_negatives,
         idle_head=num_labels > 0 and name != "softmax",
+        # the model's own scores, no guide: s_ij > s_i+ + M is strategy "absolute" with margin -M
+        false_negatives=None
+        if cfg.false_negative_margin is None
+        else ("absolute", -cfg.false_negative_margin),
+        hardness=(cfg.hardness_mode, cfg.hardness_strength) if cfg.hardness_mode else None,
     )
 
 

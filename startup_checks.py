@@ -350,6 +350,21 @@ def check_mnrl_directions(cfg, plan, losses_used):
         )
 
 
+def check_false_negative_flags(cfg, losses_used):
+    """--false-negative-margin and --hardness-mode: an mnrl file that ranks against other rows."""
+    flags = ["--false-negative-margin"] if cfg.false_negative_margin is not None else []
+    flags += ["--hardness-mode"] if cfg.hardness_mode else []
+    if flags and "mnrl" not in losses_used:
+        raise ValueError(
+            f"{flags[0]} needs a --train-data file that trains with mnrl (losses: {', '.join(losses_used)})"
+        )
+    if cfg.hardness_mode and cfg.hardness_strength == 0:
+        raise ValueError(
+            f"--hardness-mode {cfg.hardness_mode} with --hardness-strength 0 weights nothing; "
+            "set a strength above 0"
+        )
+
+
 def check_losses(cfg, plan, train_sets):
     """The flags that need a loss, against the losses the files train with."""
     losses_used = sorted({ts.loss for ts in train_sets})
@@ -366,6 +381,7 @@ def check_losses(cfg, plan, train_sets):
             f"(losses: {', '.join(losses_used)})"
         )
     check_mnrl_directions(cfg, plan, losses_used)
+    check_false_negative_flags(cfg, losses_used)
     if cfg.matryoshka_dims and "softmax" in losses_used:
         raise ValueError(
             "--matryoshka-dims: the Softmax head reads embeddings of one fixed size, "

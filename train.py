@@ -387,6 +387,8 @@ def embeddings_loss(model, embs, labels, loss, text_ids=None):
                 text_ids=text_ids,
                 directions=loss.directions,
                 partition=loss.partition,
+                false_negatives=loss.false_negatives,
+                hardness=loss.hardness,
             )
         if loss.name == "cosent":
             return losses.cosent_loss(embs[0], embs[1], labels, scale=loss.scale)

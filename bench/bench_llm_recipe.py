@@ -36,13 +36,14 @@ Run (about 4.5 minutes on 2 CPU cores with the defaults):
 import argparse
 import json
 import os
-import resource
-import socket
 import subprocess
 import sys
 import tempfile
 import time
 from pathlib import Path
+
+# the machine's busy CPU, for the others' CPU column; a free port for torchrun
+from bench_fsdp_vs_ddp import busy_cpu_seconds, free_port, own_cpu_seconds
 
 REPO_DIR = Path(__file__).resolve().parents[1]
 PROMPTS = {"anchor": "task: search result | query: ", "positive": "title: none | text: "}
@@ -115,28 +116,6 @@ def build_models(work, data_dir):
         folders[name] = str(Path(work) / f"st-{name}")
         SentenceTransformer(modules=[*modules, Normalize()], device="cpu").save(folders[name])
     return folders
-
-
-def free_port():
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def busy_cpu_seconds():
-    """CPU seconds spent busy by the whole machine so far (all cores, all processes), or None."""
-    try:
-        with open("/proc/stat") as f:
-            user, nice, system, idle, iowait, irq, softirq, steal = map(int, f.readline().split()[1:9])
-    except (OSError, ValueError):
-        return None
-    return (user + nice + system + irq + softirq + steal) / os.sysconf("SC_CLK_TCK")
-
-
-def own_cpu_seconds():
-    """CPU seconds of this script's finished children (the runs): user and system."""
-    usage = resource.getrusage(resource.RUSAGE_CHILDREN)
-    return usage.ru_utime + usage.ru_stime
 
 
 def train(name, folders, args, out):

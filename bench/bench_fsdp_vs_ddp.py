@@ -63,6 +63,16 @@ def busy_cpu_seconds():
     return (user + nice + system + irq + softirq + steal) / os.sysconf("SC_CLK_TCK")
 
 
+def run_timed(command):
+    """(the finished train.py run, the cores other processes kept busy meanwhile or None)."""
+    busy, own, start = busy_cpu_seconds(), own_cpu_seconds(), time.perf_counter()
+    done = subprocess.run(command, cwd=REPO_DIR, capture_output=True, text=True)
+    others = None
+    if busy is not None:
+        others = (busy_cpu_seconds() - busy - (own_cpu_seconds() - own)) / (time.perf_counter() - start)
+    return done, others
+
+
 def own_cpu_seconds():
     """CPU seconds of this script's finished children (the runs): user and system."""
     usage = resource.getrusage(resource.RUSAGE_CHILDREN)
@@ -80,11 +90,7 @@ def train(task, precision, strategy, args, out):
     command += ["--max-steps", str(args.steps), "--per-device-batch-size", "16", "--max-seq-length", "128"]
     command += ["--lr", "2e-5", "--warmup-ratio", "0.1", "--weight-decay", "0.01", "--seed", "12"]
     command += ["--precision", precision, *STRATEGIES[strategy], "--output-dir", str(out), "--overwrite"]
-    busy, own, start = busy_cpu_seconds(), own_cpu_seconds(), time.perf_counter()
-    done = subprocess.run(command, cwd=REPO_DIR, capture_output=True, text=True)
-    others = None
-    if busy is not None:
-        others = (busy_cpu_seconds() - busy - (own_cpu_seconds() - own)) / (time.perf_counter() - start)
+    done, others = run_timed(command)
     if done.returncode != 0:
         sys.exit(f"error: train.py exited {done.returncode}:\n{done.stderr[-3000:]}")
     lines = [json.loads(line) for line in Path(out, "metrics.jsonl").read_text().splitlines()]

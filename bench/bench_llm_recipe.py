@@ -36,14 +36,12 @@ Run (about 4.5 minutes on 2 CPU cores with the defaults):
 import argparse
 import json
 import os
-import subprocess
 import sys
 import tempfile
-import time
 from pathlib import Path
 
-# the machine's busy CPU, for the others' CPU column; a free port for torchrun
-from bench_fsdp_vs_ddp import busy_cpu_seconds, free_port, own_cpu_seconds
+# a free port for torchrun; a run and the CPU other processes used meanwhile (others' CPU)
+from bench_fsdp_vs_ddp import free_port, run_timed
 
 REPO_DIR = Path(__file__).resolve().parents[1]
 PROMPTS = {"anchor": "task: search result | query: ", "positive": "title: none | text: "}
@@ -133,11 +131,7 @@ def train(name, folders, args, out):
     command += ["--max-steps", str(args.steps), "--per-device-batch-size", str(args.batch // num_processes)]
     command += ["--dropout", "0", "--save-steps", "0", "--eval-steps", "0", "--seed", "12"]
     command += ["--lr", "2e-5", *flags, "--output-dir", str(out), "--overwrite"]
-    busy, own, start = busy_cpu_seconds(), own_cpu_seconds(), time.perf_counter()
-    done = subprocess.run(command, cwd=REPO_DIR, capture_output=True, text=True)
-    others = None
-    if busy is not None:
-        others = (busy_cpu_seconds() - busy - (own_cpu_seconds() - own)) / (time.perf_counter() - start)
+    done, others = run_timed(command)
     if done.returncode != 0:
         sys.exit(f"error: configuration {name}: train.py exited {done.returncode}:\n{done.stderr[-3000:]}")
     last = json.loads(Path(out, "metrics.jsonl").read_text().splitlines()[-1])

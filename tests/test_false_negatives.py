@@ -24,6 +24,7 @@ import pytest
 import torch
 from conftest import data_file, warm_run  # (conftest also puts the repository on sys.path)
 from sentence_transformers import SentenceTransformer
+from test_losses import value_and_grads  # the loss and the gradient of each input
 
 try:  # sentence-transformers >= 6 moved the losses; older versions have them here
     from sentence_transformers.sentence_transformer import losses as st_losses
@@ -50,14 +51,6 @@ def noisy_copies(tensors, seed, noise=0.3):
     """A guide's embeddings of the same texts: the student's plus noise, no gradient."""
     g = torch.Generator().manual_seed(seed)
     return [t.detach() + noise * torch.randn(t.shape, generator=g, dtype=t.dtype) for t in tensors]
-
-
-def value_and_grads(fn, tensors):
-    for t in tensors:
-        t.grad = None
-    value = fn()
-    value.backward()
-    return value.detach(), [t.grad.clone() for t in tensors]
 
 
 def differences(ours, reference):

@@ -57,10 +57,12 @@ class Config:
         "",
         "mnrl: (anchor, positive, [negatives]); cosent: (text, text, score); softmax: (premise, "
         "hypothesis, label); margin_mse: (query, positive, negative, label = the teacher's score margin); "
-        "distill_kl: (query, positive, negatives..., scores = the teacher's score of each). One name for "
+        "distill_kl: (query, positive, negatives..., scores = the teacher's score of each); mse: (text[, "
+        "translations...], embedding = the teacher's vector, or --teacher-model). One name for "
         "every --train-data file, or one per file (mnrl,cosent). Empty: each file's from its columns "
-        "(score: cosent; label: softmax, or margin_mse with three texts; scores: distill_kl; otherwise "
-        "mnrl). Grouped rows (query, pos, neg[, pos_scores, neg_scores]): distill_kl with scores, else mnrl",
+        "(score: cosent; label: softmax, or margin_mse with three texts; scores: distill_kl; embedding: mse; "
+        "otherwise mnrl). Grouped rows (query, pos, neg[, pos_scores, neg_scores]): distill_kl with scores, "
+        "else mnrl",
     )
     group_size: int = arg(
         8,
@@ -244,6 +246,25 @@ class Config:
     )
     hardness_strength: float = arg(
         0.0, "the alpha of --hardness-mode (Lan et al. 2025 use 9 for in_batch_negatives)", at_least=0
+    )
+    guide_model: str = arg(
+        "",
+        "mnrl: a frozen guide model (SentenceTransformer or HF folder, or hub id) whose similarities leave "
+        "out the candidates it rates as close to the anchor as the positive (GISTEmbedLoss), in every "
+        "direction, with --gather-negatives and GradCache; sharded under FSDP. Empty: off",
+    )
+    guide_margin_strategy: str = arg(
+        "absolute",
+        "--guide-model: absolute leaves out g_ij > g_i+ - M; relative g_ij > g_i+ - |g_i+| x M "
+        "(M: --guide-margin; g: the guide's cosines)",
+        choices=("absolute", "relative"),
+    )
+    guide_margin: float = arg(0.0, "--guide-model's margin M (GISTEmbedLoss's margin)")
+    teacher_model: str = arg(
+        "",
+        "mse: a frozen teacher model whose embedding of each row's first text is the target of every text "
+        "column (sentence-transformers' MSELoss: a sentence and its translations), computed as the rows are "
+        "read; sharded under FSDP. Empty: the rows' 'embedding' (or 'label') column holds the targets",
     )
     # large batches (contrastive)
     gather_negatives: bool = arg(
@@ -516,7 +537,7 @@ def check_field_rules(cfg):
             raise ValueError(f"{flag} must be {broken} (got {value}): {field.metadata['help']}")
 
 
-LOSS_NAMES = ("mnrl", "cosent", "softmax", "margin_mse", "distill_kl")
+LOSS_NAMES = ("mnrl", "cosent", "softmax", "margin_mse", "distill_kl", "mse")
 
 
 # --report-to's trackers (tracking.py starts them, startup_checks.py checks their packages).

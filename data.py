@@ -228,7 +228,7 @@ def root_cause(error):
 # Columns: sentence-transformers' conventions, checked against the loss
 
 
-TARGET_COLUMNS = ("label", "score", "scores")
+TARGET_COLUMNS = ("label", "score", "scores", "embedding")
 # Grouped rows (BGE's and tevatron's format): a query, lists of positives and negatives, and
 # optionally a teacher's score for each. Each step draws a fixed-size group from each row
 # (batches.grouped_rows), so the text columns are made up: query, pos, neg_1 .. neg_{G-1}.
@@ -327,6 +327,8 @@ def loss_from_columns(columns):
         return "distill_kl" if set(GROUP_SCORES) <= set(columns) else "mnrl"
     if "scores" in columns:
         return "distill_kl"
+    if "embedding" in columns:
+        return "mse"
     if "score" in columns:
         return "cosent"
     if "label" in columns:
@@ -347,13 +349,7 @@ def load_train_sets(cfg, plan):
     for i, path in enumerate(paths):
         flag = f"--train-data {path}"
         ds = load_data(path, cfg.train_split, cfg.train_subset, flag="--train-data")
-        loss = (
-            names[i]
-            if len(names) == len(paths)
-            else names[0]
-            if names
-            else loss_from_columns(ds.column_names)
-        )
+        loss = names[i if len(names) == len(paths) else 0] if names else loss_from_columns(ds.column_names)
         grouped = set(GROUPED_COLUMNS) <= set(ds.column_names)
         try:
             if grouped:
@@ -387,10 +383,8 @@ def load_train_sets(cfg, plan):
     for ts in train_sets:
         set_settings = plan.dataset_settings.get(ts.name, {})
         ts.per_device_batch_size = set_settings.get("per_device_batch_size", cfg.per_device_batch_size)
-        ts.weight, ts.own_negatives = (
-            set_settings.get("weight", 1.0),
-            set_settings.get("own_negatives", False),
-        )
+        ts.weight = set_settings.get("weight", 1.0)
+        ts.own_negatives = set_settings.get("own_negatives", False)
         ts.prompts = {**plan.prompts, **set_settings.get("prompts", {})}
     return train_sets
 
@@ -504,12 +498,12 @@ def load_beir(folder, flag):
 
 def eval_kind(columns):
     """What an evaluation file's columns call for when --eval-type leaves it open. A 'label' with
-    three text columns is a teacher's margin (margin_mse), and 'scores' a teacher's scores
-    (distill_kl): such a file's metric is the loss."""
+    three text columns is a teacher's margin (margin_mse), 'scores' a teacher's scores (distill_kl),
+    'embedding' a teacher's vector (mse): such a file's metric is the loss."""
     texts = [c for c in columns if c not in TARGET_COLUMNS]
     if "score" in columns:
         return "sts"
-    if "scores" in columns or ("label" in columns and len(texts) == 3):
+    if "scores" in columns or "embedding" in columns or ("label" in columns and len(texts) == 3):
         return "loss"
     return "nli" if "label" in columns else "retrieval"
 
@@ -543,6 +537,12 @@ def data_columns(ds, loss_name):
                 f"'scores' (or 'label') list with the teacher's score of each; got {ds.column_names}"
             )
         check_score_lists(ds, target, len(texts) - 1)
+    elif loss_name == "mse":
+        if not texts:
+            raise ValueError(
+                "--loss mse needs text columns (a text[, its translations ...]) and an 'embedding' column "
+                f"with the teacher's vector (or --teacher-model); got {ds.column_names}"
+            )
     elif loss_name == "margin_mse":
         if len(texts) != 3 or target is None:
             raise ValueError(
@@ -554,13 +554,8 @@ def data_columns(ds, loss_name):
         raise ValueError(
             f"--loss {loss_name} needs two text columns and a target ({want}); got {ds.column_names}"
         )
-    if loss_name in ("cosent", "margin_mse") and getattr(ds.features[target], "dtype", "") not in (
-        "float16",
-        "float32",
-        "float64",
-        "int32",
-        "int64",
-    ):
+    numeric = ("float16", "float32", "float64", "int32", "int64")
+    if loss_name in ("cosent", "margin_mse") and getattr(ds.features[target], "dtype", "") not in numeric:
         raise ValueError(
             f"--loss {loss_name} needs numeric scores in {target!r}; "
             f"{first_offender(ds[target][:ROWS_AT_ONCE], 'a number')}"

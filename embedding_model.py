@@ -564,6 +564,18 @@ def read_tensors(folder, file_names):
     return tensors
 
 
+def fill_sharded_weights(model, loaded):
+    """After a model that load_model built on the meta device (`loaded.pretrained_dir` set) is
+    wrapped in FSDP (`model`): each rank reads the slices of the weights its shards hold, and the
+    buffers no checkpoint holds are computed. (all ranks participate) Nothing to do otherwise."""
+    if loaded.pretrained_dir:
+        init_non_persistent_buffers(loaded.model.encoder)
+        fsdp_utils.load_pretrained_sharded(  # (all ranks participate)
+            model, loaded.pretrained_dir, loaded.pretrained_names, loaded.fresh_tensors
+        )
+        loaded.fresh_tensors = {}
+
+
 def init_non_persistent_buffers(encoder):
     """Rotary frequencies, position ids: buffers no checkpoint holds, which a model built on the
     meta device lacks. transformers' own `_init_weights` computes them (its from_pretrained does

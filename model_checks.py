@@ -10,15 +10,18 @@ device (`check_meta_model`: no memory, no time), the FSDP block class, activatio
 checkpointing and the LoRA target modules. It returns the FSDP block class names, or None.
 
     layer_classes = model_checks.check_model(cfg, plan)         # ValueError naming the fix
+    model_checks.check_frozen_models(cfg, plan)                 # --guide-model, --teacher-model
     problem = model_checks.weights_problem(folder)              # None: the weights look whole
 
 Left out on purpose: loading the weights (embedding_model.py does, once every check passed),
 and checking the values in them (the loss and the weights are checked while training).
 
 Needs transformers, and data.py (`root_cause`), embedding_model.py, export.py
-(`read_sentence_transformer_config`), fsdp_utils.py (`resolve_layer_classes`) and lora.py.
+(`read_sentence_transformer_config`), fsdp_utils.py (`resolve_layer_classes`), lora.py and
+guide_model.py (`frozen_settings`).
 """
 
+import dataclasses
 import json
 import os
 
@@ -29,6 +32,7 @@ import data
 import embedding_model
 import export
 import fsdp_utils
+import guide_model
 import lora
 
 
@@ -46,9 +50,7 @@ def check_model(cfg, plan):
     st_config = export.read_sentence_transformer_config(path)
     if not (st_config["include_prompt"] if cfg.include_prompt is None else cfg.include_prompt):
         check_prompts_leave_text(cfg, plan, path, subfolder, st_config)
-    width = getattr(model_config, "hidden_size", None)
-    if st_config["dense"]:  # the embedding is the last Dense layer's output
-        width = st_config["dense"][-1]["out_features"]
+    width = embedding_width(model_config, st_config)
     if width and plan.matryoshka and max(plan.matryoshka[0]) > width:
         raise ValueError(
             f"--matryoshka-dims {cfg.matryoshka_dims}: {cfg.model} gives {width}-dimensional embeddings; "
@@ -63,6 +65,43 @@ def check_model(cfg, plan):
     if plan.strategy != "fsdp" and not cfg.lora_rank and not cfg.activation_checkpointing:
         return None
     return check_meta_model(cfg, plan, model_config)
+
+
+def embedding_width(model_config, st_config):
+    """How many numbers an embedding has: the last Dense layer's outputs, else the hidden size."""
+    if st_config["dense"]:
+        return st_config["dense"][-1]["out_features"]
+    return getattr(model_config, "hidden_size", None)
+
+
+def check_frozen_models(cfg, plan):
+    """--guide-model and --teacher-model, checked as check_model checks --model (the folder, its
+    config, tokenizer and weights; under FSDP, the block class to wrap), each error naming its flag;
+    the teacher's embeddings as wide as the student's (--loss mse compares them number by number)."""
+    frozen_plan = dataclasses.replace(plan, matryoshka=None, max_seq_length=0, column_lengths={})
+    for flag, path in (("--guide-model", cfg.guide_model), ("--teacher-model", cfg.teacher_model)):
+        if not path:
+            continue
+        try:
+            check_model(guide_model.frozen_settings(cfg, path), frozen_plan)
+        except ValueError as e:
+            raise ValueError(str(e).replace(f"--model {path}", f"{flag} {path}")) from e
+    if cfg.teacher_model:
+        student, teacher = (
+            model_width(dataclasses.replace(cfg, model=m)) for m in (cfg.model, cfg.teacher_model)
+        )
+        if student and teacher and student != teacher:
+            raise ValueError(
+                f"--teacher-model {cfg.teacher_model} gives {teacher}-dimensional embeddings and --model "
+                f"{cfg.model} {student}: --loss mse compares them number by number; choose a teacher of "
+                "the student's width"
+            )
+
+
+def model_width(cfg):
+    """The width of --model's embeddings (embedding_width), from its config alone."""
+    path, _, model_config = model_config_of(cfg)
+    return embedding_width(model_config, export.read_sentence_transformer_config(path))
 
 
 def model_config_of(cfg):

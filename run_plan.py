@@ -34,7 +34,8 @@ class LossPlan:
     gather: bool = False  # MNRL's candidates from every rank: a collective (all ranks participate)
     symmetric: bool = False  # MNRL also ranks the anchors for each positive
     own_negatives: bool = False  # MNRL against each row's own positive and hard negatives only
-    false_negatives: tuple | None = None  # MNRL's (strategy, margin): candidates above it left out
+    false_negatives: tuple | None = None  # MNRL's (strategy, margin): candidates above it left out,
+    # by the guide model's scores where the micro-batch brings them, else by the model's own
     hardness: tuple | None = None  # MNRL's (mode, strength): harder negatives weighted more
     idle_head: bool = False  # the model has a Softmax head that this loss leaves unused
 
@@ -233,8 +234,8 @@ def other_global_batch(plan, cfg, saved, given, elastic):
 def add_schedule(plan, cfg, schedule, steps_per_epoch, eval_sets, fingerprint):
     """Step 2b: every step's rows (batches.Schedule), the steps they make, and the
     evaluation sets (data.load_eval_sets), each scored by --eval-type loss with its LossPlan."""
-    for es in eval_sets:  # the training loss, of one rank's rows at a time: nothing gathered
-        es.loss_plan = loss_plan(plan, cfg, es.loss, False, plan.num_labels, gather=False)
+    for es in eval_sets:  # the training loss, of one rank's rows at a time: nothing gathered, no guide
+        es.loss_plan = loss_plan(plan, cfg, es.loss, False, plan.num_labels, gather=False, guided=False)
     total_steps = len(schedule)
     return dataclasses.replace(
         plan,
@@ -247,8 +248,15 @@ def add_schedule(plan, cfg, schedule, steps_per_epoch, eval_sets, fingerprint):
     )
 
 
-def loss_plan(plan, cfg, name, own_negatives, num_labels, gather):
-    """The LossPlan of a set that trains (or is scored) with loss `name`."""
+def loss_plan(plan, cfg, name, own_negatives, num_labels, gather, guided=True):
+    """The LossPlan of a set that trains (or is scored) with loss `name`; `guided`: with the
+    --guide-model's rule (its embeddings come with each micro-batch: train.forward_backward)."""
+    false_negatives = None
+    if cfg.guide_model and guided:
+        false_negatives = (cfg.guide_margin_strategy, cfg.guide_margin)
+    elif cfg.false_negative_margin is not None:
+        # the model's own scores, no guide: s_ij > s_i+ + M is strategy "absolute" with margin -M
+        false_negatives = ("absolute", -cfg.false_negative_margin)
     return LossPlan(
         name=name,
         scale=cfg.scale,
@@ -260,10 +268,7 @@ def loss_plan(plan, cfg, name, own_negatives, num_labels, gather):
         symmetric=cfg.symmetric,
         own_negatives=own_negatives,
         idle_head=num_labels > 0 and name != "softmax",
-        # the model's own scores, no guide: s_ij > s_i+ + M is strategy "absolute" with margin -M
-        false_negatives=None
-        if cfg.false_negative_margin is None
-        else ("absolute", -cfg.false_negative_margin),
+        false_negatives=false_negatives,
         hardness=(cfg.hardness_mode, cfg.hardness_strength) if cfg.hardness_mode else None,
     )
 

@@ -200,6 +200,7 @@ def checked_flags(cfg, world_size, device):
                 f"{metrics_path} already exists; pass --overwrite to replace it, or another --output-dir"
             )
     plan.layer_classes = model_checks.check_model(cfg, plan)
+    model_checks.check_frozen_models(cfg, plan)
     return plan
 
 
@@ -351,8 +352,20 @@ def check_mnrl_directions(cfg, plan, losses_used):
 
 
 def check_false_negative_flags(cfg, losses_used):
-    """--false-negative-margin and --hardness-mode: an mnrl file that ranks against other rows."""
+    """--false-negative-margin, --guide-model and --hardness-mode: an mnrl file that ranks against
+    other rows; one rule for the false negatives; the guide's margin only with a guide."""
     flags = ["--false-negative-margin"] if cfg.false_negative_margin is not None else []
+    flags += ["--guide-model"] if cfg.guide_model else []
+    if len(flags) == 2:
+        raise ValueError(
+            "--false-negative-margin leaves out what the model itself scores above the positive, "
+            "--guide-model what the guide does: choose one"
+        )
+    guide_flags = (cfg.guide_margin, cfg.guide_margin_strategy) != (0.0, "absolute")
+    if guide_flags and not cfg.guide_model:
+        raise ValueError(
+            "--guide-margin and --guide-margin-strategy set the guide's rule; pass --guide-model"
+        )
     flags += ["--hardness-mode"] if cfg.hardness_mode else []
     if flags and "mnrl" not in losses_used:
         raise ValueError(
@@ -382,6 +395,7 @@ def check_losses(cfg, plan, train_sets):
         )
     check_mnrl_directions(cfg, plan, losses_used)
     check_false_negative_flags(cfg, losses_used)
+    check_distillation(cfg, train_sets)
     if cfg.matryoshka_dims and "softmax" in losses_used:
         raise ValueError(
             "--matryoshka-dims: the Softmax head reads embeddings of one fixed size, "
@@ -407,6 +421,41 @@ def check_losses(cfg, plan, train_sets):
                 "against its own positive alone: the loss is 0 and nothing trains. "
                 "Raise --per-device-batch-size, add a negative column, or use --gather-negatives"
             )
+
+
+def check_distillation(cfg, train_sets):
+    """--loss mse's targets: each mse file's 'embedding' (or 'label') column or --teacher-model, not
+    both; every row's vector finite and as wide as the model's embeddings; no Matryoshka sizes."""
+    mse_sets = [ts for ts in train_sets if ts.loss == "mse"]
+    if cfg.teacher_model and not mse_sets:
+        raise ValueError(
+            "--teacher-model computes --loss mse's targets, and no --train-data file trains with mse "
+            f"(losses: {', '.join(sorted({ts.loss for ts in train_sets}))}); pass --loss mse"
+        )
+    if mse_sets and cfg.matryoshka_dims:
+        raise ValueError(
+            "--matryoshka-dims: --loss mse compares whole embeddings with the teacher's; drop one"
+        )
+    for ts in mse_sets:
+        where = f"--train-data {ts.name}"
+        if ts.target is None and not cfg.teacher_model:
+            raise ValueError(
+                f"{where}: --loss mse needs each row's target: an 'embedding' column with the teacher's "
+                "vector, or --teacher-model to compute it"
+            )
+        if ts.target is not None and cfg.teacher_model:
+            raise ValueError(
+                f"{where} holds the targets ({ts.target!r}) and --teacher-model computes them: drop one"
+            )
+        if ts.target is not None:
+            width = model_checks.model_width(cfg)
+            for start, values in data.windows(ts.ds, ts.target):
+                if (i := data.bad_score_list(values, width)) is not None:
+                    raise ValueError(
+                        f"{where}: row {start + i} has {ts.target} = {str(values[i].as_py())[:80]}; "
+                        f"--loss mse needs a list of {width} finite numbers, the teacher's embedding "
+                        f"({cfg.model}'s width)"
+                    )
 
 
 def check_set_settings(cfg, ts):

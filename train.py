@@ -11,7 +11,6 @@ Run it:
     python train.py                                   # one process (CPU or one GPU)
     torchrun --nproc_per_node=2 train.py              # DDP: gloo on CPU, NCCL on CUDA
     torchrun --nproc_per_node=4 train.py --strategy fsdp                  # FSDP2, --sharding auto
-    torchrun --nproc_per_node=4 train.py --strategy fsdp --fsdp-version 1 --precision bf16
     torchrun --nproc_per_node=4 train.py --per-device-batch-size 1024 --cache-chunk-size 64 --gather-negatives
     torchrun --nproc_per_node=4 --max-restarts=3 train.py --save-steps 500 --resume auto
     python train.py --help                            # every flag, with its default
@@ -27,11 +26,12 @@ Data columns follow sentence-transformers: the text columns in order, a column n
     --loss softmax     premise, hypothesis, label           (integer class)
     --loss margin_mse  query, positive, negative, label     (the teacher's score margin)
     --loss distill_kl  query, positive, negative..., scores (the teacher's score of each)
+    --loss mse         text[, translation ...], embedding   (a teacher's vector; or --teacher-model)
 Grouped rows {query, pos: [...], neg: [...]} draw a positive and --group-size - 1 negatives.
 Every step's rows (and groups) follow from the seed alone (batches.py): 2 ranks x batch B train
 on the rows of 1 process x batch B x 2 accumulation steps; a resumed run continues with them.
 
-Left out on purpose: resuming at another world size (refused at start-up), CPU offload.
+Left out on purpose: CPU offload.
 """
 
 import dataclasses
@@ -56,6 +56,7 @@ import export
 import faults
 import fsdp_utils
 import gradcache
+import guide_model
 import losses
 import metrics
 import run_plan
@@ -79,7 +80,7 @@ def main(cfg):
         evaluate_only(model, loaded, cfg, plan)  # (all ranks participate)
         return loaded.model
     optimizer, scheduler, scaler = build_training(model, no_decay_names, cfg, plan)
-    opts = step_options(cfg, plan, loaded, scaler)
+    opts = step_options(cfg, plan, loaded, scaler)  # (all ranks participate) a guide or teacher loads
     # (all ranks participate) loading sharded state is a collective. (0, None) for a fresh run.
     start_step, best_value = checkpoints.restore_checkpoint(
         plan.resume_dir, model, optimizer, scheduler, scaler, plan.total_steps
@@ -153,18 +154,12 @@ def build_model(cfg, plan):
         raw_model, plan.strategy, plan.device, cfg.sharding, cfg.precision
     )
     allocator = fsdp_utils.set_cpu_allocator(plan.device, plan.strategy, plan.sharding)  # glibc's malloc, CPU
-    for line in (why, allocator):
-        if line:
-            fsdp_utils.print0(line)
+    for line in filter(None, (why, allocator)):
+        fsdp_utils.print0(line)
     options = {"sharding": plan.sharding, "fsdp_version": cfg.fsdp_version, "layer_cls": cfg.fsdp_layer_cls}
     # (all ranks participate) DDP broadcasts rank 0's weights as it wraps.
     model = fsdp_utils.wrap_model(raw_model, plan.strategy, plan.device, precision=cfg.precision, **options)
-    if loaded.pretrained_dir:  # each rank reads the slices of the weights its shards hold
-        embedding_model.init_non_persistent_buffers(raw_model.encoder)
-        fsdp_utils.load_pretrained_sharded(  # (all ranks participate)
-            model, loaded.pretrained_dir, loaded.pretrained_names, loaded.fresh_tensors
-        )
-        loaded.fresh_tensors = {}
+    embedding_model.fill_sharded_weights(model, loaded)  # (all ranks participate) each rank its slices
     return model, loaded, no_decay_names
 
 
@@ -247,11 +242,13 @@ class StepOptions:
     autocast: object  # () -> the autocast context (single, DDP; FSDP casts per block itself)
     scale_loss: object  # loss -> the loss to backward (fp16: scaled by the GradScaler)
     device: object
+    guide: object = None  # --guide-model, frozen (guide_model.FrozenModel): MNRL's false negatives
+    teacher: object = None  # --teacher-model, frozen: --loss mse's targets
 
 
 def step_options(cfg, plan, loaded, scaler):
-    """The StepOptions of this run. Under FSDP, one forward per micro-batch unless
-    --length-buckets says otherwise (the plan's length_buckets): another forward gathers every
+    """The StepOptions of this run; a guide or teacher loads (all ranks participate). Under FSDP,
+    one forward per micro-batch unless --length-buckets says otherwise: another forward gathers every
     weight again (in forward and in backward) and holds a whole unsharded gradient until backward
     has been through both (embed_columns says why). Under FSDP the low precision is FSDP's own
     (parameters cast per block); single and DDP keep fp32 parameters and compute under autocast."""
@@ -259,6 +256,7 @@ def step_options(cfg, plan, loaded, scaler):
     dtype, device_type = fsdp_utils.PRECISIONS[cfg.precision], plan.device.type
     packed, packing_line = embedding_model.packing_choice(cfg, loaded.model)
     fsdp_utils.print0(packing_line)
+    guide, teacher = guide_model.load_frozen_models(cfg, plan)  # (all ranks participate) under FSDP
     return StepOptions(
         grad_accum_steps=plan.grad_accum_steps,
         cache_chunk_size=cfg.cache_chunk_size,
@@ -269,6 +267,8 @@ def step_options(cfg, plan, loaded, scaler):
         autocast=lambda: torch.autocast(device_type, dtype=dtype, enabled=use_autocast),
         scale_loss=scaler.scale if scaler else lambda loss: loss,
         device=plan.device,
+        guide=guide,
+        teacher=teacher,
     )
 
 
@@ -276,7 +276,10 @@ def forward_backward(model, train_set, rows, features, labels, opts, sync):
     """One micro-batch's forward, loss and backward; returns its loss (detached, divided by the
     accumulation steps). (all ranks participate) Under FSDP every forward and backward is a
     collective; under DDP the backward all-reduces the gradients when `sync` (the step's last
-    micro-batch: fsdp_utils.gradient_sync)."""
+    micro-batch: fsdp_utils.gradient_sync). A guide or teacher embeds the rows once, before."""
+    guide, labels = guide_model.embed_rows(
+        opts, rows, train_set, labels
+    )  # (all ranks participate) under FSDP
     ids = None
     if opts.prepare and train_set.loss == "mnrl":
         ids = [batches.text_ids(rows[c], opts.prepare).to(opts.device) for c in train_set.text_columns]
@@ -291,7 +294,7 @@ def forward_backward(model, train_set, rows, features, labels, opts, sync):
     def micro_batch_loss(embs):
         """From its column embeddings (GradCache: cached ones). (all ranks participate)"""
         # (all ranks participate)
-        return embeddings_loss(model, embs, labels, train_set.loss_plan, ids) / opts.grad_accum_steps
+        return embeddings_loss(model, embs, labels, train_set.loss_plan, ids, guide) / opts.grad_accum_steps
 
     if opts.cache_chunk_size:
         return gradcache.cached_backward(  # (all ranks participate)
@@ -361,11 +364,12 @@ def embed_columns(model, features, groups=None):
     return list(embs.split(len(features[0]["input_ids"])))
 
 
-def embeddings_loss(model, embs, labels, loss, text_ids=None):
+def embeddings_loss(model, embs, labels, loss, text_ids=None, guide=None):
     """The loss of one micro-batch from its column embeddings (each (B, D), fp32), as its LossPlan
     `loss` says (run_plan.py). `model` is only used for the Softmax head, which runs through the
     wrapped root (FSDP gathers it). `text_ids`: one id tensor per column, for MNRL's duplicate-safe
-    negatives. (all ranks participate) With loss.gather, MNRL all-gathers every rank's candidates.
+    negatives; `guide`, a guide model's of each column. (all ranks participate) With loss.gather,
+    MNRL all-gathers every rank's candidates (and the guide's).
     loss.idle_head: the model has a Softmax head that this loss does not use (another set's, in a
     mix): it is touched with a zero, so its gradient is 0 on every rank and in every strategy (DDP
     reduces only what the backward reaches, and would wait for it)."""
@@ -387,6 +391,7 @@ def embeddings_loss(model, embs, labels, loss, text_ids=None):
                 text_ids=text_ids,
                 directions=loss.directions,
                 partition=loss.partition,
+                guide=(guide[0], guide[1:]) if guide else None,
                 false_negatives=loss.false_negatives,
                 hardness=loss.hardness,
             )
@@ -394,6 +399,8 @@ def embeddings_loss(model, embs, labels, loss, text_ids=None):
             return losses.cosent_loss(embs[0], embs[1], labels, scale=loss.scale)
         if loss.name == "margin_mse":
             return losses.margin_mse_loss(embs[0], embs[1], embs[2], labels)
+        if loss.name == "mse":
+            return losses.mse_loss(embs, labels)
         if loss.name == "distill_kl":
             return losses.distill_kl_loss(embs[0], embs[1:], labels, *loss.temperatures)
         return losses.softmax_loss(embs[0], embs[1], labels, classifier=lambda x: model(head_input=x).float())

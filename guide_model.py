@@ -1,0 +1,143 @@
+"""Frozen models that steer the loss: a guide (--guide-model, GISTEmbed's false-negative masking)
+and a teacher (--teacher-model, embedding distillation with --loss mse).
+
+    frozen = guide_model.load_frozen(cfg.guide_model, "--guide-model", cfg, plan)   # (all ranks participate)
+    guide_embs = guide_model.embed(frozen, rows, train_set, plan.device, autocast)   # one per column
+
+Either is loaded as the student is (embedding_model.load_model: a SentenceTransformer or HF folder
+with its own pooling, normalisation, Dense layers, tokenizer and max length) and then frozen: no
+gradient, no optimizer state, eval mode (no dropout), never saved or exported. Its embeddings are
+computed once per micro-batch, under no_grad, from the texts the student reads (with the same
+prompts: sentence-transformers' GISTEmbedLoss hands its guide the student's decoded input), cut by
+its own tokenizer. Under GradCache the student embeds each chunk twice, the frozen model once.
+
+Where it lives: under FSDP it is sharded as the student is (its blocks each a unit, each rank
+reads only its own slices of the weights), so a guide as big as the student costs each rank a
+shard, not a whole copy; every forward then gathers its blocks, a collective that every rank
+reaches, as it runs on every rank for every micro-batch. Under DDP and single it is a plain
+module on each device: DDP has nothing to synchronise in a model without gradients (and refuses
+to wrap one).
+
+Left out on purpose: a guide or teacher that trains, and a projection between a teacher and a
+student of other widths (the embeddings must be the same size: a start-up check).
+
+Needs torch, and embedding_model.py (`load_model`, `fill_sharded_weights`), batches.py
+(`with_prompt`) and fsdp_utils.py (`wrap_model`, `print0`).
+"""
+
+import dataclasses
+from dataclasses import dataclass
+
+import torch
+
+import batches
+import embedding_model
+import fsdp_utils
+
+
+@dataclass
+class FrozenModel:
+    """A guide or teacher: the module every forward runs through (FSDP-wrapped or plain) and what
+    load_model read with it (its tokenizer, max length, pooling)."""
+
+    model: object
+    loaded: object  # embedding_model.LoadedModel
+    chunk_size: int = 0  # rows a forward (--cache-chunk-size); 0: the micro-batch at once
+
+
+def frozen_settings(cfg, path):
+    """The Config that load_model reads for a frozen model at `path`: the folder's own pooling,
+    normalisation, prompt handling and attention, no LoRA, no activation checkpointing."""
+    return dataclasses.replace(
+        cfg,
+        model=path,
+        pooling="",
+        normalize=None,
+        include_prompt=None,
+        bidirectional=False,
+        dropout=None,
+        lora_rank=0,
+        activation_checkpointing=False,
+        fsdp_layer_cls="",
+    )
+
+
+def load_frozen(path, flag, cfg, plan):
+    """The frozen model at `path` (named `flag` in the log), on this rank's device: sharded under
+    FSDP (all ranks participate), each rank reading the slices of the weights it holds; else whole. Rank 0
+    prints how many parameters it has and how many each rank holds."""
+    frozen_plan = dataclasses.replace(plan, max_seq_length=0, column_lengths={}, num_labels=0)
+    sharded = plan.strategy == "fsdp"
+    loaded = embedding_model.load_model(frozen_settings(cfg, path), frozen_plan, on_meta=sharded)
+    raw = loaded.model.requires_grad_(False)
+    total = sum(p.numel() for p in raw.parameters())
+    if sharded:
+        model = fsdp_utils.wrap_model(  # (all ranks participate) sharding is resolved: no all_reduce
+            raw,
+            "fsdp",
+            plan.device,
+            sharding=plan.sharding,
+            fsdp_version=cfg.fsdp_version,
+            precision=cfg.precision,
+        )
+        embedding_model.fill_sharded_weights(model, loaded)  # (all ranks participate)
+    else:
+        model = raw.to(plan.device)
+    model.eval()  # no dropout: the same embeddings for the same texts, on every rank
+    held = sum(local_numel(p) for p in model.parameters())
+    fsdp_utils.print0(
+        f"{flag} {path}: {total / 1e6:.1f}M parameters, frozen; {held / 1e6:.1f}M of them held by each rank"
+    )
+    return FrozenModel(model, loaded, cfg.cache_chunk_size)
+
+
+def load_frozen_models(cfg, plan):
+    """(the --guide-model, the --teacher-model), each a FrozenModel or None where the flag is empty.
+    (all ranks participate) under FSDP: load_frozen."""
+    # (all ranks participate) under FSDP
+    guide = load_frozen(cfg.guide_model, "--guide-model", cfg, plan) if cfg.guide_model else None
+    # (all ranks participate) under FSDP, as above
+    teacher = load_frozen(cfg.teacher_model, "--teacher-model", cfg, plan) if cfg.teacher_model else None
+    return guide, teacher
+
+
+def embed_rows(opts, rows, train_set, labels):
+    """What the frozen models give one micro-batch of `train_set`: (the guide's embeddings of each
+    column, for an mnrl set, else None; the labels: for an mse set with a teacher, the teacher's
+    embedding of the first column, every column's target; else `labels`). `opts`: train.py's
+    StepOptions (its guide, teacher, device and autocast). (all ranks participate) under FSDP: every
+    rank's micro-batch is of the same set, so every rank runs the same forwards."""
+    guide = None
+    if opts.guide and train_set.loss == "mnrl":
+        guide = embed(opts.guide, rows, train_set, opts.device, opts.autocast)  # (all ranks participate)
+    if opts.teacher and train_set.loss == "mse":
+        # (all ranks participate) under FSDP
+        labels = embed(opts.teacher, rows, train_set, opts.device, opts.autocast, num_columns=1)[0]
+    return guide, labels
+
+
+def local_numel(param):
+    """The elements of `param` this rank stores: its shard under FSDP2 (a DTensor), FSDP1's flat
+    shard, or all of them."""
+    return param.to_local().numel() if hasattr(param, "to_local") else param.numel()
+
+
+def embed(frozen, rows, train_set, device, autocast, num_columns=None):
+    """The frozen model's embeddings of each text column of `rows` (as `train_set` reads them:
+    text_columns, with its prompts; the first `num_columns` of them), fp32, without gradient: a
+    list of (B, D), one per column.
+    All columns' texts in one forward (or --cache-chunk-size rows at a time). (all ranks participate)
+    Under FSDP each forward gathers the model's blocks: every rank runs as many (equal batches)."""
+    columns = train_set.text_columns[:num_columns]
+    keys = (train_set.prompt_columns or train_set.text_columns)[:num_columns]
+    texts = [batches.with_prompt(rows[c], train_set.prompts, k) for c, k in zip(columns, keys)]
+    flat = [text for column in texts for text in column]
+    prompts = [train_set.prompts.get(k, "") for k, column in zip(keys, texts) for _ in column]
+    tokens = frozen.loaded.tokenize(flat, None, prompts)
+    size = frozen.chunk_size or len(flat)
+    pieces = []
+    with torch.no_grad(), autocast():
+        for start in range(0, len(flat), size):  # the same number of forwards on every rank
+            chunk = {k: v[start : start + size].to(device) for k, v in tokens.items()}
+            pieces.append(frozen.model(**chunk).float())  # (all ranks participate) under FSDP
+    return list(torch.cat(pieces).split(len(texts[0])))

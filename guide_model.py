@@ -9,7 +9,9 @@ with its own pooling, normalisation, Dense layers, tokenizer and max length) and
 gradient, no optimizer state, eval mode (no dropout), never saved or exported. Its embeddings are
 computed once per micro-batch, under no_grad, from the texts the student reads (with the same
 prompts: sentence-transformers' GISTEmbedLoss hands its guide the student's decoded input), cut by
-its own tokenizer. Under GradCache the student embeds each chunk twice, the frozen model once.
+its own tokenizer at its own max length (GISTEmbedLoss's guide sees the student's tokens, cut at
+the student's length: the same wherever the texts fit it). Under GradCache the student embeds each
+chunk twice, the frozen model once.
 
 Where it lives: under FSDP it is sharded as the student is (its blocks each a unit, each rank
 reads only its own slices of the weights), so a guide as big as the student costs each rank a
@@ -47,7 +49,9 @@ class FrozenModel:
 
 def frozen_settings(cfg, path):
     """The Config that load_model reads for a frozen model at `path`: the folder's own pooling,
-    normalisation, prompt handling and attention, no LoRA, no activation checkpointing."""
+    normalisation, prompt handling, attention and tokenizer (--append-eos is the student's: a
+    decoder guide's tokenizer that needs an EOS has it in its folder, as Qwen3-Embedding's does),
+    no LoRA, no activation checkpointing."""
     return dataclasses.replace(
         cfg,
         model=path,
@@ -55,6 +59,7 @@ def frozen_settings(cfg, path):
         normalize=None,
         include_prompt=None,
         bidirectional=False,
+        append_eos=False,
         dropout=None,
         lora_rank=0,
         activation_checkpointing=False,

@@ -18,6 +18,7 @@ the losses alone are test_false_negatives.py's.
 Run: python -m pytest tests/test_guide_and_teacher.py
 """
 
+import contextlib
 import json
 import re
 from types import SimpleNamespace
@@ -34,11 +35,13 @@ from conftest import (
     plan_for,
     read_metrics,
     start_up,
+    tiny_decoder,
     warm_run,
 )
 
 import batches
 import config
+import guide_model
 import run_plan
 import train
 
@@ -311,6 +314,25 @@ def test_a_guide_or_teacher_that_cannot_act_is_refused(tmp_path, tiny_model, tea
     with pytest.raises(ValueError, match=expected):
         start_up(config.parse_config(args + flags))
     assert not (tmp_path / "out").exists()
+
+
+@pytest.mark.quick
+def test_the_guide_keeps_its_own_tokenizer_and_pooling(tmp_path):
+    """A decoder student with --append-eos and last-token pooling, guided by a BERT: the guide
+    tokenizes and pools as its own folder says (no EOS asked of it), as sentence-transformers embeds."""
+    from sentence_transformers import SentenceTransformer
+
+    student = tiny_decoder(tmp_path / "qwen2", arch="qwen2")
+    args = ["--model", str(student), "--append-eos", "--pooling", "lasttoken", "--guide-model", GUIDE]
+    args += ["--train-data", data_file("sick-triplets-train.jsonl"), "--output-dir", str(tmp_path / "out")]
+    cfg = config.parse_config(args)
+    plan = start_up(cfg)
+    frozen = guide_model.load_frozen(GUIDE, "--guide-model", cfg, plan)
+    rows = sick_rows("sick-triplets-train.jsonl")
+    train_set = SimpleNamespace(text_columns=["anchor"], prompt_columns=None, prompts={})
+    ours = guide_model.embed(frozen, rows, train_set, "cpu", contextlib.nullcontext)[0]
+    theirs = SentenceTransformer(GUIDE, device="cpu").encode(rows["anchor"], convert_to_tensor=True)
+    assert (ours - theirs).abs().max().item() <= 1e-5
 
 
 def test_the_export_holds_the_student_alone(runs):

@@ -68,9 +68,9 @@ def frozen_settings(cfg, path):
 
 
 def load_frozen(path, flag, cfg, plan):
-    """The frozen model at `path` (named `flag` in the log), on this rank's device: sharded under
-    FSDP (all ranks participate), each rank reading the slices of the weights it holds; else whole. Rank 0
-    prints how many parameters it has and how many each rank holds."""
+    """The frozen model at `path` (named `flag` in the log), on this rank's device: under FSDP
+    sharded, each rank reading the slices of the weights it holds (all ranks participate); else
+    whole. Rank 0 prints how many parameters it has and how many each rank holds."""
     frozen_plan = dataclasses.replace(plan, max_seq_length=0, column_lengths={}, num_labels=0)
     sharded = plan.strategy == "fsdp"
     loaded = embedding_model.load_model(frozen_settings(cfg, path), frozen_plan, on_meta=sharded)
@@ -128,11 +128,10 @@ def local_numel(param):
 
 
 def embed(frozen, rows, train_set, device, autocast, num_columns=None):
-    """The frozen model's embeddings of each text column of `rows` (as `train_set` reads them:
-    text_columns, with its prompts; the first `num_columns` of them), fp32, without gradient: a
-    list of (B, D), one per column.
-    All columns' texts in one forward (or --cache-chunk-size rows at a time). (all ranks participate)
-    Under FSDP each forward gathers the model's blocks: every rank runs as many (equal batches)."""
+    """The frozen model's embeddings of the text columns of `rows` as `train_set` reads them (its
+    text_columns with its prompts; the first `num_columns`), fp32, without gradient: one (B, D) per
+    column. All columns' texts in one forward, or --cache-chunk-size rows at a time. Under FSDP
+    each forward gathers the model's blocks (all ranks participate): every rank runs as many."""
     columns = train_set.text_columns[:num_columns]
     keys = (train_set.prompt_columns or train_set.text_columns)[:num_columns]
     texts = [batches.with_prompt(rows[c], train_set.prompts, k) for c, k in zip(columns, keys)]

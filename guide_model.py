@@ -44,7 +44,9 @@ class FrozenModel:
 
     model: object
     loaded: object  # embedding_model.LoadedModel
-    chunk_size: int = 0  # rows a forward (--cache-chunk-size); 0: the micro-batch at once
+    packed: bool = False  # one forward over packed rows, as the student (embedding_model.packing_choice)
+    length_buckets: int = 0  # else forwards a micro-batch (the plan's; 0: chosen for each)
+    chunk_size: int = 0  # at most this many rows a forward (--cache-chunk-size); 0: no bound
 
 
 def frozen_settings(cfg, path):
@@ -93,7 +95,8 @@ def load_frozen(path, flag, cfg, plan):
     fsdp_utils.print0(
         f"{flag} {path}: {total / 1e6:.1f}M parameters, frozen; {held / 1e6:.1f}M of them held by each rank"
     )
-    return FrozenModel(model, loaded, cfg.cache_chunk_size)
+    packed, _ = embedding_model.packing_choice(cfg, raw)  # its own attention decides, as the student's
+    return FrozenModel(model, loaded, packed, plan.length_buckets, cfg.cache_chunk_size)
 
 
 def load_frozen_models(cfg, plan):
@@ -130,7 +133,8 @@ def local_numel(param):
 def embed(frozen, rows, train_set, device, autocast, num_columns=None):
     """The frozen model's embeddings of the text columns of `rows` as `train_set` reads them (its
     text_columns with its prompts; the first `num_columns`), fp32, without gradient: one (B, D) per
-    column. All columns' texts in one forward, or --cache-chunk-size rows at a time. Under FSDP
+    column. All columns' texts are embedded as the student's are (train.embed_columns): one forward
+    over packed rows, or length-sorted sub-batches, at most --cache-chunk-size rows each. Under FSDP
     each forward gathers the model's blocks (all ranks participate): every rank runs as many."""
     columns = train_set.text_columns[:num_columns]
     keys = (train_set.prompt_columns or train_set.text_columns)[:num_columns]
@@ -138,10 +142,18 @@ def embed(frozen, rows, train_set, device, autocast, num_columns=None):
     flat = [text for column in texts for text in column]
     prompts = [train_set.prompts.get(k, "") for k, column in zip(keys, texts) for _ in column]
     tokens = frozen.loaded.tokenize(flat, None, prompts)
-    size = frozen.chunk_size or len(flat)
-    pieces = []
+    # As many forwards on every rank: one packed, or the plan's count of sub-batches (fixed under FSDP),
+    # cut into chunks of equally many rows (equal micro-batches make equally many).
+    if frozen.packed:
+        groups = batches.pack([tokens])
+    else:
+        groups = batches.sub_batches([tokens], frozen.length_buckets, device, frozen.chunk_size > 0)
+    pool = {k: v.to(device) for k, v in tokens.items()}
     with torch.no_grad(), autocast():
-        for start in range(0, len(flat), size):  # the same number of forwards on every rank
-            chunk = {k: v[start : start + size].to(device) for k, v in tokens.items()}
-            pieces.append(frozen.model(**chunk).float())  # (all ranks participate) under FSDP
-    return list(torch.cat(pieces).split(len(texts[0])))
+        if not frozen.chunk_size:
+            embs = frozen.model(**pool, groups=groups).float()  # (all ranks participate) under FSDP
+            return list(embs.split(len(texts[0])))
+        chunks = [rows for group in groups for rows in group.split(frozen.chunk_size)]
+        # (all ranks participate) under FSDP: each forward
+        pieces = [frozen.model(**embedding_model.select_rows(pool, rows)).float() for rows in chunks]
+    return list(torch.cat(pieces)[torch.argsort(torch.cat(chunks))].split(len(texts[0])))

@@ -55,6 +55,7 @@ from pathlib import Path
 
 # a free port for torchrun; a run and the CPU other processes used meanwhile (others' CPU)
 from bench_fsdp_vs_ddp import free_port, run_timed
+from bench_retrieval_recipe import read_jsonl, write_jsonl
 
 REPO_DIR = Path(__file__).resolve().parents[1]
 RESULTS_DIR = REPO_DIR / "bench" / "results"
@@ -67,16 +68,6 @@ ARMS = {  # name: (what it adds, its flags; "GUIDE" stands for the guide model's
 # Qwen3-Embedding's s_ij > s_i+ + 0.1 is ("absolute", -0.1).
 MASK_RULES = {"guide": ("absolute", 0.0), "self": ("absolute", -0.1)}
 HELD_OUT = "sick-held-out"  # the BEIR folder's name: its metrics are "sick-held-out/mrr@10", ...
-
-
-def read_jsonl(path):
-    with open(path) as f:
-        return [json.loads(line) for line in f]
-
-
-def write_jsonl(path, rows):
-    Path(path).write_text("".join(json.dumps(r) + "\n" for r in rows))
-    return path
 
 
 def split_pairs(data_dir, work, seed):

@@ -111,12 +111,12 @@ def load_frozen_models(cfg, plan):
 
 def embed_rows(opts, rows, train_set, labels):
     """What the frozen models give one micro-batch of `train_set`: (the guide's embeddings of each
-    column, for an mnrl set, else None; the labels: for an mse set with a teacher, the teacher's
-    embedding of the first column, every column's target; else `labels`). `opts`: train.py's
-    StepOptions (its guide, teacher, device and autocast). (all ranks participate) under FSDP: every
-    rank's micro-batch is of the same set, so every rank runs the same forwards."""
+    column, for an mnrl set that ranks against other rows, else None; the labels: for an mse set
+    with a teacher, the teacher's embedding of the first column, every column's target; else
+    `labels`). `opts`: train.py's StepOptions (its guide, teacher, device and autocast). Under FSDP
+    (all ranks participate) every rank's micro-batch is of the same set: the same forwards."""
     guide = None
-    if opts.guide and train_set.loss == "mnrl":
+    if opts.guide and train_set.loss == "mnrl" and not train_set.loss_plan.own_negatives:
         guide = embed(opts.guide, rows, train_set, opts.device, opts.autocast)  # (all ranks participate)
     if opts.teacher and train_set.loss == "mse":
         # (all ranks participate) under FSDP

@@ -210,6 +210,7 @@ def planned_data(cfg, plan):
     its data (run_plan.add_train_sets, add_schedule). Raises ValueError."""
     if cfg.eval_only:  # no training data, no checkpoints: the evaluation data
         eval_sets = data.load_eval_sets(cfg, plan, 0)
+        check_target_vectors(cfg, eval_sets, "--eval-data")
         check_prompt_columns(cfg, plan, [], eval_sets)
         return run_plan.add_schedule(plan, cfg, [], 0, eval_sets, "")
     train_sets = data.load_train_sets(cfg, plan)
@@ -236,6 +237,7 @@ def planned_data(cfg, plan):
     schedule = batches.Schedule(plan.train_sets, cfg)
     steps_per_epoch = len(schedule.set_orders[0])
     eval_sets = data.load_eval_sets(cfg, plan, plan.num_labels)
+    check_target_vectors(cfg, eval_sets, "--eval-data")
     check_prompt_columns(cfg, plan, train_sets, eval_sets)
     plan = run_plan.add_schedule(plan, cfg, schedule, steps_per_epoch, eval_sets, fingerprint)
     plan.resume_dir, plan.resume_note = resume_dir, note
@@ -447,15 +449,24 @@ def check_distillation(cfg, train_sets):
             raise ValueError(
                 f"{where} holds the targets ({ts.target!r}) and --teacher-model computes them: drop one"
             )
-        if ts.target is not None:
-            width = model_checks.model_width(cfg)
-            for start, values in data.windows(ts.ds, ts.target):
-                if (i := data.bad_score_list(values, width)) is not None:
-                    raise ValueError(
-                        f"{where}: row {start + i} has {ts.target} = {str(values[i].as_py())[:80]}; "
-                        f"--loss mse needs a list of {width} finite numbers, the teacher's embedding "
-                        f"({cfg.model}'s width)"
-                    )
+    check_target_vectors(cfg, mse_sets, "--train-data")
+
+
+def check_target_vectors(cfg, sets, flag):
+    """Each mse set's target column (training, or evaluation scored by its loss) holds, in every row,
+    as many finite numbers as the model's embeddings have: the teacher's embedding."""
+    width = None
+    for ts in sets:
+        if ts.loss != "mse" or ts.target is None:
+            continue
+        width = width or model_checks.model_width(cfg)
+        for start, values in data.windows(ts.ds, ts.target):
+            if (i := data.bad_score_list(values, width)) is not None:
+                raise ValueError(
+                    f"{flag} {ts.name}: row {start + i} has {ts.target} = {str(values[i].as_py())[:80]}; "
+                    f"--loss mse needs a list of {width} finite numbers, the teacher's embedding "
+                    f"({cfg.model}'s width)"
+                )
 
 
 def check_set_settings(cfg, ts):

@@ -300,16 +300,22 @@ def test_an_embedding_column_trains_as_the_teacher_computing_it(tmp_path, tiny_m
             "embedding",
             "holds the targets \\('embedding'\\) and --teacher-model",
         ),
+        (
+            ["--loss", "mse", "--teacher-model", "TEACHER"],
+            "eval",
+            "^--eval-data vectors: row 1 has embedding",
+        ),
     ],
 )
 def test_a_guide_or_teacher_that_cannot_act_is_refused(tmp_path, tiny_model, teacher, flags, data, expected):
-    if data == "embedding":  # a row whose vector is not the model's width
-        path = tmp_path / "vectors.jsonl"
-        rows = [{"text": "a cat", "embedding": [0.1] * 64}, {"text": "a dog", "embedding": [0.5]}]
-        path.write_text("".join(json.dumps(r) + "\n" for r in rows))
-    else:
-        path = data_file(f"sick-{data}-train.jsonl")
+    vectors = tmp_path / "vectors.jsonl"  # a row whose vector is not the model's width
+    rows = [{"text": "a cat", "embedding": [0.1] * 64}, {"text": "a dog", "embedding": [0.5]}]
+    vectors.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    path = (
+        vectors if data == "embedding" else data_file(f"sick-{data.replace('eval', 'triplets')}-train.jsonl")
+    )
     flags = [teacher if f == "TEACHER" else f for f in flags]
+    flags += ["--eval-data", str(vectors)] if data == "eval" else []
     args = ["--model", str(tiny_model), "--train-data", str(path), "--output-dir", str(tmp_path / "out")]
     with pytest.raises(ValueError, match=expected):
         start_up(config.parse_config(args + flags))

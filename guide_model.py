@@ -52,8 +52,8 @@ class FrozenModel:
 def frozen_settings(cfg, path):
     """The Config that load_model reads for a frozen model at `path`: the folder's own pooling,
     normalisation, prompt handling, attention and tokenizer (--append-eos is the student's: a
-    decoder guide's tokenizer that needs an EOS has it in its folder, as Qwen3-Embedding's does),
-    no LoRA, no activation checkpointing."""
+    decoder guide that needs an EOS must have a tokenizer that appends it), no LoRA, no activation
+    checkpointing."""
     return dataclasses.replace(
         cfg,
         model=path,

@@ -305,15 +305,16 @@ def test_an_embedding_column_trains_as_the_teacher_computing_it(tmp_path, tiny_m
             "eval",
             "^--eval-data vectors: row 1 has embedding",
         ),
+        (["--loss", "mse"], "label", "row 1 has label = \\[0.5\\]; --loss mse needs a list of 64"),
     ],
 )
 def test_a_guide_or_teacher_that_cannot_act_is_refused(tmp_path, tiny_model, teacher, flags, data, expected):
     vectors = tmp_path / "vectors.jsonl"  # a row whose vector is not the model's width
-    rows = [{"text": "a cat", "embedding": [0.1] * 64}, {"text": "a dog", "embedding": [0.5]}]
+    column = "label" if data == "label" else "embedding"  # sentence-transformers' MSELoss data: label
+    rows = [{"text": "a cat", column: [0.1] * 64}, {"text": "a dog", column: [0.5]}]
     vectors.write_text("".join(json.dumps(r) + "\n" for r in rows))
-    path = (
-        vectors if data == "embedding" else data_file(f"sick-{data.replace('eval', 'triplets')}-train.jsonl")
-    )
+    file_name = f"sick-{data.replace('eval', 'triplets')}-train.jsonl"
+    path = vectors if data in ("embedding", "label") else data_file(file_name)
     flags = [teacher if f == "TEACHER" else f for f in flags]
     flags += ["--eval-data", str(vectors)] if data == "eval" else []
     args = ["--model", str(tiny_model), "--train-data", str(path), "--output-dir", str(tmp_path / "out")]

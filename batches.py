@@ -498,7 +498,8 @@ def sub_batches(features, length_buckets, device, equal_sizes=False):
     a synchronised one with gradients, so extra chunks add no collective). Under FSDP every
     encoder pass gathers each block (all ranks participate), so every rank runs as many: train.py
     fixes the count there (--length-buckets; 1 unless set), and GradCache's chunks agree too
-    when micro-batches are equal in size and groups equal in rows."""
+    when micro-batches are equal in size and groups equal in rows. None: one forward over the
+    whole pool, in batch order."""
     mask_BT = pool_columns(features)["attention_mask"]
     max_groups = min(length_buckets or MAX_AUTO_GROUPS, len(mask_BT))
     padded_K, runs = length_sorted_cuts(mask_BT, max_groups)
@@ -510,7 +511,9 @@ def sub_batches(features, length_buckets, device, equal_sizes=False):
         )
     if equal_sizes:
         return list(torch.tensor_split(runs(1)[0], count))  # runs(1): all rows, sorted
-    return runs(count)
+    # One forward: the pool as it comes (None), nothing to sort and put back; so its gradients
+    # are summed over the rows in batch order, as a plain padded forward sums them.
+    return runs(count) if count > 1 else None
 
 
 # ----------------------------------------------------------------------------------------------

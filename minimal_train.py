@@ -69,6 +69,7 @@ from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
 from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler
 from torch.distributed.fsdp.wrap import transformer_auto_wrap_policy
 from torch.nn.parallel import DistributedDataParallel as DDP
+from torch.nn.utils import clip_grad_norm_
 
 import eval_dist
 import losses
@@ -83,17 +84,12 @@ COLUMNS = {  # each loss's columns, sentence-transformers' convention: the texts
     "cosent": "two text columns and a float 'score'",
     "softmax": "two text columns and an integer 'label'",
 }
-POOLING_KEYS = {
-    "mean": "pooling_mode_mean_tokens",
-    "cls": "pooling_mode_cls_token",
-    "max": "pooling_mode_max_tokens",
-}
-
-
-FLAGS = [  # (flag, type, default, help): each spelled and defaulted as train.py's
+POOLING_KEYS = {"mean": "pooling_mode_mean_tokens", "cls": "pooling_mode_cls_token"}
+POOLING_KEYS["max"] = "pooling_mode_max_tokens"
+FLAGS = [  # (flag, type, default, help[, choices]): each spelled and defaulted as train.py's
     ("--model", str, "all-MiniLM-L6-v2", "HF or SentenceTransformer folder, or hub id"),
     ("--train-data", str, os.path.join(HERE, "data", "example-pairs.jsonl"), ".jsonl/.json/.csv/.parquet"),
-    ("--loss", str, "", "mnrl, cosent or softmax; empty: score -> cosent, label -> softmax, else mnrl"),
+    ("--loss", str, "", "empty: score -> cosent, label -> softmax, else mnrl", ("", *COLUMNS)),
     ("--per-device-batch-size", int, 16, "rows per micro-batch on each rank"),
     ("--grad-accum-steps", int, 1, "micro-batches per optimizer step"),
     ("--lr", float, 2e-5, "peak learning rate of AdamW"),
@@ -103,25 +99,20 @@ FLAGS = [  # (flag, type, default, help): each spelled and defaulted as train.py
     ("--seed", int, 12, "seeds the rows' order and the new Softmax head"),
     ("--max-seq-length", int, 0, "tokens per text; 0: the model folder's"),
     ("--dropout", float, None, "every dropout rate of the encoder; unset: the model's own"),
-    ("--strategy", str, "auto", "auto (ddp under torchrun, else single), single, ddp or fsdp"),
-    ("--precision", str, "fp32", "fp32, bf16 or fp16 (compute; the master weights stay fp32)"),
+    ("--strategy", str, "auto", "auto: ddp under torchrun, else single", ("auto", "single", "ddp", "fsdp")),
+    ("--precision", str, "fp32", "compute dtype; the master weights stay fp32", tuple(DTYPES)),
     ("--eval-data", str, "", "FILE[,FILE]: score -> STS, label -> NLI accuracy, else retrieval"),
     ("--eval-steps", int, 0, "evaluate every this many steps, and after the last; 0: after the last"),
     ("--output-dir", str, "output/example", "metrics.jsonl and final/ go here"),
 ]
-CHOICES = {
-    "--loss": ("", *COLUMNS),
-    "--strategy": ("auto", "single", "ddp", "fsdp"),
-    "--precision": tuple(DTYPES),
-}
 
 
 def parse_args(argv=None):
     formatter = argparse.RawDescriptionHelpFormatter  # the docstring as written
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=formatter)
-    for flag, kind, default, text in FLAGS:
+    for flag, kind, default, text, *choices in FLAGS:
         text += " (default: %(default)s)"
-        parser.add_argument(flag, type=kind, default=default, help=text, choices=CHOICES.get(flag))
+        parser.add_argument(flag, type=kind, default=default, help=text, choices=(choices or [None])[0])
     return parser.parse_args(argv)
 
 
@@ -153,7 +144,7 @@ def main(args):
             # each block in every forward and reduce-scatters in every backward (all ranks participate).
             last = micro_step == args.grad_accum_steps - 1
             with model.no_sync() if isinstance(model, DDP) and not last else contextlib.nullcontext():
-                loss = micro_batch_loss(model, batch, train_set, tokenize, device, args.precision)
+                loss = micro_batch_loss(model, batch, train_set, tokenize, args)  # (all ranks participate)
                 loss = loss / args.grad_accum_steps
                 (scaler.scale(loss) if scaler else loss).backward()  # (all ranks participate)
             step_loss += loss.detach()
@@ -451,17 +442,20 @@ def epoch_order(num_rows, seed, epoch):
     return torch.randperm(num_rows, generator=torch.Generator().manual_seed(seed + epoch))
 
 
-def micro_batch_loss(model, batch, train_set, tokenize, device, precision):
+def micro_batch_loss(model, batch, train_set, tokenize, args):
     """One micro-batch's loss: every text column tokenized in one call (one padded length) and
-    embedded in one forward through the wrapped model (under FSDP, a second forward would gather
-    every block again and hold a whole gradient until backward went through both: all ranks
-    participate); the loss in fp32, from the embeddings alone (losses.py)."""
+    embedded in one forward through the wrapped model (all ranks participate); under FSDP a second
+    forward would gather every block again and hold a whole gradient until backward went through
+    both. The loss in fp32, from the embeddings alone (losses.py)."""
+    device = next(model.parameters()).device
     texts = [text for column in train_set.text_columns for text in batch[column]]
     tokens = {k: v.to(device) for k, v in tokenize(texts).items()}
-    low = precision != "fp32" and not isinstance(model, FSDP)  # FSDP casts itself
-    with torch.autocast(device.type, dtype=DTYPES[precision], enabled=low):
+    low = args.precision != "fp32" and not isinstance(model, FSDP)  # FSDP casts itself
+    with torch.autocast(device.type, dtype=DTYPES[args.precision], enabled=low):
         embs = model(**tokens).float().split(len(batch[train_set.text_columns[0]]))  # (all ranks participate)
     if train_set.loss == "mnrl":
+        # In-batch negatives, this rank's rows; train.py's --gather-negatives adds every rank's with
+        # an all_gather in the loss (all ranks participate)
         return losses.mnrl_loss(embs[0], list(embs[1:]), scale=SCALE)
     labels = torch.tensor(batch[train_set.target], device=device)
     if train_set.loss == "cosent":
@@ -476,9 +470,9 @@ def clip_and_step(model, optimizer, scheduler, scaler):
     if scaler:
         scaler.unscale_(optimizer)  # clip the true gradients, not the scaled ones
     if isinstance(model, FSDP):
-        grad_norm = model.clip_grad_norm_(MAX_GRAD_NORM)  # (all ranks participate)
-    else:
-        grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), MAX_GRAD_NORM)
+        grad_norm = model.clip_grad_norm_(MAX_GRAD_NORM)  # (all ranks participate): the shards' norm
+    else:  # one process, DDP: every rank holds the whole gradients
+        grad_norm = clip_grad_norm_(model.parameters(), MAX_GRAD_NORM)  # (all ranks participate)
     lr = scheduler.get_last_lr()[0]
     if scaler:
         scaler.step(optimizer)  # skipped where a rank saw inf or nan
@@ -501,15 +495,14 @@ def evaluate(model, eval_sets, tokenize, device):
     results, options = {}, {"batch_size": EVAL_BATCH_SIZE, "device": device}
     for es in eval_sets:
         first, second = (es.ds[c][:] for c in es.text_columns[:2])
-        if es.loss == "cosent":  # (all ranks participate)
-            scores = eval_dist.evaluate_sts(model, tokenize, first, second, es.ds["score"][:], **options)
+        if es.loss == "cosent":  # (sentence1, sentence2, score): Spearman and Pearson of the cosines
+            evaluator, inputs = eval_dist.evaluate_sts, (first, second, es.ds["score"][:])
         elif es.loss == "softmax":  # the head through the wrapped root, as in training
             classify = lambda u, v: model(head_input=losses.softmax_features(u, v)).float()  # noqa: E731
-            labels = es.ds["label"][:]  # (all ranks participate)
-            scores = eval_dist.evaluate_nli(model, tokenize, first, second, labels, classify, **options)
+            evaluator, inputs = eval_dist.evaluate_nli, (first, second, es.ds["label"][:], classify)
         else:  # (anchor, positive) pairs: each distinct anchor a query, the positives the corpus
-            retrieval = eval_dist.retrieval_from_pairs(first, second)  # (all ranks participate)
-            scores = eval_dist.evaluate_retrieval(model, tokenize, *retrieval, **options)
+            evaluator, inputs = eval_dist.evaluate_retrieval, eval_dist.retrieval_from_pairs(first, second)
+        scores = evaluator(model, tokenize, *inputs, **options)  # (all ranks participate)
         results.update({f"{es.name}/{metric}": value for metric, value in scores.items()})
     return results
 

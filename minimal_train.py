@@ -135,13 +135,14 @@ def main(args):
     paused, start = 0.0, time.perf_counter()
     for step in range(1, total_steps + 1):  # optimizer steps, counted from 1
         epoch, place = divmod(step - 1, steps_per_epoch)
-        rows = epoch_order(len(train_set.ds), args.seed, epoch)[place * global_batch :][:global_batch]
+        if place == 0:  # a new epoch: its order, drawn once
+            order = epoch_order(len(train_set.ds), args.seed, epoch)
+        rows = order[place * global_batch :][:global_batch]
         step_loss = torch.zeros((), device=device)
         for micro_step in range(args.grad_accum_steps):
             first = (micro_step * world_size + rank) * args.per_device_batch_size  # this rank's slice
             batch = train_set.ds[rows[first : first + args.per_device_batch_size].tolist()]
-            # DDP all-reduces the gradients in the last micro-step's backward only; FSDP gathers
-            # each block in every forward and reduce-scatters in every backward (all ranks participate).
+            # DDP all-reduces gradients in the last micro-step only, FSDP in each (all ranks participate)
             last = micro_step == args.grad_accum_steps - 1
             with model.no_sync() if isinstance(model, DDP) and not last else contextlib.nullcontext():
                 loss = micro_batch_loss(model, batch, train_set, tokenize, args)  # (all ranks participate)
@@ -165,7 +166,6 @@ def main(args):
     export(model, settings, os.path.join(args.output_dir, "final"), rank)
     samples_per_s = total_steps * global_batch / seconds
     write(log, {"final_loss": last_loss, "train_seconds": seconds, "samples_per_s": samples_per_s})
-    return raw_model
 
 
 # ----------------------------------------------------------------------------------------------

@@ -244,7 +244,7 @@ def load_model(args, num_labels):
     if getattr(encoder, "pooler", None) is not None:  # BERT's: no pooling mode uses it, DDP must not
         encoder.pooler.requires_grad_(False)  # wait for its gradient, the export keeps it unchanged
     tokenizer = transformers.AutoTokenizer.from_pretrained(path, subfolder=st["subfolder"])
-    positions = getattr(config, "max_position_embeddings", 512)
+    positions = getattr(config, "max_position_embeddings", None) or 512
     max_length = (
         args.max_seq_length or st["max_seq_length"] or min(tokenizer.model_max_length, 512, positions)
     )
@@ -357,16 +357,15 @@ def read_and_check(args, world_size, global_batch):
 
 def stop_if_any_failed(problem, rank, device):
     """Every rank learns whether any rank found a problem (all ranks participate), and then all
-    exit together: rank 0 prints one `error:` line, no rank waits in a collective the others skip."""
-    failed = torch.tensor(float(problem is not None), device=device)
+    exit together, no rank left waiting in a collective the others skip. The lowest rank that found
+    one prints it, as the one `error:` line: rank 0, where every rank reads the same files."""
+    world_size = dist.get_world_size() if dist.is_initialized() else 1
+    first = torch.tensor(world_size if problem is None else rank, device=device)
     if dist.is_initialized():
-        dist.all_reduce(failed, op=dist.ReduceOp.MAX)  # (all ranks participate)
-    if failed.item():
-        if rank == 0:
-            print(
-                f"error: {problem or 'another rank failed at start-up; see its output above'}",
-                file=sys.stderr,
-            )
+        dist.all_reduce(first, op=dist.ReduceOp.MIN)  # (all ranks participate)
+    if first.item() < world_size:
+        if first.item() == rank:
+            print(f"error: {f'rank {rank}: ' if rank else ''}{problem}", file=sys.stderr, flush=True)
         sys.exit(1)
 
 
@@ -383,17 +382,15 @@ def wrap(model, strategy, device, precision):
     if strategy == "single":
         return model
     if strategy == "ddp":
-        return DDP(
-            model, device_ids=[device.index] if device.type == "cuda" else None
-        )  # (all ranks participate)
-    low = None if precision == "fp32" else DTYPES[precision]
+        device_ids = [device.index] if device.type == "cuda" else None
+        return DDP(model, device_ids=device_ids)  # (all ranks participate)
+    low = DTYPES[precision]
+    mixed = MixedPrecision(param_dtype=low, reduce_dtype=torch.float32, buffer_dtype=low)
     blocks = {block_class(model)}
     return FSDP(  # (all ranks participate)
         model,
         auto_wrap_policy=functools.partial(transformer_auto_wrap_policy, transformer_layer_cls=blocks),
-        mixed_precision=MixedPrecision(param_dtype=low, reduce_dtype=torch.float32, buffer_dtype=low)
-        if low
-        else None,
+        mixed_precision=mixed if precision != "fp32" else None,
         device_id=device,  # on CPU too: without it FSDP1 looks for an accelerator
         use_orig_params=True,  # the parameters keep their names: the optimizer's groups, the export
     )
@@ -429,11 +426,8 @@ def build_optimizer(model, no_decay_names, args, total_steps, device):
             return step / max(1, warmup)
         return max(0.0, (total_steps - step) / max(1, total_steps - warmup))
 
-    scaler = None
-    if args.precision == "fp16":
-        scaler = (
-            ShardedGradScaler(device.type) if isinstance(model, FSDP) else torch.amp.GradScaler(device.type)
-        )
+    scaler_class = ShardedGradScaler if isinstance(model, FSDP) else torch.amp.GradScaler
+    scaler = scaler_class(device.type) if args.precision == "fp16" else None
     return optimizer, torch.optim.lr_scheduler.LambdaLR(optimizer, multiplier), scaler
 
 
@@ -524,9 +518,9 @@ def write(log, record):
 
 
 def export(model, settings, final_dir, rank):
-    """The trained model as a SentenceTransformer folder (also a plain HF model folder). Under FSDP
-    the full state dict is gathered unit by unit to rank 0's CPU (all ranks participate); rank 0
-    writes it beside `final_dir`, then renames it into place: never half-written."""
+    """The trained model as a SentenceTransformer folder (also a plain HF model folder): the full
+    state dict (all ranks participate), which rank 0 writes beside `final_dir`, then renames into
+    place: never half-written."""
     # FULL_STATE_DICT: whole tensors with the unwrapped model's names; under FSDP each unit is gathered
     # in turn (all ranks participate), on GPUs kept by rank 0 alone, on its CPU (torch 2.13 crashes
     # offloading a CPU run's tensors: there every rank keeps a copy).

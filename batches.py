@@ -59,8 +59,11 @@ class Schedule:
     epoch's are held: one permutation of each set's rows (4 bytes a row; with --batch-sampler
     no_duplicates also 8 bytes a text of hashes), whatever the number of epochs planned."""
 
-    def __init__(self, train_sets, cfg):
-        self.train_sets, self.cfg = train_sets, cfg
+    def __init__(self, train_sets, seed, epochs, max_steps, mix="proportional", no_duplicates=False):
+        """`train_sets` (data.TrainSet, each with its global batch) over --epochs `epochs` or
+        --max-steps `max_steps` (0: --epochs), mixed by --mix `mix`; `no_duplicates`: --batch-sampler
+        no_duplicates (no text twice in a batch)."""
+        self.train_sets, self.seed, self.mix, self.no_duplicates = train_sets, seed, mix, no_duplicates
         self.held = (None, [], None)  # (epoch, epoch_rows(epoch)): the one epoch whose rows are held
         self.hashes = {}  # --batch-sampler no_duplicates: set index -> its texts' hashes (text_hashes)
         self.counted = {}  # no_duplicates: the last planned epoch's set_batches, {(set, epoch): ...}
@@ -75,14 +78,10 @@ class Schedule:
                     + (" with no text twice (--batch-sampler no_duplicates)" if self.no_duplicates else "")
                 )
             planned += len(self.set_orders[-1])
-            if planned >= cfg.max_steps if cfg.max_steps else epoch + 1 == cfg.epochs:
+            if planned >= max_steps if max_steps else epoch + 1 == epochs:
                 break
-        self.total_steps = min(planned, cfg.max_steps) if cfg.max_steps else planned
+        self.total_steps = min(planned, max_steps) if max_steps else planned
         self.epoch_starts = list(itertools.accumulate([0] + [len(order) for order in self.set_orders]))
-
-    @property
-    def no_duplicates(self):
-        return self.cfg.batch_sampler == "no_duplicates"
 
     def __len__(self):
         return self.total_steps
@@ -125,11 +124,11 @@ class Schedule:
         interleaved by --mix. Proportional: every batch of every set once, in an order drawn from
         (seed, epoch); round_robin: the sets in turn, until the smallest runs out."""
         counts = [self.batch_count(i, epoch) for i in range(len(self.train_sets))]
-        if self.cfg.mix == "round_robin":
+        if self.mix == "round_robin":
             return torch.arange(len(counts)).repeat(min(counts))
         labels = torch.cat([torch.full((count,), i) for i, count in enumerate(counts)])
         if len(counts) > 1:
-            seed = self.cfg.seed + 104729 + epoch
+            seed = self.seed + 104729 + epoch
             labels = labels[torch.randperm(len(labels), generator=torch.Generator().manual_seed(seed))]
         return labels
 
@@ -171,7 +170,7 @@ class Schedule:
         chunks, count, keep, size = [], 0, 0, ts.global_batch
         for shuffle in range(max(1, math.ceil(ts.weight))):
             # Set 0, shuffle 0: the one-set order; every other (set, shuffle) a seed of its own.
-            order = epoch_order(len(ts.ds), self.cfg.seed + 7919 * set_index + 15485863 * shuffle, epoch)
+            order = epoch_order(len(ts.ds), self.seed + 7919 * set_index + 15485863 * shuffle, epoch)
             if self.no_duplicates:
                 order = no_duplicate_batches(self.hashes[set_index], order, size)
             cut = len(order) // size
@@ -323,17 +322,16 @@ def targets(rows, target, loss_name, device):
     )
 
 
-def micro_batches(plan, cfg, loaded, rank, start_step):
+def micro_batches(plan, loaded, tables, rank, start_step):
     """This rank's micro-batches from start_step on, in training order: (train set, rows,
-    features, labels), tokenized on the CPU. With --tokenize once, each set's ids are read from
-    its token file (token_cache.py: written here first, once a host, if it is not there yet), and
-    only padded; else each micro-batch is tokenized as it is read. A background thread reads the
+    features, labels), tokenized on the CPU. Where `tables` (write_or_read_token_files) holds a
+    set's token table, its ids are read from it and only padded; else each micro-batch is
+    tokenized as it is read. A background thread reads the
     next one while the caller computes on this one, so reading overlaps the step (tokenizing: a
     small share of a CPU's step, a far larger one of a GPU's: docs/steps.md). The thread has its
     own copy of the tokenizer: a fast tokenizer used from two threads at once fails ("Already
     borrowed"), and evaluation tokenizes in the main thread."""
     thread_loaded = dataclasses.replace(loaded, tokenizer=copy.deepcopy(loaded.tokenizer))
-    tables = token_tables(plan, loaded, cfg, rank)  # each set's ids, written first where no process has
 
     def read(step, micro_step):
         _, set_index, batch_rows = plan.schedule[step]
@@ -341,7 +339,7 @@ def micro_batches(plan, cfg, loaded, rank, start_step):
         indices = micro_batch_indices(batch_rows, rank, micro_step, ts.per_device_batch_size, plan.world_size)
         rows = ts.ds[indices]
         if ts.group_size:
-            rows = grouped_rows(rows, indices, ts.group_size, cfg.seed, step)
+            rows = grouped_rows(rows, indices, ts.group_size, plan.seed, step)
         if tables[set_index] is not None:  # the ids read, only padded here
             prompts = [ts.prompts.get(key, "") for key in ts.prompt_columns]
             features = token_cache.features(
@@ -378,11 +376,12 @@ def micro_batches(plan, cfg, loaded, rank, start_step):
     return read_ahead()
 
 
-def token_tables(plan, loaded, cfg, rank):
+def write_or_read_token_files(plan, loaded, rank):
     """Each training set's token table (token_cache.py), or None where it is tokenized on the fly:
     --tokenize on_the_fly, grouped rows (drawn anew each step), or a tokenizer whose features are
-    more than padded ids (token_cache.unsupported)."""
-    problem = token_cache.unsupported(loaded.tokenizer) if cfg.tokenize == "once" else ""
+    more than padded ids (token_cache.unsupported). A set's token file is written first where no
+    process has written it (once a host: whichever process takes the file lock), else read."""
+    problem = token_cache.unsupported(loaded.tokenizer) if plan.tokenize == "once" else ""
     if problem and rank == 0:
         print(f"tokenized on the fly, not once: {problem}", flush=True)
     # Each set's content hash (data.data_fingerprint, joined by startup_checks), so that an edit
@@ -392,10 +391,10 @@ def token_tables(plan, loaded, cfg, rank):
         fingerprints = [plan.data_fingerprint] * len(plan.train_sets)
     tables = []
     for ts, fingerprint in zip(plan.train_sets, fingerprints):
-        if cfg.tokenize != "once" or ts.group_size or problem:
+        if plan.tokenize != "once" or ts.group_size or problem:
             tables.append(None)
             continue
-        fallback = os.path.join(cfg.output_dir, "token-cache")  # for data sets with no cache folder
+        fallback = os.path.join(plan.output_dir, "token-cache")  # for data sets with no cache folder
         table, path, wrote = token_cache.token_table(ts, loaded, fallback, fingerprint)
         if wrote or rank == 0:  # whichever process of a host took the lock first wrote the file
             said = "written to" if wrote else "read from"

@@ -355,22 +355,24 @@ def check_loss_finite(loss_value, step, output_dir):
 # Resuming: which checkpoint, and only for the same run
 
 
-def checkpoint_to_resume(cfg, fingerprint, fingerprint_before_arrow=None):
-    """The checkpoint this run continues from (None: start fresh), or "finished" when
-    --output-dir already holds the finished run. Refuses to overwrite anything by accident, and
+def checkpoint_to_resume(output_dir, resume, overwrite, flags, fingerprint, fingerprint_before_arrow=None):
+    """The checkpoint a run with --output-dir `output_dir`, --resume `resume` ("", "auto" or a
+    folder) and --overwrite `overwrite` continues from (None: start fresh), or "finished" when
+    `output_dir` already holds the finished run. `flags`: the run's flags as a dict (the Plan's
+    `flags`), compared with the checkpoint's. Refuses to overwrite anything by accident, and
     to continue a run with other settings or other training data (`fingerprint`; a checkpoint
     written before fingerprints hashed Arrow's buffers is compared with
     `fingerprint_before_arrow()`, computed only then)."""
     final_dir, checkpoints_dir = (
-        os.path.join(cfg.output_dir, "final"),
-        os.path.join(cfg.output_dir, "checkpoints"),
+        os.path.join(output_dir, "final"),
+        os.path.join(output_dir, "checkpoints"),
     )
-    if os.path.exists(final_dir) and not cfg.overwrite:
-        if cfg.resume:
+    if os.path.exists(final_dir) and not overwrite:
+        if resume:
             # e.g. torchrun restarting a job that had already exported: nothing to do, provided it
             # is the same run (another one would silently "finish" without training).
             with open(os.path.join(final_dir, "training_config.json")) as f:
-                check_same_run(cfg, json.load(f), fingerprint, final_dir, fingerprint_before_arrow)
+                check_same_run(flags, json.load(f), fingerprint, final_dir, fingerprint_before_arrow)
             return "finished"
         raise ValueError(
             f"{final_dir} already holds a finished run's export; "
@@ -378,15 +380,15 @@ def checkpoint_to_resume(cfg, fingerprint, fingerprint_before_arrow=None):
         )
     # complete or not: an unfinished run's state either way
     found = list_checkpoints(checkpoints_dir)
-    if not cfg.resume:
-        if found and not cfg.overwrite:
+    if not resume:
+        if found and not overwrite:
             raise ValueError(
                 f"{checkpoints_dir} holds checkpoints of an unfinished run (newest: step {found[-1][0]}); "
                 "pass --resume auto to continue it, or --overwrite to start over"
             )
         return None
-    resume_dir = cfg.resume
-    if cfg.resume == "auto":
+    resume_dir = resume
+    if resume == "auto":
         resume_dir, skipped = newest_usable_checkpoint(checkpoints_dir)
         for path, problem in skipped:
             fsdp_utils.print0(f"warning: not resuming from {path}: {problem}")
@@ -399,18 +401,19 @@ def checkpoint_to_resume(cfg, fingerprint, fingerprint_before_arrow=None):
             return None
     with open(os.path.join(resume_dir, "trainer_state.json")) as f:
         saved = json.load(f)
-    check_same_run(cfg, {**saved["config"], **saved}, fingerprint, resume_dir, fingerprint_before_arrow)
+    check_same_run(flags, {**saved["config"], **saved}, fingerprint, resume_dir, fingerprint_before_arrow)
     return resume_dir
 
 
-def check_same_run(cfg, saved, fingerprint, where, fingerprint_before_arrow=None):
-    """`saved` (a checkpoint's or an export's config and derived values) must describe this run:
+def check_same_run(flags, saved, fingerprint, where, fingerprint_before_arrow=None):
+    """`saved` (a checkpoint's or an export's config and derived values) must describe this run
+    (`flags`: its config as a dict):
     every setting but those a resume may change, and the training data. The number of processes
     may change: run_plan.resumed_batches keeps the global batch."""
     saved_fingerprint = saved.get("train_data_fingerprint", fingerprint)
     if "arrow-sha256" not in saved_fingerprint and fingerprint_before_arrow is not None:
         fingerprint = fingerprint_before_arrow()  # saved by an earlier version, hashed as it hashed
-    current = dataclasses.asdict(cfg)
+    current = flags
     may_change = {
         field.name
         for field in dataclasses.fields(config.Config)
@@ -424,7 +427,7 @@ def check_same_run(cfg, saved, fingerprint, where, fingerprint_before_arrow=None
     if saved_fingerprint != fingerprint:
         diffs.append(
             f"other training data ({saved['train_data_fingerprint']}; "
-            f"--train-data {cfg.train_data} now: {fingerprint}), "
+            f"--train-data {current['train_data']} now: {fingerprint}), "
             "so the steps ahead would take other rows"
         )
     if diffs:
@@ -531,16 +534,18 @@ def release_output_lock(output_dir):
         pass
 
 
-def prepare_output_dir(cfg, checkpoints_dir):
-    """Rank 0, after the start-up checks: what earlier runs left that must not be kept."""
-    if cfg.overwrite:
+def prepare_output_dir(output_dir, overwrite):
+    """Rank 0, after the start-up checks: what earlier runs left in `output_dir` that must not be
+    kept (`overwrite`, starting over: the old run's checkpoints too)."""
+    checkpoints_dir = os.path.join(output_dir, "checkpoints")
+    if overwrite:
         shutil.rmtree(
             checkpoints_dir, ignore_errors=True
         )  # starting over: the old run's state must not be resumed
     # Exports are written as NAME.tmp-PID and swapped in through NAME.old-PID: a process killed
     # in between leaves these behind, never a half-written NAME.
-    for leftover in glob.glob(os.path.join(glob.escape(cfg.output_dir), "*.tmp-*")) + glob.glob(
-        os.path.join(glob.escape(cfg.output_dir), "*.old-*")
+    for leftover in glob.glob(os.path.join(glob.escape(output_dir), "*.tmp-*")) + glob.glob(
+        os.path.join(glob.escape(output_dir), "*.old-*")
     ):
         shutil.rmtree(leftover, ignore_errors=True)
     # Checkpoints: a save killed before its rename, or a removal killed half-way (never resumed from).

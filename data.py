@@ -249,7 +249,7 @@ EVAL_METRICS = {
 EVAL_COLUMNS_LIKE = {"sts": "cosent", "retrieval": "mnrl", "nli": "softmax"}
 
 
-@dataclass
+@dataclass(frozen=True)
 class TrainSet:
     """One --train-data file and how it trains."""
 
@@ -266,7 +266,7 @@ class TrainSet:
     weight: float = 1.0
     own_negatives: bool = False
     prompts: dict = None
-    global_batch: int = 0  # set by run_plan.add_data, when the world size is known
+    global_batch: int = 0  # run_plan.add_train_sets', when the world size is known
     loss_plan: object = None  # run_plan.LossPlan: how its micro-batches' loss is computed
 
     @property
@@ -282,7 +282,7 @@ class TrainSet:
         return self.text_columns + ([self.target] if self.target else [])
 
 
-@dataclass
+@dataclass(frozen=True)
 class EvalSet:
     name: str  # the file's stem; it prefixes the metrics: stsb-dev/spearman
     kind: str  # sts, retrieval, nli, loss or beir
@@ -291,7 +291,7 @@ class EvalSet:
     target: str | None
     loss: str = ""  # for kind "loss": the loss it is scored with
     beir: "BeirSet" = None  # for kind "beir": a corpus, its queries and their graded relevance
-    loss_plan: object = None  # kind "loss": run_plan.LossPlan, set by run_plan.add_data
+    loss_plan: object = None  # kind "loss": run_plan.LossPlan (run_plan.add_schedule)
 
     @property
     def metric_names(self):
@@ -336,63 +336,66 @@ def loss_from_columns(columns):
     return "mnrl"
 
 
-def load_train_sets(cfg, plan):
-    """The --train-data files as TrainSets, each checked against its loss (--loss, or its columns'),
-    with its settings (the plan's --dataset-settings and --prompts: run_plan.py)."""
-    paths, names = cfg.train_data.split(","), plan.losses
+def load_train_sets(paths, split, subset, group_size, per_device_batch_size, names, settings, prompts):
+    """The --train-data files `paths` as TrainSets, each checked against its loss (one of `names`,
+    --loss's: one, one per file, or none: its columns'), with its settings (`settings`:
+    --dataset-settings {file stem: {setting: value}}, over `per_device_batch_size` and `prompts`).
+    `group_size`: the texts a grouped row draws each step. run_plan.data_plan calls it."""
     if len(names) > 1 and len(names) != len(paths):
         raise ValueError(
-            f"--loss {cfg.loss} names {len(names)} losses for {len(paths)} --train-data files; give one, "
-            "one per file, or none"
+            f"--loss {','.join(names)} names {len(names)} losses for {len(paths)} --train-data files; "
+            "give one, one per file, or none"
         )
-    train_sets = []
-    for i, path in enumerate(paths):
-        flag = f"--train-data {path}"
-        ds = load_data(path, cfg.train_split, cfg.train_subset, flag="--train-data")
-        loss = names[i if len(names) == len(paths) else 0] if names else loss_from_columns(ds.column_names)
-        grouped = set(GROUPED_COLUMNS) <= set(ds.column_names)
-        try:
-            if grouped:
-                text_columns, target, num_labels = grouped_columns(ds, loss, cfg.group_size)
-            else:
-                text_columns, target, num_labels = data_columns(ds, loss)
-        except ValueError as e:
-            raise ValueError(f"{flag}: {e}") from e
-        if not grouped:
-            check_rows(ds, text_columns, target, flag)
-        name = set_name(path)
-        group_size = cfg.group_size if grouped else 0
-        train_sets.append(TrainSet(name, ds, loss, text_columns, target, num_labels, group_size))
-    stems = [ts.name for ts in train_sets]
+    stems = [set_name(path) for path in paths]
     if len(set(stems)) < len(stems):
         raise ValueError(
             f"--train-data: several files are named {sorted({n for n in stems if stems.count(n) > 1})} "
             "(without folder and extension), so their losses would be logged under one name; give them "
             "distinct file names"
         )
+    for name in settings:
+        if name not in stems:
+            raise ValueError(
+                f"--dataset-settings: {name!r} is no --train-data file (their stems: {', '.join(stems)})"
+            )
+    train_sets = []
+    for i, (path, name) in enumerate(zip(paths, stems)):
+        flag = f"--train-data {path}"
+        ds = load_data(path, split, subset, flag="--train-data")
+        loss = names[i if len(names) == len(paths) else 0] if names else loss_from_columns(ds.column_names)
+        grouped = set(GROUPED_COLUMNS) <= set(ds.column_names)
+        try:
+            if grouped:
+                text_columns, target, num_labels = grouped_columns(ds, loss, group_size)
+            else:
+                text_columns, target, num_labels = data_columns(ds, loss)
+        except ValueError as e:
+            raise ValueError(f"{flag}: {e}") from e
+        if not grouped:
+            check_rows(ds, text_columns, target, flag)
+        own = settings.get(name, {})  # --dataset-settings: this file's, over the run's
+        own = {
+            "per_device_batch_size": own.get("per_device_batch_size", per_device_batch_size),
+            "weight": own.get("weight", 1.0),
+            "own_negatives": own.get("own_negatives", False),
+            "prompts": {**prompts, **own.get("prompts", {})},
+        }
+        columns = text_columns, target, num_labels, group_size if grouped else 0
+        train_sets.append(TrainSet(name, ds, loss, *columns, **own))
     if sum(ts.loss == "softmax" for ts in train_sets) > 1:
         raise ValueError(
             "--train-data: several files train with --loss softmax, but the run has one Softmax head; "
             "keep one"
         )
-    for name in plan.dataset_settings:
-        if name not in stems:
-            raise ValueError(
-                f"--dataset-settings: {name!r} is no --train-data file (their stems: {', '.join(stems)})"
-            )
-    for ts in train_sets:
-        set_settings = plan.dataset_settings.get(ts.name, {})
-        ts.per_device_batch_size = set_settings.get("per_device_batch_size", cfg.per_device_batch_size)
-        ts.weight = set_settings.get("weight", 1.0)
-        ts.own_negatives = set_settings.get("own_negatives", False)
-        ts.prompts = {**plan.prompts, **set_settings.get("prompts", {})}
     return train_sets
 
 
-def load_eval_sets(cfg, plan, num_labels):
-    """The --eval-data files as EvalSets, checked like the training data."""
+def load_eval_sets(eval_data, eval_type, eval_only, losses, num_labels):
+    """The --eval-data files (`eval_data`, comma-separated) as EvalSets, checked like the training
+    data: each of --eval-type `eval_type` (or its columns'), scored by --loss's `losses` where it is
+    one, for a run whose Softmax head has `num_labels` classes (`eval_only`: none trains)."""
     eval_sets = []
-    for path in [p for p in cfg.eval_data.split(",") if p]:
+    for path in [p for p in eval_data.split(",") if p]:
         flag = f"--eval-data {path}"
         if os.path.isfile(os.path.join(path, "corpus.jsonl")):
             name = os.path.basename(os.path.normpath(path))
@@ -407,15 +410,15 @@ def load_eval_sets(cfg, plan, num_labels):
                 f"{flag}: grouped rows (query, pos, neg) are for training; evaluate on pairs (retrieval) "
                 "or on (query, positive, negative ..., scores) rows (the distill_kl loss)"
             )
-        kind = cfg.eval_type or eval_kind(columns)
+        kind = eval_type or eval_kind(columns)
         # Scored by its loss: --loss when it names one, else the file's columns decide (as for training).
-        loss = plan.losses[0] if len(plan.losses) == 1 else loss_from_columns(columns)
+        loss = losses[0] if len(losses) == 1 else loss_from_columns(columns)
         try:
             text_columns, target, eval_labels = data_columns(ds, EVAL_COLUMNS_LIKE.get(kind, loss))
         except ValueError as e:
             raise ValueError(f"{flag} (--eval-type {kind}): {e}") from e
         check_rows(ds, text_columns, target, flag)
-        if cfg.eval_only and (kind == "nli" or (kind == "loss" and loss == "softmax")):
+        if eval_only and (kind == "nli" or (kind == "loss" and loss == "softmax")):
             raise ValueError(
                 f"{flag}: --eval-only evaluates embeddings; nli accuracy and the softmax loss need a "
                 "trained Softmax head, which a --model folder does not hold. Use --eval-type sts, "
@@ -434,12 +437,12 @@ def load_eval_sets(cfg, plan, num_labels):
             )
         name = set_name(path)
         eval_sets.append(EvalSet(name, kind, ds, text_columns, target, loss))
-    check_eval_names(cfg, plan, eval_sets)
     return eval_sets
 
 
-def check_eval_names(cfg, plan, eval_sets):
-    """Distinct evaluation names, and --metric-for-best among the metrics they make."""
+def check_eval_names(eval_sets, matryoshka, metric_for_best):
+    """Distinct evaluation names, and --metric-for-best among the metrics they make (with the
+    Matryoshka sizes `matryoshka`: (dims, weights) or None)."""
     stems = [es.name for es in eval_sets]
     if len(set(stems)) < len(stems):
         twice = sorted({stem for stem in stems if stems.count(stem) > 1})
@@ -447,15 +450,15 @@ def check_eval_names(cfg, plan, eval_sets):
             f"--eval-data: several files are named {twice} (without folder and extension), so their metrics "
             "would overwrite each other; give them distinct file names"
         )
-    sizes = [""] + [f"@{d}" for d in (plan.matryoshka or [()])[0]]
+    sizes = [""] + [f"@{d}" for d in (matryoshka or [()])[0]]
     names = [
         f"{es.name}/{metric}{size}"
         for es in eval_sets
         for metric in EVAL_METRICS[es.kind]
         for size in (sizes if es.kind in ("sts", "retrieval", "beir") else [""])
     ]
-    if cfg.metric_for_best and cfg.metric_for_best not in names:
-        raise ValueError(f"--metric-for-best {cfg.metric_for_best}: not among this run's metrics {names}")
+    if metric_for_best and metric_for_best not in names:
+        raise ValueError(f"--metric-for-best {metric_for_best}: not among this run's metrics {names}")
 
 
 def load_beir(folder, flag):

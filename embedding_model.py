@@ -218,11 +218,10 @@ def packing_support(encoder, takes_positions):
     return None
 
 
-def packing_choice(cfg, model):
-    """(whether training runs packed rows, the log line saying which path runs and why)."""
-    why_not = model.cannot_pack
-    if cfg.packing == "off" or cfg.length_buckets or cfg.cache_chunk_size:
-        why_not = "--packing off" if cfg.packing == "off" else "--length-buckets or --cache-chunk-size set"
+def packing_choice(model, flags_refuse):
+    """(whether training runs packed rows, the log line saying which path runs and why).
+    `flags_refuse`: why the flags rule packing out (the plan's packing_refused), or ""."""
+    why_not = flags_refuse or model.cannot_pack
     if why_not is None:
         return True, "forwards: one per micro-batch over packed rows (no padding computed)"
     return False, f"forwards: length-sorted sub-batches, not packed rows ({why_not})"
@@ -346,45 +345,69 @@ def resolve_model_path(name):
     return name  # a hub id: transformers downloads it where a hub is reachable
 
 
-def load_model(cfg, plan, on_meta=False):
-    """The encoder, its pooling and (plan.num_labels > 0) a new Softmax head, in train mode. A
-    SentenceTransformer folder's pooling, normalisation, max length and casing are kept; the
-    prompts, lengths and LoRA's settings are the plan's (run_plan.py).
+@dataclass(frozen=True)
+class ModelSpec:
+    """Which model load_model builds, and how: the student's from its flags (run_plan.py), a frozen
+    guide's or teacher's from its own folder (guide_model.frozen_spec), mine.py's from its own."""
+
+    path: str = "all-MiniLM-L6-v2"  # --model: a folder or hub id
+    trust_remote_code: bool = False  # a hub repository's own code runs only if asked
+    pooling: str = ""  # "" : the SentenceTransformer folder's (mean otherwise)
+    normalize: bool | None = None  # None: the folder's
+    include_prompt: bool | None = None  # None: the folder's
+    append_eos: bool = False
+    bidirectional: bool = False
+    dropout: float | None = None  # every dropout rate of the config; None: as it came
+    max_seq_length: int = 0  # every column's but those in column_lengths (0: the model's own)
+    column_lengths: dict = dataclasses.field(default_factory=dict)  # {column: tokens}
+    prompts: dict = dataclasses.field(default_factory=dict)  # {column: prefix}
+    lora_rank: int = 0  # 0: no LoRA
+    lora_alpha: float = 0.0
+    lora_dropout: float = 0.0
+    lora_leaf_names: tuple = ()  # the Linear layers' names LoRA adapts
+    activation_checkpointing: bool = False
+    fsdp_layer_cls: str = ""  # the block class named by --fsdp-layer-cls ("" : found)
+
+
+def load_model(spec, num_labels=0, on_meta=False):
+    """The encoder of ModelSpec `spec`, its pooling and (num_labels > 0) a new Softmax head, in
+    train mode. A SentenceTransformer folder's pooling, normalisation, max length and casing are
+    kept where `spec` leaves them open.
 
     `on_meta` (FSDP): the model is built on the meta device, without storage, when its weights
     can be read slice by slice (a local folder whose safetensors files hold every tensor); then
     `pretrained_dir` is set and main fills each rank's shards after wrapping, so no rank holds
     the whole model. Otherwise it is loaded in full on every rank, as under single and DDP."""
-    path = resolve_model_path(cfg.model)
+    path = resolve_model_path(spec.path)
     st_config = export.read_sentence_transformer_config(path)
     subfolder = st_config["subfolder"]
-    remote = {"trust_remote_code": cfg.trust_remote_code}  # a hub repository's own code runs only if asked
+    remote = {"trust_remote_code": spec.trust_remote_code}  # a hub repository's own code runs only if asked
     tokenizer = transformers.AutoTokenizer.from_pretrained(path, subfolder=subfolder, **remote)
-    if cfg.append_eos:
+    if spec.append_eos:
         append_eos(tokenizer)
     # Two copies of the config: the encoder is built from one whose dropout rates --dropout may
     # rewrite, the export keeps the other as it came, so an exported model keeps its base's rates.
     export_config = transformers.AutoConfig.from_pretrained(path, subfolder=subfolder, **remote)
     # Saved in the export's config.json: it loads bidirectional everywhere. (An encoder's config has
     # no such setting, nor needs one: model_checks.check_bidirectional.)
-    if cfg.bidirectional and "use_bidirectional_attention" in export_config.to_dict():
+    if spec.bidirectional and "use_bidirectional_attention" in export_config.to_dict():
         export_config = bidirectional_config(export_config)
-    train_config = with_dropout(export_config, cfg.dropout)
+    train_config = with_dropout(export_config, spec.dropout)
     folder = os.path.join(path, subfolder) if subfolder else path
     encoder, missing_keys, file_names = build_encoder(path, subfolder, train_config, remote, on_meta)
     untrained_state = drop_pooler(encoder, missing_keys, file_names, folder)
     export_config.architectures = [type(encoder).__name__]
-    pooling = cfg.pooling or st_config["pooling"]
-    normalize = st_config["normalize"] if cfg.normalize is None else cfg.normalize
+    pooling = spec.pooling or st_config["pooling"]
+    normalize = st_config["normalize"] if spec.normalize is None else spec.normalize
     positions = getattr(train_config, "max_position_embeddings", None) or 512
     max_seq_length = (
-        plan.max_seq_length or st_config["max_seq_length"] or min(tokenizer.model_max_length, 512, positions)
+        spec.max_seq_length or st_config["max_seq_length"] or min(tokenizer.model_max_length, 512, positions)
     )
-    lora_names = prepare_encoder(encoder, cfg, plan)  # LoRA adapters drawn from the RNG, before the head
+    lora_names = prepare_encoder(encoder, spec)  # LoRA adapters drawn from the RNG, before the head
     dense = [dense_layer(path, settings) for settings in st_config["dense"]]
-    model = EmbeddingModel(encoder, pooling, normalize, plan.num_labels, dense)
+    model = EmbeddingModel(encoder, pooling, normalize, num_labels, dense)
     model.train()  # from_pretrained returns eval mode: dropout would silently stay off
-    prompts = plan.prompts
+    prompts = spec.prompts
     loaded = LoadedModel(
         model,
         tokenizer,
@@ -395,12 +418,12 @@ def load_model(cfg, plan, on_meta=False):
         base_tokenizer_files(path, subfolder),
         prompts,
         {**st_config["prompts"], **prompts},
-        column_lengths=plan.column_lengths,
+        column_lengths=spec.column_lengths,
         parameter_counts=(
             sum(p.numel() for p in model.parameters()),
             sum(p.numel() for p in model.parameters() if p.requires_grad),
         ),
-        include_prompt=st_config["include_prompt"] if cfg.include_prompt is None else cfg.include_prompt,
+        include_prompt=st_config["include_prompt"] if spec.include_prompt is None else spec.include_prompt,
     )
     if file_names is not None:
         to_meta(loaded, file_names, lora_names, folder)
@@ -473,20 +496,20 @@ def drop_pooler(encoder, missing_keys, file_names, folder):
     return untrained_state
 
 
-def prepare_encoder(encoder, cfg, plan):
+def prepare_encoder(encoder, spec):
     """What is set on the encoder before wrapping: the LoRA adapters (--lora-rank, drawn from the
     seeded RNG), so DDP/FSDP see them as the trained parameters, and activation checkpointing.
     Returns the names of the Linear layers that got adapters ([] without LoRA)."""
     lora_names = []
-    if cfg.lora_rank:
+    if spec.lora_rank:
         lora_names = lora.linear_names(
             encoder,
-            fsdp_utils.resolve_layer_classes(encoder, cfg.fsdp_layer_cls),
-            plan.lora_leaf_names,
+            fsdp_utils.resolve_layer_classes(encoder, spec.fsdp_layer_cls),
+            spec.lora_leaf_names,
         )
-        lora.add_lora(encoder, lora_names, cfg.lora_rank, plan.lora_alpha, cfg.lora_dropout)
+        lora.add_lora(encoder, lora_names, spec.lora_rank, spec.lora_alpha, spec.lora_dropout)
     # Non-reentrant: the reentrant kind fails under FSDP1 ("mat2 must be a matrix").
-    if cfg.activation_checkpointing:
+    if spec.activation_checkpointing:
         if hasattr(encoder, "activation_checkpointing_enable"):  # its name from transformers 5.2x on
             encoder.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
         else:

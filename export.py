@@ -18,12 +18,11 @@ Usage (stage_state_dict: all ranks participate; the writer alone the rest):
         export.export_sentence_transformer(out_dir, [lambda: export.read_staged(staging, names)],
                                            config, tokenizer, pooling_mode="mean", ...)
 
-Needs torch, transformers and safetensors, and fsdp_utils.py, collectives.py, lora.py, faults.py,
-run_plan.py and model_card.py (for `export_model`; `export_sentence_transformer` needs none).
+Needs torch, transformers and safetensors, and fsdp_utils.py, collectives.py, lora.py, faults.py
+and model_card.py (for `export_model`; `export_sentence_transformer` needs none).
 """
 
 import copy
-import dataclasses
 import functools
 import glob
 import importlib.metadata
@@ -41,10 +40,9 @@ import faults
 import fsdp_utils
 import lora
 import model_card
-import run_plan
 
 
-def export_model(model, loaded, out_dir, cfg, plan, summary, is_rank0):
+def export_model(model, loaded, out_dir, plan, record, is_rank0):
     """(all ranks participate) Under FSDP each rank writes the part of the weights it holds beside
     the export (a collective; nothing is gathered), and rank 0 reads it back one output file's worth at a
     time: no rank ever holds the whole model. A rank on a host without rank 0's disk
@@ -53,12 +51,15 @@ def export_model(model, loaded, out_dir, cfg, plan, summary, is_rank0):
     own copy. Rank 0 alone writes the SentenceTransformer folder, with its model card.
     A disk without room for it stops every rank before anything is written, and a write that
     fails stops every rank with what was half written removed (faults.DiskFull): an older export
-    at `out_dir` is then untouched. `plan`: the run's (run_plan.py), saved in the export."""
+    at `out_dir` is then untouched. `plan`: the run's (run_plan.py); `record`: what it derived
+    (run_plan.record) and its summary, saved in the export with the flags and read by its card."""
     # A leftover of a killed run goes at the next start, as the other *.tmp-*.
     staging = f"{out_dir}.tmp-staged"
     sharded = fsdp_utils.is_fsdp1(model) or fsdp_utils.is_fsdp2(model)
     folder, what = os.path.dirname(os.path.abspath(out_dir)), f"the export {out_dir}"
-    faults.check_space(folder, size_estimate(loaded, cfg, sharded), what)  # (all ranks participate)
+    faults.check_space(
+        folder, size_estimate(loaded, plan.export_dtype, sharded), what
+    )  # (all ranks participate)
 
     def remove_half_written():  # rank 0's, after a failed write
         for path in (staging, f"{os.path.abspath(out_dir)}.tmp-{os.getpid()}"):
@@ -71,14 +72,14 @@ def export_model(model, loaded, out_dir, cfg, plan, summary, is_rank0):
             # (all ranks participate): each rank writes the shards it holds
             stage_state_dict(model, staging, plan.sees_output_dir)
         if is_rank0:
-            write_export(loaded, out_dir, cfg, plan, summary, staging if sharded else None)
+            write_export(loaded, out_dir, plan, record, staging if sharded else None)
 
 
-def size_estimate(loaded, cfg, sharded):
+def size_estimate(loaded, export_dtype, sharded):
     """About the bytes an export takes while it is written: the weights in --export-dtype, under
     FSDP the staged fp32 copy beside them, and the tokenizer (its tokenizer.json as text, twice
     for the slow files saved beside it, and the base's slow files), with 1 MB to spare."""
-    dtype_bytes = fsdp_utils.PRECISIONS[cfg.export_dtype].itemsize
+    dtype_bytes = fsdp_utils.PRECISIONS[export_dtype].itemsize
     weights = loaded.parameter_counts[0] * (dtype_bytes + (4 if sharded else 0))
     backend = getattr(loaded.tokenizer, "backend_tokenizer", None)
     tokenizer = 2 * len(backend.to_str()) if backend is not None else 0
@@ -86,7 +87,7 @@ def size_estimate(loaded, cfg, sharded):
     return weights + tokenizer + 10**6
 
 
-def write_export(loaded, out_dir, cfg, plan, summary, staging):
+def write_export(loaded, out_dir, plan, record, staging):
     """Rank 0: the SentenceTransformer folder, its weights read from `staging` (FSDP: what
     stage_state_dict wrote) or, when None, from the model itself (one process, DDP)."""
     if staging:
@@ -98,9 +99,8 @@ def write_export(loaded, out_dir, cfg, plan, summary, staging):
         tensors_of = lambda names: {name: state[name].detach().clone() for name in names}  # noqa: E731
         shapes = {name: (t.shape, t.dtype) for name, t in state.items()}
     staged = sorted(shapes)
-    derived = run_plan.record(plan, loaded)  # saved beside the config, as rank 0 printed it
-    dtype = fsdp_utils.PRECISIONS[cfg.export_dtype]
-    weight_files = exported_files(tensors_of, shapes, loaded.untrained_state, cfg, plan, dtype)
+    dtype = fsdp_utils.PRECISIONS[plan.export_dtype]
+    weight_files = exported_files(tensors_of, shapes, loaded.untrained_state, plan, dtype)
     head = tensors_under(tensors_of, staged, "classifier.")
     # each Dense layer's config and tensors, under Dense's own names (linear.weight, ...)
     dense = [
@@ -119,22 +119,22 @@ def write_export(loaded, out_dir, cfg, plan, summary, staging):
         max_seq_length=loaded.max_seq_length,
         do_lower_case=loaded.lowercase,
         tokenizer_files=loaded.tokenizer_files,
-        model_card=model_card.card(cfg, plan, loaded, derived, summary),
+        model_card=model_card.card(plan, loaded, record),
         prompts=loaded.named_prompts,
         dtype=dtype,
-        training_config={**dataclasses.asdict(cfg), **derived, **summary},
+        training_config={**plan.flags, **record},
         # The Softmax head is not part of a SentenceTransformer; keep it beside, not lost.
         extra_tensor_files={"softmax_head.safetensors": head} if head else None,
     )
-    if cfg.export_adapter:  # the adapters alone, for peft, on the base model
+    if plan.export_adapter:  # the adapters alone, for peft, on the base model
         adapters = tensors_of([name for name in staged if name.endswith((".lora_A", ".lora_B"))])
         lora.save_peft_adapter(
             os.path.join(out_dir, "adapter"),
             {k.removeprefix("encoder."): v for k, v in adapters.items()},
-            rank=cfg.lora_rank,
-            alpha=plan.lora_alpha,
-            dropout=cfg.lora_dropout,
-            base_model=model_card.public_name(cfg.model),
+            rank=plan.model.lora_rank,
+            alpha=plan.model.lora_alpha,
+            dropout=plan.model.lora_dropout,
+            base_model=model_card.public_name(plan.model.path),
         )
     if staging:
         shutil.rmtree(staging, ignore_errors=True)
@@ -160,7 +160,7 @@ def dense_config(layer):
     return {**settings, "use_residual": True} if layer.use_residual else settings
 
 
-def exported_files(tensors_of, shapes, untrained_state, cfg, plan, dtype):
+def exported_files(tensors_of, shapes, untrained_state, plan, dtype):
     """The export's weight files, as functions that each read one file's tensors (at most
     --export-max-shard-size) through `tensors_of(names)`. Each exported tensor and the staged
     ones it is made of: the encoder's under plain HF names; a LoRA layer's weight from its base
@@ -182,12 +182,12 @@ def exported_files(tensors_of, shapes, untrained_state, cfg, plan, dtype):
             sorted({source for name in names if name in sources for source in sources[name]})
         )
         tensors = {name.removeprefix("encoder."): t for name, t in tensors.items()}
-        if cfg.lora_rank:
-            tensors = lora.merge_lora(tensors, plan.lora_alpha / cfg.lora_rank)
+        if plan.model.lora_rank:
+            tensors = lora.merge_lora(tensors, plan.model.lora_alpha / plan.model.lora_rank)
         tensors.update({name: t for name, t in untrained_state.items() if name in names})
         return {name: tensors[name] for name in names}
 
-    groups = shard_groups(sizes, parse_size(cfg.export_max_shard_size))
+    groups = shard_groups(sizes, plan.export_max_shard_bytes)
     return [functools.partial(read, names) for names in groups]
 
 

@@ -15,7 +15,7 @@ to that worker's error file (TORCHELASTIC_ERROR_FILE, set by torchrun), so torch
 summary shows it. torchrun itself exits 1 when any worker fails; a torchrun started with its own
 TORCHELASTIC_ERROR_FILE=PATH copies the worker's exit code to "errorCode" in PATH.
 
-  - `end_run(error, cfg, newest_checkpoint)`: the exception a run ended with -> line and code;
+  - `end_run(error, timeout_minutes, newest_checkpoint)`: the exception a run ended with -> line and code;
   - the disk: `check_space` before a checkpoint or an export is written (all ranks participate),
     `agreed_writes` around its writes (all ranks participate: a write that failed on any rank
     stops every rank, with nothing left looking complete), `warn_space` at start-up;
@@ -168,22 +168,23 @@ def first_line(error):
     return (said or lines or [type(error).__name__])[-1 if said else 0][:300]
 
 
-def warn_space(cfg, parameter_counts, total_steps, export_bytes):
+def warn_space(plan, parameter_counts, export_bytes):
     """Rank 0, at start-up: a warning line when the output folder's free space cannot hold what
-    the run will write: the checkpoints it keeps (one more while a save replaces the oldest; fp32
-    weights and AdamW's two fp32 moments for each trainable weight) and its exports of
-    `export_bytes` (final/, and best/ with --metric-for-best)."""
+    the run `plan` (run_plan.Plan: its output folder, steps and saves) will write: the checkpoints
+    it keeps (one more while a save replaces the oldest; fp32 weights and AdamW's two fp32 moments
+    for each trainable weight) and its exports of `export_bytes` (final/, and best/ with
+    --metric-for-best)."""
     if dist.is_initialized() and dist.get_rank() != 0:
         return
     params, trainable = parameter_counts
     checkpoint = 4 * params + 8 * trainable
-    saves = total_steps // cfg.save_steps if cfg.save_steps else 0
-    kept = min(saves, cfg.save_total_limit + 1) if cfg.save_total_limit else saves
-    export = export_bytes * (2 if cfg.metric_for_best else 1)
-    need, free = kept * checkpoint + export, free_space(cfg.output_dir)[0]
+    saves = plan.total_steps // plan.save_steps if plan.save_steps else 0
+    kept = min(saves, plan.save_total_limit + 1) if plan.save_total_limit else saves
+    export = export_bytes * (2 if plan.metric_for_best else 1)
+    need, free = kept * checkpoint + export, free_space(plan.output_dir)[0]
     if need > free:
         print(
-            f"warning: {cfg.output_dir} has {free / MB:.0f} MB free; this run writes about "
+            f"warning: {plan.output_dir} has {free / MB:.0f} MB free; this run writes about "
             f"{need / MB:.0f} MB ({kept} checkpoints of {checkpoint / MB:.0f} MB, exports of "
             f"{export / MB:.0f} MB): a save that does not fit will stop it (exit 5)",
             file=sys.stderr,
@@ -529,10 +530,11 @@ LAST_ERROR = {}  # what say() last wrote to torchrun's error file for this worke
 REPORTING = threading.Lock()
 
 
-def end_run(error, cfg, newest_checkpoint):
+def end_run(error, timeout_minutes, newest_checkpoint):
     """The exit code for the exception `error` a run ended with, after its line is printed; None
     for an error this file does not know (a bug: the caller re-raises it, with its traceback).
-    `newest_checkpoint()`: the path of the newest complete checkpoint, or None."""
+    `newest_checkpoint()`: the path of the newest complete checkpoint, or None; `timeout_minutes`:
+    --dist-timeout-minutes, named in a lost peer's line."""
     rank0 = not dist.is_initialized() or dist.get_rank() == 0
     if isinstance(error, (ValueError, FloatingPointError, DiskFull)):
         # Bad input (startup_checks.StartUpError and the like), a non-finite loss (its message
@@ -552,11 +554,11 @@ def end_run(error, cfg, newest_checkpoint):
     if not REPORTING.acquire(blocking=False):
         threading.Event().wait()  # the SIGTERM watch is saying it, and ends this process
     # Every rank that sees it says it: each knows only its own peers.
-    report_lost_peer(lost, cfg, newest_checkpoint)
+    report_lost_peer(lost, timeout_minutes, newest_checkpoint)
     return LOST_PEER
 
 
-def report_lost_peer(lost, cfg, newest_checkpoint):
+def report_lost_peer(lost, timeout_minutes, newest_checkpoint):
     """The lost-peer line, naming the peers on this host whose process ended (killed or crashed:
     any that ended with an error of its own wrote its own line) and the silent ones."""
     host = socket.gethostname()
@@ -571,7 +573,7 @@ def report_lost_peer(lost, cfg, newest_checkpoint):
         if process_ended(pid)
     ]
     silent = [s for s in HEARTBEAT.silent() if s["rank"] not in LOCAL_PEERS or not process_ended(s["pid"])]
-    newest, timeout = newest_checkpoint(), cfg.dist_timeout_minutes
+    newest, timeout = newest_checkpoint(), timeout_minutes
     message = lost_peer_message(lost, silent, HEARTBEAT.step, newest, timeout, ended)
     say(message, LOST_PEER, launcher=any(e["killed"] for e in ended))
 
@@ -579,7 +581,7 @@ def report_lost_peer(lost, cfg, newest_checkpoint):
 LOCAL_PEERS = {}  # {rank: (pid, error file)} of the other workers of this launcher (watch_sigterm)
 
 
-def watch_sigterm(cfg, newest_checkpoint):
+def watch_sigterm(timeout_minutes, newest_checkpoint):
     """Under torchrun: when a worker dies, torchrun sends the others SIGTERM within 0.1 s. A rank
     that was not inside a collective then (a forward, the tokenizer) would die by that signal
     without a word (2 runs in 19, a rank killed at step 5). This watch makes such a rank say
@@ -616,7 +618,7 @@ def watch_sigterm(cfg, newest_checkpoint):
             if not REPORTING.acquire(blocking=False):
                 continue  # the main thread is saying it (end_run), and exits with code 4
             lost = f"torchrun stopped this rank: rank {', '.join(map(str, ended))} ended"
-            report_lost_peer(lost, cfg, newest_checkpoint)
+            report_lost_peer(lost, timeout_minutes, newest_checkpoint)
             os._exit(LOST_PEER)
 
     threading.Thread(target=watch, daemon=True, name="sigterm-watch").start()

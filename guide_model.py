@@ -1,7 +1,7 @@
 """Frozen models that steer the loss: a guide (--guide-model, GISTEmbed's false-negative masking)
 and a teacher (--teacher-model, embedding distillation with --loss mse).
 
-    frozen = guide_model.load_frozen(cfg.guide_model, "--guide-model", cfg, plan)   # (all ranks participate)
+    guide, teacher = guide_model.load_frozen_models(plan)   # (all ranks participate)
     guide_embs = guide_model.embed(frozen, rows, train_set, plan.device, autocast)   # one per column
 
 Either is loaded as the student is (embedding_model.load_model: a SentenceTransformer or HF folder
@@ -27,7 +27,6 @@ Needs torch, and embedding_model.py (`load_model`, `fill_sharded_weights`), batc
 (`with_prompt`) and fsdp_utils.py (`wrap_model`, `print0`).
 """
 
-import dataclasses
 from dataclasses import dataclass
 
 import torch
@@ -49,33 +48,23 @@ class FrozenModel:
     chunk_size: int = 0  # at most this many rows a forward (--cache-chunk-size); 0: no bound
 
 
-def frozen_settings(cfg, path):
-    """The Config that load_model reads for a frozen model at `path`: the folder's own pooling,
-    normalisation, prompt handling, attention and tokenizer (--append-eos is the student's: a
-    decoder guide that needs an EOS must have a tokenizer that appends it), no LoRA, no activation
-    checkpointing."""
-    return dataclasses.replace(
-        cfg,
-        model=path,
-        pooling="",
-        normalize=None,
-        include_prompt=None,
-        bidirectional=False,
-        append_eos=False,
-        dropout=None,
-        lora_rank=0,
-        activation_checkpointing=False,
-        fsdp_layer_cls="",
+def frozen_spec(spec, path):
+    """The ModelSpec of a frozen model at `path`, from the student's `spec`: the folder's own
+    pooling, normalisation, prompt handling, attention, lengths and tokenizer (--append-eos is the
+    student's: a decoder guide that needs an EOS must have a tokenizer that appends it), the
+    student's prompts, no LoRA, no activation checkpointing."""
+    return embedding_model.ModelSpec(
+        path=path, trust_remote_code=spec.trust_remote_code, prompts=spec.prompts
     )
 
 
-def load_frozen(path, flag, cfg, plan):
-    """The frozen model at `path` (named `flag` in the log), on this rank's device: under FSDP
-    sharded, each rank reading the slices of the weights it holds (all ranks participate); else
-    whole. Rank 0 prints how many parameters it has and how many each rank holds."""
-    frozen_plan = dataclasses.replace(plan, max_seq_length=0, column_lengths={}, num_labels=0)
+def load_frozen(path, flag, spec, plan):
+    """The frozen model at `path` (named `flag` in the log), loaded as the student's `spec` says
+    (frozen_spec), on this rank's device: under FSDP sharded, each rank reading the slices of the
+    weights it holds (all ranks participate); else whole. Rank 0 prints how many parameters it has
+    and how many each rank holds."""
     sharded = plan.strategy == "fsdp"
-    loaded = embedding_model.load_model(frozen_settings(cfg, path), frozen_plan, on_meta=sharded)
+    loaded = embedding_model.load_model(frozen_spec(spec, path), 0, on_meta=sharded)
     raw = loaded.model.requires_grad_(False)
     total = sum(p.numel() for p in raw.parameters())
     if sharded:
@@ -84,8 +73,8 @@ def load_frozen(path, flag, cfg, plan):
             "fsdp",
             plan.device,
             sharding=plan.sharding,
-            fsdp_version=cfg.fsdp_version,
-            precision=cfg.precision,
+            fsdp_version=plan.fsdp_version,
+            precision=plan.precision,
         )
         embedding_model.fill_sharded_weights(model, loaded)  # (all ranks participate)
     else:
@@ -95,17 +84,20 @@ def load_frozen(path, flag, cfg, plan):
     fsdp_utils.print0(
         f"{flag} {path}: {total / 1e6:.1f}M parameters, frozen; {held / 1e6:.1f}M of them held by each rank"
     )
-    packed, _ = embedding_model.packing_choice(cfg, raw)  # its own attention decides, as the student's
-    return FrozenModel(model, loaded, packed, plan.length_buckets, cfg.cache_chunk_size)
+    # its own attention decides, as the student's
+    packed, _ = embedding_model.packing_choice(raw, plan.packing_refused)
+    return FrozenModel(model, loaded, packed, plan.length_buckets, plan.cache_chunk_size)
 
 
-def load_frozen_models(cfg, plan):
-    """(the --guide-model, the --teacher-model), each a FrozenModel or None where the flag is empty.
-    (all ranks participate) under FSDP: load_frozen."""
+def load_frozen_models(plan):
+    """(the --guide-model, the --teacher-model), each a FrozenModel or None where the plan names
+    none. (all ranks participate) under FSDP: load_frozen."""
     # (all ranks participate) under FSDP
-    guide = load_frozen(cfg.guide_model, "--guide-model", cfg, plan) if cfg.guide_model else None
+    guide = load_frozen(plan.guide_model, "--guide-model", plan.model, plan) if plan.guide_model else None
     # (all ranks participate) under FSDP, as above
-    teacher = load_frozen(cfg.teacher_model, "--teacher-model", cfg, plan) if cfg.teacher_model else None
+    teacher = (
+        load_frozen(plan.teacher_model, "--teacher-model", plan.model, plan) if plan.teacher_model else None
+    )
     return guide, teacher
 
 

@@ -12,7 +12,6 @@ Needs tracking.py (and the packages of the trackers asked for); otherwise the st
 
 import collections
 import contextlib
-import dataclasses
 import json
 import math
 import os
@@ -27,11 +26,13 @@ class MetricsLog:
     once (a crash loses no logged step), and the same numbers to each tracker of --report-to
     (tracking.py), at the same steps. A tracker that fails costs a warning line, never the run."""
 
-    def __init__(self, cfg, start_step, run_config=None, report_tools=()):
+    def __init__(self, output_dir, start_step, run_config, report_tools=()):
+        """`run_config`: what rank 0 printed (the flags and what the run derived from them), saved
+        with the trackers' runs; `report_tools`: --report-to's trackers."""
         # On resume the rows up to the checkpoint's step are kept (the later ones are about to be
         # redone); a crash can tear the last line (or leave NUL bytes): such lines are dropped.
-        os.makedirs(cfg.output_dir, exist_ok=True)
-        path = os.path.join(cfg.output_dir, "metrics.jsonl")
+        os.makedirs(output_dir, exist_ok=True)
+        path = os.path.join(output_dir, "metrics.jsonl")
         kept = []
         if start_step and os.path.exists(path):
             with open(path, errors="replace") as f:
@@ -42,10 +43,9 @@ class MetricsLog:
                 if row is not None and "final_loss" not in row and row.get("step", 0) <= start_step
             ]
         # The trackers first: one that cannot start stops the run here (TrackerError), before the
-        # first step. `run_config`: what rank 0 printed (the Config and the derived values).
-        run_config = run_config if run_config is not None else dataclasses.asdict(cfg)
+        # first step.
         kept_rows = [row for _, row in kept]
-        self.trackers = tracking.start_trackers(cfg, report_tools, start_step, run_config, kept_rows)
+        self.trackers = tracking.start_trackers(output_dir, report_tools, start_step, run_config, kept_rows)
         self.file = open(path, "w")
         self.file.writelines(line for line, _ in kept)
         # The last logged loss, for the summary of a run resumed at its very last step.

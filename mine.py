@@ -31,9 +31,9 @@ Left out on purpose: models that do not fit on one device (every rank holds the 
 inference needs no FSDP), cross-encoder rescoring, the labeled-pair and labeled-list formats,
 FAISS, embedding caches, a BEIR corpus's titles (only its `text` column is read).
 
-Needs torch, transformers, datasets, and config.py, data.py, embedding_model.py, eval_dist.py,
-fsdp_utils.py, run_plan.py (`resolve_flags`: the prompts and lengths as train.py reads them) and
-startup_checks.py (`agree_on_error`).
+Needs torch, transformers, datasets, and config.py, data.py, embedding_model.py (`ModelSpec`,
+`load_model`: the model as train.py loads it), eval_dist.py, fsdp_utils.py and startup_checks.py
+(`agree_on_error`).
 """
 
 import argparse
@@ -56,7 +56,6 @@ import data
 import embedding_model
 import eval_dist
 import fsdp_utils
-import run_plan
 import startup_checks
 
 OUTPUT_FORMATS = ("triplet", "n-tuple", "grouped")
@@ -365,14 +364,14 @@ def make_plan(args, rank, bad_flags=None):
 
 def load_model(args, device):
     """The model as train.py loads it (embedding_model.load_model), for inference on `device`."""
-    cfg = config.Config(
-        model=args.model,
+    spec = embedding_model.ModelSpec(
+        path=args.model,
         max_seq_length=args.max_seq_length,
         pooling=args.pooling,
         append_eos=args.append_eos,
         trust_remote_code=args.trust_remote_code,
     )
-    loaded = embedding_model.load_model(cfg, run_plan.resolve_flags(cfg, 1, device))
+    loaded = embedding_model.load_model(spec)
     loaded.model.to(device)
     return loaded
 

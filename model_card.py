@@ -1,13 +1,12 @@
 """The export's model card (README.md): the run's base model, data, loss, settings and last
 evaluation, and how to use the model with sentence-transformers and with plain transformers.
 
-    text = model_card.card(cfg, plan, loaded, run_plan.record(plan, loaded), summary)
+    text = model_card.card(plan, loaded, {**run_plan.record(plan, loaded), **summary})
 
-Needs nothing from the project: it reads the Config, the Plan (run_plan.py) and the LoadedModel
-(embedding_model.py) it is given.
+Needs nothing from the project: it reads the Plan (run_plan.py: its settings, and the flags as
+given, which the card lists) and the LoadedModel (embedding_model.py) it is given.
 """
 
-import dataclasses
 import json
 import math
 import os
@@ -93,21 +92,22 @@ with torch.no_grad():
 """
 
 
-def card(cfg, plan, loaded, derived, summary):
+def card(plan, loaded, record):
     """The export's README.md: the run's base model, data, loss, settings and last evaluation,
-    and how to use the model with sentence-transformers and with plain transformers."""
-    base, pooling = public_name(cfg.model), loaded.model.pooling
-    base_is_hub = not os.path.exists(cfg.model) or base == "sentence-transformers/all-MiniLM-L6-v2"
-    settings = card_settings(cfg)
+    and how to use the model with sentence-transformers and with plain transformers. `record`:
+    what the run derived (run_plan.record) and its summary (final_loss, the last evaluation)."""
+    base, pooling = public_name(plan.model.path), loaded.model.pooling
+    base_is_hub = not os.path.exists(plan.model.path) or base == "sentence-transformers/all-MiniLM-L6-v2"
+    settings = card_settings(plan.flags)
     sizes = plan.matryoshka
-    multiple_sets = len(derived["train_sets"]) > 1
+    multiple_sets = len(record["train_sets"]) > 1
     return MODEL_CARD.format(
         base_model=f"base_model: {base}" if base_is_hub else "",
         base=base,
         train_data=settings["train_data"],
-        train_rows=derived["train_rows"],
+        train_rows=record["train_rows"],
         losses=", ".join(
-            f"`{s['loss']}`" + (f" on {s['name']}" if multiple_sets else "") for s in derived["train_sets"]
+            f"`{s['loss']}`" + (f" on {s['name']}" if multiple_sets else "") for s in record["train_sets"]
         ),
         pooling=pooling,
         normalised=", L2-normalised" if loaded.model.normalize else "",
@@ -117,14 +117,14 @@ def card(cfg, plan, loaded, derived, summary):
             if loaded.column_lengths
             else ""
         ),
-        total_steps=derived["total_steps"],
-        global_batch=derived["global_batch"],
-        world_size=derived["world_size"],
-        final_loss=summary["final_loss"],
-        notes=card_notes(cfg, plan, loaded),
+        total_steps=record["total_steps"],
+        global_batch=record["global_batch"],
+        world_size=record["world_size"],
+        final_loss=record["final_loss"],
+        notes=card_notes(plan, loaded),
         evaluation=evaluation_section(
-            summary.get("eval") or last_evaluation(cfg.output_dir),
-            summary.get("step", derived["total_steps"]),
+            record.get("eval") or last_evaluation(plan.output_dir),
+            record.get("step", record["total_steps"]),
         ),
         prompted="".join(
             f'\n{name}_embeddings = model.encode(["A text."], prompt_name="{name}")'
@@ -152,20 +152,20 @@ def card(cfg, plan, loaded, derived, summary):
     )
 
 
-def card_settings(cfg):
-    """The model card's hyper-parameters: the run's settings, with local paths by their last
-    component only (`public_name`)."""
+def card_settings(flags):
+    """The model card's hyper-parameters: the run's flags as given (a dict: the Plan's `flags`),
+    with local paths by their last component only (`public_name`)."""
     return {
-        **dataclasses.asdict(cfg),
-        "model": public_name(cfg.model),
-        "train_data": ",".join(public_name(p) for p in cfg.train_data.split(",")),
-        "output_dir": public_name(cfg.output_dir),
-        "eval_data": ",".join(public_name(p) for p in cfg.eval_data.split(",") if p),
-        "resume": public_name(cfg.resume) if cfg.resume else "",
+        **flags,
+        "model": public_name(flags["model"]),
+        "train_data": ",".join(public_name(p) for p in flags["train_data"].split(",")),
+        "output_dir": public_name(flags["output_dir"]),
+        "eval_data": ",".join(public_name(p) for p in flags["eval_data"].split(",") if p),
+        "resume": public_name(flags["resume"]) if flags["resume"] else "",
     }
 
 
-def card_notes(cfg, plan, loaded):
+def card_notes(plan, loaded):
     """The model card's lines after the final loss, each starting with a newline: Matryoshka
     sizes, prompts, the appended EOS token and LoRA."""
     notes, sizes = "", plan.matryoshka
@@ -180,22 +180,23 @@ def card_notes(cfg, plan, loaded):
             "\n- Prompts, prepended to each column's texts in training (pass `prompt_name`): "
             + ", ".join(f"`{name}`: {json.dumps(prefix)}" for name, prefix in loaded.prompts.items())
         )
-    if cfg.append_eos:
+    if plan.model.append_eos:
         notes += "\n- Every text ends with the EOS token: the tokenizer appends it (after truncation)"
     if loaded.model.dense:
         sizes = [loaded.model.dense[0].linear.in_features] + [
             d.linear.out_features for d in loaded.model.dense
         ]
         notes += f"\n- Dense layers after pooling ({' -> '.join(map(str, sizes))}), trained with the model"
-    if cfg.bidirectional:
+    if plan.model.bidirectional:
         notes += (
             "\n- Bidirectional attention (config.json: use_bidirectional_attention), in training and here"
         )
     if not loaded.include_prompt:
         notes += "\n- Pooling leaves out the prompt's tokens (1_Pooling: include_prompt false)"
-    if cfg.lora_rank:
-        notes += f"\n- LoRA: rank {cfg.lora_rank}, alpha {plan.lora_alpha:g}, merged into these weights"
-        if cfg.export_adapter:
+    if plan.model.lora_rank:
+        spec = plan.model
+        notes += f"\n- LoRA: rank {spec.lora_rank}, alpha {spec.lora_alpha:g}, merged into these weights"
+        if plan.export_adapter:
             notes += " (the adapters alone, for peft on the base model: `adapter/`)"
     return notes
 

@@ -1,6 +1,6 @@
 """The model, checked from its folder and config before any weights load, in a second or two.
 
-`check_model(cfg, plan)` (startup_checks.py calls it on every rank, no collective) loads
+`check_model(spec, plan)` (run_plan.py calls it on every rank, no collective) loads
 --model's config without weights (`model_config_of`) and checks: the folder holds tokenizer
 files and weights that look whole (`check_model_files`; `weights_problem` reads the weight
 files' headers alone: a safetensors file as long as its header says, a pickle file of tensors
@@ -9,8 +9,8 @@ Matryoshka sizes and the sequence lengths fit the model; and, on a copy built on
 device (`check_meta_model`: no memory, no time), the FSDP block class, activation
 checkpointing and the LoRA target modules. It returns the FSDP block class names, or None.
 
-    layer_classes = model_checks.check_model(cfg, plan)         # ValueError naming the fix
-    model_checks.check_frozen_models(cfg, plan)                 # --guide-model, --teacher-model
+    layer_classes = model_checks.check_model(plan.model, plan)  # ValueError naming the fix
+    model_checks.check_frozen_models(plan)                      # --guide-model, --teacher-model
     problem = model_checks.weights_problem(folder)              # None: the weights look whole
 
 Left out on purpose: loading the weights (embedding_model.py does, once every check passed),
@@ -18,7 +18,7 @@ and checking the values in them (the loss and the weights are checked while trai
 
 Needs transformers, and data.py (`root_cause`), embedding_model.py, export.py
 (`read_sentence_transformer_config`), fsdp_utils.py (`resolve_layer_classes`), lora.py and
-guide_model.py (`frozen_settings`).
+guide_model.py (`frozen_spec`).
 """
 
 import dataclasses
@@ -36,35 +36,39 @@ import guide_model
 import lora
 
 
-def check_model(cfg, plan):
-    """The model checks that need no weights, in a second or two: the folder or hub id exists
+def check_model(spec, plan):
+    """The model checks that need no weights, in a second or two, of the model ModelSpec `spec`
+    names (embedding_model.py) in the run `plan` (its strategy, Matryoshka sizes and the
+    --dataset-settings prompts: run_plan.py): the folder or hub id exists
     and its config loads (read here once more, without the weights, so a bad --model fails
     before anything heavy); under FSDP, the block class to wrap is found (in a copy built on
     the meta device: no memory, no time). Returns the FSDP block class names, or None."""
-    path, subfolder, model_config = model_config_of(cfg)
-    check_model_files(cfg, os.path.normpath(os.path.join(path, subfolder)))
-    if cfg.append_eos:
-        check_eos_tokenizer(cfg, path, subfolder)
-    if cfg.bidirectional:
-        check_bidirectional(cfg, model_config)
+    path, subfolder, model_config = model_config_of(spec)
+    check_model_files(spec, os.path.normpath(os.path.join(path, subfolder)))
+    if spec.append_eos:
+        check_eos_tokenizer(spec, path, subfolder)
+    if spec.bidirectional:
+        check_bidirectional(spec, model_config)
     st_config = export.read_sentence_transformer_config(path)
-    if not (st_config["include_prompt"] if cfg.include_prompt is None else cfg.include_prompt):
-        check_prompts_leave_text(cfg, plan, path, subfolder, st_config)
+    if not (st_config["include_prompt"] if spec.include_prompt is None else spec.include_prompt):
+        check_prompts_leave_text(spec, plan, path, subfolder, st_config)
     width = embedding_width(model_config, st_config)
     if width and plan.matryoshka and max(plan.matryoshka[0]) > width:
+        dims = ",".join(map(str, plan.matryoshka[0]))
         raise ValueError(
-            f"--matryoshka-dims {cfg.matryoshka_dims}: {cfg.model} gives {width}-dimensional embeddings; "
+            f"--matryoshka-dims {dims}: {spec.path} gives {width}-dimensional embeddings; "
             f"use sizes up to {width}"
         )
     positions = getattr(model_config, "max_position_embeddings", None)
-    if positions and max([plan.max_seq_length, *plan.column_lengths.values()]) > positions:
+    if positions and max([spec.max_seq_length, *spec.column_lengths.values()]) > positions:
+        lengths = json.dumps(spec.column_lengths) if spec.column_lengths else spec.max_seq_length
         raise ValueError(
-            f"--max-seq-length {cfg.max_seq_length} is beyond the {positions} positions {cfg.model} has; "
+            f"--max-seq-length {lengths} is beyond the {positions} positions {spec.path} has; "
             f"use at most {positions}"
         )
-    if plan.strategy != "fsdp" and not cfg.lora_rank and not cfg.activation_checkpointing:
+    if plan.strategy != "fsdp" and not spec.lora_rank and not spec.activation_checkpointing:
         return None
-    return check_meta_model(cfg, plan, model_config)
+    return check_meta_model(spec, plan, model_config)
 
 
 def embedding_width(model_config, st_config):
@@ -74,45 +78,46 @@ def embedding_width(model_config, st_config):
     return getattr(model_config, "hidden_size", None)
 
 
-def check_frozen_models(cfg, plan):
+def check_frozen_models(plan):
     """--guide-model and --teacher-model, checked as check_model checks --model (the folder, its
     config, tokenizer and weights; under FSDP, the block class to wrap), each error naming its flag;
     the teacher's embeddings as wide as the student's (--loss mse compares them number by number)."""
-    frozen_plan = dataclasses.replace(plan, matryoshka=None, max_seq_length=0, column_lengths={})
-    for flag, path in (("--guide-model", cfg.guide_model), ("--teacher-model", cfg.teacher_model)):
+    frozen_plan = dataclasses.replace(plan, matryoshka=None)
+    for flag, path in (("--guide-model", plan.guide_model), ("--teacher-model", plan.teacher_model)):
         if not path:
             continue
         try:
-            check_model(guide_model.frozen_settings(cfg, path), frozen_plan)
+            check_model(guide_model.frozen_spec(plan.model, path), frozen_plan)
         except ValueError as e:
             raise ValueError(str(e).replace(f"--model {path}", f"{flag} {path}")) from e
-    if cfg.teacher_model:
+    if plan.teacher_model:
         student, teacher = (
-            model_width(dataclasses.replace(cfg, model=m)) for m in (cfg.model, cfg.teacher_model)
+            model_width(guide_model.frozen_spec(plan.model, m)) for m in (plan.model.path, plan.teacher_model)
         )
         if student and teacher and student != teacher:
             raise ValueError(
-                f"--teacher-model {cfg.teacher_model} gives {teacher}-dimensional embeddings and --model "
-                f"{cfg.model} {student}: --loss mse compares them number by number; choose a teacher of "
-                "the student's width"
+                f"--teacher-model {plan.teacher_model} gives {teacher}-dimensional embeddings and --model "
+                f"{plan.model.path} {student}: --loss mse compares them number by number; choose a teacher "
+                "of the student's width"
             )
 
 
-def model_width(cfg):
-    """The width of --model's embeddings (embedding_width), from its config alone."""
-    path, _, model_config = model_config_of(cfg)
+def model_width(spec):
+    """The width of the embeddings of the model ModelSpec `spec` names (embedding_width), from its
+    config alone."""
+    path, _, model_config = model_config_of(spec)
     return embedding_width(model_config, export.read_sentence_transformer_config(path))
 
 
-def model_config_of(cfg):
+def model_config_of(spec):
     """(path, subfolder, config) of --model: its local folder or hub id, the subfolder that holds
     the transformer (a SentenceTransformer folder's), and its config, loaded without weights.
     Raises ValueError naming --model when the folder is empty or lacks config.json, or the
     config cannot be loaded (no such folder, unknown hub id, no network)."""
-    path = embedding_model.resolve_model_path(cfg.model)
+    path = embedding_model.resolve_model_path(spec.path)
     if os.path.isdir(path) and not os.listdir(path):
         raise ValueError(
-            f"--model {cfg.model}: the folder is empty; pass a folder written by save_pretrained "
+            f"--model {spec.path}: the folder is empty; pass a folder written by save_pretrained "
             "(config.json, weights, tokenizer files)"
         )
     try:
@@ -124,20 +129,20 @@ def model_config_of(cfg):
                 "pass a folder written by save_pretrained"
             )
         model_config = transformers.AutoConfig.from_pretrained(
-            path, subfolder=subfolder, trust_remote_code=cfg.trust_remote_code
+            path, subfolder=subfolder, trust_remote_code=spec.trust_remote_code
         )
     except ValueError as e:
-        raise ValueError(f"--model {cfg.model}: {e}") from e
+        raise ValueError(f"--model {spec.path}: {e}") from e
     except Exception as e:  # OSError, connection errors: no such folder, unknown id, no network
         reason = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
         raise ValueError(
-            f"--model {cfg.model}: not a local model folder, and loading it from the hub failed ({reason}); "
+            f"--model {spec.path}: not a local model folder, and loading it from the hub failed ({reason}); "
             "pass a folder holding config.json, or a hub id where a hub is reachable"
         ) from e
     return path, subfolder, model_config
 
 
-def check_model_files(cfg, folder):
+def check_model_files(spec, folder):
     """A local model `folder` (a hub id has none) holds tokenizer files, and weights that look
     whole (see `weights_problem`)."""
     if os.path.isdir(folder) and not any(
@@ -147,42 +152,42 @@ def check_model_files(cfg, folder):
         # Without them transformers builds a tokenizer that maps every word to [UNK], and
         # training "works".
         raise ValueError(
-            f"--model {cfg.model}: no tokenizer files in {folder} (tokenizer.json, vocab.txt, ...); "
+            f"--model {spec.path}: no tokenizer files in {folder} (tokenizer.json, vocab.txt, ...); "
             "save the base model's tokenizer there (tokenizer.save_pretrained)"
         )
     if os.path.isdir(folder) and (problem := weights_problem(folder)):
-        raise ValueError(f"--model {cfg.model}: {problem}")
+        raise ValueError(f"--model {spec.path}: {problem}")
 
 
-def check_eos_tokenizer(cfg, path, subfolder):
+def check_eos_tokenizer(spec, path, subfolder):
     """--append-eos: the model's tokenizer is a fast one (a tokenizer.json), with an EOS token."""
     tokenizer = transformers.AutoTokenizer.from_pretrained(
-        path, subfolder=subfolder, trust_remote_code=cfg.trust_remote_code
+        path, subfolder=subfolder, trust_remote_code=spec.trust_remote_code
     )
     if tokenizer.eos_token is None:
         raise ValueError(
-            f"--append-eos: the tokenizer of {cfg.model} has no EOS token; "
+            f"--append-eos: the tokenizer of {spec.path} has no EOS token; "
             "set one (tokenizer.eos_token = ..., save_pretrained) or drop --append-eos"
         )
     if not tokenizer.is_fast:
         raise ValueError(
             f"--append-eos needs a fast tokenizer (a tokenizer.json); "
-            f"{cfg.model} has a {type(tokenizer).__name__}"
+            f"{spec.path} has a {type(tokenizer).__name__}"
         )
 
 
-def check_prompts_leave_text(cfg, plan, path, subfolder, st_config):
+def check_prompts_leave_text(spec, plan, path, subfolder, st_config):
     """--no-include-prompt (or a folder whose pooling leaves the prompt out): every prompt, in
     --prompts and --dataset-settings, is shorter than its column's --max-seq-length, so that
     pooling keeps at least one token of each text."""
     tokenizer = transformers.AutoTokenizer.from_pretrained(
-        path, subfolder=subfolder, trust_remote_code=cfg.trust_remote_code
+        path, subfolder=subfolder, trust_remote_code=spec.trust_remote_code
     )
-    default = plan.max_seq_length or st_config["max_seq_length"] or tokenizer.model_max_length
-    settings = [plan.prompts] + [s.get("prompts", {}) for s in plan.dataset_settings.values()]
+    default = spec.max_seq_length or st_config["max_seq_length"] or tokenizer.model_max_length
+    settings = [spec.prompts] + [s.get("prompts", {}) for s in plan.dataset_settings.values()]
     for column, prompt in ((c, p) for prompts in settings for c, p in prompts.items()):
         tokens = embedding_model.prompt_token_count(tokenizer, prompt, st_config["do_lower_case"])
-        length = plan.column_lengths.get(column, default)
+        length = spec.column_lengths.get(column, default)
         if tokens >= length:
             raise ValueError(
                 f"--prompts: the prompt of {column} takes {tokens} tokens, and its texts are cut at "
@@ -191,7 +196,7 @@ def check_prompts_leave_text(cfg, plan, path, subfolder, st_config):
             )
 
 
-def check_bidirectional(cfg, model_config):
+def check_bidirectional(spec, model_config):
     """--bidirectional: the model is a decoder whose config carries use_bidirectional_attention
     (saved in the export's config.json, so it loads bidirectional everywhere), and whose model
     code in this transformers honours it: a tiny random model of the same class attends to later
@@ -199,7 +204,7 @@ def check_bidirectional(cfg, model_config):
     encoder (BERT) attends both ways already: the flag changes nothing there."""
     kind, version = model_config.model_type, transformers.__version__
     with torch.device("meta"):
-        encoder = transformers.AutoModel.from_config(model_config, trust_remote_code=cfg.trust_remote_code)
+        encoder = transformers.AutoModel.from_config(model_config, trust_remote_code=spec.trust_remote_code)
     carries = "use_bidirectional_attention" in model_config.to_dict()
     if not carries and not any(getattr(m, "is_causal", False) is True for m in encoder.modules()):
         return
@@ -245,24 +250,24 @@ def attends_ahead(model_config):
     return True
 
 
-def check_meta_model(cfg, plan, model_config):
+def check_meta_model(spec, plan, model_config):
     """The checks that need the model's modules, on a copy built on the meta device (no memory,
     no time): --activation-checkpointing is supported, the block class is found (or
     --fsdp-layer-cls names one), and --lora-target-modules names Linear layers in it. Returns
     the FSDP block class names, or None when not sharding."""
     with torch.device("meta"):
-        encoder = transformers.AutoModel.from_config(model_config, trust_remote_code=cfg.trust_remote_code)
-    if cfg.activation_checkpointing and not encoder.supports_gradient_checkpointing:
+        encoder = transformers.AutoModel.from_config(model_config, trust_remote_code=spec.trust_remote_code)
+    if spec.activation_checkpointing and not encoder.supports_gradient_checkpointing:
         raise ValueError(
-            f"--activation-checkpointing: {type(encoder).__name__} ({cfg.model}) does not support it "
+            f"--activation-checkpointing: {type(encoder).__name__} ({spec.path}) does not support it "
             "in transformers; drop the flag"
         )
-    blocks = fsdp_utils.resolve_layer_classes(encoder, cfg.fsdp_layer_cls)
-    if cfg.lora_rank and not lora.linear_names(encoder, blocks, plan.lora_leaf_names):
+    blocks = fsdp_utils.resolve_layer_classes(encoder, spec.fsdp_layer_cls)
+    if spec.lora_rank and not lora.linear_names(encoder, blocks, spec.lora_leaf_names):
         inside = sorted({name.rsplit(".", 1)[-1] for name in lora.linear_names(encoder, blocks)})
         raise ValueError(
-            f"--lora-target-modules {cfg.lora_target_modules}: no Linear layer of that name "
-            f"in {cfg.model}'s block ({', '.join(sorted(c.__name__ for c in blocks))}); "
+            f"--lora-target-modules {','.join(spec.lora_leaf_names)}: no Linear layer of that name "
+            f"in {spec.path}'s block ({', '.join(sorted(c.__name__ for c in blocks))}); "
             f"its Linear layers: {', '.join(inside)}"
         )
     return sorted(c.__name__ for c in blocks) if plan.strategy == "fsdp" else None

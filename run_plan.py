@@ -1,24 +1,43 @@
-"""The run's plan: every value the run derives from its flags, its data and its world, resolved once.
+"""The run's plan: every value the run reads, from its flags, its data and its world, checked and
+resolved once, here. The Config (config.py) stops at main() and here: every other file reads the
+Plan, or the values main() hands it, and no helper changes a Plan, TrainSet or EvalSet it is given
+(they are frozen; a fact found later, such as the sharding after the model loads, is a new record
+made in main() with dataclasses.replace).
 
-A Plan is filled in two steps, both on every rank, inside the start-up checks (startup_checks.py):
-  1. `resolve_flags`: the flags' text read once (prompts, column lengths, Matryoshka sizes, MNRL
-     directions, the per-file settings, the trackers, LoRA's names: config.py's parsers, which
-     raise ValueError naming the flag) and the launch (world size, strategy, global batch);
-  2. `add_train_sets`, `add_schedule`: the data sets, each with its global batch and LossPlan,
-     every step's rows (the schedule, batches.py) and the counts that follow from them (total and
-     warm-up steps, the Softmax head's classes).
-main() prints `record(plan, loaded)`; every checkpoint and export saves it beside the config.
-Every helper reads the plan, none re-reads a flag's text: bench/check_layout.py fails when one of
-config.py's parsers is called anywhere but here.
+main() makes the Plan in two steps, each run on every rank and agreed on by collectives
+(startup_checks.agreed), so bad input stops every rank with one message before any weights load:
+  1. `flags_plan`: the flags (each field's bounds: config.check_field_rules, then the settings
+     that involve several fields or the launch), their text read once (prompts, column lengths,
+     Matryoshka sizes, MNRL directions, per-file settings, trackers, LoRA's names: config.py's
+     parsers, which raise ValueError naming the flag); the model's files (model_checks.py) and the
+     output folder;
+  2. `data_plan`: the training and evaluation data (data.py), checked against the flags; the
+     checkpoint a resume continues from (checkpoints.py; at another world size with its global
+     batches kept: `resumed_batches`); every step's rows (batches.Schedule) and the counts that
+     follow (total and warm-up steps, the Softmax head's classes).
+main() prints `record(plan, loaded)`; every checkpoint and export saves it. bench/check_layout.py
+fails when one of config.py's parsers is called anywhere but here, and when a function outside
+config.py, run_plan.py and main() is handed the Config.
 
-Needs config.py.
+Needs config.py, data.py, batches.py, checkpoints.py, embedding_model.py (`ModelSpec`), export.py
+(`parse_size`) and model_checks.py: it is where the flags meet the files, not a file to copy alone.
 """
 
 import dataclasses
+import importlib.util
 import math
+import os
 from dataclasses import dataclass
 
+import torch
+
+import batches
+import checkpoints
 import config
+import data
+import embedding_model
+import export
+import model_checks
 
 
 @dataclass(frozen=True)
@@ -40,30 +59,48 @@ class LossPlan:
     idle_head: bool = False  # the model has a Softmax head that this loss leaves unused
 
 
-@dataclass
+@dataclass(frozen=True)
 class Plan:
-    """What the run trains on and how: resolved once at start-up, read by every helper."""
+    """What the run trains on and how: made once at start-up (flags_plan, data_plan), read by every
+    helper, changed by none (main() makes the extended records: the sharding, who sees the output)."""
 
-    # the launch and the flags' text, read once (resolve_flags)
+    # the launch and the flags (flags_plan)
     world_size: int
     device: object  # the torch.device this rank computes on
     strategy: str  # single, ddp or fsdp (--strategy auto resolved)
     global_batch: int  # rows an optimizer step, over all ranks and micro-steps
     grad_accum_steps: int  # micro-batches a step: the flag's, or what keeps a resumed run's global batch
-    prompts: dict  # --prompts: {column: prefix}
-    max_seq_length: int  # every column's (0: the model's own) but those in column_lengths
-    column_lengths: dict  # --max-seq-length as JSON: {column: tokens}
+    model: embedding_model.ModelSpec  # which model loads and how: path, pooling, lengths, prompts, LoRA
     matryoshka: tuple | None  # (dims, weights), or None
     mnrl: dict  # MNRL's directions and partition
     losses: list  # --loss: one name, one per --train-data file, or none (each file's columns)
     dataset_settings: dict  # --dataset-settings: {file stem: {setting: value}}
     report_tools: list  # --report-to's trackers, in order
-    lora_alpha: float  # LoRA's scaling numerator (default 2 x rank)
-    lora_leaf_names: list  # the Linear layers' names LoRA adapts
     length_buckets: int  # forwards per micro-batch without packing; 0: chosen for each
+    packing_refused: str  # why the flags rule packed rows out ("" : the model decides)
+    cache_chunk_size: int  # GradCache's rows a chunk (0: off)
+    mask_duplicates: bool  # MNRL leaves out candidates whose text is the positive's
+    guide_model: str  # a frozen model's folder ("" : none): MNRL's false negatives
+    teacher_model: str  # a frozen model's folder: --loss mse's targets
+    precision: str  # fp32, bf16 or fp16
+    fsdp_version: int
+    seed: int  # the data order, grouped rows' draws and new heads' initialisation
+    tokenize: str  # once (a token file per set) or on_the_fly
+    train_data: str  # --train-data as given, for messages
+    output_dir: str
+    overwrite: bool  # start over: an earlier run's checkpoints go
+    save_steps: int  # a checkpoint every N steps (0: none)
+    eval_only: bool  # evaluate --model, train nothing
+    eval_batch_size: int
+    metric_for_best: str  # the metric whose best value keeps best/ ("" : none)
+    save_total_limit: int  # checkpoints kept (0: all)
+    export_dtype: str
+    export_max_shard_bytes: int  # --export-max-shard-size in bytes
+    export_adapter: bool  # also write the LoRA adapters for peft
+    flags: dict  # the Config as given (dataclasses.asdict): printed, saved with each checkpoint and export
     layer_classes: list | None = None  # the FSDP block classes (model_checks.py), None when not sharding
-    sharding: str = ""  # FSDP's --sharding, "auto" resolved when the model is wrapped (train.build_model)
-    # the data (add_train_sets, add_schedule)
+    sharding: str = ""  # FSDP's --sharding; main() replaces "auto" with what the ranks agree on
+    # the data (data_plan)
     train_sets: list = dataclasses.field(default_factory=list)  # data.TrainSet, each with its LossPlan
     eval_sets: list = dataclasses.field(default_factory=list)  # data.EvalSet
     schedule: object = ()  # batches.Schedule: every step's (epoch, set index, rows), drawn an epoch at a time
@@ -72,47 +109,458 @@ class Plan:
     steps_per_epoch: int = 0
     num_labels: int = 0  # classes of the Softmax head (0: none)
     data_fingerprint: str = ""  # row counts and hashes of the training data: a resume refuses other data
-    # the output folder (startup_checks.py)
     resume_dir: str | None = None  # the checkpoint this run continues from
     resume_note: str = ""  # what resumed_batches changed to keep its global batch, for the log
     finished: bool = False  # --output-dir already holds this run's export
-    sees_output_dir: list = dataclasses.field(default_factory=lambda: [True])  # by rank: rank 0's disk
+    # the output folder: main() adds it once the ranks agreed (startup_checks.agreed_output_dir)
+    sees_output_dir: tuple = (True,)  # by rank: whether it sees rank 0's disk
+
+
+# ----------------------------------------------------------------------------------------------
+# Step 1: the flags and the launch
+
+
+def flags_plan(cfg, world_size, device):
+    """Step 1, no collective: every check of the flags, the model's files and the output folder;
+    returns the Plan of the flags and the launch. Raises ValueError naming the flag."""
+    config.check_field_rules(cfg)
+    check_launch(cfg, world_size, device)
+    plan = resolve_flags(cfg, world_size, device)  # a flag's bad text raises here
+    unknown = [name for name in plan.losses if name not in config.LOSS_NAMES]
+    if unknown:
+        raise ValueError(
+            f"--loss {cfg.loss}: unknown {unknown}; choose from {', '.join(config.LOSS_NAMES)} "
+            "(one, or one per --train-data file)"
+        )
+    check_run_mode_flags(cfg, plan)
+    check_output_dir(cfg.output_dir)
+    if cfg.eval_only:
+        metrics_path = os.path.join(cfg.output_dir, "metrics.jsonl")
+        if os.path.exists(metrics_path) and not cfg.overwrite:
+            raise ValueError(
+                f"{metrics_path} already exists; pass --overwrite to replace it, or another --output-dir"
+            )
+    layer_classes = model_checks.check_model(plan.model, plan)
+    model_checks.check_frozen_models(plan)
+    return dataclasses.replace(plan, layer_classes=layer_classes)
 
 
 def resolve_flags(cfg, world_size, device):
-    """Step 1: the Plan of the flags and the launch. Raises ValueError for a flag's bad text."""
+    """The Plan of the flags and the launch, each flag's text read once. Raises ValueError for a
+    flag's bad text."""
     strategy = cfg.strategy if cfg.strategy != "auto" else "ddp"
     if world_size == 1:
         strategy = "single"  # one process: nothing to synchronise or shard
-    max_seq_length, column_lengths = config.column_lengths(cfg)
+    packing_refused = ""
+    if cfg.packing == "off" or cfg.length_buckets or cfg.cache_chunk_size:
+        packing_refused = (
+            "--packing off" if cfg.packing == "off" else "--length-buckets or --cache-chunk-size set"
+        )
     return Plan(
         world_size=world_size,
         device=device,
         strategy=strategy,
         global_batch=cfg.per_device_batch_size * world_size * cfg.grad_accum_steps,
         grad_accum_steps=cfg.grad_accum_steps,
-        prompts=config.prompts_of(cfg),
-        max_seq_length=max_seq_length,
-        column_lengths=column_lengths,
+        model=model_spec(cfg),
         matryoshka=config.matryoshka_sizes(cfg),
         mnrl=config.mnrl_options(cfg),
         losses=[name.strip() for name in cfg.loss.split(",")] if cfg.loss else [],
         dataset_settings=config.dataset_settings_of(cfg),
         report_tools=config.report_tools(cfg),
-        lora_alpha=config.lora_alpha(cfg),
-        lora_leaf_names=config.lora_leaf_names(cfg),
         # Under FSDP every rank must run as many forwards (each is a collective): one.
         length_buckets=cfg.length_buckets or (1 if strategy == "fsdp" else 0),
+        packing_refused=packing_refused,
+        cache_chunk_size=cfg.cache_chunk_size,
+        mask_duplicates=cfg.mask_duplicates,
+        guide_model=cfg.guide_model,
+        teacher_model=cfg.teacher_model,
+        precision=cfg.precision,
+        fsdp_version=cfg.fsdp_version,
+        seed=cfg.seed,
+        tokenize=cfg.tokenize,
+        train_data=cfg.train_data,
+        output_dir=cfg.output_dir,
+        overwrite=cfg.overwrite,
+        save_steps=cfg.save_steps,
+        eval_only=cfg.eval_only,
+        eval_batch_size=cfg.eval_batch_size,
+        metric_for_best=cfg.metric_for_best,
+        save_total_limit=cfg.save_total_limit,
+        export_dtype=cfg.export_dtype,
+        export_max_shard_bytes=export_shard_bytes(cfg),
+        export_adapter=cfg.export_adapter,
+        flags=dataclasses.asdict(cfg),
+        sharding=cfg.sharding,
     )
 
 
+def model_spec(cfg):
+    """The student's ModelSpec (embedding_model.py): which model loads, and how."""
+    max_seq_length, column_lengths = config.column_lengths(cfg)
+    return embedding_model.ModelSpec(
+        path=cfg.model,
+        trust_remote_code=cfg.trust_remote_code,
+        pooling=cfg.pooling,
+        normalize=cfg.normalize,
+        include_prompt=cfg.include_prompt,
+        append_eos=cfg.append_eos,
+        bidirectional=cfg.bidirectional,
+        dropout=cfg.dropout,
+        max_seq_length=max_seq_length,
+        column_lengths=column_lengths,
+        prompts=config.prompts_of(cfg),
+        lora_rank=cfg.lora_rank,
+        lora_alpha=config.lora_alpha(cfg),
+        lora_dropout=cfg.lora_dropout,
+        lora_leaf_names=tuple(config.lora_leaf_names(cfg)),
+        activation_checkpointing=cfg.activation_checkpointing,
+        fsdp_layer_cls=cfg.fsdp_layer_cls,
+    )
+
+
+def check_launch(cfg, world_size, device):
+    """The settings that involve the launch or the machine: the strategy for this many processes,
+    bf16 on this GPU, something to train."""
+    if cfg.strategy == "single" and world_size > 1:
+        raise ValueError(
+            f"--strategy single with {world_size} processes would train {world_size} unrelated models; "
+            "use --strategy ddp"
+        )
+    if cfg.strategy == "fsdp" and cfg.sharding == "no_shard" and cfg.fsdp_version == 2:
+        raise ValueError(
+            "--sharding no_shard has no FSDP2 form (FSDP2 is the default --fsdp-version); "
+            "use --strategy ddp (the same thing) or --fsdp-version 1"
+        )
+    if device.type == "cuda" and cfg.precision == "bf16" and not torch.cuda.is_bf16_supported():
+        raise ValueError(
+            "--precision bf16: this GPU has no bf16 support (it needs Ampere or newer); use --precision fp16"
+        )
+    if cfg.max_steps == 0 and cfg.epochs < 1:
+        raise ValueError(f"--epochs {cfg.epochs} trains nothing; use --epochs 1 or more, or --max-steps")
+
+
+def export_shard_bytes(cfg):
+    """--export-max-shard-size in bytes; --export-adapter has LoRA adapters to write."""
+    try:
+        max_bytes = export.parse_size(cfg.export_max_shard_size)
+        if max_bytes < 1:
+            raise ValueError("zero")
+    except ValueError:
+        raise ValueError(
+            f"--export-max-shard-size {cfg.export_max_shard_size!r} is not a size: "
+            "write it like 5GB, 300MB or 2GiB"
+        ) from None
+    if cfg.export_adapter and not cfg.lora_rank:
+        raise ValueError(
+            "--export-adapter writes LoRA adapters, and there are none without --lora-rank R; "
+            "pass one, or drop --export-adapter"
+        )
+    return max_bytes
+
+
+def check_run_mode_flags(cfg, plan):
+    """The flags that choose what the run does: resume or overwrite, evaluate only or first, report
+    to trackers; --resume PATH must name a complete checkpoint."""
+    if cfg.resume and cfg.overwrite:
+        raise ValueError("--resume continues a run and --overwrite starts it over: choose one")
+    if (cfg.eval_only or cfg.eval_on_start) and not cfg.eval_data:
+        raise ValueError(
+            f"--{'eval-only' if cfg.eval_only else 'eval-on-start'} evaluates on "
+            "--eval-data FILE[,FILE]; pass one"
+        )
+    if cfg.eval_only and cfg.resume:
+        raise ValueError(
+            "--eval-only evaluates --model and trains nothing, so --resume has nothing to continue: drop one"
+        )
+    check_report_to(plan.report_tools)
+    if cfg.resume not in ("", "auto") and (problem := checkpoints.checkpoint_problem(cfg.resume)):
+        raise ValueError(
+            f"--resume {cfg.resume}: not a complete checkpoint ({problem}); "
+            "pass a complete OUTPUT_DIR/checkpoints/step-N folder, or --resume auto, "
+            "which takes the newest complete one"
+        )
+
+
+def check_report_to(tools):
+    """Each tracker's package is installed (optional packages, imported only by tracking.py when
+    asked for; the package has the tool's name)."""
+    for name in tools:
+        if importlib.util.find_spec(name) is None:
+            raise ValueError(
+                f"--report-to {name} needs the {name} package: pip install {name} "
+                "(or leave it out of --report-to)"
+            )
+
+
+def check_output_dir(output_dir):
+    """--output-dir must be a folder this process can create files in (checked without writing)."""
+    if os.path.exists(output_dir) and not os.path.isdir(output_dir):
+        raise ValueError(f"--output-dir {output_dir} is a file, not a folder; choose another --output-dir")
+    existing = os.path.abspath(output_dir)
+    while not os.path.exists(existing):
+        existing = os.path.dirname(existing)
+    if not os.path.isdir(existing) or not os.access(existing, os.W_OK | os.X_OK):
+        raise ValueError(
+            f"--output-dir {output_dir}: cannot write in {existing}; choose a folder you can write to"
+        )
+
+
+# ----------------------------------------------------------------------------------------------
+# Step 2: the data and every step's rows
+
+
+def data_plan(cfg, plan):
+    """Step 2, no collective: the training and evaluation data read and checked against the flags,
+    the checkpoint to continue from, every step's rows. Returns the Plan with its data (a new one:
+    add_train_sets, add_schedule). Raises ValueError."""
+    if cfg.eval_only:  # no training data, no checkpoints: the evaluation data
+        eval_sets = data.load_eval_sets(cfg.eval_data, cfg.eval_type, True, plan.losses, 0)
+        data.check_eval_names(eval_sets, plan.matryoshka, cfg.metric_for_best)
+        check_target_vectors(plan.model, eval_sets, "--eval-data")
+        check_prompt_columns(plan, [], eval_sets)
+        return add_schedule(plan, cfg, [], 0, eval_sets, "")
+    train_sets = data.load_train_sets(
+        cfg.train_data.split(","),
+        cfg.train_split,
+        cfg.train_subset,
+        cfg.group_size,
+        cfg.per_device_batch_size,
+        plan.losses,
+        plan.dataset_settings,
+        plan.model.prompts,
+    )
+    # One set: 'N rows, sha256 H', as before several sets could train together.
+    fingerprint = "; ".join(data.data_fingerprint(ts.ds, ts.read_columns) for ts in train_sets)
+    before_arrow = lambda: "; ".join(  # noqa: E731
+        data.fingerprint_before_arrow(ts.ds, ts.read_columns) for ts in train_sets
+    )
+    resume_dir = checkpoints.checkpoint_to_resume(
+        cfg.output_dir, cfg.resume, cfg.overwrite, plan.flags, fingerprint, before_arrow
+    )
+    if resume_dir == "finished":
+        return dataclasses.replace(plan, finished=True)
+    note = ""
+    if resume_dir is not None:  # at another world size too: the checkpoint's global batches kept
+        plan, train_sets, note = resumed_batches(plan, cfg, train_sets, checkpoints.saved_state(resume_dir))
+    check_losses(cfg, plan, train_sets)
+    plan = add_train_sets(plan, cfg, train_sets)
+    for ts in plan.train_sets:
+        if len(ts.ds) < ts.global_batch:
+            raise ValueError(
+                f"--train-data {ts.name}: {len(ts.ds)} rows make no global batch of {ts.global_batch} "
+                f"(= {ts.per_device_batch_size} per device x {plan.world_size} processes x "
+                f"{plan.grad_accum_steps} accumulation); lower --per-device-batch-size"
+            )
+    schedule = batches.Schedule(
+        plan.train_sets, cfg.seed, cfg.epochs, cfg.max_steps, cfg.mix, cfg.batch_sampler == "no_duplicates"
+    )
+    steps_per_epoch = len(schedule.set_orders[0])
+    eval_sets = data.load_eval_sets(cfg.eval_data, cfg.eval_type, False, plan.losses, plan.num_labels)
+    data.check_eval_names(eval_sets, plan.matryoshka, cfg.metric_for_best)
+    check_target_vectors(plan.model, eval_sets, "--eval-data")
+    check_prompt_columns(plan, train_sets, eval_sets)
+    plan = add_schedule(plan, cfg, schedule, steps_per_epoch, eval_sets, fingerprint)
+    return dataclasses.replace(plan, resume_dir=resume_dir, resume_note=note)
+
+
+def check_losses(cfg, plan, train_sets):
+    """The flags that need a loss, against the losses the files train with."""
+    losses_used = sorted({ts.loss for ts in train_sets})
+    if (cfg.gather_negatives or cfg.symmetric or cfg.mask_duplicates) and "mnrl" not in losses_used:
+        flag = (
+            "--gather-negatives"
+            if cfg.gather_negatives
+            else "--symmetric"
+            if cfg.symmetric
+            else "--mask-duplicates"
+        )
+        raise ValueError(
+            f"{flag} works on MNRL's candidates, and no --train-data file trains with mnrl "
+            f"(losses: {', '.join(losses_used)})"
+        )
+    check_mnrl_directions(cfg, plan, losses_used)
+    check_false_negative_flags(cfg, losses_used)
+    check_distillation(cfg, plan, train_sets)
+    if cfg.matryoshka_dims and "softmax" in losses_used:
+        raise ValueError(
+            "--matryoshka-dims: the Softmax head reads embeddings of one fixed size, "
+            "so it cannot train truncated ones; "
+            "use --loss mnrl, cosent, margin_mse or distill_kl"
+        )
+    grouped = [ts.name for ts in train_sets if ts.group_size]
+    if grouped and cfg.batch_sampler == "no_duplicates":
+        raise ValueError(
+            f"--batch-sampler no_duplicates: the grouped rows of {', '.join(grouped)} draw their texts each "
+            "step, so no batch can be checked in advance; use --mask-duplicates (mnrl) instead"
+        )
+    for ts in train_sets:
+        check_set_settings(cfg, ts)
+        candidates = (
+            ts.per_device_batch_size
+            * (plan.world_size if cfg.gather_negatives and not ts.own_negatives else 1)
+            * (len(ts.text_columns) - 1)
+        )
+        if ts.loss == "mnrl" and candidates == 1:
+            raise ValueError(
+                "--loss mnrl with one row per micro-batch and no hard-negative column ranks each anchor "
+                "against its own positive alone: the loss is 0 and nothing trains. "
+                "Raise --per-device-batch-size, add a negative column, or use --gather-negatives"
+            )
+
+
+def check_mnrl_directions(cfg, plan, losses_used):
+    """--mnrl-directions: an mnrl file to train, and the flags they combine with."""
+    directions = plan.mnrl["directions"]
+    if len(directions) == 1:
+        return
+    if "mnrl" not in losses_used:
+        raise ValueError(
+            "--mnrl-directions needs a --train-data file that trains with mnrl "
+            f"(losses: {', '.join(losses_used)})"
+        )
+    if cfg.symmetric or cfg.mask_duplicates:
+        flag = (
+            "--symmetric (use --mnrl-directions query_to_doc,doc_to_query)"
+            if cfg.symmetric
+            else "--mask-duplicates"
+        )
+        raise ValueError(f"--mnrl-directions {cfg.mnrl_directions} does not combine with {flag}")
+    if cfg.mnrl_partition == "per_direction" and not set(directions) <= {"query_to_doc", "doc_to_query"}:
+        raise ValueError(
+            "--mnrl-partition per_direction needs every direction's candidates to hold the positive pair: "
+            "query_to_query and doc_to_doc never do; use --mnrl-partition joint"
+        )
+
+
+def check_false_negative_flags(cfg, losses_used):
+    """--false-negative-margin, --guide-model and --hardness-mode: an mnrl file that ranks against
+    other rows; one rule for the false negatives; the guide's margin only with a guide."""
+    flags = ["--false-negative-margin"] if cfg.false_negative_margin is not None else []
+    flags += ["--guide-model"] if cfg.guide_model else []
+    if len(flags) == 2:
+        raise ValueError(
+            "--false-negative-margin leaves out what the model itself scores above the positive, "
+            "--guide-model what the guide does: choose one"
+        )
+    guide_flags = (cfg.guide_margin, cfg.guide_margin_strategy) != (0.0, "absolute")
+    if guide_flags and not cfg.guide_model:
+        raise ValueError(
+            "--guide-margin and --guide-margin-strategy set the guide's rule; pass --guide-model"
+        )
+    flags += ["--hardness-mode"] if cfg.hardness_mode else []
+    if flags and "mnrl" not in losses_used:
+        raise ValueError(
+            f"{flags[0]} needs a --train-data file that trains with mnrl (losses: {', '.join(losses_used)})"
+        )
+    if cfg.hardness_mode and cfg.hardness_strength == 0:
+        raise ValueError(
+            f"--hardness-mode {cfg.hardness_mode} with --hardness-strength 0 weights nothing; "
+            "set a strength above 0"
+        )
+
+
+def check_distillation(cfg, plan, train_sets):
+    """--loss mse's targets: each mse file's 'embedding' (or 'label') column or --teacher-model, not
+    both; every row's vector finite and as wide as the model's embeddings; no Matryoshka sizes."""
+    mse_sets = [ts for ts in train_sets if ts.loss == "mse"]
+    if cfg.teacher_model and not mse_sets:
+        raise ValueError(
+            "--teacher-model computes --loss mse's targets, and no --train-data file trains with mse "
+            f"(losses: {', '.join(sorted({ts.loss for ts in train_sets}))}); pass --loss mse"
+        )
+    if mse_sets and cfg.matryoshka_dims:
+        raise ValueError(
+            "--matryoshka-dims: --loss mse compares whole embeddings with the teacher's; drop one"
+        )
+    for ts in mse_sets:
+        where = f"--train-data {ts.name}"
+        if ts.target is None and not cfg.teacher_model:
+            raise ValueError(
+                f"{where}: --loss mse needs each row's target: an 'embedding' column with the teacher's "
+                "vector, or --teacher-model to compute it"
+            )
+        if ts.target is not None and cfg.teacher_model:
+            raise ValueError(
+                f"{where} holds the targets ({ts.target!r}) and --teacher-model computes them: drop one"
+            )
+    check_target_vectors(plan.model, mse_sets, "--train-data")
+
+
+def check_target_vectors(spec, sets, flag):
+    """Each mse set's target column (training, or evaluation scored by its loss) holds, in every row,
+    as many finite numbers as the model's embeddings have: the teacher's embedding."""
+    width = None
+    for ts in sets:
+        if ts.loss != "mse" or ts.target is None:
+            continue
+        width = width or model_checks.model_width(spec)
+        for start, values in data.windows(ts.ds, ts.target):
+            if (i := data.bad_score_list(values, width)) is not None:
+                raise ValueError(
+                    f"{flag} {ts.name}: row {start + i} has {ts.target} = {str(values[i].as_py())[:80]}; "
+                    f"--loss mse needs a list of {width} finite numbers, the teacher's embedding "
+                    f"({spec.path}'s width)"
+                )
+
+
+def check_set_settings(cfg, ts):
+    """A training set's own settings (--dataset-settings), against its loss and columns."""
+    if cfg.cache_chunk_size > ts.per_device_batch_size:
+        raise ValueError(
+            f"--cache-chunk-size {cfg.cache_chunk_size} must be between 1 and the per-device batch size "
+            f"({ts.per_device_batch_size}, {ts.name}'s); 0 turns GradCache off"
+        )
+    if ts.own_negatives and (ts.loss != "mnrl" or len(ts.text_columns) < 3):
+        raise ValueError(
+            f"--dataset-settings {ts.name}: own_negatives ranks each anchor against its own positive and "
+            f"hard negatives, so it needs --loss mnrl and a negative column (it has {ts.loss}, columns "
+            f"{ts.text_columns})"
+        )
+    if ts.weight != 1 and cfg.mix == "round_robin":
+        raise ValueError(
+            f"--dataset-settings {ts.name}: a weight sets its share of a proportional mix; "
+            "--mix round_robin takes the sets in turn (use --mix proportional)"
+        )
+
+
+def check_prompt_columns(plan, train_sets, eval_sets):
+    """Every --prompts (and --max-seq-length) key names a text column of some training or
+    evaluation file: a typo would otherwise train without the prompt (the length), silently."""
+    columns = sorted(
+        {c for s in train_sets for c in s.prompt_columns} | {c for s in eval_sets for c in s.text_columns}
+    )
+    for flag, keys in (
+        ("--prompts", plan.model.prompts),
+        ("--max-seq-length", plan.model.column_lengths),
+    ):
+        for column in keys:
+            if column not in columns:
+                raise ValueError(
+                    f"{flag}: {column!r} is no text column of --train-data or --eval-data "
+                    f"(they have: {', '.join(columns)}); key each by the column it is for"
+                )
+    for ts in train_sets:
+        for column in plan.dataset_settings.get(ts.name, {}).get("prompts", {}):
+            if column not in ts.prompt_columns:
+                raise ValueError(
+                    f"--dataset-settings {ts.name}: prompts names {column!r}, no text column of its file "
+                    f"(it has: {', '.join(dict.fromkeys(ts.prompt_columns))})"
+                )
+
+
 def add_train_sets(plan, cfg, train_sets):
-    """Step 2a: the training sets (data.load_train_sets), each with its global batch and LossPlan,
+    """The training sets (data.load_train_sets), each with its global batch and LossPlan,
     and the Softmax head's classes (at most one set has them)."""
     num_labels = max((ts.num_labels for ts in train_sets), default=0)
-    for ts in train_sets:
-        ts.global_batch = ts.per_device_batch_size * plan.world_size * plan.grad_accum_steps
-        ts.loss_plan = loss_plan(plan, cfg, ts.loss, ts.own_negatives, num_labels, cfg.gather_negatives)
+    train_sets = [
+        dataclasses.replace(
+            ts,
+            global_batch=ts.per_device_batch_size * plan.world_size * plan.grad_accum_steps,
+            loss_plan=loss_plan(plan, cfg, ts.loss, ts.own_negatives, num_labels, cfg.gather_negatives),
+        )
+        for ts in train_sets
+    ]
     return dataclasses.replace(plan, train_sets=train_sets, num_labels=num_labels)
 
 
@@ -120,9 +568,9 @@ def resumed_batches(plan, cfg, train_sets, saved):
     """The accumulation and each set's per-device batch of a run resuming from a checkpoint whose
     trainer state is `saved` (its config, and the plan `record` it was written with): each set's
     global batch must stay the checkpoint's, so every step ahead takes the rows the unbroken run
-    would have taken. Returns (the Plan with its grad_accum_steps, a line saying what changed, or
-    ""), and sets each TrainSet's per_device_batch_size. Raises ValueError naming values that keep
-    the global batch.
+    would have taken. Returns (the Plan with its grad_accum_steps, the TrainSets with their
+    per_device_batch_size, a line saying what changed, or ""). Raises ValueError naming values
+    that keep the global batch.
 
     The flags are kept when they give the checkpoint's global batches at this world size. The same
     command at another world size (an elastic restart on fewer or more hosts) starts from what the
@@ -165,10 +613,10 @@ def resumed_batches(plan, cfg, train_sets, saved):
         )
     per_device, accumulation = choice
     note = resume_note(plan, cfg, saved, per_device, accumulation)
-    for ts, b in zip(train_sets, per_device):
-        ts.per_device_batch_size = b
+    train_sets = [dataclasses.replace(ts, per_device_batch_size=b) for ts, b in zip(train_sets, per_device)]
     global_batch = per_device[0] * plan.world_size * accumulation
-    return dataclasses.replace(plan, grad_accum_steps=accumulation, global_batch=global_batch), note
+    plan = dataclasses.replace(plan, grad_accum_steps=accumulation, global_batch=global_batch)
+    return plan, train_sets, note
 
 
 def resume_note(plan, cfg, saved, per_device, accumulation):
@@ -232,10 +680,14 @@ def other_global_batch(plan, cfg, saved, given, elastic):
 
 
 def add_schedule(plan, cfg, schedule, steps_per_epoch, eval_sets, fingerprint):
-    """Step 2b: every step's rows (batches.Schedule), the steps they make, and the
+    """Every step's rows (batches.Schedule), the steps they make, and the
     evaluation sets (data.load_eval_sets), each scored by --eval-type loss with its LossPlan."""
-    for es in eval_sets:  # the training loss, of one rank's rows at a time: nothing gathered, no guide
-        es.loss_plan = loss_plan(plan, cfg, es.loss, False, plan.num_labels, gather=False, guided=False)
+    eval_sets = [  # the training loss, of one rank's rows at a time: nothing gathered, no guide
+        dataclasses.replace(
+            es, loss_plan=loss_plan(plan, cfg, es.loss, False, plan.num_labels, gather=False, guided=False)
+        )
+        for es in eval_sets
+    ]
     total_steps = len(schedule)
     return dataclasses.replace(
         plan,

@@ -46,21 +46,21 @@ class TrackerError(ValueError):
     """A tracker of --report-to could not start (exit 2, before the first step)."""
 
 
-def start_trackers(cfg, tools, start_step, run_config, kept_rows):
+def start_trackers(output_dir, tools, start_step, run_config, kept_rows):
     """{tool: tracker} for each of `tools` (--report-to's, as the run's plan lists them), each
-    started (and on resume, continuing its run); OUTPUT_DIR/tracking.json then names their runs.
+    started (and on resume, continuing its run); `output_dir`/tracking.json then names their runs.
     `kept_rows`: metrics.jsonl's rows up to `start_step`. Raises TrackerError naming the tool that
     could not start."""
-    previous = read_run_ids(cfg.output_dir) if start_step else {}
+    previous = read_run_ids(output_dir) if start_step else {}
     trackers = {}
     for tool in tools:
         try:
             if tool == "tensorboard":
-                trackers[tool] = TensorBoard(cfg, start_step)
+                trackers[tool] = TensorBoard(output_dir, start_step)
             elif tool == "wandb":
-                trackers[tool] = WandbRun(cfg, run_config, previous.get(tool), kept_rows)
+                trackers[tool] = WandbRun(output_dir, run_config, previous.get(tool), kept_rows)
             elif tool == "mlflow":
-                trackers[tool] = MLflowRun(cfg, run_config, previous.get(tool), kept_rows)
+                trackers[tool] = MLflowRun(output_dir, run_config, previous.get(tool), kept_rows)
         except Exception as e:
             for tracker in trackers.values():
                 tracker.abandon()
@@ -69,7 +69,7 @@ def start_trackers(cfg, tools, start_step, run_config, kept_rows):
                 f"--report-to {tool} cannot start: {first_line(e)}. Check its settings (its environment "
                 f"variables) and its server, or leave {tool} out of --report-to{hint}"
             ) from e
-    write_run_ids(cfg.output_dir, {tool: t.run_id for tool, t in trackers.items() if t.run_id})
+    write_run_ids(output_dir, {tool: t.run_id for tool, t in trackers.items() if t.run_id})
     return trackers
 
 
@@ -82,19 +82,19 @@ def scalars(record):
     return {k: v for k, v in named.items() if isinstance(v, (int, float)) and math.isfinite(v)}
 
 
-def run_name(cfg):
-    return os.path.basename(os.path.abspath(cfg.output_dir))
+def run_name(output_dir):
+    return os.path.basename(os.path.abspath(output_dir))
 
 
 class TensorBoard:
     run_id = None  # the event files are the record: nothing to name in tracking.json
 
-    def __init__(self, cfg, start_step):
+    def __init__(self, output_dir, start_step):
         from torch.utils.tensorboard import SummaryWriter  # optional; checked at start-up
 
         # A resumed run drops what the broken one wrote after the checkpoint's step.
         self.writer = SummaryWriter(
-            os.path.join(cfg.output_dir, "tensorboard"), purge_step=start_step + 1 if start_step else None
+            os.path.join(output_dir, "tensorboard"), purge_step=start_step + 1 if start_step else None
         )
 
     def log(self, step, named):
@@ -111,14 +111,14 @@ class TensorBoard:
 
 
 class WandbRun:
-    def __init__(self, cfg, run_config, previous_id, kept_rows):
+    def __init__(self, output_dir, run_config, previous_id, kept_rows):
         import wandb  # optional; checked at start-up
 
         options = {"config": run_config}
         if "WANDB_DIR" not in os.environ:  # W&B's own default: the working directory
-            options["dir"] = cfg.output_dir
+            options["dir"] = output_dir
         if "WANDB_NAME" not in os.environ:
-            options["name"] = run_name(cfg)
+            options["name"] = run_name(output_dir)
         if previous_id:
             # The rewind goes to step 0, not to the checkpoint's step S: what the broken run's W&B
             # run holds is not known. wandb-core keeps a step's row open until a later step is
@@ -159,7 +159,7 @@ class WandbRun:
 
 
 class MLflowRun:
-    def __init__(self, cfg, run_config, previous_id, kept_rows):
+    def __init__(self, output_dir, run_config, previous_id, kept_rows):
         import mlflow  # optional; checked at start-up
         from mlflow.entities import Param
 
@@ -173,7 +173,7 @@ class MLflowRun:
         self.client = mlflow.MlflowClient()
         previous = self.client.get_run(previous_id) if previous_id else None
         run = mlflow.start_run(
-            run_name=run_name(cfg),
+            run_name=run_name(output_dir),
             experiment_id=previous.info.experiment_id if previous else None,  # None: MLflow's choice
             tags={"fsdp_embed.replaces_run": previous_id} if previous else None,
         )

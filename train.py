@@ -1,11 +1,11 @@
 """Train a sentence-embedding model with plain PyTorch: one process, DDP or FSDP under torchrun.
 The same method in one file, without this trainer's machinery: minimal_train.py (read it first).
 
-main() is the story: check the flags (resolved once into the run's plan), plan the data and every
-step's rows, build the model, run the loop (forward, loss, backward, clip, step, log, evaluate,
-save), export. The step's helpers follow in the order main() calls them; every other concern is a
-file named after it (the README's table of files lists them). A call that every rank must reach
-(a collective) says "(all ranks participate)".
+main() is the story: check the flags and plan the data and every step's rows (run_plan.py: the
+flags stop at main(), every phase gets the plan), build the model, run the loop (forward, loss,
+backward, clip, step, log, evaluate, save), export. The step's helpers follow in main()'s order;
+every other concern is a file named after it (the README's table of files). A call that every rank
+must reach (a collective) says "(all ranks participate)".
 
 Run it:
     python train.py                                   # one process (CPU or one GPU)
@@ -66,35 +66,34 @@ import startup_checks
 def main(cfg):
     """Train and export (all ranks participate); returns the unwrapped model (None: exported already)."""
     rank, world_size, device = fsdp_utils.setup_dist(cfg.dist_timeout_minutes)
-    # 1. Check: the flags, resolved once into the run's plan; the model's files; the output folder.
-    plan = startup_checks.agreed_check(cfg, rank, world_size, device)  # (all ranks participate)
-    # 2. Plan: the data, checked, and every step's rows, from the seed alone (batches.py).
-    plan = startup_checks.agreed_plan(cfg, plan, rank, device)  # (all ranks participate)
-    final_dir = os.path.join(cfg.output_dir, "final")
+    # 1. Check the flags, resolved once into the run's plan, and the model's files (all ranks participate)
+    plan = startup_checks.agreed(lambda: run_plan.flags_plan(cfg, world_size, device), rank, device)
+    # 2. Plan the data and every step's rows; rank 0 locks the output folder (all ranks participate)
+    plan = startup_checks.agreed_plan_locking_output(lambda: run_plan.data_plan(cfg, plan), rank, device)
     if plan.finished:
-        fsdp_utils.print0(f"{final_dir} already holds this run's export: nothing left to do")
-        return None
+        return None  # final/ holds this run's export already (rank 0 said so)
     # 3. The model: DDP broadcasts rank 0's weights; FSDP shards them (each rank reads its part).
-    model, loaded, no_decay_names = build_model(cfg, plan)  # (all ranks participate)
-    if cfg.eval_only:
-        evaluate_only(model, loaded, cfg, plan)  # (all ranks participate)
-        return loaded.model
-    optimizer, scheduler, scaler = build_training(model, no_decay_names, cfg, plan)
-    opts = step_options(cfg, plan, loaded, scaler)  # (all ranks participate) a guide or teacher loads
+    model, loaded, no_decay_names, plan = build_model_and_set_allocator(plan)  # (all ranks participate)
+    if plan.eval_only:
+        return evaluate_only(model, loaded, plan)  # (all ranks participate) the model, evaluated
+    optimizer, scheduler, scaler = build_training(model, no_decay_names, plan, cfg.lr, cfg.weight_decay)
+    # (all ranks participate) under FSDP: a --guide-model or --teacher-model loads, sharded
+    opts = step_options(plan, loaded, scaler, *guide_model.load_frozen_models(plan))
     # (all ranks participate) loading sharded state is a collective. (0, None) for a fresh run.
     start_step, best_value = checkpoints.restore_checkpoint(
         plan.resume_dir, model, optimizer, scheduler, scaler, plan.total_steps
     )
-    fsdp_utils.print0(json.dumps(run_record(cfg, plan, loaded), indent=2))
-    log = clear_output_and_open_log(cfg, plan, loaded, start_step)  # (all ranks participate)
+    fsdp_utils.print0(json.dumps({**plan.flags, **run_plan.record(plan, loaded)}, indent=2))
+    log = clear_output_and_open_log(plan, loaded, start_step)  # (all ranks participate)
     meter = metrics.StepMeter(several_sets=len(plan.train_sets) > 1, world_size=world_size)
     if cfg.eval_on_start and start_step == 0:
         with metrics.timed(meter.paused, "eval"):  # (all ranks participate)
-            best_value = evaluate_and_log(model, loaded, cfg, plan, 0, best_value, log)
+            best_value = evaluate_log_export_best(model, loaded, plan, 0, best_value, log)
     last_loss = log.last_loss if log is not None else math.nan
     progress = tqdm(total=plan.total_steps, initial=start_step, disable=rank != 0, desc="train")
-    # This rank's micro-batches, read ahead in a thread (ids tokenized once); every rank runs as many.
-    micro_batches = batches.micro_batches(plan, cfg, loaded, rank, start_step)
+    # This rank's micro-batches, read ahead in a thread, each set's ids from its token file, if any.
+    tables = batches.write_or_read_token_files(plan, loaded, rank)
+    micro_batches = batches.micro_batches(plan, loaded, tables, rank, start_step)
     faults.HEARTBEAT.start()  # a thread writes this rank's step to the rendezvous store every 2 s
 
     # ---- the loop
@@ -110,7 +109,7 @@ def main(cfg):
         if world_size > 1:
             dist.all_reduce(step_loss)  # (all ranks participate)
         step_loss_value = step_loss.item() / world_size
-        checkpoints.check_loss_finite(step_loss_value, step, cfg.output_dir)  # raises on every rank
+        checkpoints.check_loss_finite(step_loss_value, step, plan.output_dir)  # raises on every rank
         # (all ranks participate) under FSDP: the norm of sharded gradients; the whole tables' gradients.
         grad_norm, lr = clip_and_step(model, optimizer, scheduler, scaler, cfg.max_grad_norm)
         progress.update(1)
@@ -119,18 +118,19 @@ def main(cfg):
             last_loss = log_step(meter, log, progress, step, plan.schedule.epoch_at(step - 1), grad_norm, lr)
         if plan.eval_sets and ((cfg.eval_steps and step % cfg.eval_steps == 0) or step == plan.total_steps):
             with metrics.timed(meter.paused, "eval"):  # (all ranks participate) and the best export
-                best_value = evaluate_and_log(model, loaded, cfg, plan, step, best_value, log, last_loss)
+                best_value = evaluate_log_export_best(model, loaded, plan, step, best_value, log, last_loss)
         if cfg.save_steps and step % cfg.save_steps == 0:
             with metrics.timed(meter.paused, "save"):  # (all ranks participate) each writes its shard
-                save_state(model, optimizer, scheduler, scaler, cfg, plan, loaded, step, best_value)
+                save_state(model, optimizer, scheduler, scaler, plan, loaded, step, best_value)
     progress.close()
 
-    summary = meter.summary(last_loss)
+    summary, final_dir = meter.summary(last_loss), os.path.join(plan.output_dir, "final")
     with metrics.timed(summary, "export_seconds"):  # (all ranks participate) rank 0 writes
-        export.export_model(model, loaded, final_dir, cfg, plan, summary, rank == 0)
+        record = {**run_plan.record(plan, loaded), **summary}
+        export.export_model(model, loaded, final_dir, plan, record, rank == 0)  # (all ranks participate)
     fsdp_utils.print0(json.dumps(summary))
     if log is not None:
-        close_log(log, {"step": plan.total_steps, **summary}, cfg.output_dir)
+        close_log(log, {"step": plan.total_steps, **summary}, plan.output_dir)
         fsdp_utils.print0(f"exported {final_dir}")
     return loaded.model
 
@@ -139,56 +139,56 @@ def main(cfg):
 # Building the model and the optimizer
 
 
-def build_model(cfg, plan):
-    """(wrapped model, LoadedModel, names of the parameters without weight decay). Collectives
-    (all ranks participate): DDP broadcasts rank 0's weights when it wraps; FSDP shards them, and
-    a model built on the meta device is then filled shard by shard from its files."""
-    torch.manual_seed(cfg.seed)  # the same initial head on every rank (DDP broadcasts it anyway)
-    loaded = embedding_model.load_model(cfg, plan, on_meta=plan.strategy == "fsdp")
+def build_model_and_set_allocator(plan):
+    """(wrapped model, LoadedModel, names of the parameters without weight decay, the Plan with the
+    sharding the ranks chose), with the process's CPU allocator set for that sharding
+    (fsdp_utils.set_cpu_allocator). Collectives (all ranks participate): --sharding auto agrees on
+    the least free memory; DDP broadcasts rank 0's weights when it wraps; FSDP shards them, and a
+    model built on the meta device is then filled shard by shard from its files."""
+    torch.manual_seed(plan.seed)  # the same initial head on every rank (DDP broadcasts it anyway)
+    loaded = embedding_model.load_model(plan.model, plan.num_labels, on_meta=plan.strategy == "fsdp")
     raw_model = loaded.model if loaded.pretrained_dir else loaded.model.to(plan.device)
     no_decay_names = {name for name, param in raw_model.named_parameters() if param.ndim < 2}
-    export_bytes = export.size_estimate(loaded, cfg, sharded=plan.strategy == "fsdp")
-    faults.warn_space(cfg, loaded.parameter_counts, plan.total_steps, export_bytes)  # rank 0 prints
+    export_bytes = export.size_estimate(loaded, plan.export_dtype, sharded=plan.strategy == "fsdp")
+    faults.warn_space(plan, loaded.parameter_counts, export_bytes)  # rank 0 prints
     # (all ranks participate) under FSDP: --sharding auto agrees on the least free memory (an all_reduce).
-    plan.sharding, why = fsdp_utils.resolve_sharding(
-        raw_model, plan.strategy, plan.device, cfg.sharding, cfg.precision
+    sharding, why = fsdp_utils.resolve_sharding(
+        raw_model, plan.strategy, plan.device, plan.sharding, plan.precision
     )
-    allocator = fsdp_utils.set_cpu_allocator(plan.device, plan.strategy, plan.sharding)  # glibc's malloc, CPU
+    allocator = fsdp_utils.set_cpu_allocator(plan.device, plan.strategy, sharding)  # glibc's malloc, CPU
     for line in filter(None, (why, allocator)):
         fsdp_utils.print0(line)
-    options = {"sharding": plan.sharding, "fsdp_version": cfg.fsdp_version, "layer_cls": cfg.fsdp_layer_cls}
+    options = {"sharding": sharding, "fsdp_version": plan.fsdp_version, "precision": plan.precision}
     # (all ranks participate) DDP broadcasts rank 0's weights as it wraps.
-    model = fsdp_utils.wrap_model(raw_model, plan.strategy, plan.device, precision=cfg.precision, **options)
+    model = fsdp_utils.wrap_model(
+        raw_model, plan.strategy, plan.device, layer_cls=plan.model.fsdp_layer_cls, **options
+    )
     embedding_model.fill_sharded_weights(model, loaded)  # (all ranks participate) each rank its slices
-    return model, loaded, no_decay_names
+    return model, loaded, no_decay_names, dataclasses.replace(plan, sharding=sharding)
 
 
-def build_training(model, no_decay_names, cfg, plan):
-    """(AdamW, its learning-rate schedule, the fp16 loss scaler or None), for the wrapped model."""
+def build_training(model, no_decay_names, plan, lr, weight_decay):
+    """(AdamW at peak learning rate `lr`, its learning-rate schedule, the fp16 loss scaler or
+    None), for the wrapped model."""
     # torch 2.13's fused AdamW rejects the ShardedGradScaler's found-inf tensor (shape [1], not
     # []): "output with shape [] doesn't match the broadcast shape [1]". fp16 + FSDP goes unfused.
-    fused = not (cfg.precision == "fp16" and plan.strategy == "fsdp")
-    optimizer = build_optimizer(model, no_decay_names, cfg.lr, cfg.weight_decay, fused=fused)
+    fused = not (plan.precision == "fp16" and plan.strategy == "fsdp")
+    optimizer = build_optimizer(model, no_decay_names, lr, weight_decay, fused=fused)
     schedule = linear_schedule(plan.warmup_steps, plan.total_steps)
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, schedule)
-    return optimizer, scheduler, fsdp_utils.grad_scaler(model, cfg.precision, plan.device)
+    return optimizer, scheduler, fsdp_utils.grad_scaler(model, plan.precision, plan.device)
 
 
-def run_record(cfg, plan, loaded):
-    """The config and what the run derived from it (run_plan.record): printed at start, saved with
-    every checkpoint, the metrics log and the trackers."""
-    return {**dataclasses.asdict(cfg), **run_plan.record(plan, loaded)}
-
-
-def clear_output_and_open_log(cfg, plan, loaded, start_step):
+def clear_output_and_open_log(plan, loaded, start_step):
     """Rank 0 removes what earlier runs left that must not be kept (under --overwrite, the old
     checkpoints: checkpoints.prepare_output_dir), opens metrics.jsonl (kept up to `start_step` when
     resuming) and starts the --report-to trackers with the run's record. (all ranks participate) A
     tracker that cannot start stops every rank with its one message. Rank 0 gets the MetricsLog."""
 
     def start():
-        checkpoints.prepare_output_dir(cfg, os.path.join(cfg.output_dir, "checkpoints"))
-        return metrics.MetricsLog(cfg, start_step, run_record(cfg, plan, loaded), plan.report_tools)
+        checkpoints.prepare_output_dir(plan.output_dir, plan.overwrite)
+        run_record = {**plan.flags, **run_plan.record(plan, loaded)}  # as rank 0 printed it
+        return metrics.MetricsLog(plan.output_dir, start_step, run_record, plan.report_tools)
 
     return startup_checks.agreed_on_rank0(start, plan.device)  # (all ranks participate)
 
@@ -246,23 +246,22 @@ class StepOptions:
     teacher: object = None  # --teacher-model, frozen: --loss mse's targets
 
 
-def step_options(cfg, plan, loaded, scaler):
-    """The StepOptions of this run; a guide or teacher loads (all ranks participate). Under FSDP,
+def step_options(plan, loaded, scaler, guide, teacher):
+    """The StepOptions of this run, with its frozen `guide` and `teacher` (or None). Under FSDP,
     one forward per micro-batch unless --length-buckets says otherwise: another forward gathers every
     weight again (in forward and in backward) and holds a whole unsharded gradient until backward
     has been through both (embed_columns says why). Under FSDP the low precision is FSDP's own
     (parameters cast per block); single and DDP keep fp32 parameters and compute under autocast."""
-    use_autocast = cfg.precision != "fp32" and plan.strategy in ("single", "ddp")
-    dtype, device_type = fsdp_utils.PRECISIONS[cfg.precision], plan.device.type
-    packed, packing_line = embedding_model.packing_choice(cfg, loaded.model)
+    use_autocast = plan.precision != "fp32" and plan.strategy in ("single", "ddp")
+    dtype, device_type = fsdp_utils.PRECISIONS[plan.precision], plan.device.type
+    packed, packing_line = embedding_model.packing_choice(loaded.model, plan.packing_refused)
     fsdp_utils.print0(packing_line)
-    guide, teacher = guide_model.load_frozen_models(cfg, plan)  # (all ranks participate) under FSDP
     return StepOptions(
         grad_accum_steps=plan.grad_accum_steps,
-        cache_chunk_size=cfg.cache_chunk_size,
+        cache_chunk_size=plan.cache_chunk_size,
         packed=packed,
         length_buckets=plan.length_buckets,
-        prepare=loaded.prepare if cfg.mask_duplicates else None,
+        prepare=loaded.prepare if plan.mask_duplicates else None,
         has_head=plan.num_labels > 0,
         autocast=lambda: torch.autocast(device_type, dtype=dtype, enabled=use_autocast),
         scale_loss=scaler.scale if scaler else lambda loss: loss,
@@ -415,31 +414,29 @@ def embeddings_loss(model, embs, labels, loss, text_ids=None, guide=None):
 # Evaluation, saving and the export (all ranks participate: each is collective)
 
 
-def evaluate_and_log(model, loaded, cfg, plan, step, best_value, log, last_loss=float("nan")):
-    """Evaluate, log the scores, and export OUTPUT_DIR/best when --metric-for-best improves; returns
-    the best value so far. (all ranks participate) Evaluation is collective (sharded encoding,
-    all_reduce), and so is the best export; the scores, hence the decision, are the same on every
-    rank. Rank 0 (the one with a `log`) writes and prints them."""
-    scores = evaluate(model, loaded, cfg, plan)  # (all ranks participate)
+def evaluate_log_export_best(model, loaded, plan, step, best_value, log, last_loss=float("nan")):
+    """Evaluate, log the scores, and export OUTPUT_DIR/best when --metric-for-best improves (not
+    under --eval-only); returns the best value so far. (all ranks participate) Evaluation is
+    collective (sharded encoding, all_reduce), and so is the best export; the scores, hence the
+    decision, are the same on every rank. Rank 0 (the one with a `log`) writes and prints them."""
+    scores = evaluate(model, loaded, plan)  # (all ranks participate)
     if log is not None:
         log.write({"step": step, "eval": scores})
         tqdm.write(f"step {step}: " + ", ".join(f"{k} {v:.4f}" for k, v in scores.items()))
-    if not cfg.metric_for_best or cfg.eval_only:
+    if not plan.metric_for_best or plan.eval_only:
         return best_value
-    value, lower_is_better = scores[cfg.metric_for_best], cfg.metric_for_best.endswith("/loss")
+    value, lower_is_better = scores[plan.metric_for_best], plan.metric_for_best.endswith("/loss")
     # A NaN metric (e.g. a correlation with constant scores) is never the best.
     improved = best_value is None or (value < best_value if lower_is_better else value > best_value)
     if not (math.isfinite(value) and improved):
         return best_value
     summary = {"step": step, "eval": scores, "final_loss": last_loss, "samples_per_s": float("nan")}
-    best_dir = os.path.join(cfg.output_dir, "best")
-    export.export_model(
-        model, loaded, best_dir, cfg, plan, summary, log is not None
-    )  # (all ranks participate)
+    best_dir, record = os.path.join(plan.output_dir, "best"), {**run_plan.record(plan, loaded), **summary}
+    export.export_model(model, loaded, best_dir, plan, record, log is not None)  # (all ranks participate)
     return value
 
 
-def evaluate(model, loaded, cfg, plan):
+def evaluate(model, loaded, plan):
     """Every evaluation set, every metric, the same dict on every rank. (all ranks participate)
     Each rank encodes its shard through the wrapped model (a collective under FSDP) and eval_dist
     combines the shards with all_reduce. Dropout off, RNG and training mode left untouched.
@@ -447,7 +444,7 @@ def evaluate(model, loaded, cfg, plan):
     results = {}
     dims = (plan.matryoshka or [()])[0]  # Matryoshka: every metric at every size too
     for es in plan.eval_sets:
-        options = {"batch_size": cfg.eval_batch_size, "device": plan.device, "columns": es.text_columns}
+        options = {"batch_size": plan.eval_batch_size, "device": plan.device, "columns": es.text_columns}
         texts = [batches.with_prompt(t, loaded.prompts, c) for c, t in zip(es.text_columns, es.texts())]
         if es.kind == "sts":
             scores = eval_dist.evaluate_sts(  # (all ranks participate)
@@ -466,15 +463,15 @@ def evaluate(model, loaded, cfg, plan):
                 model, loaded.tokenize, texts[0], texts[1], es.ds[es.target][:], classify, **options
             )
         else:
-            batch_loss = functools.partial(eval_batch_loss, model, es, loaded, cfg, plan)
+            batch_loss = functools.partial(eval_batch_loss, model, es, loaded, plan)
             scores = eval_dist.evaluate_loss(
-                model, len(es.ds), cfg.eval_batch_size, batch_loss
+                model, len(es.ds), plan.eval_batch_size, batch_loss
             )  # (all ranks participate)
         results.update({f"{es.name}/{metric}": value for metric, value in scores.items()})
     return results
 
 
-def eval_batch_loss(model, es, loaded, cfg, plan, indices):
+def eval_batch_loss(model, es, loaded, plan, indices):
     """The training loss of an evaluation set's rows `indices` (--eval-type loss): a forward through
     the wrapped model, a collective under FSDP (all ranks participate)."""
     rows = es.ds[indices]
@@ -482,23 +479,24 @@ def eval_batch_loss(model, es, loaded, cfg, plan, indices):
         rows, es.text_columns, es.target, es.loss, loaded.tokenize, plan.device, loaded.prompts
     )
     ids = None
-    if cfg.mask_duplicates and es.loss == "mnrl":
+    if plan.mask_duplicates and es.loss == "mnrl":
         ids = [batches.text_ids(rows[c], loaded.prepare).to(plan.device) for c in es.text_columns]
     # (all ranks participate)
     return embeddings_loss(model, embed_columns(model, features), labels, es.loss_plan, ids)
 
 
-def evaluate_only(model, loaded, cfg, plan):
+def evaluate_only(model, loaded, plan):
     """--eval-only. (all ranks participate) Evaluation is collective. Rank 0 writes metrics.jsonl
-    (step 0) and prints the metrics as one JSON line."""
-    start_log = lambda: metrics.MetricsLog(cfg, 0, report_tools=plan.report_tools)  # noqa: E731
+    (step 0) and prints the metrics as one JSON line. Returns the unwrapped model, as main() does."""
+    start_log = lambda: metrics.MetricsLog(plan.output_dir, 0, plan.flags, plan.report_tools)  # noqa: E731
     log = startup_checks.agreed_on_rank0(start_log, plan.device)  # (all ranks participate)
     seconds = {}
     with metrics.timed(seconds, "eval_seconds"):
-        evaluate_and_log(model, loaded, cfg, plan, 0, None, log)  # (all ranks participate)
+        evaluate_log_export_best(model, loaded, plan, 0, None, log)  # (all ranks participate)
     if log is not None:
-        close_log(log, {"step": 0, **seconds}, cfg.output_dir)
+        close_log(log, {"step": 0, **seconds}, plan.output_dir)
         print(json.dumps({"step": 0, **seconds}), flush=True)
+    return loaded.model
 
 
 def close_log(log, summary_record, output_dir):
@@ -508,20 +506,20 @@ def close_log(log, summary_record, output_dir):
     checkpoints.release_output_lock(output_dir)
 
 
-def save_state(model, optimizer, scheduler, scaler, cfg, plan, loaded, step, best_value):
+def save_state(model, optimizer, scheduler, scaler, plan, loaded, step, best_value):
     """A resumable checkpoint, OUTPUT_DIR/checkpoints/step-N. (all ranks participate) Every rank
     writes its own shard (DCP), then rank 0 makes it visible; checking the weights is an all_reduce."""
     trainer_state = {
-        "config": dataclasses.asdict(cfg),
+        "config": plan.flags,
         **run_plan.record(plan, loaded),
         "scheduler": scheduler.state_dict(),
         "grad_scaler": scaler.state_dict() if scaler else None,
         "best_value": best_value,
         "weights_finite": checkpoints.weights_finite(model, plan.device),  # (all ranks participate)
     }
-    folder = os.path.join(cfg.output_dir, "checkpoints")
+    folder = os.path.join(plan.output_dir, "checkpoints")
     checkpoints.save_checkpoint(  # (all ranks participate)
-        model, optimizer, folder, step, trainer_state, keep_last=cfg.save_total_limit
+        model, optimizer, folder, step, trainer_state, keep_last=plan.save_total_limit
     )
 
 
@@ -531,12 +529,13 @@ if __name__ == "__main__":
     cfg = config.parse_config(description=__doc__)
     checkpoints_dir = os.path.join(cfg.output_dir, "checkpoints")
     newest_checkpoint = lambda: checkpoints.newest_usable_checkpoint(checkpoints_dir)[0]  # noqa: E731
-    faults.watch_sigterm(cfg, newest_checkpoint)  # torchrun stopping this rank after a peer was killed
+    # torchrun stopping this rank after a peer was killed: the rank says why first
+    faults.watch_sigterm(cfg.dist_timeout_minutes, newest_checkpoint)
     try:
         main(cfg)  # (all ranks participate)
     except Exception as e:
         # A fault: its one error: line and exit code (faults.py). Anything else is a bug: its traceback.
-        code = faults.end_run(e, cfg, newest_checkpoint)
+        code = faults.end_run(e, cfg.dist_timeout_minutes, newest_checkpoint)
         if code is None or os.environ.get("FSDP_EMBED_TRACEBACK"):
             raise
         if code == faults.LOST_PEER:

@@ -538,7 +538,7 @@ def ac_worker(args):
     cfg = config.parse_config(flags)
     torch.manual_seed(0)
     plan = run_plan.resolve_flags(cfg, 1, torch.device("cpu"))
-    model = embedding_model.load_model(cfg, plan).model  # train mode, checkpointing enabled as train.py does
+    model = embedding_model.load_model(plan.model).model  # train mode, checkpointing enabled as train.py does
     encoder = model.encoder
     generator = torch.Generator().manual_seed(0)
     input_ids = torch.randint(

@@ -232,7 +232,7 @@ def floor(task, precision, max_steps, work_dir, repeats=3, timed_batches=20):
     cfg = config.parse_config(
         ["--train-data", train_file, "--loss", loss, "--max-seq-length", str(SETTINGS["max_seq_length"])]
     )
-    loaded = embedding_model.load_model(cfg, run_plan.resolve_flags(cfg, 1, torch.device("cpu")))
+    loaded = embedding_model.load_model(run_plan.resolve_flags(cfg, 1, torch.device("cpu")).model)
     ds = data.load_data(train_file, "train")
     columns = [c for c in ds.column_names if c != "score"]
     order = batches.epoch_order(len(ds), SETTINGS["seed"], 0)

@@ -84,7 +84,7 @@ def worker(strategy, out_file):
         rank, world_size, device = fsdp_utils.setup_dist(timeout_minutes=10)
         try:
             cfg = config.Config(model="all-MiniLM-L6-v2", max_seq_length=MAX_SEQ_LENGTH)
-            loaded = embedding_model.load_model(cfg, run_plan.resolve_flags(cfg, 1, device))
+            loaded = embedding_model.load_model(run_plan.resolve_flags(cfg, 1, device).model)
             model = fsdp_utils.wrap_model(
                 loaded.model.to(device), strategy, device, sharding="full_shard", fsdp_version=1
             )

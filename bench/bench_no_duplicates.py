@@ -27,7 +27,6 @@ import datasets  # noqa: E402
 
 import batches  # noqa: E402
 
-import config  # noqa: E402
 
 import data  # noqa: E402
 
@@ -69,10 +68,9 @@ def main():
         "machine": platform.processor() or platform.machine(),
     }
     for sampler in ("default", "no_duplicates"):
-        cfg = config.Config(batch_sampler=sampler, epochs=1)
 
         def plan_epoch():  # the text hashes (no_duplicates) and the epoch's batches, from scratch
-            schedule = batches.Schedule(sets, cfg)
+            schedule = batches.Schedule(sets, 12, 1, 0, no_duplicates=sampler == "no_duplicates")
             return [schedule[step][1:] for step in range(len(schedule))]
 
         seconds, plan = best_of(args.repeats, plan_epoch)

@@ -55,7 +55,7 @@ def main():
     os.makedirs(os.path.dirname(os.path.abspath(out)), exist_ok=True)
     cfg = config.Config(model=args.folder)
     # encoder + the folder's pooling and normalisation
-    loaded = embedding_model.load_model(cfg, run_plan.resolve_flags(cfg, 1, torch.device("cpu")))
+    loaded = embedding_model.load_model(run_plan.resolve_flags(cfg, 1, torch.device("cpu")).model)
     model = loaded.model.eval()
     batch = loaded.tokenize(TEXTS)
     # In the order of EmbeddingModel.forward's arguments, which export passes positionally.

@@ -5,6 +5,7 @@ comparisons of a module, and the one definition of "the same training".
 Run the whole suite:  python -m pytest tests
 """
 
+import dataclasses
 import json
 import os
 import shutil
@@ -32,28 +33,26 @@ import data  # noqa: E402
 import embedding_model  # noqa: E402
 
 import run_plan  # noqa: E402
-import startup_checks  # noqa: E402
 import train  # noqa: E402
 
 
 def plan_for(cfg, num_labels=0, world_size=1):
     """The run's plan of `cfg`'s flags (run_plan.resolve_flags) at `world_size`, with a Softmax
-    head of `num_labels` classes: what embedding_model.load_model reads, as train.py gives it."""
+    head of `num_labels` classes, as train.py makes it."""
     plan = run_plan.resolve_flags(cfg, world_size, torch.device("cpu"))
-    plan.num_labels = num_labels
-    return plan
+    return dataclasses.replace(plan, num_labels=num_labels)
 
 
 def load_model(cfg, num_labels=0, **options):
-    """embedding_model.load_model with the plan of `cfg`'s flags (plan_for)."""
-    return embedding_model.load_model(cfg, plan_for(cfg, num_labels), **options)
+    """embedding_model.load_model with the ModelSpec of `cfg`'s flags (plan_for), as train.py calls it."""
+    return embedding_model.load_model(plan_for(cfg).model, num_labels, **options)
 
 
 def start_up(cfg, world_size=1):
     """What every rank of a launch at `world_size` checks and plans at start-up, in this process
-    (startup_checks.checked_flags, then planned_data: no collective). Raises ValueError."""
-    plan = startup_checks.checked_flags(cfg, world_size, torch.device("cpu"))
-    return startup_checks.planned_data(cfg, plan)
+    (run_plan.flags_plan, then data_plan: no collective). Raises ValueError."""
+    plan = run_plan.flags_plan(cfg, world_size, torch.device("cpu"))
+    return run_plan.data_plan(cfg, plan)
 
 
 def micro_batch_loss(model, features, labels, loss="mnrl", groups=None, text_ids=None, **settings):
@@ -231,8 +230,7 @@ def loss_on_fixed_rows(model_path, loss, data_path, head_file=None, num_rows=64,
     rows = torch.randperm(len(ds), generator=torch.Generator().manual_seed(seed))[:num_rows].tolist()
     text_columns, target, num_labels = data.data_columns(ds, loss)
     torch.manual_seed(seed)  # as train.py does before building the model: the same initial head
-    cfg = config.Config(model=model_path, loss=loss)
-    loaded = embedding_model.load_model(cfg, plan_for(cfg, num_labels))
+    loaded = load_model(config.Config(model=model_path, loss=loss), num_labels)
     model = loaded.model
     if head_file is not None:
         model.classifier.load_state_dict(load_file(head_file))
@@ -460,8 +458,8 @@ def watch_encoder_forwards(monkeypatch):
     seen = []
     load_model = embedding_model.load_model
 
-    def load_and_watch(cfg, plan, **options):
-        loaded = load_model(cfg, plan, **options)
+    def load_and_watch(*args, **options):
+        loaded = load_model(*args, **options)
         loaded.model.encoder.register_forward_pre_hook(
             lambda module, args, kwargs: seen.append(dict(kwargs)), with_kwargs=True
         )

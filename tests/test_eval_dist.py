@@ -447,7 +447,7 @@ def test_a_beir_folder_scores_as_sentence_transformers_and_graded_ndcg_as_by_han
     (es,) = plan.eval_sets
     assert es.kind == "beir" and len(es.beir.queries) == 60 and len(es.beir.corpus) == 150
     loaded = load_model(cfg, 0)
-    ours = train.evaluate(loaded.model, loaded, cfg, plan)
+    ours = train.evaluate(loaded.model, loaded, plan)
     chunked = eval_dist.evaluate_retrieval(
         loaded.model,
         loaded.tokenize,

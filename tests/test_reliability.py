@@ -22,6 +22,7 @@
 Run: python -m pytest tests/test_reliability.py
 """
 
+import dataclasses
 import json
 import os
 import signal
@@ -212,7 +213,7 @@ def test_a_torn_metrics_line_is_dropped_on_resume(tmp_path):
     (out / "metrics.jsonl").write_text(
         "".join(json.dumps(r) + "\n" for r in rows) + '{"step": 4, "lo' + "\0" * 7
     )
-    log = metrics.MetricsLog(config.Config(output_dir=str(out)), 2)
+    log = metrics.MetricsLog(str(out), 2, dataclasses.asdict(config.Config(output_dir=str(out))))
     log.close()
     assert [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()] == rows[:3]
     assert log.last_loss == 0.25

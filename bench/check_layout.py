@@ -26,6 +26,7 @@ into the run's plan that every other file reads.
 
 import argparse
 import ast
+import collections
 import io
 import json
 import sys
@@ -194,23 +195,25 @@ def functions_of(tree):
     return found
 
 
+def callees_of(name, func, cls, functions, modules):
+    """The project functions a call of `func` (its expression) in file `name`, inside class `cls`,
+    may run, found by name (see unmarked_collectives)."""
+    if isinstance(func, ast.Name):  # a function of this file, or a class of it (its methods)
+        return [k for k in functions if k[0] == name and func.id in (k[1], k[1].split(".")[0])]
+    if not (isinstance(func, ast.Attribute) and isinstance(func.value, ast.Name)):
+        return []
+    owner, attr = func.value.id, func.attr
+    if owner in modules:  # module.name(...), or module.Class(...): its __init__
+        return [k for k in [(f"{owner}.py", attr), (f"{owner}.py", f"{attr}.__init__")] if k in functions]
+    if owner == "self":  # self.name(...): a method of the same class
+        return [k for k in [(name, f"{cls}.{attr}")] if k in functions]
+    return [k for k in functions if k[0] == name and k[1].startswith(owner + ".")]  # Class.apply
+
+
 def calls_of(sources, trees, functions):
     """[(file, function or None, call, the collective it makes or None, the functions it may run)]
     of every call in `sources`; `function`: the innermost around it (None: module level)."""
     modules = {name.removesuffix(".py") for name in sources}
-
-    def callees(name, func, cls):
-        if isinstance(func, ast.Name):  # a function of this file, or a class of it (its methods)
-            return [k for k in functions if k[0] == name and func.id in (k[1], k[1].split(".")[0])]
-        if not (isinstance(func, ast.Attribute) and isinstance(func.value, ast.Name)):
-            return []
-        owner, attr = func.value.id, func.attr
-        if owner in modules:  # module.name(...)
-            return [k for k in [(f"{owner}.py", attr)] if k in functions]
-        if owner == "self":  # self.name(...): a method of the same class
-            return [k for k in [(name, f"{cls}.{attr}")] if k in functions]
-        return [k for k in functions if k[0] == name and k[1].startswith(owner + ".")]  # Class.apply
-
     found = []
     for name, tree in trees.items():
         aliases = module_aliases(tree)
@@ -220,9 +223,8 @@ def calls_of(sources, trees, functions):
                 around.update({child: (qualified, cls) for child in ast.walk(node)})
         for call in (c for c in ast.walk(tree) if isinstance(c, ast.Call)):
             qualified, cls = around.get(call, (None, None))
-            found.append(
-                (name, qualified, call, collective_name(call, aliases), callees(name, call.func, cls))
-            )
+            targets = callees_of(name, call.func, cls, functions, modules)
+            found.append((name, qualified, call, collective_name(call, aliases), targets))
     return found
 
 
@@ -283,6 +285,112 @@ def reaching(calls, functions):
         reaches |= more
 
 
+# ----------------------------------------------------------------------------------------------
+# The Config stops at main(): every other function gets the run's plan, or the values it needs
+
+# Where the Config may go: config.py makes it, run_plan.py turns it into the Plan, train.main hands it
+# to run_plan.py (and reads a flag or two itself). Module-level code (train.py's entry) may hold it.
+CONFIG_MAY_GO = ({"config.py", "run_plan.py"}, {("train.py", "main")})
+CONFIG_MAKERS = {"Config", "parse_config"}  # config.Config(...), config.parse_config(...)
+
+
+def config_holders(sources):
+    """Problems, one line each, in `sources` ({file name: Python source}): a function outside
+    config.py, run_plan.py and train.main that is handed the Config (by any name: followed from
+    where it is made, `config.Config(...)` or `config.parse_config(...)`, through every call that
+    passes it on, positionally or by keyword, `functools.partial` included, through every function
+    that returns it, and through `dataclasses.replace` of it), that reads it from an enclosing
+    function (a closure), or where it is stored in another object (`obj.attr = cfg`). Callees are
+    found by name, as for the collective marker (`callees_of`); the Config passed inside a
+    container or through `getattr` is not seen."""
+    trees = {name: ast.parse(source, name) for name, source in sources.items()}
+    modules = {name.removesuffix(".py") for name in sources}
+    functions = {
+        (name, q): (node, cls) for name, tree in trees.items() for q, node, cls in functions_of(tree)
+    }
+    owners = {(name, None): (tree, None) for name, tree in trees.items()} | functions  # with module level
+    calls = collections.defaultdict(list)  # (file, function or None) -> [(call, the functions it may run)]
+    for file, qualified, call, _, targets in calls_of(sources, trees, functions):
+        calls[file, qualified].append((call, targets))
+    held = {key: set() for key in owners}  # each function's names that hold the Config
+    returns_config, stored = set(), set()
+
+    def holds(expr, key):
+        if isinstance(expr, ast.Name):
+            return expr.id in held[key]
+        if not isinstance(expr, ast.Call):
+            return False
+        name = expr.func.attr if isinstance(expr.func, ast.Attribute) else getattr(expr.func, "id", None)
+        replaced = name == "replace" and expr.args and holds(expr.args[0], key)
+        made = callees_of(key[0], expr.func, owners[key][1], functions, modules)
+        return name in CONFIG_MAKERS or bool(replaced) or bool(returns_config.intersection(made))
+
+    def hand(target, args, keywords, key):
+        """Mark the parameters of `target` that a call from `key` hands the Config; True if any is new."""
+        node, cls = functions[target]
+        params = [a.arg for a in node.args.posonlyargs + node.args.args]
+        params = params[1:] if cls and params[:1] in (["self"], ["cls"]) else params
+        given = {params[i] for i, a in enumerate(args) if i < len(params) and holds(a, key)}
+        given |= {k.arg for k in keywords if k.arg and holds(k.value, key)}
+        new = given - held[target]
+        held[target] |= new
+        return bool(new)
+
+    changed = True
+    while changed:  # to a fixed point: each pass may take the Config one call further
+        changed = False
+        for key, (body, cls) in owners.items():
+            for node in own_nodes(body):
+                if isinstance(node, ast.Assign) and holds(node.value, key):
+                    for target in node.targets:
+                        if isinstance(target, ast.Name) and target.id not in held[key]:
+                            held[key].add(target.id)
+                            changed = True
+                        elif isinstance(target, ast.Attribute):
+                            stored.add((key[0], node.lineno, f"{ast.unparse(target)} = the Config"))
+                if isinstance(node, ast.Return) and key[1] and node.value is not None:
+                    if holds(node.value, key) and key not in returns_config:
+                        returns_config.add(key)
+                        changed = True
+            for call, targets in calls[key]:
+                func, args = call.func, list(call.args)
+                if ast.unparse(func) in ("functools.partial", "partial") and args:
+                    func, args = args[0], args[1:]
+                    targets = callees_of(key[0], func, cls, functions, modules)
+                # The function called, or a class's __init__ (not every method of the class).
+                name = func.attr if isinstance(func, ast.Attribute) else getattr(func, "id", "")
+                for target in targets:
+                    if target[1].split(".")[-1] == name or target[1] == f"{name}.__init__":
+                        changed |= hand(target, args, call.keywords, key)
+    allowed_files, allowed_functions = CONFIG_MAY_GO
+    problems = [(file, line, f"{what}: the Config stored in another object") for file, line, what in stored]
+    for (file, qualified), (node, _) in functions.items():
+        if file in allowed_files or (file, qualified) in allowed_functions:
+            continue
+        if held[file, qualified]:
+            names = ", ".join(sorted(held[file, qualified]))
+            problems.append((file, node.lineno, f"{qualified}() is handed the Config ({names})"))
+        outer = (file, qualified.rsplit(".", 1)[0])
+        if "." in qualified and outer in functions and outer not in allowed_functions:  # a closure
+            free = {n.id for n in ast.walk(node) if isinstance(n, ast.Name)} & held[outer]
+            if free:
+                names = ", ".join(sorted(free))
+                problems.append((file, node.lineno, f"{qualified}() reads the Config ({names}) from outside"))
+    return [f"{file}:{line} {problem}" for file, line, problem in sorted(problems)]
+
+
+def own_nodes(body):
+    """The nodes of a function's (or a module's) own code: nested functions and classes left out,
+    lambdas kept (their calls are the function's: calls_of)."""
+    stack = list(ast.iter_child_nodes(body))
+    while stack:
+        node = stack.pop()
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+            continue
+        yield node
+        stack.extend(ast.iter_child_nodes(node))
+
+
 def measure():
     files = sorted(REPO_DIR.glob("*.py"))
     modules = {f.stem for f in files}
@@ -323,6 +431,7 @@ def measure():
         "imports_not_named_in_docstring": {name: missing for name, missing in unnamed.items() if missing},
         "unmarked_collectives": unmarked_collectives({f.name: f.read_text() for f in files}),
         "parsers_outside_plan": parsers_outside_plan(trees),
+        "config_holders": config_holders({f.name: f.read_text() for f in files}),
         "minimal": {
             "lines": len((REPO_DIR / MINIMAL["file"]).read_text().splitlines()),
             "longest_function": max(function_lengths(trees[MINIMAL["file"]]).items(), key=lambda f: f[1]),
@@ -367,7 +476,7 @@ def missed(m):
         f"{name} imports {', '.join(missing)} without naming it in its docstring"
         for name, missing in m["imports_not_named_in_docstring"].items()
     ]
-    return problems + m["unmarked_collectives"]
+    return problems + m["unmarked_collectives"] + m["config_holders"]
 
 
 def main():

@@ -7,12 +7,13 @@ every helper file copyable with the few project files its docstring names, and e
     python -m pytest tests/test_layout.py
 """
 
+import os
 import subprocess
 import sys
 
 import pytest
 
-from conftest import REPO_DIR
+from conftest import REPO_DIR, data_file
 
 sys.path.insert(0, str(REPO_DIR / "bench"))
 
@@ -50,6 +51,7 @@ def test_the_checker_reports_what_it_should():
         "imports_not_named_in_docstring": {"export.py": ["lora"]},
         "unmarked_collectives": ["faults.py:94 in check_space(): dist.broadcast called without the marker"],
         "parsers_outside_plan": ["data.py:12 config.prompts_of()"],
+        "config_holders": ["batches.py:9 micro_batches() is handed the Config (cfg)"],
     }
     problems = "\n".join(check_layout.missed(broken))
     for expected in (
@@ -67,6 +69,7 @@ def test_the_checker_reports_what_it_should():
         "export.py imports lora without naming it",
         "faults.py:94 in check_space(): dist.broadcast",
         "data.py:12 config.prompts_of(): a flag's text parsed outside run_plan.py",
+        "batches.py:9 micro_batches() is handed the Config (cfg)",
     ):
         assert expected in problems, (expected, problems)
     assert check_layout.missed(m) == []
@@ -142,3 +145,169 @@ def test_a_flag_parsed_outside_the_plan_is_named():
         "data.py:5 config.prompts_of()",
         "train.py:2 config.matryoshka_sizes()",
     ]
+
+
+# A run whose Config leaks past main() and run_plan.py in every way the check follows.
+CONFIG_SOURCES = {
+    "config.py": """import dataclasses
+
+
+class Config:
+    pass
+
+
+def parse_config():
+    return Config()
+
+
+def with_seed(cfg, seed):
+    return dataclasses.replace(cfg, seed=seed)
+""",
+    "run_plan.py": """import helpers
+
+
+def plan_of(cfg):
+    plan = helpers.Plan()
+    plan.cfg = cfg
+    helpers.read(settings=cfg)
+    return plan
+""",
+    "helpers.py": """class Plan:
+    pass
+
+
+class Log:
+    def __init__(self, options, step):
+        self.step = step
+
+    def write(self, row):
+        pass
+
+
+def read(settings):
+    def inner():
+        return settings.seed
+
+    return inner()
+
+
+def seeded(run):
+    return run.seed
+
+
+def lr_of(lr):
+    return lr
+""",
+    "train.py": """import functools
+
+import config
+import helpers
+import run_plan
+
+
+def main(cfg):
+    plan = run_plan.plan_of(cfg)
+    helpers.lr_of(cfg.lr)
+    log = helpers.Log(config.with_seed(cfg, 1), 0)
+    again = functools.partial(helpers.seeded, cfg)
+    return plan, log, again
+
+
+if __name__ == "__main__":
+    main(config.parse_config())
+""",
+}
+
+
+def test_the_config_is_followed_past_main_by_what_each_function_is_handed():
+    """The check follows the Config from where it is made (config.parse_config) by what each call
+    hands on, under any name: into run_plan.py (allowed), on into a helper by keyword (`settings`),
+    into a nested function that reads it, stored on another object (`plan.cfg`), through a function
+    that returns a copy of it (dataclasses.replace) into a class's __init__ (not its other methods),
+    and through functools.partial. A flag's value handed on (`cfg.lr`) is not the Config."""
+    problems = check_layout.config_holders(CONFIG_SOURCES)
+    assert problems == [
+        "helpers.py:6 Log.__init__() is handed the Config (options)",
+        "helpers.py:13 read() is handed the Config (settings)",
+        "helpers.py:14 read.inner() reads the Config (settings) from outside",
+        "helpers.py:20 seeded() is handed the Config (run)",
+        "run_plan.py:6 plan.cfg = the Config: the Config stored in another object",
+    ], problems
+    clean = {
+        **CONFIG_SOURCES,
+        "train.py": "import run_plan\n\n\ndef main(cfg):\n    return run_plan.plan_of(cfg)\n",
+    }
+    clean["run_plan.py"] = "import helpers\n\n\ndef plan_of(cfg):\n    return helpers.lr_of(cfg.lr)\n"
+    assert check_layout.config_holders(clean) == []
+
+
+def config_handed_past_main(run):
+    """[file:function] of every call `run()` makes, in any thread, of a function of the project's
+    top-level files outside config.py, run_plan.py and train.main (its lambdas too) that is given a
+    Config: as an argument, inside one (an attribute, a dict value, a list or tuple item), or in a
+    variable it reads from an enclosing function. Seen by type, at call time, by a profiler hook."""
+    import threading
+
+    import config
+
+    def holds(value):
+        if isinstance(value, config.Config):
+            return True
+        inside = list(vars(value).values()) if hasattr(value, "__dict__") else []
+        inside += list(value.values()) if isinstance(value, dict) else []
+        inside += list(value) if isinstance(value, (list, tuple)) else []
+        return any(isinstance(v, config.Config) for v in inside)
+
+    seen = set()
+
+    def hook(frame, event, arg):
+        if event != "call":
+            return
+        path = frame.f_code.co_filename
+        if os.path.dirname(path) != str(REPO_DIR) or os.path.basename(path) in ("config.py", "run_plan.py"):
+            return
+        where = f"{os.path.basename(path)}:{frame.f_code.co_qualname}"
+        in_main = where == "train.py:main" or where.startswith("train.py:main.<locals>.<lambda>")
+        if not in_main and any(holds(v) for v in frame.f_locals.values()):
+            seen.add(where)
+
+    threading.setprofile(hook)
+    sys.setprofile(hook)
+    try:
+        run()
+    finally:
+        sys.setprofile(None)
+        threading.setprofile(None)
+    return sorted(seen)
+
+
+def test_no_function_past_main_is_handed_the_config_at_run_time(tmp_path, tiny_model):
+    """By type, at run time (the static check's complement): a one-process run that evaluates,
+    keeps its best export, saves a checkpoint and exports hands no function past train.main a
+    Config; and the watch sees one that is handed it (a helper called with it on purpose)."""
+    import contextlib
+
+    import config
+    import model_card
+    import train
+
+    cfg = config.Config(
+        model=str(tiny_model),
+        train_data=data_file("sick-pairs-train.jsonl"),
+        eval_data=data_file("stsb-dev.jsonl"),
+        metric_for_best="stsb-dev/spearman",
+        max_steps=2,
+        per_device_batch_size=8,
+        max_seq_length=32,
+        save_steps=1,
+        log_steps=1,
+        output_dir=str(tmp_path / "run"),
+    )
+    assert config_handed_past_main(lambda: train.main(cfg)) == []
+    assert (tmp_path / "run" / "final").is_dir() and (tmp_path / "run" / "best").is_dir()
+
+    def leak():
+        with contextlib.suppress(TypeError):
+            model_card.public_name(cfg)
+
+    assert config_handed_past_main(leak) == ["model_card.py:public_name"]

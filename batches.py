@@ -384,7 +384,7 @@ def write_or_read_token_files(plan, loaded, rank):
     problem = token_cache.unsupported(loaded.tokenizer) if plan.tokenize == "once" else ""
     if problem and rank == 0:
         print(f"tokenized on the fly, not once: {problem}", flush=True)
-    # Each set's content hash (data.data_fingerprint, joined by startup_checks), so that an edit
+    # Each set's content hash (data.data_fingerprint, joined by run_plan.data_plan), so that an edit
     # datasets' own fingerprint (path and time) misses still makes a new file.
     fingerprints = plan.data_fingerprint.split("; ")
     if len(fingerprints) != len(plan.train_sets):
@@ -395,7 +395,7 @@ def write_or_read_token_files(plan, loaded, rank):
             tables.append(None)
             continue
         fallback = os.path.join(plan.output_dir, "token-cache")  # for data sets with no cache folder
-        table, path, wrote = token_cache.token_table(ts, loaded, fallback, fingerprint)
+        table, path, wrote = token_cache.write_or_read_token_table(ts, loaded, fallback, fingerprint)
         if wrote or rank == 0:  # whichever process of a host took the lock first wrote the file
             said = "written to" if wrote else "read from"
             print(f"tokens of {ts.name}: {said} {path} (rank {rank})", flush=True)

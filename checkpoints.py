@@ -16,7 +16,7 @@ is resumable state only; the model people use is the export (export.py).
 
 One run per output folder: rank 0 holds OUTPUT_DIR/.lock while it runs (`take_output_lock`).
 
-`checkpoint_to_resume` picks the checkpoint a run continues from at start-up (startup_checks.py
+`checkpoint_to_resume` picks the checkpoint a run continues from at start-up (run_plan.py
 calls it), and `check_same_run` refuses one written by another run.
 
 Needs safetensors, fsdp_utils.py (`print0`, the quiet checkpoint warnings), faults.py (the

@@ -540,7 +540,7 @@ def check_field_rules(cfg):
 LOSS_NAMES = ("mnrl", "cosent", "softmax", "margin_mse", "distill_kl", "mse")
 
 
-# --report-to's trackers (tracking.py starts them, startup_checks.py checks their packages).
+# --report-to's trackers (tracking.py starts them, run_plan.py checks their packages).
 REPORT_TOOLS = ("tensorboard", "wandb", "mlflow")
 
 

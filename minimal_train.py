@@ -23,7 +23,7 @@ The steps, in the order main() takes them; where train.py does the same, and wha
      head drawn from the seed.   embedding_model.py (+ Dense heads, lasttoken pooling, prompts, EOS,
      LoRA, bidirectional decoders, activation checkpointing, loading straight into FSDP's shards).
   4. read_and_check, stop_if_any_failed: every rank checks; one `error:` line from rank 0, every rank
-     exits, nothing written.   startup_checks.py, model_checks.py (+ every flag, the model's files).
+     exits, nothing written.   run_plan.py, startup_checks.py (+ every flag, the model's files).
   5. wrap: DDP, or FSDP (FSDP1) with transformer_auto_wrap_policy on the model's repeated block and
      MixedPrecision.   fsdp_utils.py (+ FSDP2, shard_grad_op / hybrid_shard, rings over gloo).
   6. build_optimizer: AdamW, no decay on biases and LayerNorm, linear warm-up and decay.   the same.

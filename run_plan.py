@@ -112,7 +112,7 @@ class Plan:
     resume_dir: str | None = None  # the checkpoint this run continues from
     resume_note: str = ""  # what resumed_batches changed to keep its global batch, for the log
     finished: bool = False  # --output-dir already holds this run's export
-    # the output folder: main() adds it once the ranks agreed (startup_checks.agreed_output_dir)
+    # the output folder: added once the ranks agreed (startup_checks.agreed_plan_locking_output)
     sees_output_dir: tuple = (True,)  # by rank: whether it sees rank 0's disk
 
 

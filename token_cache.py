@@ -1,6 +1,6 @@
 """Texts tokenized once: each training set's token ids in a memory-mapped Arrow file, read by the loop.
 
-`token_table(ts, loaded, fallback_dir, fingerprint)` returns the table of a training set
+`write_or_read_token_table(ts, loaded, fallback_dir, fingerprint)` returns the table of a training set
 (data.TrainSet): one list<int32> column per text column, the ids of each row's text as
 `loaded.tokenize` (embedding_model.py) makes them before padding: prompted, prepared, cut at the
 column's length, with the EOS an --append-eos tokenizer adds. The file lies beside the data set's
@@ -14,7 +14,7 @@ releases the lock, and the next process tries itself. `features(table, indices, 
 pads a micro-batch's ids exactly as `loaded.tokenize` pads them (tests/test_token_cache.py: equal
 tensors).
 
-    table, path, wrote = token_cache.token_table(ts, loaded, output_dir, fingerprint)
+    table, path, wrote = token_cache.write_or_read_token_table(ts, loaded, output_dir, fingerprint)
     features = token_cache.features(table, indices, ts.text_columns, loaded)
 
 Left out on purpose: grouped rows (their texts are drawn anew each step: batches.py tokenizes
@@ -88,7 +88,7 @@ def cache_path(ts, loaded, fallback_dir, fingerprint=""):
     return os.path.join(folder, f"tokens-{ts.name}-{digest}.arrow")
 
 
-def token_table(ts, loaded, fallback_dir, fingerprint=""):
+def write_or_read_token_table(ts, loaded, fallback_dir, fingerprint=""):
     """The set's token ids as a memory-mapped Arrow table, written first if no process has yet.
     Returns (table, path, whether this process wrote it). `fingerprint`: the set's content hash
     (data.data_fingerprint), so an edit that keeps the file's path and time still makes a new file."""

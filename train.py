@@ -68,7 +68,7 @@ def main(cfg):
     rank, world_size, device = fsdp_utils.setup_dist(cfg.dist_timeout_minutes)
     # 1. Check the flags, resolved once into the run's plan, and the model's files (all ranks participate)
     plan = startup_checks.agreed(lambda: run_plan.flags_plan(cfg, world_size, device), rank, device)
-    # 2. Plan the data and every step's rows; rank 0 locks the output folder (all ranks participate)
+    # 2. Plan the data, the checkpoint to resume, every step's rows; lock the output (all ranks participate)
     plan = startup_checks.agreed_plan_locking_output(lambda: run_plan.data_plan(cfg, plan), rank, device)
     if plan.finished:
         return None  # final/ holds this run's export already (rank 0 said so)

@@ -83,7 +83,7 @@ def write_once(num_rows, folder):
     watcher = threading.Thread(target=sample)
     watcher.start()
     started = time.perf_counter()
-    table, path, wrote = token_cache.token_table(ts, loaded, str(folder), "bench")
+    table, path, wrote = token_cache.write_or_read_token_table(ts, loaded, str(folder), "bench")
     seconds = time.perf_counter() - started
     done.set()
     watcher.join()

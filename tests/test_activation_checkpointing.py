@@ -40,13 +40,13 @@ def test_each_block_runs_twice_a_step_with_it(tmp_path, tiny_model, monkeypatch)
     calls = {}
     load_model = embedding_model.load_model
 
-    def load_and_count(cfg, plan, **options):
-        loaded = load_model(cfg, plan, **options)
+    def load_and_count(spec, *args, **options):
+        loaded = load_model(spec, *args, **options)
         # A module inside each BertLayer: transformers checkpoints the layer's forward (the layer's
         # own hooks stay outside the checkpoint and run once), so what runs again is inside it.
         for layer in loaded.model.encoder.encoder.layer:
             layer.intermediate.register_forward_hook(
-                lambda *_, key=cfg.activation_checkpointing: calls.__setitem__(key, calls.get(key, 0) + 1)
+                lambda *_, key=spec.activation_checkpointing: calls.__setitem__(key, calls.get(key, 0) + 1)
             )
         return loaded
 

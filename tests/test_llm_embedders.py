@@ -143,8 +143,8 @@ def test_append_eos_ends_every_text_with_eos_in_training_and_in_the_export(arch,
     seen = []
     load_model = embedding_model.load_model
 
-    def load_and_watch(cfg, plan, **options):
-        loaded = load_model(cfg, plan, **options)
+    def load_and_watch(*args, **options):
+        loaded = load_model(*args, **options)
         # The tokens of each micro-batch's pool of rows, as the model is called with them.
         loaded.model.register_forward_pre_hook(
             lambda module, args, kwargs: seen.append((kwargs["input_ids"], kwargs["attention_mask"])),

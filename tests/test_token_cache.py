@@ -51,7 +51,7 @@ def test_cached_ids_pad_to_the_features_of_on_the_fly_tokenizing(tmp_path, model
         extra = ["--model", str(tiny_decoder(tmp_path / "decoder")), "--append-eos", "--pooling", "lasttoken"]
     cfg, plan, loaded, ts = set_up(tmp_path, extra)
     assert token_cache.unsupported(loaded.tokenizer) == ""
-    table, path, wrote = token_cache.token_table(ts, loaded, str(tmp_path / "fallback"), "f")
+    table, path, wrote = token_cache.write_or_read_token_table(ts, loaded, str(tmp_path / "fallback"), "f")
     assert wrote and os.path.exists(path) and not str(path).startswith(str(tmp_path / "fallback"))
     assert loaded.tokenizer.padding_side == ("left" if model == "decoder-eos" else "right")
     for step in range(3):
@@ -76,14 +76,14 @@ def test_cached_ids_pad_to_the_features_of_on_the_fly_tokenizing(tmp_path, model
     else:
         assert "token_type_ids" in got[0]
     # The same data, tokenizer and settings: the file is read, not written again.
-    again = token_cache.token_table(ts, loaded, str(tmp_path / "fallback"), "f")
+    again = token_cache.write_or_read_token_table(ts, loaded, str(tmp_path / "fallback"), "f")
     assert again[1:] == (path, False)
 
 
 @pytest.mark.quick
 def test_a_failed_writer_leaves_no_file_and_windows_write_the_same_table(tmp_path, monkeypatch):
     cfg, plan, loaded, ts = set_up(tmp_path)
-    whole, path, _ = token_cache.token_table(ts, loaded, str(tmp_path / "fallback"), "whole")
+    whole, path, _ = token_cache.write_or_read_token_table(ts, loaded, str(tmp_path / "fallback"), "whole")
     monkeypatch.setattr(token_cache, "ROWS_AT_ONCE", 7)
     ids_of = token_cache.ids_of
     calls = []
@@ -96,12 +96,14 @@ def test_a_failed_writer_leaves_no_file_and_windows_write_the_same_table(tmp_pat
 
     monkeypatch.setattr(token_cache, "ids_of", fails_in_the_third_window)
     with pytest.raises(OSError):
-        token_cache.token_table(ts, loaded, str(tmp_path / "fallback"), "windows")
+        token_cache.write_or_read_token_table(ts, loaded, str(tmp_path / "fallback"), "windows")
     folder = os.path.dirname(path)
     left = [name for name in os.listdir(folder) if name.startswith("tokens-") and ".tmp-" in name]
     assert left and not any(name.endswith(".arrow") for name in left)  # only its temporary name
     monkeypatch.setattr(token_cache, "ids_of", ids_of)
-    windows, other, wrote = token_cache.token_table(ts, loaded, str(tmp_path / "fallback"), "windows")
+    windows, other, wrote = token_cache.write_or_read_token_table(
+        ts, loaded, str(tmp_path / "fallback"), "windows"
+    )
     assert wrote and other != path and windows.equals(whole)
     assert windows.column("anchor").num_chunks == -(-len(ts.ds) // 7)
     indices = [int(i) for i in torch.randperm(len(ts.ds), generator=torch.Generator().manual_seed(0))[:40]]

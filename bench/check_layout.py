@@ -21,7 +21,9 @@ collective (or DCP's save and load, or a state-dict function) and every call of 
 reaches one carries "(all ranks participate)" in a comment on its line or directly above, and each
 such function says it in its docstring (`unmarked_collectives` says what it cannot see); config.py's
 parsers of a flag's text (PLAN_PARSERS) are called in run_plan.py alone, which resolves them once
-into the run's plan that every other file reads.
+into the run's plan that every other file reads; and no function outside config.py, run_plan.py and
+train.main is handed the Config, under any name, or reads it from an enclosing function, and no
+object stores it (`config_holders`: followed from where it is made, by what each call hands on).
 """
 
 import argparse

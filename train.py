@@ -119,7 +119,7 @@ def main(cfg):
         if plan.eval_sets and ((cfg.eval_steps and step % cfg.eval_steps == 0) or step == plan.total_steps):
             with metrics.timed(meter.paused, "eval"):  # (all ranks participate) and the best export
                 best_value = evaluate_log_export_best(model, loaded, plan, step, best_value, log, last_loss)
-        if cfg.save_steps and step % cfg.save_steps == 0:
+        if plan.save_steps and step % plan.save_steps == 0:
             with metrics.timed(meter.paused, "save"):  # (all ranks participate) each writes its shard
                 save_state(model, optimizer, scheduler, scaler, plan, loaded, step, best_value)
     progress.close()

@@ -420,7 +420,7 @@ def test_a_tracker_failing_mid_run_costs_one_warning_line_not_the_run(
 
     def save_then_break_the_trackers(*args):
         save_state(*args)
-        if args[7] == RESUME_STEP:  # the step
+        if args[6] == RESUME_STEP:  # the step
             kill_wandb_service()
             shutil.rmtree(store)
             store.write_text("not a folder")

@@ -169,22 +169,22 @@ def save_checkpoint(model, optimizer, checkpoints_dir, step, trainer_state, keep
     final_dir = os.path.join(checkpoints_dir, f"step-{step}")
     tmp_dir = os.path.join(checkpoints_dir, f".incomplete-step-{step}")
     with fsdp_utils.quiet_checkpoint_warnings():  # (FSDP1's ShardedTensor warns at each use)
-        tensors, hyper = _tensor_state(model, optimizer)  # (all ranks participate): under FSDP
+        tensors, hyper = _tensor_state(model, optimizer)
         # RNG states, JSON and safetensors headers: a few kB a rank, within the 1% + 1 MiB.
         need = int(1.01 * faults.global_bytes(tensors.values())) + 2**20
     what = f"checkpoint step-{step}"
-    # (all ranks participate): when the disk cannot hold it, every rank stops before writing anything.
+    # when the disk cannot hold it, every rank stops before writing anything.
     faults.check_space(checkpoints_dir, need, what)
 
     # Each `agreed_writes` is an all_reduce: a write that fails on any rank (a full disk) stops
     # every rank, with the half-written folder removed. Each is also a barrier: nobody writes
     # into the folder before it exists, nor lists the files before all are written.
     remove_tmp = functools.partial(shutil.rmtree, tmp_dir, ignore_errors=True)
-    with faults.agreed_writes(what, checkpoints_dir, remove_tmp):  # (all ranks participate)
+    with faults.agreed_writes(what, checkpoints_dir, remove_tmp):
         if rank == 0:
             shutil.rmtree(tmp_dir, ignore_errors=True)  # a leftover of a save that was killed
             os.makedirs(tmp_dir)
-    with faults.agreed_writes(what, checkpoints_dir, remove_tmp):  # (all ranks participate)
+    with faults.agreed_writes(what, checkpoints_dir, remove_tmp):
         with fsdp_utils.quiet_checkpoint_warnings():
             # (all ranks participate): each writes the tensors (or shards) it is assigned;
             # safetensors files, so loading them back runs no pickle. A failed write raises on
@@ -200,7 +200,7 @@ def save_checkpoint(model, optimizer, checkpoints_dir, step, trainer_state, keep
             with open(os.path.join(tmp_dir, "trainer_state.json"), "w") as f:
                 json.dump({**trainer_state, "step": step, "optimizer_hyperparameters": hyper}, f, indent=1)
 
-    # (all ranks participate): rank 0 writes the manifest, renames, and removes the oldest; the
+    # rank 0 writes the manifest, renames, and removes the oldest; the
     # others wait for it.
     with faults.agreed_writes(what, checkpoints_dir, remove_tmp):
         if rank == 0:
@@ -246,7 +246,7 @@ def load_checkpoint(model, optimizer, checkpoint_dir):
     with open(os.path.join(checkpoint_dir, "trainer_state.json")) as f:
         trainer_state = json.load(f)
     with fsdp_utils.quiet_checkpoint_warnings():
-        tensors, _ = _tensor_state(model, optimizer)  # the shards to fill (all ranks participate)
+        tensors, _ = _tensor_state(model, optimizer)  # the shards to fill
         # (all ranks participate): each rank reads the shards it holds
         dcp.load(tensors, storage_reader=dcp.HuggingFaceStorageReader(checkpoint_dir))
         model_state = {k.removeprefix("model."): v for k, v in tensors.items() if k.startswith("model.")}
@@ -284,7 +284,7 @@ def restore_checkpoint(resume_dir, model, optimizer, scheduler, scaler, total_st
     when there is nothing to resume (resume_dir None)."""
     if resume_dir is None:
         return 0, None
-    saved = load_checkpoint(model, optimizer, resume_dir)  # (all ranks participate)
+    saved = load_checkpoint(model, optimizer, resume_dir)
     scheduler.load_state_dict(schedule_for_groups(saved["scheduler"], len(optimizer.param_groups)))
     if scaler:
         scaler.load_state_dict(saved["grad_scaler"])

@@ -132,7 +132,7 @@ def all_reduce_embedding_rows(state, bucket):
         grad = flat[offset : offset + p.numel()]
         offset += p.numel()
         pieces.append((grad.view(p.shape[0], -1), True) if id(p) in state.ids else (grad, False))
-    mean_over_ranks(pieces)  # (all ranks participate)
+    mean_over_ranks(pieces)
     done = torch.futures.Future()
     done.set_result(bucket.buffer())
     return done
@@ -184,7 +184,7 @@ def send_files_to_rank0(folder, paths, senders, chunk_bytes=64 * 2**20):
     device = torch.device("cuda", torch.cuda.current_device()) if dist.get_backend() == "nccl" else None
     device = device or torch.device("cpu")
     for source in [r for r, sends in enumerate(senders) if sends and r != 0]:  # the same order on all
-        # (all ranks participate) below: each send of the source meets one recv of rank 0, in order
+        # below: each send of the source meets one recv of rank 0, in order
         if rank == source:
             header = json.dumps({os.path.basename(p): os.path.getsize(p) for p in paths}).encode()
             dist.send(torch.tensor([len(header)], device=device), dst=0)  # (all ranks participate)

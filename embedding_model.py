@@ -593,7 +593,7 @@ def fill_sharded_weights(model, loaded):
     buffers no checkpoint holds are computed. (all ranks participate) Nothing to do otherwise."""
     if loaded.pretrained_dir:
         init_non_persistent_buffers(loaded.model.encoder)
-        fsdp_utils.load_pretrained_sharded(  # (all ranks participate)
+        fsdp_utils.load_pretrained_sharded(
             model, loaded.pretrained_dir, loaded.pretrained_names, loaded.fresh_tensors
         )
         loaded.fresh_tensors = {}

@@ -136,7 +136,7 @@ def encode_local(model, tokenize, texts, batch_size=32, device=None, columns=Non
             batch_rows = [0] if is_dummy else batches[batch_index]
             batch_columns = [[columns[i] for i in batch_rows]] if columns else []
             tokens = tokenize([texts[i] for i in batch_rows], *batch_columns)
-            # (all ranks participate), num_steps times: under FSDP the forward all-gathers
+            # num_steps times: under FSDP the forward all-gathers
             # parameters, a collective that hangs if one rank skips it. A dummy's result is dropped.
             emb_BD = model(**{k: v.to(device) for k, v in tokens.items()}).float()
             if emb_RD is None:
@@ -155,7 +155,7 @@ def encode_local(model, tokenize, texts, batch_size=32, device=None, columns=Non
 def encode(model, tokenize, texts, batch_size=32, device=None, columns=None):
     """Embed all `texts` -> float32 (N, D), identical on every rank (all ranks participate)."""
     rank, world_size = rank_and_world()
-    # (all ranks participate): the forwards, the same number on every rank
+    # the forwards, the same number on every rank
     rows_R, emb_RD = encode_local(model, tokenize, texts, batch_size, device, columns)
     emb_ND = emb_RD.new_zeros(len(texts), emb_RD.shape[1])
     emb_ND[rows_R] = emb_RD
@@ -304,7 +304,7 @@ def evaluate_sts(
             "they must be equally long"
         )
     names = [columns[0]] * num_pairs + [columns[1]] * num_pairs if columns else None
-    # One encode for both columns: one set of forwards, fuller batches (all ranks participate).
+    # One encode for both columns: one set of forwards, fuller batches
     emb_2ND = encode(model, tokenize, list(sentences1) + list(sentences2), batch_size, device, names).double()
     gold_N = torch.tensor(scores, dtype=torch.float64, device=emb_2ND.device)
     metrics = {}
@@ -378,14 +378,14 @@ def evaluate_retrieval(
     top = max(int(name.split("@")[1]) for name in names)
     rank, world_size = rank_and_world()
     query_names = [columns[0]] * len(queries) if columns else None
-    # (all ranks participate): the queries on every rank, then each rank's share of the corpus
+    # the queries on every rank, then each rank's share of the corpus
     full_query_QD = encode(model, tokenize, queries, batch_size, device, query_names).double()
     distinct = {}  # text -> its index among the distinct texts, in first-seen order
     distinct_of_row_N = torch.tensor(
         [distinct.setdefault(text, len(distinct)) for text in corpus], device=full_query_QD.device
     )
     distinct_names = [columns[1]] * len(distinct) if columns else None
-    local_U, full_corpus_UD = encode_local(  # (all ranks participate)
+    local_U, full_corpus_UD = encode_local(
         model, tokenize, list(distinct), batch_size, device, distinct_names
     )
     results = {}
@@ -395,7 +395,7 @@ def evaluate_retrieval(
         hits = []
         for start in range(0, len(queries), query_chunk):
             scores_QU = query_QD[start : start + query_chunk] @ corpus_UD.T
-            # (all ranks participate): the same chunks on every rank, two all_reduces each
+            # the same chunks on every rank, two all_reduces each
             hits += _top_rows(scores_QU, local_U, len(distinct), distinct_of_row_N, top, rank, world_size)
         results.update({name + suffix: v for name, v in retrieval_metrics(hits, gains, names).items()})
     return results
@@ -516,11 +516,11 @@ def evaluate_nli(
         )
     rank, world_size = rank_and_world()
     names = [columns[0]] * num_rows + [columns[1]] * num_rows if columns else None
-    # (all ranks participate): both columns in one encode
+    # both columns in one encode
     emb_2ND = encode(model, tokenize, list(premises) + list(hypotheses), batch_size, device, names)
     start, end = shard_bounds(num_rows, rank, world_size)
     with evaluating(model):
-        # (all ranks participate), once each, even with an empty slice: under FSDP the head
+        # once each, even with an empty slice: under FSDP the head
         # forward is a collective.
         logits_SC = classify(emb_2ND[start:end], emb_2ND[num_rows + start : num_rows + end])
     labels_S = torch.tensor(list(labels[start:end]), dtype=torch.long, device=logits_SC.device)
@@ -551,7 +551,7 @@ def evaluate_loss(model, num_rows, batch_size, batch_loss):
             batch_index = step * world_size + rank
             is_dummy = batch_index >= len(batches)
             indices = batches[0] if is_dummy else batches[batch_index]
-            # (all ranks participate), num_steps times: batch_loss's forwards are collectives under
+            # num_steps times: batch_loss's forwards are collectives under
             # FSDP. A dummy (a real batch, so any loss accepts it) is computed and dropped.
             loss = batch_loss(indices).detach().to(torch.float64)
             if totals is None:

@@ -57,19 +57,17 @@ def export_model(model, loaded, out_dir, plan, record, is_rank0):
     staging = f"{out_dir}.tmp-staged"
     sharded = fsdp_utils.is_fsdp1(model) or fsdp_utils.is_fsdp2(model)
     folder, what = os.path.dirname(os.path.abspath(out_dir)), f"the export {out_dir}"
-    faults.check_space(
-        folder, size_estimate(loaded, plan.export_dtype, sharded), what
-    )  # (all ranks participate)
+    faults.check_space(folder, size_estimate(loaded, plan.export_dtype, sharded), what)
 
     def remove_half_written():  # rank 0's, after a failed write
         for path in (staging, f"{os.path.abspath(out_dir)}.tmp-{os.getpid()}"):
             shutil.rmtree(path, ignore_errors=True)
 
-    # (all ranks participate): staging is collective; the others then wait for rank 0's writes
+    # staging is collective; the others then wait for rank 0's writes
     # to end well.
     with faults.agreed_writes(what, folder, remove_half_written):
         if sharded:  # the same on every rank
-            # (all ranks participate): each rank writes the shards it holds
+            # each rank writes the shards it holds
             stage_state_dict(model, staging, plan.sees_output_dir)
         if is_rank0:
             write_export(loaded, out_dir, plan, record, staging if sharded else None)
@@ -198,7 +196,7 @@ def stage_state_dict(model, folder, sees_output_dir=(True,)):
     not see rank 0's disk (sees_output_dir[rank] False) sends its file there."""
     rank = dist.get_rank() if dist.is_initialized() else 0
     on_rank0_disk = sees_output_dir[rank]
-    # (all ranks participate): nobody writes into the folder before it exists (an all_reduce: a
+    # nobody writes into the folder before it exists (an all_reduce: a
     # folder that cannot be made stops every rank, faults.py).
     with faults.agreed_writes(f"the staged weights {folder}", os.path.dirname(folder)):
         if rank == 0:
@@ -222,12 +220,12 @@ def stage_state_dict(model, folder, sees_output_dir=(True,)):
         return
     # DCP names each rank's file shard-{rank + 1}-...; rank 0's reader takes every file it finds.
     rank_files = glob.glob(os.path.join(glob.escape(folder), f"shard-{rank + 1:05d}-*.safetensors"))
-    # (all ranks participate): rank 0 and the ranks on other hosts exchange the files over the
+    # rank 0 and the ranks on other hosts exchange the files over the
     # process group; the others return at once.
     collectives.send_files_to_rank0(
         folder, [] if on_rank0_disk else rank_files, [not s for s in sees_output_dir]
     )
-    fsdp_utils.barrier()  # (all ranks participate): every file is sent before any host clears its copy
+    fsdp_utils.barrier()  # every file is sent before any host clears its copy
     if not on_rank0_disk:
         shutil.rmtree(folder, ignore_errors=True)
 

@@ -122,7 +122,7 @@ def agreed_writes(what, folder, clean_up=lambda: None):
     except (KeyboardInterrupt, SystemExit):
         raise
     except BaseException as e:  # DCP's CheckpointException is a BaseException
-        error = e  # each rank goes on to the all_reduce below (all ranks participate)...
+        error = e  # each rank goes on to the all_reduce below..
     lost = lost_peer(error) if error is not None else None
     if lost is not None:  # ...unless a peer is gone: the all_reduce would wait the timeout again
         raise RuntimeError(lost) from error

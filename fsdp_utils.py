@@ -193,7 +193,7 @@ def resolve_sharding(model, strategy, device, sharding, precision):
     if strategy != "fsdp" or sharding != "auto":
         return sharding, None
     low = None if precision == "fp32" else PRECISIONS[precision]
-    return auto_sharding(model, device, low)  # (all ranks participate)
+    return auto_sharding(model, device, low)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -289,13 +289,13 @@ def wrap_model(model, strategy, device, *, sharding="auto", fsdp_version=2, laye
     if strategy == "fsdp":
         layer_classes = resolve_layer_classes(model, layer_cls)  # fails here, before any wrapping
         if sharding == "auto":  # the caller has not resolved it
-            # (all ranks participate): the ranks agree on the least free memory
+            # the ranks agree on the least free memory
             sharding, why = resolve_sharding(model, strategy, device, sharding, precision)
             print0(why)
     if strategy == "single":
         return model
     if strategy == "ddp":
-        return wrap_ddp(model, device)  # (all ranks participate)
+        return wrap_ddp(model, device)
     on_meta = any(p.is_meta for p in model.parameters())
     if fsdp_version == 1:
         return wrap_fsdp1(model, device, layer_classes, sharding, low, on_meta)
@@ -431,7 +431,7 @@ def all_reduce_replicated(model):
         if p.grad is None:  # not looked up on this rank: a zero gradient, still sent
             p.grad = torch.zeros_like(p)
     if tables:  # the same tables on every rank
-        collectives.mean_over_ranks([(p.grad, True) for p in tables])  # (all ranks participate)
+        collectives.mean_over_ranks([(p.grad, True) for p in tables])
 
 
 def is_sharded(tensor):

@@ -68,7 +68,7 @@ def load_frozen(path, flag, spec, plan):
     raw = loaded.model.requires_grad_(False)
     total = sum(p.numel() for p in raw.parameters())
     if sharded:
-        model = fsdp_utils.wrap_model(  # (all ranks participate) sharding is resolved: no all_reduce
+        model = fsdp_utils.wrap_model(  # sharding is resolved: no all_reduce
             raw,
             "fsdp",
             plan.device,
@@ -76,7 +76,7 @@ def load_frozen(path, flag, spec, plan):
             fsdp_version=plan.fsdp_version,
             precision=plan.precision,
         )
-        embedding_model.fill_sharded_weights(model, loaded)  # (all ranks participate)
+        embedding_model.fill_sharded_weights(model, loaded)
     else:
         model = raw.to(plan.device)
     model.eval()  # no dropout: the same embeddings for the same texts, on every rank
@@ -92,9 +92,7 @@ def load_frozen(path, flag, spec, plan):
 def load_frozen_models(plan):
     """(the --guide-model, the --teacher-model), each a FrozenModel or None where the plan names
     none. (all ranks participate) under FSDP: load_frozen."""
-    # (all ranks participate) under FSDP
     guide = load_frozen(plan.guide_model, "--guide-model", plan.model, plan) if plan.guide_model else None
-    # (all ranks participate) under FSDP, as above
     teacher = (
         load_frozen(plan.teacher_model, "--teacher-model", plan.model, plan) if plan.teacher_model else None
     )
@@ -109,9 +107,8 @@ def embed_rows(opts, rows, train_set, labels):
     (all ranks participate) every rank's micro-batch is of the same set: the same forwards."""
     guide = None
     if opts.guide and train_set.loss == "mnrl" and not train_set.loss_plan.own_negatives:
-        guide = embed(opts.guide, rows, train_set, opts.device, opts.autocast)  # (all ranks participate)
+        guide = embed(opts.guide, rows, train_set, opts.device, opts.autocast)
     if opts.teacher and train_set.loss == "mse":
-        # (all ranks participate) under FSDP
         labels = embed(opts.teacher, rows, train_set, opts.device, opts.autocast, num_columns=1)[0]
     return guide, labels
 
@@ -143,9 +140,8 @@ def embed(frozen, rows, train_set, device, autocast, num_columns=None):
     pool = {k: v.to(device) for k, v in tokens.items()}
     with torch.no_grad(), autocast():
         if not frozen.chunk_size:
-            embs = frozen.model(**pool, groups=groups).float()  # (all ranks participate) under FSDP
+            embs = frozen.model(**pool, groups=groups).float()
             return list(embs.split(len(texts[0])))
         chunks = [rows for group in groups for rows in group.split(frozen.chunk_size)]
-        # (all ranks participate) under FSDP: each forward
         pieces = [frozen.model(**embedding_model.select_rows(pool, rows)).float() for rows in chunks]
     return list(torch.cat(pieces)[torch.argsort(torch.cat(chunks))].split(len(texts[0])))

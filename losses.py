@@ -83,7 +83,7 @@ def gather_with_grad(emb_BD):
     factor of the world size (several public trainers are off by exactly that factor)."""
     if not dist.is_initialized() or dist.get_world_size() == 1:
         return emb_BD
-    return _GatherWithGrad.apply(emb_BD)  # (all ranks participate)
+    return _GatherWithGrad.apply(emb_BD)
 
 
 def gather_no_grad(rows_B):
@@ -98,7 +98,7 @@ def gather_no_grad(rows_B):
 
 def gather_ids(ids_B):
     """Every rank's text ids, in rank order -> (world * B,): gather_no_grad (all ranks participate)."""
-    return gather_no_grad(ids_B)  # (all ranks participate)
+    return gather_no_grad(ids_B)
 
 
 def duplicate_mask(query_ids_B, pair_ids_B, candidate_ids_N, pair_index_B):
@@ -158,11 +158,9 @@ def mnrl_loss(
     options = {"guide": guide, "false_negatives": false_negatives, "hardness": hardness}
     if tuple(directions) != ("query_to_doc",):
         assert not symmetric and text_ids is None, "mnrl_loss: directions, not with symmetric or text_ids"
-        # (all ranks participate) when gather, as below
         return _mnrl_directions(
             emb_anchor_BD, emb_candidates, scale, gather, directions, partition, **options
         )
-    # (all ranks participate) when gather
     return _mnrl_query_to_doc(emb_anchor_BD, emb_candidates, scale, gather, symmetric, text_ids, **options)
 
 
@@ -173,7 +171,7 @@ def _mnrl_query_to_doc(
     With `gather`, the gathers of mnrl_loss (all ranks participate)."""
     num_rows = emb_anchor_BD.shape[0]
     offset = dist.get_rank() * num_rows if gather and dist.is_initialized() else 0
-    # (all ranks participate) when gather: every column, in the same order on every rank
+    # when gather: every column, in the same order on every rank
     emb_candidates = [gather_with_grad(emb) for emb in emb_candidates] if gather else emb_candidates
     labels_B = torch.arange(offset, offset + num_rows, device=emb_anchor_BD.device)
     cos_BN = cosine_scores(emb_anchor_BD, torch.cat(emb_candidates, dim=0))
@@ -183,13 +181,12 @@ def _mnrl_query_to_doc(
         scores["query_to_doc"] = scores["query_to_doc"] + penalty_BN
     all_anchors_MD = emb_anchor_BD
     if symmetric:  # the positive -> anchors direction: doc_to_query's pairs, with a softmax of its own
-        # (all ranks participate) when gather
         all_anchors_MD = gather_with_grad(emb_anchor_BD) if gather else emb_anchor_BD
         scores["doc_to_query"] = scale * cosine_scores(emb_candidates[0][labels_B], all_anchors_MD)
     if text_ids is not None:
-        scores = _mask_duplicates(scores, text_ids, labels_B, gather)  # (all ranks participate) when gather
+        scores = _mask_duplicates(scores, text_ids, labels_B, gather)
     if false_negatives is not None:
-        scores = _mask_false_negatives(  # (all ranks participate) when gather with a guide
+        scores = _mask_false_negatives(
             scores, false_negatives, guide, emb_anchor_BD, all_anchors_MD, emb_candidates, labels_B, gather
         )
     loss = F.cross_entropy(scores["query_to_doc"], labels_B)
@@ -203,13 +200,13 @@ def _mask_duplicates(scores, text_ids, place_B, gather):
     (query_to_doc), and where an anchor has (doc_to_query: `symmetric`'s positive -> anchors).
     With `gather`, the ids' gathers (all ranks participate)."""
     anchor_ids_B = text_ids[0]
-    # (all ranks participate) when gather: each column's ids, in the same order on every rank
+    # when gather: each column's ids, in the same order on every rank
     cand_ids_N = torch.cat([gather_ids(ids) if gather else ids for ids in text_ids[1:]])
     positive_ids_B = cand_ids_N[place_B]
     same_BN = duplicate_mask(anchor_ids_B, positive_ids_B, cand_ids_N, place_B)
     masked = {"query_to_doc": scores["query_to_doc"].masked_fill(same_BN, float("-inf"))}
     if "doc_to_query" in scores:
-        all_anchor_ids_M = gather_ids(anchor_ids_B) if gather else anchor_ids_B  # (all ranks participate)
+        all_anchor_ids_M = gather_ids(anchor_ids_B) if gather else anchor_ids_B
         same_BM = duplicate_mask(positive_ids_B, anchor_ids_B, all_anchor_ids_M, place_B)
         masked["doc_to_query"] = scores["doc_to_query"].masked_fill(same_BM, float("-inf"))
     return masked
@@ -233,11 +230,11 @@ def _mnrl_directions(
     """
     num_rows = emb_anchor_BD.shape[0]
     offset = dist.get_rank() * num_rows if gather and dist.is_initialized() else 0
-    # (all ranks participate) when gather: every column, in the same order on every rank
+    # when gather: every column, in the same order on every rank
     all_candidates = [gather_with_grad(emb) for emb in emb_candidates] if gather else emb_candidates
     uses_anchors = "query_to_query" in directions or "doc_to_query" in directions
     # The anchors of every rank, where a direction ranks against them: the same directions on
-    # every rank, so the same gathers (all ranks participate).
+    # every rank, so the same gathers
     all_anchors_MD = gather_with_grad(emb_anchor_BD) if gather and uses_anchors else emb_anchor_BD
     cand_ND, rows_B = torch.cat(all_candidates), torch.arange(num_rows, device=emb_anchor_BD.device)
     place_B = rows_B + offset  # row i's place among the gathered rows of one column
@@ -259,7 +256,7 @@ def _mnrl_directions(
         penalty_BN = hardness_penalty(cos_BN, place_B, len(all_candidates), *hardness)
         scores["query_to_doc"] = scores["query_to_doc"] + penalty_BN
     if false_negatives is not None:
-        scores = _mask_false_negatives(  # (all ranks participate) when gather with a guide
+        scores = _mask_false_negatives(
             scores, false_negatives, guide, emb_anchor_BD, all_anchors_MD, all_candidates, place_B, gather
         )
     positive_B = scores["query_to_doc"][rows_B, place_B]
@@ -298,9 +295,9 @@ def _guide_embeddings(guide, emb_anchor_BD, all_anchors_MD, all_candidates, gath
     guide_anchor_BD, guide_candidates = guide[0].detach(), [c.detach() for c in guide[1]]
     if not gather:
         return guide_anchor_BD, guide_anchor_BD, guide_candidates
-    # (all ranks participate): the same columns, in the same order on every rank, as the student's
+    # the same columns, in the same order on every rank, as the student's
     guide_candidates = [gather_no_grad(c) for c in guide_candidates]
-    # (all ranks participate) where needs_anchors: the same directions on every rank
+    # where needs_anchors: the same directions on every rank
     guide_anchors_MD = gather_no_grad(guide_anchor_BD) if needs_anchors else guide_anchor_BD
     return guide_anchor_BD, guide_anchors_MD, guide_candidates
 
@@ -315,7 +312,6 @@ def _mask_false_negatives(
     (positives against positives), doc_to_doc ranks p_i against every document. With `gather` and a
     guide, the guide's gathers (all ranks participate)."""
     needs_anchors = not scores.keys().isdisjoint({"query_to_query", "doc_to_query"})
-    # (all ranks participate) when gather with a guide
     g_anchor_BD, g_anchors_MD, g_candidates = _guide_embeddings(
         guide, anchor_BD, all_anchors_MD, all_candidates, gather, needs_anchors
     )

@@ -74,19 +74,19 @@ def main(argv=None):
         datasets.disable_progress_bars()  # one "Generating train split" bar per file, not per rank
     try:
         try:
-            # (all ranks participate), both: the cheap checks first, so a bad flag or file stops
+            # both: the cheap checks first, so a bad flag or file stops
             # every rank before any of them loads the model.
             plan = agreed(rank, device, make_plan, args, rank, bad_flags)
-            plan.loaded = agreed(rank, device, load_model, args, device)  # (all ranks participate)
+            plan.loaded = agreed(rank, device, load_model, args, device)
         except Refused as e:
             fsdp_utils.print0(f"error: {e}", file=sys.stderr)
-            # (all ranks participate): all agreed on the error; rank 0 has printed before any
+            # all agreed on the error; rank 0 has printed before any
             # exits, as torchrun stops the other ranks as soon as one leaves with an error.
             fsdp_utils.barrier()
             return 2
         started = time.perf_counter()
         describe(plan, args, world_size)
-        candidates = find_candidates(plan, args)  # (all ranks participate): encoding and top k
+        candidates = find_candidates(plan, args)  # encoding and top k
         if rank == 0:
             mined = select_negatives(plan, args, *candidates)
             written = output_rows(plan, args, mined)
@@ -114,7 +114,7 @@ def agreed(rank, device, function, *args):
         result = function(*args)
     except (ValueError, OSError) as e:  # OSError: a model folder transformers cannot read
         error = str(e)
-    error = startup_checks.agree_on_error(error, rank, device)  # (all ranks participate)
+    error = startup_checks.agree_on_error(error, rank, device)
     if error is not None:
         raise Refused(error)
     return result
@@ -485,17 +485,17 @@ def find_candidates(plan, args):
         # as batches.with_prompt; the prompt's tokens left out of pooling under include_prompt False
         return lambda texts: loaded.tokenize([prompt + text for text in texts], prompts=[prompt] * len(texts))
 
-    # (all ranks participate), both calls (forwards and collectives inside): the queries on
+    # both calls (forwards and collectives inside): the queries on
     # every rank, the corpus sharded (rows_R are the corpus rows this rank encoded).
     query_QD = eval_dist.encode(loaded.model, tokenizer(query_prompt), plan.queries, args.batch_size)
-    rows_R, corpus_RD = eval_dist.encode_local(  # (all ranks participate)
+    rows_R, corpus_RD = eval_dist.encode_local(
         loaded.model, tokenizer(corpus_prompt), plan.corpus, args.batch_size
     )
     query_QD, corpus_RD = F.normalize(query_QD, dim=-1), F.normalize(corpus_RD, dim=-1)  # cosine
     k = plan.range_max + plan.max_positives
-    # (all ranks participate): ceil(Q / chunk_size) all_reduces, the same on every rank.
+    # ceil(Q / chunk_size) all_reduces, the same on every rank.
     scores_QK, rows_QK = eval_dist.top_k_sharded(query_QD, corpus_RD, rows_R, k, args.chunk_size)
-    positive_P = positive_scores(plan, query_QD, rows_R, corpus_RD)  # (all ranks participate)
+    positive_P = positive_scores(plan, query_QD, rows_R, corpus_RD)
     return scores_QK.cpu(), rows_QK.cpu(), positive_P.cpu()
 
 
@@ -751,4 +751,4 @@ STATISTICS = [
 
 
 if __name__ == "__main__":
-    sys.exit(main())  # (all ranks participate)
+    sys.exit(main())

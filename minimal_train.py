@@ -127,7 +127,7 @@ def main(args):
         problem = str(e)
     stop_if_any_failed(problem, rank, device)  # (all ranks participate)
     no_decay = {name for name, p in raw_model.named_parameters() if p.ndim < 2}  # biases, LayerNorm
-    model = wrap(raw_model, settings["strategy"], device, args.precision)  # (all ranks participate)
+    model = wrap(raw_model, settings["strategy"], device, args.precision)
     steps_per_epoch = len(train_set.ds) // global_batch
     total_steps = args.max_steps or args.epochs * steps_per_epoch
     optimizer, scheduler, scaler = build_optimizer(model, no_decay, args, total_steps, device)
@@ -142,12 +142,12 @@ def main(args):
         for micro_step in range(args.grad_accum_steps):
             first = (micro_step * world_size + rank) * args.per_device_batch_size  # this rank's slice
             batch = train_set.ds[rows[first : first + args.per_device_batch_size].tolist()]
-            # DDP all-reduces gradients in the last micro-step only, FSDP in each (all ranks participate)
+            # DDP all-reduces gradients in the last micro-step only, FSDP in each
             last = micro_step == args.grad_accum_steps - 1
             with model.no_sync() if isinstance(model, DDP) and not last else contextlib.nullcontext():
                 loss = micro_batch_loss(model, batch, train_set, tokenize, args)  # (all ranks participate)
                 loss = loss / args.grad_accum_steps
-                (scaler.scale(loss) if scaler else loss).backward()  # (all ranks participate)
+                (scaler.scale(loss) if scaler else loss).backward()
             step_loss += loss.detach()
         if world_size > 1:
             dist.all_reduce(step_loss)  # (all ranks participate): the step's loss, for the log
@@ -158,7 +158,7 @@ def main(args):
             write(log, {"step": step, "loss": last_loss, "grad_norm": grad_norm, "lr": lr})
         if eval_sets and ((args.eval_steps and step % args.eval_steps == 0) or step == total_steps):
             began = time.perf_counter()
-            scores = evaluate(model, eval_sets, tokenize, device)  # (all ranks participate)
+            scores = evaluate(model, eval_sets, tokenize, device)
             write(log, {"step": step, "eval": scores})
             paused += time.perf_counter() - began
     seconds = time.perf_counter() - start - paused
@@ -180,7 +180,7 @@ def set_up():
     if torch.cuda.is_available():
         device = torch.device("cuda", int(os.environ["LOCAL_RANK"]))
         torch.cuda.set_device(device)
-    dist.init_process_group("nccl" if device.type == "cuda" else "gloo")  # (all ranks participate)
+    dist.init_process_group("nccl" if device.type == "cuda" else "gloo")
     if dist.get_rank() != 0:  # rank 0 alone shows the data's and the model's loading
         datasets.disable_progress_bars()
         transformers.logging.set_verbosity_error()
@@ -383,11 +383,11 @@ def wrap(model, strategy, device, precision):
         return model
     if strategy == "ddp":
         device_ids = [device.index] if device.type == "cuda" else None
-        return DDP(model, device_ids=device_ids)  # (all ranks participate)
+        return DDP(model, device_ids=device_ids)
     low = DTYPES[precision]
     mixed = MixedPrecision(param_dtype=low, reduce_dtype=torch.float32, buffer_dtype=low)
     blocks = {block_class(model)}
-    return FSDP(  # (all ranks participate)
+    return FSDP(
         model,
         auto_wrap_policy=functools.partial(transformer_auto_wrap_policy, transformer_layer_cls=blocks),
         mixed_precision=mixed if precision != "fp32" else None,
@@ -446,15 +446,15 @@ def micro_batch_loss(model, batch, train_set, tokenize, args):
     tokens = {k: v.to(device) for k, v in tokenize(texts).items()}
     low = args.precision != "fp32" and not isinstance(model, FSDP)  # FSDP casts itself
     with torch.autocast(device.type, dtype=DTYPES[args.precision], enabled=low):
-        embs = model(**tokens).float().split(len(batch[train_set.text_columns[0]]))  # (all ranks participate)
+        embs = model(**tokens).float().split(len(batch[train_set.text_columns[0]]))
     if train_set.loss == "mnrl":
         # In-batch negatives, this rank's rows; train.py's --gather-negatives adds every rank's with
-        # an all_gather in the loss (all ranks participate)
+        # an all_gather in the loss
         return losses.mnrl_loss(embs[0], list(embs[1:]), scale=SCALE)
     labels = torch.tensor(batch[train_set.target], device=device)
     if train_set.loss == "cosent":
         return losses.cosent_loss(embs[0], embs[1], labels.float(), scale=SCALE)
-    # The head runs through the wrapped root, so FSDP gathers it (all ranks participate).
+    # The head runs through the wrapped root, so FSDP gathers it
     return losses.softmax_loss(embs[0], embs[1], labels, classifier=lambda x: model(head_input=x).float())
 
 
@@ -496,7 +496,7 @@ def evaluate(model, eval_sets, tokenize, device):
             evaluator, inputs = eval_dist.evaluate_nli, (first, second, es.ds["label"][:], classify)
         else:  # (anchor, positive) pairs: each distinct anchor a query, the positives the corpus
             evaluator, inputs = eval_dist.evaluate_retrieval, eval_dist.retrieval_from_pairs(first, second)
-        scores = evaluator(model, tokenize, *inputs, **options)  # (all ranks participate)
+        scores = evaluator(model, tokenize, *inputs, **options)
         results.update({f"{es.name}/{metric}": value for metric, value in scores.items()})
     return results
 
@@ -522,7 +522,7 @@ def export(model, settings, final_dir, rank):
     state dict (all ranks participate), which rank 0 writes beside `final_dir`, then renames into
     place: never half-written."""
     # FULL_STATE_DICT: whole tensors with the unwrapped model's names; under FSDP each unit is gathered
-    # in turn (all ranks participate), on GPUs kept by rank 0 alone, on its CPU (torch 2.13 crashes
+    # in turn on GPUs kept by rank 0 alone, on its CPU (torch 2.13 crashes
     # offloading a CPU run's tensors: there every rank keeps a copy).
     on_gpu = next(model.parameters()).is_cuda
     options = StateDictOptions(full_state_dict=True, cpu_offload=on_gpu)
@@ -577,7 +577,7 @@ def sentence_transformer_files(settings):
 
 if __name__ == "__main__":
     try:
-        main(parse_args())  # (all ranks participate)
+        main(parse_args())
     finally:
         if dist.is_initialized():
             dist.destroy_process_group()

@@ -50,7 +50,7 @@ class LossPlan:
     directions: tuple = ("query_to_doc",)  # MNRL's (losses.MNRL_DIRECTIONS)
     partition: str = "joint"  # MNRL's softmax over all directions at once, or per direction
     temperatures: tuple = (1.0, 1.0)  # distill_kl's (student, teacher)
-    gather: bool = False  # MNRL's candidates from every rank: a collective (all ranks participate)
+    gather: bool = False  # MNRL's candidates from every rank: a collective
     symmetric: bool = False  # MNRL also ranks the anchors for each positive
     own_negatives: bool = False  # MNRL against each row's own positive and hard negatives only
     false_negatives: tuple | None = None  # MNRL's (strategy, margin): candidates above it left out,

@@ -40,7 +40,7 @@ def agreed(step, rank, device):
         result, error = step(), None
     except ValueError as e:
         result, error = None, str(e)
-    raise_if_any_failed(error, rank, device)  # (all ranks participate)
+    raise_if_any_failed(error, rank, device)
     return result
 
 
@@ -50,18 +50,18 @@ def agreed_plan_locking_output(data_plan, rank, device):
     not finished already, rank 0 takes the output folder's lock, and which ranks see its disk.
     Returns a new Plan with `finished` or `sees_output_dir`, or raises StartUpError with the first
     failing rank's message on every rank."""
-    plan = agreed(data_plan, rank, device)  # (all ranks participate)
+    plan = agreed(data_plan, rank, device)
     if rank == 0 and plan.resume_note:
         print(plan.resume_note, flush=True)
     # Hosts without a shared disk read their own copies of the data: each rank checks that its
     # copy is rank 0's (rows and contents), or every rank would train on other batches.
     # (An empty one: --eval-only, or a run already finished, which reads no training data.)
-    theirs = broadcast_text(plan.data_fingerprint, rank, device)  # (all ranks participate)
+    theirs = broadcast_text(plan.data_fingerprint, rank, device)
     differs = theirs and plan.data_fingerprint and theirs != plan.data_fingerprint
     error = different_data_problem(plan, rank, theirs) if differs else None
-    raise_if_any_failed(error, rank, device)  # (all ranks participate)
+    raise_if_any_failed(error, rank, device)
     # The export lives on rank 0's disk, which other hosts may not see: rank 0's view decides.
-    finished = broadcast_text("finished" if plan.finished else "", rank, device)  # (all ranks participate)
+    finished = broadcast_text("finished" if plan.finished else "", rank, device)
     if finished == "finished":
         if rank == 0:
             final_dir = os.path.join(plan.output_dir, "final")
@@ -71,23 +71,23 @@ def agreed_plan_locking_output(data_plan, rank, device):
     # writes nothing), and all ranks hear whether it got it. The lock names this run (`run_id`).
     run_id = secrets.token_hex(8)
     error = checkpoints.take_output_lock(plan.output_dir, run_id) if rank == 0 else None
-    raise_if_any_failed(error, rank, device)  # (all ranks participate)
+    raise_if_any_failed(error, rank, device)
     # Which ranks share rank 0's disk: those that find rank 0's lock, with this run's id, in
     # their own --output-dir. Hosts without a shared file system do not (and a stale lock in
     # another host's folder has another id).
     lock = checkpoints.read_output_lock(plan.output_dir) if rank == 0 else ""
-    lock = broadcast_text(lock, rank, device)  # (all ranks participate)
+    lock = broadcast_text(lock, rank, device)
     sees = checkpoints.read_output_lock(plan.output_dir) == lock
-    sees_output_dir = tuple(all_ranks_flags(sees, rank, device))  # (all ranks participate)
+    sees_output_dir = tuple(all_ranks_flags(sees, rank, device))
     error = None if sees else unshared_output_dir_problem(plan, rank, json.loads(lock)["host"])
-    raise_if_any_failed(error, rank, device)  # (all ranks participate)
+    raise_if_any_failed(error, rank, device)
     return dataclasses.replace(plan, sees_output_dir=sees_output_dir)
 
 
 def raise_if_any_failed(error, rank, device):
     """StartUpError with the first failing rank's message on every rank, if any rank failed:
     agree_on_error (all ranks participate)."""
-    error = agree_on_error(error, rank, device)  # (all ranks participate)
+    error = agree_on_error(error, rank, device)
     if error is not None:
         raise StartUpError(error)
 
@@ -144,11 +144,10 @@ def agree_on_error(message, rank, device):
     Two collectives (all ranks participate). Text travels as bytes in a tensor: no pickling."""
     if not dist.is_initialized():
         return message
-    failed = all_ranks_flags(message is not None, rank, device)  # (all ranks participate)
+    failed = all_ranks_flags(message is not None, rank, device)
     if not any(failed):
         return None
     source = failed.index(True)
-    # (all ranks participate)
     message = broadcast_text(message if rank == source else "", rank, device, src=source)
     return message if source == 0 else f"(found by rank {source}) {message}"
 
@@ -164,6 +163,6 @@ def agreed_on_rank0(start, device):
             result = start()
         except ValueError as e:
             error = str(e)
-    if (error := agree_on_error(error, rank, device)) is not None:  # (all ranks participate)
+    if (error := agree_on_error(error, rank, device)) is not None:
         raise StartUpError(error)
     return result

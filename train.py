@@ -125,7 +125,7 @@ def main(cfg):
     progress.close()
 
     summary, final_dir = meter.summary(last_loss), os.path.join(plan.output_dir, "final")
-    with metrics.timed(summary, "export_seconds"):  # (all ranks participate) rank 0 writes
+    with metrics.timed(summary, "export_seconds"):  # rank 0 writes
         record = {**run_plan.record(plan, loaded), **summary}
         export.export_model(model, loaded, final_dir, plan, record, rank == 0)  # (all ranks participate)
     fsdp_utils.print0(json.dumps(summary))
@@ -151,7 +151,7 @@ def build_model_and_set_allocator(plan):
     no_decay_names = {name for name, param in raw_model.named_parameters() if param.ndim < 2}
     export_bytes = export.size_estimate(loaded, plan.export_dtype, sharded=plan.strategy == "fsdp")
     faults.warn_space(plan, loaded.parameter_counts, export_bytes)  # rank 0 prints
-    # (all ranks participate) under FSDP: --sharding auto agrees on the least free memory (an all_reduce).
+    # under FSDP: --sharding auto agrees on the least free memory (an all_reduce).
     sharding, why = fsdp_utils.resolve_sharding(
         raw_model, plan.strategy, plan.device, plan.sharding, plan.precision
     )
@@ -159,11 +159,11 @@ def build_model_and_set_allocator(plan):
     for line in filter(None, (why, allocator)):
         fsdp_utils.print0(line)
     options = {"sharding": sharding, "fsdp_version": plan.fsdp_version, "precision": plan.precision}
-    # (all ranks participate) DDP broadcasts rank 0's weights as it wraps.
+    # DDP broadcasts rank 0's weights as it wraps.
     model = fsdp_utils.wrap_model(
         raw_model, plan.strategy, plan.device, layer_cls=plan.model.fsdp_layer_cls, **options
     )
-    embedding_model.fill_sharded_weights(model, loaded)  # (all ranks participate) each rank its slices
+    embedding_model.fill_sharded_weights(model, loaded)  # each rank its slices
     return model, loaded, no_decay_names, dataclasses.replace(plan, sharding=sharding)
 
 
@@ -190,7 +190,7 @@ def clear_output_and_open_log(plan, loaded, start_step):
         run_record = {**plan.flags, **run_plan.record(plan, loaded)}  # as rank 0 printed it
         return metrics.MetricsLog(plan.output_dir, start_step, run_record, plan.report_tools)
 
-    return startup_checks.agreed_on_rank0(start, plan.device)  # (all ranks participate)
+    return startup_checks.agreed_on_rank0(start, plan.device)
 
 
 def build_optimizer(model, no_decay_names, lr, weight_decay, fused=True):
@@ -276,9 +276,7 @@ def forward_backward(model, train_set, rows, features, labels, opts, sync):
     accumulation steps). (all ranks participate) Under FSDP every forward and backward is a
     collective; under DDP the backward all-reduces the gradients when `sync` (the step's last
     micro-batch: fsdp_utils.gradient_sync). A guide or teacher embeds the rows once, before."""
-    guide, labels = guide_model.embed_rows(
-        opts, rows, train_set, labels
-    )  # (all ranks participate) under FSDP
+    guide, labels = guide_model.embed_rows(opts, rows, train_set, labels)
     ids = None
     if opts.prepare and train_set.loss == "mnrl":
         ids = [batches.text_ids(rows[c], opts.prepare).to(opts.device) for c in train_set.text_columns]
@@ -292,11 +290,10 @@ def forward_backward(model, train_set, rows, features, labels, opts, sync):
 
     def micro_batch_loss(embs):
         """From its column embeddings (GradCache: cached ones). (all ranks participate)"""
-        # (all ranks participate)
         return embeddings_loss(model, embs, labels, train_set.loss_plan, ids, guide) / opts.grad_accum_steps
 
     if opts.cache_chunk_size:
-        return gradcache.cached_backward(  # (all ranks participate)
+        return gradcache.cached_backward(
             model,
             features,
             micro_batch_loss,
@@ -309,8 +306,8 @@ def forward_backward(model, train_set, rows, features, labels, opts, sync):
         )
     with fsdp_utils.gradient_sync(model, enabled=sync):
         with opts.autocast():
-            loss = micro_batch_loss(embed_columns(model, features, groups))  # (all ranks participate)
-        opts.scale_loss(loss).backward()  # (all ranks participate)
+            loss = micro_batch_loss(embed_columns(model, features, groups))
+        opts.scale_loss(loss).backward()
     return loss.detach()
 
 
@@ -320,11 +317,10 @@ def clip_and_step(model, optimizer, scheduler, scaler, max_grad_norm):
     sharded gradients is all-reduced, and so are the gradients FSDP2 leaves whole. With clipping off
     (max_grad_norm 0) it only measures the norm, which is logged: the gradient's scale shows, not
     only its direction."""
-    # (all ranks participate) the gradients of the tables FSDP2 leaves whole
+    # the gradients of the tables FSDP2 leaves whole
     fsdp_utils.all_reduce_replicated(model)
     if scaler:
         scaler.unscale_(optimizer)  # clip the true gradients, not the scaled ones
-    # (all ranks participate)
     grad_norm = fsdp_utils.clip_grad_norm(model, max_grad_norm if max_grad_norm > 0 else math.inf)
     lr = scheduler.get_last_lr()[0]  # the rate this step uses
     if scaler:
@@ -381,7 +377,7 @@ def embeddings_loss(model, embs, labels, loss, text_ids=None, guide=None):
         if loss.name == "mnrl" and loss.own_negatives:
             return losses.own_negatives_loss(embs[0], embs[1:], scale=loss.scale)
         if loss.name == "mnrl":
-            return losses.mnrl_loss(  # (all ranks participate) when loss.gather
+            return losses.mnrl_loss(
                 embs[0],
                 embs[1:],
                 scale=loss.scale,
@@ -419,7 +415,7 @@ def evaluate_log_export_best(model, loaded, plan, step, best_value, log, last_lo
     under --eval-only); returns the best value so far. (all ranks participate) Evaluation is
     collective (sharded encoding, all_reduce), and so is the best export; the scores, hence the
     decision, are the same on every rank. Rank 0 (the one with a `log`) writes and prints them."""
-    scores = evaluate(model, loaded, plan)  # (all ranks participate)
+    scores = evaluate(model, loaded, plan)
     if log is not None:
         log.write({"step": step, "eval": scores})
         tqdm.write(f"step {step}: " + ", ".join(f"{k} {v:.4f}" for k, v in scores.items()))
@@ -432,7 +428,7 @@ def evaluate_log_export_best(model, loaded, plan, step, best_value, log, last_lo
         return best_value
     summary = {"step": step, "eval": scores, "final_loss": last_loss, "samples_per_s": float("nan")}
     best_dir, record = os.path.join(plan.output_dir, "best"), {**run_plan.record(plan, loaded), **summary}
-    export.export_model(model, loaded, best_dir, plan, record, log is not None)  # (all ranks participate)
+    export.export_model(model, loaded, best_dir, plan, record, log is not None)
     return value
 
 
@@ -447,26 +443,22 @@ def evaluate(model, loaded, plan):
         options = {"batch_size": plan.eval_batch_size, "device": plan.device, "columns": es.text_columns}
         texts = [batches.with_prompt(t, loaded.prompts, c) for c, t in zip(es.text_columns, es.texts())]
         if es.kind == "sts":
-            scores = eval_dist.evaluate_sts(  # (all ranks participate)
+            scores = eval_dist.evaluate_sts(
                 model, loaded.tokenize, texts[0], texts[1], es.ds[es.target][:], dims=dims, **options
             )
         elif es.kind in ("retrieval", "beir"):  # pairs, or a BEIR folder with graded relevance
             retrieval = es.retrieval_set(texts)  # (queries, corpus, relevant)
             options.update(dims=dims, metrics=es.metric_names)
-            scores = eval_dist.evaluate_retrieval(
-                model, loaded.tokenize, *retrieval, **options
-            )  # (all ranks participate)
+            scores = eval_dist.evaluate_retrieval(model, loaded.tokenize, *retrieval, **options)
         elif es.kind == "nli":
             # The head runs through the wrapped root, like in training (FSDP gathers it there).
             classify = lambda u, v: model(head_input=losses.softmax_features(u, v)).float()  # noqa: E731
-            scores = eval_dist.evaluate_nli(  # (all ranks participate)
+            scores = eval_dist.evaluate_nli(
                 model, loaded.tokenize, texts[0], texts[1], es.ds[es.target][:], classify, **options
             )
         else:
             batch_loss = functools.partial(eval_batch_loss, model, es, loaded, plan)
-            scores = eval_dist.evaluate_loss(
-                model, len(es.ds), plan.eval_batch_size, batch_loss
-            )  # (all ranks participate)
+            scores = eval_dist.evaluate_loss(model, len(es.ds), plan.eval_batch_size, batch_loss)
         results.update({f"{es.name}/{metric}": value for metric, value in scores.items()})
     return results
 
@@ -481,7 +473,6 @@ def eval_batch_loss(model, es, loaded, plan, indices):
     ids = None
     if plan.mask_duplicates and es.loss == "mnrl":
         ids = [batches.text_ids(rows[c], loaded.prepare).to(plan.device) for c in es.text_columns]
-    # (all ranks participate)
     return embeddings_loss(model, embed_columns(model, features), labels, es.loss_plan, ids)
 
 
@@ -489,10 +480,10 @@ def evaluate_only(model, loaded, plan):
     """--eval-only. (all ranks participate) Evaluation is collective. Rank 0 writes metrics.jsonl
     (step 0) and prints the metrics as one JSON line. Returns the unwrapped model, as main() does."""
     start_log = lambda: metrics.MetricsLog(plan.output_dir, 0, plan.flags, plan.report_tools)  # noqa: E731
-    log = startup_checks.agreed_on_rank0(start_log, plan.device)  # (all ranks participate)
+    log = startup_checks.agreed_on_rank0(start_log, plan.device)
     seconds = {}
     with metrics.timed(seconds, "eval_seconds"):
-        evaluate_log_export_best(model, loaded, plan, 0, None, log)  # (all ranks participate)
+        evaluate_log_export_best(model, loaded, plan, 0, None, log)
     if log is not None:
         close_log(log, {"step": 0, **seconds}, plan.output_dir)
         print(json.dumps({"step": 0, **seconds}), flush=True)
@@ -515,10 +506,10 @@ def save_state(model, optimizer, scheduler, scaler, plan, loaded, step, best_val
         "scheduler": scheduler.state_dict(),
         "grad_scaler": scaler.state_dict() if scaler else None,
         "best_value": best_value,
-        "weights_finite": checkpoints.weights_finite(model, plan.device),  # (all ranks participate)
+        "weights_finite": checkpoints.weights_finite(model, plan.device),
     }
     folder = os.path.join(plan.output_dir, "checkpoints")
-    checkpoints.save_checkpoint(  # (all ranks participate)
+    checkpoints.save_checkpoint(
         model, optimizer, folder, step, trainer_state, keep_last=plan.save_total_limit
     )
 
@@ -532,7 +523,7 @@ if __name__ == "__main__":
     # torchrun stopping this rank after a peer was killed: the rank says why first
     faults.watch_sigterm(cfg.dist_timeout_minutes, newest_checkpoint)
     try:
-        main(cfg)  # (all ranks participate)
+        main(cfg)
     except Exception as e:
         # A fault: its one error: line and exit code (faults.py). Anything else is a bug: its traceback.
         code = faults.end_run(e, cfg.dist_timeout_minutes, newest_checkpoint)

@@ -17,9 +17,10 @@ standard library, torch, transformers, datasets, safetensors, losses.py, eval_di
 default model's package; losses.py, eval_dist.py, lora.py and collectives.py import no other file
 of the project; every other file names in its docstring each project file it imports, so a
 reader can copy it with the few it needs; in the top-level files, every call of a torch.distributed
-collective (or DCP's save and load, or a state-dict function) and every call of a function that
-reaches one carries "(all ranks participate)" in a comment on its line or directly above, and each
-such function says it in its docstring (`unmarked_collectives` says what it cannot see); config.py's
+collective (or DCP's save and load, or a state-dict function) carries "(all ranks participate)" in a
+comment on its line or directly above, and so does every phase of train.main that reaches one; no
+collective is reached inside an `if` that rank 0 alone enters (`unmarked_collectives` says what it
+cannot see); config.py's
 parsers of a flag's text (PLAN_PARSERS) are called in run_plan.py alone, which resolves them once
 into the run's plan that every other file reads; and no function outside config.py, run_plan.py and
 train.main is handed the Config, under any name, or reads it from an enclosing function, and no
@@ -31,6 +32,7 @@ import ast
 import collections
 import io
 import json
+import re
 import sys
 import tokenize
 from pathlib import Path
@@ -119,6 +121,7 @@ DIST_CALLS = {
     "scatter_object_list", "all_to_all", "all_to_all_single", "send", "recv", "isend", "irecv",
     "batch_isend_irecv",
 }  # fmt: skip
+POINT_TO_POINT = {"send", "recv", "isend", "irecv", "batch_isend_irecv"}
 DCP_CALLS = {"save", "load"}  # `dcp.NAME(...)`, torch.distributed.checkpoint (not with no_dist=True)
 # Called by name (imported from torch.distributed.checkpoint.state_dict), and what torch hides in a
 # constructor or a method: DDP's constructor broadcasts rank 0's weights; FSDP1's clip_grad_norm_
@@ -230,12 +233,20 @@ def calls_of(sources, trees, functions):
     return found
 
 
+# The phases of the story that every rank must reach are marked where they are called.
+MARKED_PHASES = {("train.py", "main")}
+# An `if` that only rank 0 enters (its body), or that every rank but rank 0 enters (its else).
+RANK0_TEST = re.compile(r"\b(rank|dist\.get_rank\(\))\s*==\s*0\b|\bis_rank0\b|\brank0\b")
+
+
 def unmarked_collectives(sources):
-    """Problems, one line each, in `sources` ({file name: Python source}): a collective called, or
-    a function that reaches one called, with the marker neither in a comment on the call's lines
-    (or its statement's first line, or the header of a `with` block that holds the call alone)
-    nor in the comment lines directly above; and a function that
-    reaches one without the marker on one line of its docstring (so that grep finds it).
+    """Problems, one line each, in `sources` ({file name: Python source}): a collective called
+    without the marker, and, in a phase of the story (MARKED_PHASES: train.main), a call of a
+    function that reaches one without it; the marker must be in a comment on the call's lines (or
+    its statement's first line, or the header of a `with` block that holds the call alone) or in
+    the comment lines directly above. And a collective, or a call of a function that reaches one,
+    inside an `if` that rank 0 alone enters (a hang: the other ranks never reach it); a
+    point-to-point send or receive there is paired with another rank's, and allowed.
 
     By name: `name(...)` is a function or class of the same file, `module.name(...)` a function of
     the project's `module`, `self.name(...)` a method of the same class, `Class.name(...)` (an
@@ -258,21 +269,37 @@ def unmarked_collectives(sources):
         for file, qualified, call, direct, targets in calls:
             if file != name or not (direct or reaches.intersection(targets)):
                 continue
+            where = f"in {qualified}()" if qualified else "at module level"
+            what = direct or f"{ast.unparse(call.func)}(), which reaches a collective,"
+            point_to_point = direct in {f"dist.{op}" for op in POINT_TO_POINT}  # paired with another rank's
+            if not point_to_point and (rank0_only := rank0_branch(call, parent)):
+                problems.append((name, call.lineno, f"{where}: {what} called inside `if {rank0_only}`"))
+            if not direct and (name, qualified) not in MARKED_PHASES:
+                continue
             statement = call
             while not isinstance(statement, ast.stmt):
                 statement = parent[statement]
             if isinstance(parent.get(statement), ast.With) and parent[statement].body == [statement]:
                 statement = parent[statement]  # `with timed(...):` around the call alone: its header
             if not is_marked(statement.lineno, call.lineno, call.end_lineno, comments, comment_only):
-                where = f"in {qualified}()" if qualified else "at module level"
-                what = direct or f"{ast.unparse(call.func)}(), which reaches a collective,"
                 problems.append((name, call.lineno, f"{where}: {what} called without {MARKER!r}"))
-        for file, qualified in reaches:
-            node = functions[file, qualified][0]
-            if file == name and MARKER not in (ast.get_docstring(node) or ""):
-                what = f"{qualified}() reaches a collective: {MARKER!r} not on one line of its docstring"
-                problems.append((name, node.lineno, what))
     return [f"{name}:{line} {problem}" for name, line, problem in sorted(problems)]
+
+
+def rank0_branch(node, parent):
+    """The test of the innermost `if` around `node`, within its function, that only rank 0 passes
+    (`node` in its body; in its `else` when the test is negated: `rank != 0`), or None."""
+    child = node
+    while child in parent and not isinstance(parent[child], (ast.FunctionDef, ast.AsyncFunctionDef)):
+        above = parent[child]
+        if isinstance(above, ast.If):
+            test = ast.unparse(above.test)
+            negated = "!=" in test or test.startswith("not ")
+            branch = above.orelse if negated else above.body
+            if RANK0_TEST.search(test.replace("!=", "==")) and any(child is s for s in branch):
+                return test
+        child = above
+    return None
 
 
 def reaching(calls, functions):

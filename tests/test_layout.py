@@ -104,30 +104,41 @@ def read_alone(folder):
 MAIN = """import helpers
 
 
-def step(x):
+def step(x, rank):
     \"\"\"One step.\"\"\"
+    helpers.agree(x)
+    if rank == 0:
+        helpers.agree(x)
+    if rank != 0:
+        pass
+    else:
+        helpers.unmarked(x)
+    return helpers.read_alone(x)
+
+
+def main(x, rank):
     helpers.agree(x)
     y = helpers.gathered(  # (all ranks participate)
         x
     )
-    helpers.read_alone(x)
-    return helpers.unmarked(y)
+    return step(y, rank)  # (all ranks participate)
 """
 
 
-def test_the_collective_marker_check_names_each_unmarked_call_and_docstring():
-    """Unmarked: a direct collective, the call of a function that reaches one (through another
-    file, and through a module-level alias of a collective), and the docstrings of the functions
-    that reach one; marked on the line, on the statement's first line or in the comment lines
-    directly above, and a DCP load with no_dist=True, are not reported."""
-    problems = check_layout.unmarked_collectives({"helpers.py": HELPERS, "main.py": MAIN})
+def test_the_collective_marker_check_names_each_unmarked_call_and_rank0_branch():
+    """The marker where it helps a reader: a direct collective without it is named, and so is a
+    call in train.main (a phase of the story) of a function that reaches one (through another file,
+    and through a module-level alias of a collective); a call elsewhere of a function that reaches
+    one needs none. Marked on the line, on the statement's first line or in the comment lines
+    directly above, and a DCP load with no_dist=True, are not reported. A collective reached inside
+    an `if` that rank 0 alone enters is named, marked or not."""
+    problems = check_layout.unmarked_collectives({"helpers.py": HELPERS, "train.py": MAIN})
     marker = "'(all ranks participate)'"
     assert problems == [
-        f"helpers.py:10 unmarked() reaches a collective: {marker} not on one line of its docstring",
         f"helpers.py:12 in unmarked(): dist.barrier called without {marker}",
-        f"main.py:4 step() reaches a collective: {marker} not on one line of its docstring",
-        f"main.py:6 in step(): helpers.agree(), which reaches a collective, called without {marker}",
-        f"main.py:11 in step(): helpers.unmarked(), which reaches a collective, called without {marker}",
+        "train.py:8 in step(): helpers.agree(), which reaches a collective, called inside `if rank == 0`",
+        "train.py:12 in step(): helpers.unmarked(), which reaches a collective, called inside `if rank != 0`",
+        f"train.py:17 in main(): helpers.agree(), which reaches a collective, called without {marker}",
     ], problems
 
 

@@ -60,7 +60,7 @@ class Schedule:
     no_duplicates also 8 bytes a text of hashes), whatever the number of epochs planned."""
 
     def __init__(self, train_sets, seed, epochs, max_steps, mix="proportional", no_duplicates=False):
-        """`train_sets` (data.TrainSet, each with its global batch) over --epochs `epochs` or
+        """`train_sets` (training_data.TrainSet, each with its global batch) over --epochs `epochs` or
         --max-steps `max_steps` (0: --epochs), mixed by --mix `mix`; `no_duplicates`: --batch-sampler
         no_duplicates (no text twice in a batch)."""
         self.train_sets, self.seed, self.mix, self.no_duplicates = train_sets, seed, mix, no_duplicates
@@ -384,7 +384,7 @@ def write_or_read_token_files(plan, loaded, rank):
     problem = token_cache.unsupported(loaded.tokenizer) if plan.tokenize == "once" else ""
     if problem and rank == 0:
         print(f"tokenized on the fly, not once: {problem}", flush=True)
-    # Each set's content hash (data.data_fingerprint, joined by run_plan.data_plan), so that an edit
+    # Each set's content hash (training_data.data_fingerprint, joined by run_plan.data_plan), so that an edit
     # datasets' own fingerprint (path and time) misses still makes a new file.
     fingerprints = plan.data_fingerprint.split("; ")
     if len(fingerprints) != len(plan.train_sets):

@@ -652,7 +652,7 @@ DATASET_SETTINGS = {
 
 
 def dataset_settings_of(cfg):
-    """--dataset-settings as {file stem: {setting: value}} (data.py checks that each stem is a
+    """--dataset-settings as {file stem: {setting: value}} (training_data.py checks that each stem is a
     --train-data file's). Raises ValueError naming the key or value at fault."""
     if not cfg.dataset_settings:
         return {}

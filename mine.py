@@ -31,7 +31,7 @@ Left out on purpose: models that do not fit on one device (every rank holds the 
 inference needs no FSDP), cross-encoder rescoring, the labeled-pair and labeled-list formats,
 FAISS, embedding caches, a BEIR corpus's titles (only its `text` column is read).
 
-Needs torch, transformers, datasets, and config.py, data.py, embedding_model.py (`ModelSpec`,
+Needs torch, transformers, datasets, and config.py, training_data.py, embedding_model.py (`ModelSpec`,
 `load_model`: the model as train.py loads it), eval_dist.py, fsdp_utils.py and startup_checks.py
 (`agree_on_error`).
 """
@@ -52,7 +52,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 import config
-import data
+import training_data
 import embedding_model
 import eval_dist
 import fsdp_utils
@@ -402,7 +402,7 @@ def check_output(args):
 
 def read_pairs(args):
     """(anchors, positives, anchor column, positive column) from --data."""
-    ds = data.load_data(args.data, "train", flag="--data")
+    ds = training_data.load_data(args.data, "train", flag="--data")
     columns = ds.column_names
     if len(ds) == 0:
         raise ValueError(f"--data {args.data}: the file holds no rows")
@@ -429,7 +429,7 @@ def read_pairs(args):
 
 
 def read_corpus(path):
-    ds = data.load_data(path, "train", flag="--corpus")
+    ds = training_data.load_data(path, "train", flag="--corpus")
     if "text" not in ds.column_names:
         raise ValueError(
             f"--corpus {path}: no `text` column (it has {ds.column_names}); one text per row under `text`"

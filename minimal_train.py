@@ -17,7 +17,7 @@ The steps, in the order main() takes them; where train.py does the same, and wha
   1. set_up: one process, or torchrun's process group.   train.py: fsdp_utils.setup_dist (+ restarts
      that heal themselves, a heartbeat that names a lost rank, timeouts: faults.py).
   2. read_data: a JSON Lines, JSON, CSV or Parquet file through `datasets`; the loss from the columns
-     (score: CoSENT, label: Softmax, else MNRL with any hard-negative columns).   data.py (+ shards,
+     (score: CoSENT, label: Softmax, else MNRL with any hard-negative columns).   training_data.py (+ shards,
      hub and saved sets, every row checked, several sets mixed, grouped rows, more losses).
   3. load_model: the encoder, then pooling and normalising as the model folder says; a new Softmax
      head drawn from the seed.   embedding_model.py (+ Dense heads, lasttoken pooling, prompts, EOS,

@@ -16,7 +16,7 @@ checkpointing and the LoRA target modules. It returns the FSDP block class names
 Left out on purpose: loading the weights (embedding_model.py does, once every check passed),
 and checking the values in them (the loss and the weights are checked while training).
 
-Needs transformers, and data.py (`root_cause`), embedding_model.py, export.py
+Needs transformers, and training_data.py (`root_cause`), embedding_model.py, export.py
 (`read_sentence_transformer_config`), fsdp_utils.py (`resolve_layer_classes`), lora.py and
 guide_model.py (`frozen_spec`).
 """
@@ -28,7 +28,7 @@ import os
 import torch
 import transformers
 
-import data
+import training_data
 import embedding_model
 import export
 import fsdp_utils
@@ -344,7 +344,7 @@ def pickle_problem(file):
             torch.load(file, map_location="cpu", weights_only=True)  # the pre-2019 format cannot be mapped
     except Exception as e:
         return (
-            f"cannot be loaded as tensors alone ({data.root_cause(e)[:200]}): "
+            f"cannot be loaded as tensors alone ({training_data.root_cause(e)[:200]}): "
             "it is truncated, or its pickle holds code; "
             "re-save the model as safetensors from a copy you trust"
         )

@@ -11,7 +11,7 @@ main() makes the Plan in two steps, each run on every rank and agreed on by coll
      Matryoshka sizes, MNRL directions, per-file settings, trackers, LoRA's names: config.py's
      parsers, which raise ValueError naming the flag); the model's files (model_checks.py) and the
      output folder;
-  2. `data_plan`: the training and evaluation data (data.py), checked against the flags; the
+  2. `data_plan`: the training and evaluation data (training_data.py), checked against the flags; the
      checkpoint a resume continues from (checkpoints.py; at another world size with its global
      batches kept: `resumed_batches`); every step's rows (batches.Schedule) and the counts that
      follow (total and warm-up steps, the Softmax head's classes).
@@ -19,7 +19,7 @@ main() prints `record(plan, loaded)`; every checkpoint and export saves it. benc
 fails when one of config.py's parsers is called anywhere but here, and when a function outside
 config.py, run_plan.py and main() is handed the Config.
 
-Needs config.py, data.py, batches.py, checkpoints.py, embedding_model.py (`ModelSpec`), export.py
+Needs config.py, training_data.py, batches.py, checkpoints.py, embedding_model.py (`ModelSpec`), export.py
 (`parse_size`) and model_checks.py: it is where the flags meet the files, not a file to copy alone.
 """
 
@@ -34,7 +34,7 @@ import torch
 import batches
 import checkpoints
 import config
-import data
+import training_data
 import embedding_model
 import export
 import model_checks
@@ -101,8 +101,9 @@ class Plan:
     layer_classes: list | None = None  # the FSDP block classes (model_checks.py), None when not sharding
     sharding: str = ""  # FSDP's --sharding; main() replaces "auto" with what the ranks agree on
     # the data (data_plan)
-    train_sets: list = dataclasses.field(default_factory=list)  # data.TrainSet, each with its LossPlan
-    eval_sets: list = dataclasses.field(default_factory=list)  # data.EvalSet
+    # training_data.TrainSet, each with its LossPlan
+    train_sets: list = dataclasses.field(default_factory=list)
+    eval_sets: list = dataclasses.field(default_factory=list)  # training_data.EvalSet
     schedule: object = ()  # batches.Schedule: every step's (epoch, set index, rows), drawn an epoch at a time
     total_steps: int = 0
     warmup_steps: int = 0
@@ -315,12 +316,12 @@ def data_plan(cfg, plan):
     the checkpoint to continue from, every step's rows. Returns the Plan with its data (a new one:
     add_train_sets, add_schedule). Raises ValueError."""
     if cfg.eval_only:  # no training data, no checkpoints: the evaluation data
-        eval_sets = data.load_eval_sets(cfg.eval_data, cfg.eval_type, True, plan.losses, 0)
-        data.check_eval_names(eval_sets, plan.matryoshka, cfg.metric_for_best)
+        eval_sets = training_data.load_eval_sets(cfg.eval_data, cfg.eval_type, True, plan.losses, 0)
+        training_data.check_eval_names(eval_sets, plan.matryoshka, cfg.metric_for_best)
         check_target_vectors(plan.model, eval_sets, "--eval-data")
         check_prompt_columns(plan, [], eval_sets)
         return add_schedule(plan, cfg, [], 0, eval_sets, "")
-    train_sets = data.load_train_sets(
+    train_sets = training_data.load_train_sets(
         cfg.train_data.split(","),
         cfg.train_split,
         cfg.train_subset,
@@ -331,9 +332,9 @@ def data_plan(cfg, plan):
         plan.model.prompts,
     )
     # One set: 'N rows, sha256 H', as before several sets could train together.
-    fingerprint = "; ".join(data.data_fingerprint(ts.ds, ts.read_columns) for ts in train_sets)
+    fingerprint = "; ".join(training_data.data_fingerprint(ts.ds, ts.read_columns) for ts in train_sets)
     before_arrow = lambda: "; ".join(  # noqa: E731
-        data.fingerprint_before_arrow(ts.ds, ts.read_columns) for ts in train_sets
+        training_data.fingerprint_before_arrow(ts.ds, ts.read_columns) for ts in train_sets
     )
     resume_dir = checkpoints.checkpoint_to_resume(
         cfg.output_dir, cfg.resume, cfg.overwrite, plan.flags, fingerprint, before_arrow
@@ -356,8 +357,10 @@ def data_plan(cfg, plan):
         plan.train_sets, cfg.seed, cfg.epochs, cfg.max_steps, cfg.mix, cfg.batch_sampler == "no_duplicates"
     )
     steps_per_epoch = len(schedule.set_orders[0])
-    eval_sets = data.load_eval_sets(cfg.eval_data, cfg.eval_type, False, plan.losses, plan.num_labels)
-    data.check_eval_names(eval_sets, plan.matryoshka, cfg.metric_for_best)
+    eval_sets = training_data.load_eval_sets(
+        cfg.eval_data, cfg.eval_type, False, plan.losses, plan.num_labels
+    )
+    training_data.check_eval_names(eval_sets, plan.matryoshka, cfg.metric_for_best)
     check_target_vectors(plan.model, eval_sets, "--eval-data")
     check_prompt_columns(plan, train_sets, eval_sets)
     plan = add_schedule(plan, cfg, schedule, steps_per_epoch, eval_sets, fingerprint)
@@ -495,8 +498,8 @@ def check_target_vectors(spec, sets, flag):
         if ts.loss != "mse" or ts.target is None:
             continue
         width = width or model_checks.model_width(spec)
-        for start, values in data.windows(ts.ds, ts.target):
-            if (i := data.bad_score_list(values, width)) is not None:
+        for start, values in training_data.windows(ts.ds, ts.target):
+            if (i := training_data.bad_score_list(values, width)) is not None:
                 raise ValueError(
                     f"{flag} {ts.name}: row {start + i} has {ts.target} = {str(values[i].as_py())[:80]}; "
                     f"--loss mse needs a list of {width} finite numbers, the teacher's embedding "
@@ -550,7 +553,7 @@ def check_prompt_columns(plan, train_sets, eval_sets):
 
 
 def add_train_sets(plan, cfg, train_sets):
-    """The training sets (data.load_train_sets), each with its global batch and LossPlan,
+    """The training sets (training_data.load_train_sets), each with its global batch and LossPlan,
     and the Softmax head's classes (at most one set has them)."""
     num_labels = max((ts.num_labels for ts in train_sets), default=0)
     train_sets = [
@@ -681,7 +684,7 @@ def other_global_batch(plan, cfg, saved, given, elastic):
 
 def add_schedule(plan, cfg, schedule, steps_per_epoch, eval_sets, fingerprint):
     """Every step's rows (batches.Schedule), the steps they make, and the
-    evaluation sets (data.load_eval_sets), each scored by --eval-type loss with its LossPlan."""
+    evaluation sets (training_data.load_eval_sets), each scored by --eval-type loss with its LossPlan."""
     eval_sets = [  # the training loss, of one rank's rows at a time: nothing gathered, no guide
         dataclasses.replace(
             es, loss_plan=loss_plan(plan, cfg, es.loss, False, plan.num_labels, gather=False, guided=False)

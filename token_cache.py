@@ -1,7 +1,7 @@
 """Texts tokenized once: each training set's token ids in a memory-mapped Arrow file, read by the loop.
 
 `write_or_read_token_table(ts, loaded, fallback_dir, fingerprint)` returns the table of a training set
-(data.TrainSet): one list<int32> column per text column, the ids of each row's text as
+(training_data.TrainSet): one list<int32> column per text column, the ids of each row's text as
 `loaded.tokenize` (embedding_model.py) makes them before padding: prompted, prepared, cut at the
 column's length, with the EOS an --append-eos tokenizer adds. The file lies beside the data set's
 own Arrow cache (where it has none, or that folder is read-only: in `fallback_dir`), named
@@ -91,7 +91,8 @@ def cache_path(ts, loaded, fallback_dir, fingerprint=""):
 def write_or_read_token_table(ts, loaded, fallback_dir, fingerprint=""):
     """The set's token ids as a memory-mapped Arrow table, written first if no process has yet.
     Returns (table, path, whether this process wrote it). `fingerprint`: the set's content hash
-    (data.data_fingerprint), so an edit that keeps the file's path and time still makes a new file."""
+    (training_data.data_fingerprint), so an edit that keeps the file's path and time still makes a
+    new file."""
     path = cache_path(ts, loaded, fallback_dir, fingerprint)
     os.makedirs(os.path.dirname(path), exist_ok=True)
     wrote = False

@@ -222,7 +222,7 @@ def floor(task, precision, max_steps, work_dir, repeats=3, timed_batches=20):
     sys.path.insert(0, REPO_DIR)
     import batches
     import config
-    import data
+    import training_data
     import embedding_model
     import run_plan
     import train
@@ -233,7 +233,7 @@ def floor(task, precision, max_steps, work_dir, repeats=3, timed_batches=20):
         ["--train-data", train_file, "--loss", loss, "--max-seq-length", str(SETTINGS["max_seq_length"])]
     )
     loaded = embedding_model.load_model(run_plan.resolve_flags(cfg, 1, torch.device("cpu")).model)
-    ds = data.load_data(train_file, "train")
+    ds = training_data.load_data(train_file, "train")
     columns = [c for c in ds.column_names if c != "score"]
     order = batches.epoch_order(len(ds), SETTINGS["seed"], 0)
     num_steps = min(max_steps, len(ds) // SETTINGS["batch"])

@@ -28,7 +28,7 @@ import datasets  # noqa: E402
 import batches  # noqa: E402
 
 
-import data  # noqa: E402
+import training_data  # noqa: E402
 
 
 def synthetic_pairs(num_rows, seed=0):
@@ -61,7 +61,9 @@ def main():
 
     columns = synthetic_pairs(args.rows)
     ds = datasets.Dataset.from_dict(columns)
-    sets = [data.TrainSet("synthetic", ds, "mnrl", ["anchor", "positive"], None, global_batch=args.batch)]
+    sets = [
+        training_data.TrainSet("synthetic", ds, "mnrl", ["anchor", "positive"], None, global_batch=args.batch)
+    ]
     results = {
         "rows": args.rows,
         "global_batch": args.batch,

@@ -62,7 +62,7 @@ def write_once(num_rows, folder):
     import transformers
 
     import batches
-    import data
+    import training_data
     import embedding_model
     import token_cache
 
@@ -72,7 +72,9 @@ def write_once(num_rows, folder):
         model=None, tokenizer=tokenizer, export_config=None, max_seq_length=128, lowercase=True
     )
     columns = ["anchor", "positive"]
-    ts = data.TrainSet(name="pairs", ds=ds, loss="mnrl", text_columns=columns, target=None, prompts={})
+    ts = training_data.TrainSet(
+        name="pairs", ds=ds, loss="mnrl", text_columns=columns, target=None, prompts={}
+    )
     peak, done = [rss_anon_mb()], threading.Event()
 
     def sample():

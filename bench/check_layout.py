@@ -20,7 +20,7 @@ reader can copy it with the few it needs; in the top-level files, every call of 
 collective (or DCP's save and load, or a state-dict function) carries "(all ranks participate)" in a
 comment on its line or directly above, and so does every phase of train.main that reaches one; no
 collective is reached inside an `if` that rank 0 alone enters (`unmarked_collectives` says what it
-cannot see); config.py's
+cannot see); no project file shares its name with a folder of the repository; config.py's
 parsers of a flag's text (PLAN_PARSERS) are called in run_plan.py alone, which resolves them once
 into the run's plan that every other file reads; and no function outside config.py, run_plan.py and
 train.main is handed the Config, under any name, or reads it from an enclosing function, and no
@@ -461,6 +461,9 @@ def measure():
         "unmarked_collectives": unmarked_collectives({f.name: f.read_text() for f in files}),
         "parsers_outside_plan": parsers_outside_plan(trees),
         "config_holders": config_holders({f.name: f.read_text() for f in files}),
+        # A module beside a folder of its name: where a pipeline has that folder as a package,
+        # `import NAME` finds the package, and the copied file fails far from the cause.
+        "modules_named_like_folders": sorted(f.stem for f in files if (REPO_DIR / f.stem).is_dir()),
         "minimal": {
             "lines": len((REPO_DIR / MINIMAL["file"]).read_text().splitlines()),
             "longest_function": max(function_lengths(trees[MINIMAL["file"]]).items(), key=lambda f: f[1]),
@@ -499,6 +502,9 @@ def missed(m):
         problems.append(f"{MINIMAL['file']} imports {', '.join(minimal['imports_beyond'])}")
     if m["readme_lines"] > README_LINES:
         problems.append(f"README.md has {m['readme_lines']} lines > {README_LINES}")
+    problems += [
+        f"{name}.py shares its name with the folder {name}/" for name in m["modules_named_like_folders"]
+    ]
     problems += [f"{name} imports train" for name, needed in m["imports"].items() if "train" in needed]
     problems += [f"{name} imports {m['imports'][name]}" for name in STANDALONE if m["imports"].get(name)]
     problems += [

@@ -28,7 +28,7 @@ import batches  # noqa: E402
 
 import config  # noqa: E402
 
-import data  # noqa: E402
+import training_data  # noqa: E402
 
 import embedding_model  # noqa: E402
 
@@ -226,9 +226,9 @@ def loss_on_fixed_rows(model_path, loss, data_path, head_file=None, num_rows=64,
     """The training loss of a model on rows the run trained on (the first of epoch 0's order,
     seen in its first few steps), dropout off: the same rows and the same function before and
     after training, so a drop means training worked."""
-    ds = data.load_data(data_path, "train")
+    ds = training_data.load_data(data_path, "train")
     rows = torch.randperm(len(ds), generator=torch.Generator().manual_seed(seed))[:num_rows].tolist()
-    text_columns, target, num_labels = data.data_columns(ds, loss)
+    text_columns, target, num_labels = training_data.data_columns(ds, loss)
     torch.manual_seed(seed)  # as train.py does before building the model: the same initial head
     loaded = load_model(config.Config(model=model_path, loss=loss), num_labels)
     model = loaded.model

@@ -17,7 +17,7 @@ import time
 
 import pytest
 from conftest import data_file, run_train, start_up
-import data
+import training_data
 import config
 
 
@@ -880,8 +880,8 @@ def test_resume_names_each_setting_that_differs_and_only_those(tmp_path):
     out = tmp_path / "out"
     saved = dataclasses.asdict(config.Config(output_dir=str(out)))
     saved.update(lr=1e-3, eval_steps=7, log_steps=3, save_steps=5)
-    ds = data.load_data(saved["train_data"], "train")
-    fingerprint = data.data_fingerprint(ds, ds.column_names)
+    ds = training_data.load_data(saved["train_data"], "train")
+    fingerprint = training_data.data_fingerprint(ds, ds.column_names)
     folder = out / "checkpoints" / "step-2"
     write_checkpoint(
         folder, {"step": 2, "world_size": 2, "config": saved, "train_data_fingerprint": fingerprint}
@@ -913,7 +913,7 @@ def test_resume_names_each_setting_that_differs_and_only_those(tmp_path):
         start_up(cfg, 2)
     # A checkpoint written before fingerprints hashed Arrow's buffers holds the old hash of its data:
     # the unchanged data is recognised by it, the edited data still refused.
-    old = data.fingerprint_before_arrow(ds, ds.column_names)
+    old = training_data.fingerprint_before_arrow(ds, ds.column_names)
     assert old.startswith("320 rows, sha256 ") and old != fingerprint
     write_checkpoint(folder, {"step": 2, "world_size": 2, "config": saved, "train_data_fingerprint": old})
     with pytest.raises(

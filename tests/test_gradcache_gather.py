@@ -38,7 +38,7 @@ from conftest import (
 import losses
 import batches
 import config
-import data
+import training_data
 import embedding_model
 import gradcache
 import run_plan
@@ -51,8 +51,8 @@ B = 6
 
 
 def batch(loss, num_rows=B):
-    ds = data.load_data(data_file(DATA[loss]), "train")
-    text_columns, target, num_labels = data.data_columns(ds, loss)
+    ds = training_data.load_data(data_file(DATA[loss]), "train")
+    text_columns, target, num_labels = training_data.data_columns(ds, loss)
     return ds[list(range(7, 7 + num_rows))], text_columns, target, num_labels
 
 
@@ -179,8 +179,8 @@ def test_cached_gradient_equals_plain_with_mnrl_directions():
 def test_cached_gradient_equals_plain_with_distill_kl_on_groups(tmp_path):
     """Listwise distillation over grouped rows (a positive and 3 negatives drawn per query, the
     teacher's scores with them) is a function of the embeddings too: GradCache serves it."""
-    ds = data.load_data(str(grouped_file(tmp_path / "groups.jsonl")), "train")
-    text_columns, target, _ = data.grouped_columns(ds, "distill_kl", 4)
+    ds = training_data.load_data(str(grouped_file(tmp_path / "groups.jsonl")), "train")
+    text_columns, target, _ = training_data.grouped_columns(ds, "distill_kl", 4)
     indices = list(range(7, 7 + B))
     rows = batches.grouped_rows(ds[indices], indices, 4, seed=12, step=0)
     torch.manual_seed(0)
@@ -320,7 +320,7 @@ def test_a_duplicate_across_ranks_is_masked_as_in_one_process(tmp_path, tiny_mod
     """The first global batch holds one text twice, on different ranks (row 1's positive is
     also row 9's: rank 0 holds rows 0-7, rank 1 rows 8-15). With --gather-negatives
     --mask-duplicates, world 2 x 8 == one process x 16: the text is never its own negative."""
-    ds = data.load_data(data_file(DATA["mnrl"]), "train")
+    ds = training_data.load_data(data_file(DATA["mnrl"]), "train")
     order = batches.epoch_order(len(ds), seed=3, epoch=0).tolist()
     rows = ds.to_list()
     rows[order[9]]["positive"] = rows[order[1]]["positive"]
@@ -379,8 +379,8 @@ def test_without_gather_two_halves_see_fewer_negatives(tiny_model):
     """The control, in-process: on the rows of the first global batch of 16, MNRL over all 16
     differs from the mean over two halves of 8 (what world 2 without --gather-negatives trains
     on), so the equalities above are the gather's doing."""
-    ds = data.load_data(data_file(DATA["mnrl"]), "train")
-    text_columns, _, _ = data.data_columns(ds, "mnrl")
+    ds = training_data.load_data(data_file(DATA["mnrl"]), "train")
+    text_columns, _, _ = training_data.data_columns(ds, "mnrl")
     rows = batches.epoch_order(len(ds), seed=3, epoch=0)[:16].tolist()
     loaded = load_model(config.Config(model=str(tiny_model), dropout=0.0, max_seq_length=32), 0)
     model = loaded.model

@@ -11,7 +11,7 @@ from conftest import REPO_DIR, load_model  # noqa: F401  (puts the repository on
 
 import batches
 
-import data
+import training_data
 
 import embedding_model
 
@@ -149,11 +149,11 @@ def table(**columns):
 
 def test_columns_follow_sentence_transformers_conventions():
     ds = table(anchor=["a", "b"], positive=["c", "d"], negative=["e", "f"])
-    assert data.data_columns(ds, "mnrl") == (["anchor", "positive", "negative"], None, 0)
+    assert training_data.data_columns(ds, "mnrl") == (["anchor", "positive", "negative"], None, 0)
     ds = table(sentence1=["a", "b"], sentence2=["c", "d"], score=[0.1, 0.9])
-    assert data.data_columns(ds, "cosent") == (["sentence1", "sentence2"], "score", 0)
+    assert training_data.data_columns(ds, "cosent") == (["sentence1", "sentence2"], "score", 0)
     ds = table(premise=["a", "b", "c"], hypothesis=["d", "e", "f"], label=[0, 2, 1])
-    assert data.data_columns(ds, "softmax") == (["premise", "hypothesis"], "label", 3)
+    assert training_data.data_columns(ds, "softmax") == (["premise", "hypothesis"], "label", 3)
 
 
 @pytest.mark.parametrize(
@@ -168,7 +168,7 @@ def test_columns_follow_sentence_transformers_conventions():
 )
 def test_bad_columns_name_the_problem(loss, columns, message):
     with pytest.raises(ValueError, match=message):
-        data.data_columns(table(**columns), loss)
+        training_data.data_columns(table(**columns), loss)
 
 
 def naive_first_problem(rows, text_columns, target):
@@ -186,7 +186,7 @@ def naive_first_problem(rows, text_columns, target):
 @pytest.mark.parametrize("where", [0, 65535, 65536, 70000])
 @pytest.mark.parametrize("problem", ["null", "empty", "spaces", "nan", "missing score"])
 def test_row_checks_name_the_first_bad_row_past_a_window(where, problem):
-    """check_rows works a window of data.ROWS_AT_ONCE rows at a time, in Arrow: the row it names
+    """check_rows works a window of training_data.ROWS_AT_ONCE rows at a time, in Arrow: the row it names
     is the one a Python loop over every row names, before, at and past a window's edge."""
     rows = [{"sentence1": f"text {i}", "sentence2": f"other {i}", "score": i % 5 / 5} for i in range(70002)]
     column = "sentence2" if problem in ("null", "empty", "spaces") else "score"
@@ -198,7 +198,7 @@ def test_row_checks_name_the_first_bad_row_past_a_window(where, problem):
     want = naive_first_problem(rows, ["sentence1", "sentence2"], "score")
     assert want.startswith(f"row {where} "), want
     with pytest.raises(ValueError) as error:
-        data.check_rows(ds, ["sentence1", "sentence2"], "score", "--train-data x")
+        training_data.check_rows(ds, ["sentence1", "sentence2"], "score", "--train-data x")
     assert want in str(error.value), (want, str(error.value))
 
 
@@ -214,13 +214,13 @@ def test_the_fingerprint_follows_the_rows_not_the_chunks(tmp_path):
     path = tmp_path / "rows.jsonl"
     path.write_text("".join(json.dumps(r) + "\n" for r in rows))
     columns = ["anchor", "positive", "score"]
-    from_file = data.data_fingerprint(data.load_data(str(path), "train"), columns)
+    from_file = training_data.data_fingerprint(training_data.load_data(str(path), "train"), columns)
     in_memory = datasets.Dataset.from_list(rows)
     one_per_chunk = datasets.concatenate_datasets([datasets.Dataset.from_list([r]) for r in rows])
     assert (
-        data.data_fingerprint(in_memory, columns)
+        training_data.data_fingerprint(in_memory, columns)
         == from_file
-        == data.data_fingerprint(one_per_chunk, columns)
+        == training_data.data_fingerprint(one_per_chunk, columns)
     )
     assert from_file.startswith("300 rows, arrow-sha256 ")
     for change in ("edit", "move", "score"):
@@ -231,4 +231,6 @@ def test_the_fingerprint_follows_the_rows_not_the_chunks(tmp_path):
             changed[3], changed[4] = changed[4], changed[3]
         else:
             changed[299]["score"] += 1e-9
-        assert data.data_fingerprint(datasets.Dataset.from_list(changed), columns) != from_file, change
+        assert training_data.data_fingerprint(datasets.Dataset.from_list(changed), columns) != from_file, (
+            change
+        )

@@ -23,7 +23,7 @@ import batches
 
 import config
 
-import data
+import training_data
 
 
 import train
@@ -198,7 +198,7 @@ def test_scale_reaches_the_loss(tmp_path, tiny_model):
         )
     )
     logged = read_metrics(out)[0]["loss"]
-    ds = data.load_data(data_path, "train")
+    ds = training_data.load_data(data_path, "train")
     rows = ds[batches.epoch_order(len(ds), seed=12, epoch=0)[:8].tolist()]
     loaded = load_model(config.Config(model=str(tiny_model), dropout=0.0, max_seq_length=32), 0)
     features, _ = batches.collate(

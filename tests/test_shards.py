@@ -15,7 +15,7 @@ import pytest
 import torch
 from conftest import data_file, export_weights, read_metrics, run_train
 
-import data
+import training_data
 
 ROWS = [json.loads(line) for line in open(data_file("stsb-train.jsonl"))][:300]
 
@@ -42,54 +42,57 @@ def test_shards_load_as_the_rows_of_the_file_in_order(tmp_path, kind, form):
     path = str(folder / f"*.{kind}") if form == "glob" else str(folder)
     (folder / "_SUCCESS").write_text("")  # left out, as Spark's markers and checksums are
     (folder / f".part-0.{kind}.crc").write_text("")
-    ds = data.load_data(path, "train")
+    ds = training_data.load_data(path, "train")
     assert ds.to_list() == ROWS
-    assert data.set_name(path) == "shards" and data.set_name(data_file("stsb-train.jsonl")) == "stsb-train"
+    assert (
+        training_data.set_name(path) == "shards"
+        and training_data.set_name(data_file("stsb-train.jsonl")) == "stsb-train"
+    )
 
 
 @pytest.mark.quick
 def test_a_saved_folder_keeps_its_meaning(tmp_path):
     datasets.Dataset.from_list(ROWS[:10]).save_to_disk(tmp_path / "saved.v2")
-    assert data.load_data(str(tmp_path / "saved.v2"), "train").to_list() == ROWS[:10]
-    assert data.set_name(str(tmp_path / "saved.v2")) == "saved"  # its stem, as before shards
+    assert training_data.load_data(str(tmp_path / "saved.v2"), "train").to_list() == ROWS[:10]
+    assert training_data.set_name(str(tmp_path / "saved.v2")) == "saved"  # its stem, as before shards
     folder = write_shards(tmp_path / "shards.v2", "jsonl")
-    assert data.set_name(str(folder) + "/") == "shards.v2"
-    assert data.set_name(str(tmp_path / "data" / "**" / "*.parquet")) == "data"
+    assert training_data.set_name(str(folder) + "/") == "shards.v2"
+    assert training_data.set_name(str(tmp_path / "data" / "**" / "*.parquet")) == "data"
 
 
 @pytest.mark.quick
 def test_bad_shards_are_named(tmp_path):
     with pytest.raises(ValueError, match="no file matches the pattern"):
-        data.load_data(str(tmp_path / "none" / "*.parquet"), "train")
+        training_data.load_data(str(tmp_path / "none" / "*.parquet"), "train")
     (tmp_path / "empty").mkdir()
     with pytest.raises(ValueError, match="a folder with no data files"):
-        data.load_data(str(tmp_path / "empty"), "train")
+        training_data.load_data(str(tmp_path / "empty"), "train")
     mixed = write_shards(tmp_path / "mixed", "jsonl")
     write_shards(tmp_path / "more", "parquet")
     (tmp_path / "more" / "part-0.parquet").rename(mixed / "part-9.parquet")
     with pytest.raises(
         ValueError, match=r"its files are \.jsonl, \.parquet; the shards of one data set share one"
     ):
-        data.load_data(str(mixed), "train")
+        training_data.load_data(str(mixed), "train")
     bad = write_shards(tmp_path / "bad", "jsonl")
     lines = (bad / "part-1.jsonl").read_text().splitlines()
     lines[6] = lines[6][:-1]  # line 7 of the second shard loses its closing brace
     (bad / "part-1.jsonl").write_text("\n".join(lines) + "\n")
     with pytest.raises(ValueError, match=r"part-1\.jsonl: cannot be read as json: line 7 is not valid JSON"):
-        data.load_data(str(bad / "part-*.jsonl"), "train")
+        training_data.load_data(str(bad / "part-*.jsonl"), "train")
     (bad / "part-1.jsonl").write_bytes(b'{"sentence1": "caf\xe9"}\n')
     with pytest.raises(ValueError, match=r"part-1\.jsonl: line 1 is not UTF-8 \(byte 0xe9\)"):
-        data.load_data(str(bad), "train")
+        training_data.load_data(str(bad), "train")
     (bad / "part-2.jsonl").write_text("")
     (bad / "part-1.jsonl").write_text(json.dumps(ROWS[0]) + "\n")
     with pytest.raises(ValueError, match=r"part-2\.jsonl: the file is empty"):
-        data.load_data(str(bad), "train")
+        training_data.load_data(str(bad), "train")
     columns = write_shards(tmp_path / "columns", "parquet")
     pq.write_table(pa.Table.from_pylist([{"text": "a", "other": "b"}]), columns / "part-1.parquet")
     with pytest.raises(
         ValueError, match=r"part-1\.parquet: columns \['other', 'text'\], but .*part-0\.parquet has \["
     ):
-        data.load_data(str(columns), "train")
+        training_data.load_data(str(columns), "train")
 
 
 def test_a_run_on_shards_equals_the_run_on_their_files(tmp_path, tiny_model):

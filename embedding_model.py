@@ -434,7 +434,7 @@ def bidirectional_config(model_config):
     """A copy of `model_config` that attends in both directions (--bidirectional), made the way
     from_pretrained reads it back (from its dict), so training runs the very config the export
     saves: Gemma3's, for one, also halves its sliding window when the setting is on.
-    model_checks.bidirectional_problem has checked that the model's code honours it."""
+    model_checks.check_bidirectional has checked that the model's code honours it."""
     return type(model_config).from_dict({**model_config.to_dict(), "use_bidirectional_attention": True})
 
 

@@ -28,8 +28,9 @@ Cross-device negatives (`mnrl_loss(..., gather=True)`): under torchrun every ran
 candidates become negatives for every rank's anchors; works on any wrapper (DDP, FSDP1, FSDP2)
 because it only sees embeddings. A collective hidden in a loss (all ranks participate): an
 all_gather in the forward, a reduce-scatter in the backward, so every rank computes the loss.
-GradCache is not here: it re-runs the model, so it lives in the training loop (train.py,
-`cached_backward`), and serves every loss below unchanged.
+GradCache is not here: it re-runs the model, so it lives beside the training step
+(gradcache.py, `cached_backward`, which train.forward_backward calls), and serves every loss below
+unchanged.
 
 Left out on purpose: similarity functions other than cosine.
 """

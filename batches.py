@@ -418,19 +418,6 @@ def text_ids(texts, prepare):
 # Length-sorted sub-batches: the same batch for the loss, less padding computed
 
 
-def pool_columns(features):
-    """The columns' tokens as one batch: column 0's rows, then column 1's, ... collate gives them
-    one padded length; columns tokenized apart are padded to the longest, on their tokenizer's
-    side (left if any column has a row that starts with padding), with masked zeros."""
-    T = max(tokens["attention_mask"].shape[1] for tokens in features)
-    left = any(not tokens["attention_mask"][:, 0].all() for tokens in features)
-
-    def pad(v):
-        return torch.nn.functional.pad(v, (T - v.shape[1], 0) if left else (0, T - v.shape[1]))
-
-    return {k: torch.cat([pad(tokens[k]) for tokens in features]) for k in features[0]}
-
-
 # The cost of one more forward, in padded tokens: what a sub-batch must save to be worth running.
 # CPU: measured with train.py itself at one and two processes (docs/steps.md has the numbers).
 # CUDA: a guess (a GPU forward has a larger fixed cost, so fewer, larger forwards); not measured.
@@ -485,23 +472,21 @@ def group_count(padded_K, forward_cost):
     return 1 + costs.index(min(costs))
 
 
-def sub_batches(features, length_buckets, device, equal_sizes=False):
-    """The groups of rows embed_columns runs as one encoder pass each, as row sets of the pool of
-    all text columns (pool_columns): consecutive runs of the pool's rows sorted by length, cut
-    where they save the most padding (equal_sizes: into equally many rows, as GradCache needs:
-    see below). `length_buckets`: the number of groups; 0: the number that saves the most
+def sub_batches(mask_NT, length_buckets, device, equal_sizes=False):
+    """The groups of rows embed_columns runs as one encoder pass each, as row sets of the pool of all text
+    columns (embedding_model.pool_columns; `mask_NT`: its attention mask): consecutive runs of the pool's
+    rows sorted by length, cut where they save the most padding (equal_sizes: into equally many rows, as
+    GradCache needs: see below). `length_buckets`: the number of groups; 0: the number that saves the most
     (padded tokens plus FORWARD_COST_TOKENS per pass), chosen by each rank alone.
 
-    Each rank may choose its own: under DDP the wrapped model is called once per micro-batch
-    (GradCache: once per chunk, and DDP broadcasts its buffers only in a forward that follows
-    a synchronised one with gradients, so extra chunks add no collective). Under FSDP every
-    encoder pass gathers each block (all ranks participate), so every rank runs as many: train.py
-    fixes the count there (--length-buckets; 1 unless set), and GradCache's chunks agree too
-    when micro-batches are equal in size and groups equal in rows. None: one forward over the
-    whole pool, in batch order."""
-    mask_BT = pool_columns(features)["attention_mask"]
-    max_groups = min(length_buckets or MAX_AUTO_GROUPS, len(mask_BT))
-    padded_K, runs = length_sorted_cuts(mask_BT, max_groups)
+    Each rank may choose its own: under DDP the wrapped model is called once per micro-batch (GradCache:
+    once per chunk, and DDP broadcasts its buffers only in a forward that follows a synchronised one with
+    gradients, so extra chunks add no collective). Under FSDP every encoder pass gathers each block (all
+    ranks participate), so every rank runs as many: train.py fixes the count there (--length-buckets; 1
+    unless set), and GradCache's chunks agree too when micro-batches are equal in size and groups equal in
+    rows. None: one forward over the whole pool, in batch order."""
+    max_groups = min(length_buckets or MAX_AUTO_GROUPS, len(mask_NT))
+    padded_K, runs = length_sorted_cuts(mask_NT, max_groups)
     if length_buckets:
         count = max_groups
     else:
@@ -513,52 +498,3 @@ def sub_batches(features, length_buckets, device, equal_sizes=False):
     # One forward: the pool as it comes (None), nothing to sort and put back; so its gradients
     # are summed over the rows in batch order, as a plain padded forward sums them.
     return runs(count) if count > 1 else None
-
-
-# ----------------------------------------------------------------------------------------------
-# Packing: a micro-batch's texts in one forward that computes no padding
-
-
-@dataclasses.dataclass
-class Packing:
-    """Where pack put each text's tokens: P rows of L slots, whole texts end to end."""
-
-    take_PL: torch.Tensor  # each slot's token, as an index into the flattened (N, T) batch; -1: empty
-    position_PL: torch.Tensor  # each slot's position within its own text: 0, 1, ...
-    text_PL: torch.Tensor  # each slot's text (its row in the batch); -1: empty
-    put_NT: torch.Tensor  # each real token of the (N, T) batch: its slot in the flattened (P, L) rows
-
-
-def pack(features):
-    """The Packing of a micro-batch's texts, all columns as one pool (pool_columns; padding on
-    either side): rows as wide as its longest text, filled first-fit in order of decreasing length
-    (ties in batch order). A row's attention is never wider than the padded batch's, and its other
-    layers compute (almost) only real tokens (docs/steps.md: STS-B against a padded batch and
-    sub_batches). Each rank packs its own rows into one forward, so FSDP ranks still run the same
-    collectives."""
-    mask_NT = pool_columns(features)["attention_mask"]
-    lengths = mask_NT.sum(1).tolist()
-    width = max(lengths)
-    rows, room = [], []  # each row's texts, and its free slots
-    for n in sorted(range(len(lengths)), key=lambda n: -lengths[n]):
-        p = next((p for p, free in enumerate(room) if free >= lengths[n]), len(rows))
-        if p == len(rows):
-            rows.append([])
-            room.append(width)
-        rows[p].append(n)
-        room[p] -= lengths[n]
-    T = mask_NT.shape[1]
-    take_PL = torch.full((len(rows), width), -1, dtype=torch.long)
-    position_PL, text_PL = torch.zeros_like(take_PL), torch.full_like(take_PL, -1)
-    put_NT = torch.zeros(mask_NT.shape, dtype=torch.long)
-    for p, texts in enumerate(rows):
-        start = 0
-        for n in texts:
-            columns_K = mask_NT[n].nonzero().squeeze(1)  # the text's tokens, in order
-            slots_K = torch.arange(start, start + len(columns_K))
-            take_PL[p, slots_K] = n * T + columns_K
-            position_PL[p, slots_K] = slots_K - start
-            text_PL[p, slots_K] = n
-            put_NT[n, columns_K] = p * width + slots_K
-            start += len(columns_K)
-    return Packing(take_PL, position_PL, text_PL, put_NT)

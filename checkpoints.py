@@ -75,21 +75,6 @@ def _tensor_state(model, optimizer):
     return tensors, hyper
 
 
-def rng_states():
-    """This process's random-number generator states (CPU, and the current CUDA device's where
-    present): what a checkpoint keeps, and what GradCache restores before re-running a chunk."""
-    states = {"cpu": torch.get_rng_state()}
-    if torch.cuda.is_available():
-        states["cuda"] = torch.cuda.get_rng_state()
-    return states
-
-
-def set_rng_states(states):
-    torch.set_rng_state(states["cpu"])
-    if "cuda" in states:
-        torch.cuda.set_rng_state(states["cuda"])
-
-
 MANIFEST = "manifest.json"
 
 
@@ -195,7 +180,7 @@ def save_checkpoint(model, optimizer, checkpoints_dir, step, trainer_state, keep
                     tmp_dir, save_distributed=True, enable_consolidation=False
                 ),
             )
-        save_file(rng_states(), os.path.join(tmp_dir, f"rng-rank-{rank}.safetensors"))
+        save_file(fsdp_utils.rng_states(), os.path.join(tmp_dir, f"rng-rank-{rank}.safetensors"))
         if rank == 0:
             with open(os.path.join(tmp_dir, "trainer_state.json"), "w") as f:
                 json.dump({**trainer_state, "step": step, "optimizer_hyperparameters": hyper}, f, indent=1)
@@ -259,7 +244,7 @@ def load_checkpoint(model, optimizer, checkpoint_dir):
             optim_state_dict=optim_state,
             options=StateDictOptions(**CHECKPOINT_OPTIONS),
         )
-    set_rng_states(rng_for_rank(checkpoint_dir, rank))
+    fsdp_utils.set_rng_states(rng_for_rank(checkpoint_dir, rank))
     return trainer_state
 
 

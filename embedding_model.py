@@ -9,7 +9,7 @@ Under FSDP it builds the model on the meta device when the weights can be read s
 so no rank ever holds the whole model (fsdp_utils.load_pretrained_sharded fills the shards).
 `LoadedModel.tokenize` is the one place texts become token ids, in training and evaluation.
 
-Needs transformers, safetensors, and config.py, batches.py (`Packing`), fsdp_utils.py, lora.py
+Needs transformers, safetensors, and config.py, fsdp_utils.py, lora.py
 and export.py (`read_sentence_transformer_config`).
 """
 
@@ -24,7 +24,6 @@ import torch
 import torch.nn.functional as F
 import transformers
 
-import batches
 import config
 import export
 import fsdp_utils
@@ -122,7 +121,7 @@ class EmbeddingModel(torch.nn.Module):
         pooling keeps, when it leaves out the prompts' tokens (LoadedModel.tokenize; None: the
         attention mask). `groups` (row-index tensors that
         together hold every row once: sub_batches) runs the encoder once per group, each without
-        the positions that are padding in all its rows; a batches.Packing runs it once over packed
+        the positions that are padding in all its rows; a Packing (pack) runs it once over packed
         rows (embed_packed); None runs it once. Or, with `head_input`
         (B, 3D), the Softmax head's logits. The head goes through forward too, so the wrapper
         sees every parameter used."""
@@ -145,7 +144,7 @@ class EmbeddingModel(torch.nn.Module):
             tokens["pool_mask"] = pool_mask
         if groups is None:
             return self.embed(tokens)
-        if isinstance(groups, batches.Packing):
+        if isinstance(groups, Packing):
             return self.embed_packed(tokens, groups)
         pieces = [self.embed(select_rows(tokens, rows)) for rows in groups]
         return torch.cat(pieces)[torch.argsort(torch.cat(groups))]
@@ -166,7 +165,7 @@ class EmbeddingModel(torch.nn.Module):
         return F.normalize(emb_BD, p=2, dim=-1) if self.normalize else emb_BD
 
     def embed_packed(self, tokens, packing):
-        """One encoder pass over packed rows (batches.pack): each slot takes its token's looked-up
+        """One encoder pass over packed rows (pack): each slot takes its token's looked-up
         embedding and its position within its own text, and attends only to its own text's slots
         (causal models: only the earlier ones); empty slots attend to each other, and no text reads
         them. The states are put back where the padded batch has them and pooled as there, so each
@@ -191,6 +190,67 @@ class EmbeddingModel(torch.nn.Module):
         states_QD = self.encoder(**packed).last_hidden_state.flatten(0, 1)
         pool_mask_BT = tokens.get("pool_mask", tokens["attention_mask"])
         return self.pooled(states_QD[packing.put_NT.to(device)], pool_mask_BT)
+
+
+def pool_columns(features):
+    """The columns' tokens as one batch: column 0's rows, then column 1's, ... collate gives them
+    one padded length; columns tokenized apart are padded to the longest, on their tokenizer's
+    side (left if any column has a row that starts with padding), with masked zeros."""
+    T = max(tokens["attention_mask"].shape[1] for tokens in features)
+    left = any(not tokens["attention_mask"][:, 0].all() for tokens in features)
+
+    def pad(v):
+        return torch.nn.functional.pad(v, (T - v.shape[1], 0) if left else (0, T - v.shape[1]))
+
+    return {k: torch.cat([pad(tokens[k]) for tokens in features]) for k in features[0]}
+
+
+# ----------------------------------------------------------------------------------------------
+# Packing: a micro-batch's texts in one forward that computes no padding
+
+
+@dataclasses.dataclass
+class Packing:
+    """Where pack put each text's tokens: P rows of L slots, whole texts end to end."""
+
+    take_PL: torch.Tensor  # each slot's token, as an index into the flattened (N, T) batch; -1: empty
+    position_PL: torch.Tensor  # each slot's position within its own text: 0, 1, ...
+    text_PL: torch.Tensor  # each slot's text (its row in the batch); -1: empty
+    put_NT: torch.Tensor  # each real token of the (N, T) batch: its slot in the flattened (P, L) rows
+
+
+def pack(mask_NT):
+    """The Packing of a micro-batch's texts, all columns as one pool (`mask_NT`: its attention mask,
+    pool_columns; padding on either side): rows as wide as its longest text, filled first-fit in order of
+    decreasing length (ties in batch order). A row's attention is never wider than the padded batch's, and
+    its other layers compute (almost) only real tokens (docs/steps.md: STS-B against a padded batch and
+    sub_batches). Each rank packs its own rows into one forward, so FSDP ranks still run the same
+    collectives."""
+    lengths = mask_NT.sum(1).tolist()
+    width = max(lengths)
+    rows, room = [], []  # each row's texts, and its free slots
+    for n in sorted(range(len(lengths)), key=lambda n: -lengths[n]):
+        p = next((p for p, free in enumerate(room) if free >= lengths[n]), len(rows))
+        if p == len(rows):
+            rows.append([])
+            room.append(width)
+        rows[p].append(n)
+        room[p] -= lengths[n]
+    T = mask_NT.shape[1]
+    take_PL = torch.full((len(rows), width), -1, dtype=torch.long)
+    position_PL, text_PL = torch.zeros_like(take_PL), torch.full_like(take_PL, -1)
+    put_NT = torch.zeros(mask_NT.shape, dtype=torch.long)
+    for p, texts in enumerate(rows):
+        start = 0
+        for n in texts:
+            columns_K = mask_NT[n].nonzero().squeeze(1)  # the text's tokens, in order
+            slots_K = torch.arange(start, start + len(columns_K))
+            take_PL[p, slots_K] = n * T + columns_K
+            position_PL[p, slots_K] = slots_K - start
+            text_PL[p, slots_K] = n
+            put_NT[n, columns_K] = p * width + slots_K
+            start += len(columns_K)
+    return Packing(take_PL, position_PL, text_PL, put_NT)
 
 
 def packing_support(encoder, takes_positions):

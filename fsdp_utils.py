@@ -451,18 +451,19 @@ def is_fsdp2(model):
     return fsdp is not None and isinstance(model, fsdp.FSDPModule)
 
 
-def gradient_sync(model, enabled):
-    """Context for one micro-step's backward. DDP with `enabled=False`: the gradients accumulate
-    locally and are all-reduced in the next synchronised backward (accumulation without
-    communication). FSDP reduce-scatters in every backward, whatever `enabled` says, and
-    accumulates the gradients in their shards: skipping it (FSDP1's no_sync, FSDP2's
-    set_requires_gradient_sync(False)) keeps every parameter's unsharded gradient until the
-    last micro-step, a whole model's gradients on every rank, which is what FSDP is there to
-    avoid. The price: one reduce-scatter per micro-step (per GradCache chunk), not per step."""
-    # Only DDP defers: one process needs nothing, also under torchrun (a process group of one).
-    if enabled or not isinstance(model, torch.nn.parallel.DistributedDataParallel):
-        return contextlib.nullcontext()
-    return model.no_sync()
+def rng_states():
+    """This process's random-number generator states (CPU, and the current CUDA device's where
+    present): what a checkpoint keeps, and what GradCache restores before re-running a chunk."""
+    states = {"cpu": torch.get_rng_state()}
+    if torch.cuda.is_available():
+        states["cuda"] = torch.cuda.get_rng_state()
+    return states
+
+
+def set_rng_states(states):
+    torch.set_rng_state(states["cpu"])
+    if "cuda" in states:
+        torch.cuda.set_rng_state(states["cuda"])
 
 
 def clip_grad_norm(model, max_norm):

@@ -133,15 +133,14 @@ def embed(frozen, rows, train_set, device, autocast, num_columns=None):
     tokens = frozen.loaded.tokenize(flat, None, prompts)
     # As many forwards on every rank: one packed, or the plan's count of sub-batches (fixed under FSDP),
     # cut into chunks of equally many rows (equal micro-batches make equally many).
+    mask_NT = tokens["attention_mask"]
     if frozen.packed:
-        groups = batches.pack([tokens])
+        groups = embedding_model.pack(mask_NT)
     else:
-        groups = batches.sub_batches([tokens], frozen.length_buckets, device, frozen.chunk_size > 0)
+        groups = batches.sub_batches(mask_NT, frozen.length_buckets, device, frozen.chunk_size > 0)
+    if frozen.chunk_size:  # at most --cache-chunk-size rows an encoder pass
+        groups = [rows for group in groups for rows in group.split(frozen.chunk_size)]
     pool = {k: v.to(device) for k, v in tokens.items()}
     with torch.no_grad(), autocast():
-        if not frozen.chunk_size:
-            embs = frozen.model(**pool, groups=groups).float()
-            return list(embs.split(len(texts[0])))
-        chunks = [rows for group in groups for rows in group.split(frozen.chunk_size)]
-        pieces = [frozen.model(**embedding_model.select_rows(pool, rows)).float() for rows in chunks]
-    return list(torch.cat(pieces)[torch.argsort(torch.cat(chunks))].split(len(texts[0])))
+        embs = frozen.model(**pool, groups=groups).float()  # in pool order
+    return list(embs.split(len(texts[0])))

@@ -34,6 +34,7 @@ on the rows of 1 process x batch B x 2 accumulation steps; a resumed run continu
 Left out on purpose: CPU offload.
 """
 
+import contextlib
 import dataclasses
 import faulthandler
 import functools
@@ -235,7 +236,7 @@ class StepOptions:
 
     grad_accum_steps: int
     cache_chunk_size: int  # GradCache's chunk of rows; 0: off
-    packed: bool  # one forward over packed rows (batches.pack); else length_buckets' sub-batches
+    packed: bool  # one forward over packed rows (embedding_model.pack); else length_buckets' sub-batches
     length_buckets: int  # forwards per micro-batch; 0: chosen for each (batches.sub_batches)
     prepare: object  # None, or the model's text preparation, for MNRL's duplicate-safe negatives
     has_head: bool  # the model has a Softmax head (GradCache touches it in its last backward)
@@ -275,40 +276,63 @@ def forward_backward(model, train_set, rows, features, labels, opts, sync):
     """One micro-batch's forward, loss and backward; returns its loss (detached, divided by the
     accumulation steps). (all ranks participate) Under FSDP every forward and backward is a
     collective; under DDP the backward all-reduces the gradients when `sync` (the step's last
-    micro-batch: fsdp_utils.gradient_sync). A guide or teacher embeds the rows once, before."""
-    guide, labels = guide_model.embed_rows(opts, rows, train_set, labels)
+    micro-batch: gradient_sync). A guide or teacher embeds the rows once, before."""
+    guide = None
+    if opts.guide or opts.teacher:
+        guide, labels = guide_model.embed_rows(opts, rows, train_set, labels)
     ids = None
     if opts.prepare and train_set.loss == "mnrl":
         ids = [batches.text_ids(rows[c], opts.prepare).to(opts.device) for c in train_set.text_columns]
-    # Less padding computed, the same batch for the loss (batches.py: why each rank may cut its own).
+    # Every column's rows as one pool; less padding computed, the same batch for the loss
+    # (batches.py: why each rank may cut its own).
+    pool = embedding_model.pool_columns(features)
     if opts.packed:
-        groups = batches.pack(features)
+        groups = embedding_model.pack(pool["attention_mask"])
     else:
-        groups = batches.sub_batches(features, opts.length_buckets, opts.device, opts.cache_chunk_size > 0)
-    features = [{k: v.to(opts.device) for k, v in tokens.items()} for tokens in features]
+        groups = batches.sub_batches(
+            pool["attention_mask"], opts.length_buckets, opts.device, opts.cache_chunk_size > 0
+        )
+    pool = {k: v.to(opts.device) for k, v in pool.items()}
     labels = labels.to(opts.device) if labels is not None else None
 
     def micro_batch_loss(embs):
-        """From its column embeddings (GradCache: cached ones). (all ranks participate)"""
+        """From its column embeddings (GradCache: cached ones)."""
         return embeddings_loss(model, embs, labels, train_set.loss_plan, ids, guide) / opts.grad_accum_steps
 
-    if opts.cache_chunk_size:
+    if opts.cache_chunk_size:  # GradCache: the groups cut into chunks, one chunk's activations at a time
+        whole = groups or [torch.arange(len(pool["input_ids"]))]
+        chunks = [rows for group in whole for rows in group.split(opts.cache_chunk_size)]
+        touch_head = lambda emb: 0.0 * model(head_input=emb[:1].repeat(1, 3)).float().sum()  # noqa: E731
         return gradcache.cached_backward(
-            model,
-            features,
+            lambda rows: model(**embedding_model.select_rows(pool, rows)),
+            chunks,
+            len(features),
             micro_batch_loss,
-            opts.cache_chunk_size,
             sync=sync,
+            gradient_sync=functools.partial(gradient_sync, model),
             autocast=opts.autocast,
             scale_loss=opts.scale_loss,
-            has_head=opts.has_head,
-            groups=groups,
+            touch_head=touch_head if opts.has_head else None,
         )
-    with fsdp_utils.gradient_sync(model, enabled=sync):
+    with gradient_sync(model, enabled=sync):
         with opts.autocast():
-            loss = micro_batch_loss(embed_columns(model, features, groups))
+            loss = micro_batch_loss(embed_columns(model, pool, len(features), groups))
         opts.scale_loss(loss).backward()
     return loss.detach()
+
+
+def gradient_sync(model, enabled):
+    """Context for one micro-step's backward. DDP with `enabled=False`: the gradients accumulate
+    locally and are all-reduced in the next synchronised backward (accumulation without
+    communication). FSDP reduce-scatters in every backward, whatever `enabled` says, and
+    accumulates the gradients in their shards: skipping it (FSDP1's no_sync, FSDP2's
+    set_requires_gradient_sync(False)) keeps every parameter's unsharded gradient until the
+    last micro-step, a whole model's gradients on every rank, which is what FSDP is there to
+    avoid. The price: one reduce-scatter per micro-step (per GradCache chunk), not per step."""
+    # Only DDP defers: one process needs nothing, also under torchrun (a process group of one).
+    if enabled or not isinstance(model, torch.nn.parallel.DistributedDataParallel):
+        return contextlib.nullcontext()
+    return model.no_sync()
 
 
 def clip_and_step(model, optimizer, scheduler, scaler, max_grad_norm):
@@ -345,18 +369,19 @@ def log_step(meter, log, progress, step, epoch, grad_norm, lr):
     return record["loss"]
 
 
-def embed_columns(model, features, groups=None):
+def embed_columns(model, pool, num_columns, groups=None):
     """The embeddings of each text column, in batch order, through the wrapped `model` (DDP/FSDP
     hook their gradient synchronisation, and FSDP its parameter gathering, into each forward).
-    All columns' rows are embedded as one pool (batches.pool_columns), in one call: `groups`
-    (from sub_batches) are row sets of that pool, one encoder pass each, each without the
-    positions that are padding in all its rows; None: one pass for the whole pool. Fewer passes
+    All `num_columns` columns' rows are embedded as one pool (embedding_model.pool_columns), in
+    one call: `groups` (sub_batches) are row sets of that pool, one encoder pass each, each without
+    the positions that are padding in all its rows; a Packing (embedding_model.pack) one pass over
+    packed rows; None: one pass for the whole pool. Fewer passes
     matter beyond speed: a parameter used by two forwards gets its gradient only when backward
     has gone through both, so with a forward per column FSDP would hold a whole unsharded copy
     of the gradients on every rank. The losses run in fp32 even when the encoder computes in
     bf16/fp16."""
-    embs = model(**batches.pool_columns(features), groups=groups).float()  # in pool order
-    return list(embs.split(len(features[0]["input_ids"])))
+    embs = model(**pool, groups=groups).float()  # in pool order
+    return list(embs.chunk(num_columns))
 
 
 def embeddings_loss(model, embs, labels, loss, text_ids=None, guide=None):

@@ -7,7 +7,7 @@ runs it).
     python bench/check_layout.py            # the table, and any target missed
     python bench/check_layout.py --json     # the same numbers as JSON
 
-Targets: train.py at most 550 lines; main() at most 70 lines; the training loop (main's
+Targets: train.py at most 600 lines; main() at most 80 lines; the training loop (main's
 `for step in ...`) within the first 250 lines of train.py; no other function over 60 lines in
 any top-level file; no top-level file (a project file) over 800 lines; no line over 110
 characters in any Python file (ruff's setting too); the README at most 400 lines; no file but
@@ -38,7 +38,7 @@ import tokenize
 from pathlib import Path
 
 REPO_DIR = Path(__file__).resolve().parents[1]
-TARGETS = {"train_lines": 550, "main_lines": 70, "loop_line": 250, "function_lines": 60, "line_chars": 110}
+TARGETS = {"train_lines": 600, "main_lines": 80, "loop_line": 250, "function_lines": 60, "line_chars": 110}
 FILE_LINES = 800  # any project file: past it, a file holds more than one concern
 README_LINES = 400
 # The one-file reference: read in one sitting, copied as three files (it, losses.py, eval_dist.py).

@@ -5,6 +5,7 @@ comparisons of a module, and the one definition of "the same training".
 Run the whole suite:  python -m pytest tests
 """
 
+import contextlib
 import dataclasses
 import json
 import os
@@ -31,6 +32,7 @@ import config  # noqa: E402
 import training_data  # noqa: E402
 
 import embedding_model  # noqa: E402
+import gradcache  # noqa: E402
 
 import run_plan  # noqa: E402
 import train  # noqa: E402
@@ -55,10 +57,41 @@ def start_up(cfg, world_size=1):
     return run_plan.data_plan(cfg, plan)
 
 
+def embed_columns(model, features, groups=None):
+    """train.embed_columns of the columns `features`, pooled as train.forward_backward pools them."""
+    return train.embed_columns(model, embedding_model.pool_columns(features), len(features), groups)
+
+
+def pool_mask(features):
+    """The attention mask of the columns' pool (embedding_model.pool_columns): what pack and
+    sub_batches cut."""
+    return embedding_model.pool_columns(features)["attention_mask"]
+
+
+def cached_backward(model, features, loss_of, chunk_size, groups=None, has_head=False):
+    """gradcache.cached_backward as train.forward_backward calls it: the groups (or the whole pool)
+    cut into chunks of `chunk_size` rows, one process (no gradient sync), fp32."""
+    pool = embedding_model.pool_columns(features)
+    whole = groups or [torch.arange(len(pool["input_ids"]))]
+    return gradcache.cached_backward(
+        lambda rows: model(**embedding_model.select_rows(pool, rows)),
+        [rows for group in whole for rows in group.split(chunk_size)],
+        len(features),
+        loss_of,
+        sync=True,
+        gradient_sync=lambda enabled: contextlib.nullcontext(),
+        autocast=contextlib.nullcontext,
+        scale_loss=lambda value: value,
+        touch_head=(lambda emb: 0.0 * model(head_input=emb[:1].repeat(1, 3)).float().sum())
+        if has_head
+        else None,
+    )
+
+
 def micro_batch_loss(model, features, labels, loss="mnrl", groups=None, text_ids=None, **settings):
     """train.py's loss of one micro-batch: its columns embedded in one call (train.embed_columns)
     and the loss that run_plan.LossPlan(loss, **settings) describes (train.embeddings_loss)."""
-    embs = train.embed_columns(model, features, groups)
+    embs = embed_columns(model, features, groups)
     return train.embeddings_loss(model, embs, labels, run_plan.LossPlan(loss, **settings), text_ids)
 
 

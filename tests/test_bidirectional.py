@@ -25,8 +25,10 @@ import transformers
 from conftest import (
     assert_same_training,
     data_file,
+    embed_columns,
     export_weights,
     load_model,
+    pool_mask,
     run_train,
     sentences,
     start_up,
@@ -97,7 +99,7 @@ def test_bidirectional_attention_is_full_attention_over_each_text(gemma):
     features = [tokens]
     with torch.no_grad():
         ours = model(**tokens)
-        sub = train.embed_columns(model, features, batches.sub_batches(features, 3, "cpu"))[0]
+        sub = embed_columns(model, features, batches.sub_batches(pool_mask(features), 3, "cpu"))[0]
         alone = torch.cat([model(**loaded.tokenize([t])) for t in texts])  # no padding: no mask built
         causal = load_model(config.Config(model=str(gemma), dropout=0.0)).model.eval()(**tokens)
     naive = naive_full_attention(gemma, tokens)

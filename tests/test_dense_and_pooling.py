@@ -14,18 +14,24 @@
 Run: python -m pytest tests/test_dense_and_pooling.py
 """
 
-import contextlib
 import json
 import shutil
 
 import pytest
 import torch
-from conftest import data_file, load_model, micro_batch_loss, tiny_decoder
+from conftest import (
+    cached_backward,
+    data_file,
+    embed_columns,
+    load_model,
+    micro_batch_loss,
+    pool_mask,
+    tiny_decoder,
+)
 
 import batches
 import config
 import embedding_model
-import gradcache
 import run_plan
 import train
 
@@ -120,14 +126,11 @@ def test_one_step_equals_sentence_transformers_forward_and_backward(tmp_path, ge
         batch, ["anchor", "positive"], None, "mnrl", loaded.tokenize, "cpu", loaded.prompts
     )
     if variant == "gradcache":
-        loss = gradcache.cached_backward(
+        loss = cached_backward(
             loaded.model,
             features,
             lambda embs: train.embeddings_loss(loaded.model, embs, None, run_plan.LossPlan("mnrl")),
             2,
-            sync=True,
-            autocast=contextlib.nullcontext,
-            scale_loss=lambda value: value,
         )
     else:
         loss = micro_batch_loss(loaded.model, features, None, "mnrl", matryoshka=plan.matryoshka)
@@ -232,9 +235,9 @@ def test_packed_rows_and_sub_batches_leave_out_the_same_prompt_tokens(tmp_path):
         )
         model = loaded.model.eval()
         with torch.no_grad():
-            padded = train.embed_columns(model, features)
-            packed = train.embed_columns(model, features, batches.pack(features))
-            sub = train.embed_columns(model, features, batches.sub_batches(features, 3, "cpu"))
+            padded = embed_columns(model, features)
+            packed = embed_columns(model, features, embedding_model.pack(pool_mask(features)))
+            sub = embed_columns(model, features, batches.sub_batches(pool_mask(features), 3, "cpu"))
         for got in (packed, sub):
             assert max((g - p).abs().max().item() for g, p in zip(got, padded)) <= 1e-5
         embeddings[include] = padded

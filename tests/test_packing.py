@@ -27,15 +27,16 @@ import transformers
 from conftest import (
     assert_same_training,
     data_file,
+    embed_columns,
     load_model,
     plan_for,
+    pool_mask,
     sentences,
     warm_run,
     watch_encoder_forwards,
 )
 from test_sub_batches import ARCHITECTURES, TINY
 
-import batches
 import config
 import embedding_model
 import train
@@ -77,7 +78,7 @@ def test_packed_rows_embed_each_text_as_the_models_own_forward(arch, attention, 
     model = embedding_model.EmbeddingModel(encoder, "mean", normalize=False)
     assert model.cannot_pack is None
     ids_BT, mask_BT = random_batch(config, side)
-    packing = batches.pack([{"input_ids": ids_BT, "attention_mask": mask_BT}])
+    packing = embedding_model.pack(mask_BT)
     assert packing.take_PL.numel() < 0.6 * mask_BT.numel()  # the premise: padding is left out
     with torch.no_grad():
         packed = model(input_ids=ids_BT, attention_mask=mask_BT, groups=packing)
@@ -87,10 +88,10 @@ def test_packed_rows_embed_each_text_as_the_models_own_forward(arch, attention, 
             assert (packed[b] - states[0].mean(0)).abs().max().item() <= 1e-5, (arch, b)
         # The controls: a text attending to its row's other texts, or (absolute positions; rotary
         # ones see only distances) positions that run on across a row, give other embeddings.
-        wrong = [batches.Packing(**{**vars(packing), "text_PL": packing.text_PL.clamp(max=0)})]
+        wrong = [embedding_model.Packing(**{**vars(packing), "text_PL": packing.text_PL.clamp(max=0)})]
         if arch not in ("qwen2", "llama"):
             running_PL = torch.arange(packing.take_PL.shape[1]).expand_as(packing.take_PL)
-            wrong.append(batches.Packing(**{**vars(packing), "position_PL": running_PL}))
+            wrong.append(embedding_model.Packing(**{**vars(packing), "position_PL": running_PL}))
         for packing in wrong:
             moved = model(input_ids=ids_BT, attention_mask=mask_BT, groups=packing)
             assert (moved - packed).abs().max().item() > 1e-3
@@ -106,11 +107,11 @@ def test_minilm_packed_equals_one_padded_batch_for_every_pooling(pooling):
     for side in ("right", "left") if pooling != "cls" else ("right",):
         loaded.tokenizer.padding_side = side
         columns = [dict(loaded.tokenize(texts[:11])), dict(loaded.tokenize(texts[11:]))]
-        packing = batches.pack(columns)
+        packing = embedding_model.pack(pool_mask(columns))
         assert packing.take_PL.numel() < 0.6 * sum(c["attention_mask"].numel() for c in columns)
         with torch.no_grad():
-            padded = train.embed_columns(model, columns)
-            packed = train.embed_columns(model, columns, packing)
+            padded = embed_columns(model, columns)
+            packed = embed_columns(model, columns, packing)
         for p, q in zip(packed, padded):
             assert (p - q).abs().max().item() <= 1e-5, (pooling, side)
 

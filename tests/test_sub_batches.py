@@ -34,10 +34,11 @@ import pytest
 import torch
 import transformers
 from conftest import (
-    load_model,
     assert_same_training,
     data_file,
+    embed_columns,
     grouped_file,
+    load_model,
     sentences,
     tiny_decoder,
     warm_run,
@@ -78,15 +79,15 @@ def test_sub_batches_embed_as_one_padded_batch(which, tmp_path):
     with torch.no_grad():
         whole = model(**tokens)
         for count in (2, 3, 5):
-            groups = batches.sub_batches([tokens], count, "cpu")
+            groups = batches.sub_batches(tokens["attention_mask"], count, "cpu")
             assert (
                 max(len(embedding_model.select_rows(tokens, g)["input_ids"][0]) for g in groups[1:])
                 < tokens["input_ids"].shape[1]
             )  # shorter
-            (sub,) = train.embed_columns(model, [tokens], groups)
+            (sub,) = embed_columns(model, [tokens], groups)
             assert (sub - whole).abs().max().item() <= 1e-5, count
         # Two columns tokenized apart (padded to two lengths) embed together as in one batch.
-        first, second = train.embed_columns(
+        first, second = embed_columns(
             model, [dict(loaded.tokenize(texts[:7])), dict(loaded.tokenize(texts[7:]))]
         )
         assert loaded.tokenize(texts[:7])["input_ids"].shape[1] < tokens["input_ids"].shape[1]  # the premise
@@ -139,7 +140,7 @@ def test_one_lookup_feeds_every_sub_batch_as_the_models_own_forward_does(arch):
     mask_BT = (torch.arange(max(lengths))[None, :] < torch.tensor(lengths)[:, None]).long()
     ids_BT[mask_BT == 0] = pad
     model = embedding_model.EmbeddingModel(encoder, "mean", normalize=False)
-    groups = batches.sub_batches([{"input_ids": ids_BT, "attention_mask": mask_BT}], 3, "cpu")
+    groups = batches.sub_batches(mask_BT, 3, "cpu")
     with torch.no_grad():
         ours = model(input_ids=ids_BT, attention_mask=mask_BT, groups=groups)
         for b, n in enumerate(lengths):  # each row alone, no padding: the model's own forward

@@ -406,12 +406,7 @@ def write_or_read_token_files(plan, loaded, rank):
 def text_ids(texts, prepare):
     """One int64 per text, equal for equal texts as the model sees them (8 bytes of blake2b):
     what MNRL's duplicate-safe negatives compare, on every rank."""
-    return torch.tensor(
-        [
-            int.from_bytes(hashlib.blake2b(t.encode(), digest_size=8).digest(), "little", signed=True)
-            for t in prepare(texts)
-        ]
-    )
+    return torch.tensor([text_hash(t) for t in prepare(texts)])
 
 
 # ----------------------------------------------------------------------------------------------

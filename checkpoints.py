@@ -21,6 +21,8 @@ calls it), and `check_same_run` refuses one written by another run.
 
 Needs safetensors, fsdp_utils.py (`print0`, the quiet checkpoint warnings), faults.py (the
 disk's room, writes agreed across ranks) and config.py (the settings a resume may change).
+Its whole copy set (what it needs, directly or through another): collectives.py, config.py,
+faults.py, fsdp_utils.py.
 """
 
 import atexit

@@ -19,7 +19,7 @@ import os
 from dataclasses import dataclass
 
 REPO_DIR = os.path.dirname(os.path.abspath(__file__))
-# The token pooling modes (embedding_model.pool computes them, export.POOLING_KEYS writes them).
+# The token pooling modes (embedding_model.pool computes them, st_folder.POOLING_KEYS names them in a folder).
 POOLING_MODES = ("mean", "cls", "max", "lasttoken")
 
 

@@ -9,8 +9,8 @@ Under FSDP it builds the model on the meta device when the weights can be read s
 so no rank ever holds the whole model (fsdp_utils.load_pretrained_sharded fills the shards).
 `LoadedModel.tokenize` is the one place texts become token ids, in training and evaluation.
 
-Needs transformers, safetensors, and config.py, fsdp_utils.py, lora.py
-and export.py (`read_sentence_transformer_config`).
+Needs transformers, safetensors, and config.py, fsdp_utils.py (which needs collectives.py), lora.py
+and st_folder.py (`read_sentence_transformer_config`).
 """
 
 import copy
@@ -25,7 +25,7 @@ import torch.nn.functional as F
 import transformers
 
 import config
-import export
+import st_folder
 import fsdp_utils
 import lora
 
@@ -427,6 +427,9 @@ class ModelSpec:
     lora_leaf_names: tuple = ()  # the Linear layers' names LoRA adapts
     activation_checkpointing: bool = False
     fsdp_layer_cls: str = ""  # the block class named by --fsdp-layer-cls ("" : found)
+    # What its SentenceTransformer folder says (st_folder.read_sentence_transformer_config), read
+    # once at start-up by the model checks; None: load_model reads it.
+    folder: dict | None = None
 
 
 def load_model(spec, num_labels=0, on_meta=False):
@@ -439,7 +442,7 @@ def load_model(spec, num_labels=0, on_meta=False):
     `pretrained_dir` is set and main fills each rank's shards after wrapping, so no rank holds
     the whole model. Otherwise it is loaded in full on every rank, as under single and DDP."""
     path = resolve_model_path(spec.path)
-    st_config = export.read_sentence_transformer_config(path)
+    st_config = spec.folder or st_folder.read_sentence_transformer_config(path)
     subfolder = st_config["subfolder"]
     remote = {"trust_remote_code": spec.trust_remote_code}  # a hub repository's own code runs only if asked
     tokenizer = transformers.AutoTokenizer.from_pretrained(path, subfolder=subfolder, **remote)
@@ -500,7 +503,7 @@ def bidirectional_config(model_config):
 
 def dense_layer(path, settings):
     """A DenseLayer with the weights of the SentenceTransformer folder `path`'s Dense module
-    (`settings`: export.dense_config_of's), in fp32."""
+    (`settings`: st_folder.dense_config_of's), in fp32."""
     from safetensors.torch import load_file
 
     layer = DenseLayer(

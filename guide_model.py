@@ -25,6 +25,8 @@ student of other widths (the embeddings must be the same size: a start-up check)
 
 Needs torch, and embedding_model.py (`load_model`, `fill_sharded_weights`), batches.py
 (`with_prompt`) and fsdp_utils.py (`wrap_model`, `print0`).
+Its whole copy set (what it needs, directly or through another): batches.py, collectives.py,
+config.py, embedding_model.py, fsdp_utils.py, lora.py, st_folder.py, token_cache.py.
 """
 
 from dataclasses import dataclass
@@ -127,10 +129,11 @@ def embed(frozen, rows, train_set, device, autocast, num_columns=None):
     each forward gathers the model's blocks (all ranks participate): every rank runs as many."""
     columns = train_set.text_columns[:num_columns]
     keys = (train_set.prompt_columns or train_set.text_columns)[:num_columns]
-    texts = [batches.with_prompt(rows[c], train_set.prompts, k) for c, k in zip(columns, keys)]
-    flat = [text for column in texts for text in column]
-    prompts = [train_set.prompts.get(k, "") for k, column in zip(keys, texts) for _ in column]
-    tokens = frozen.loaded.tokenize(flat, None, prompts)
+    # texts -> prompts -> tokens as the student's are collated, cut at the frozen model's own length
+    features, _ = batches.collate(
+        rows, columns, None, "", frozen.loaded.tokenize, "cpu", train_set.prompts, keys
+    )
+    tokens = embedding_model.pool_columns(features)
     # As many forwards on every rank: one packed, or the plan's count of sub-batches (fixed under FSDP),
     # cut into chunks of equally many rows (equal micro-batches make equally many).
     mask_NT = tokens["attention_mask"]
@@ -143,4 +146,4 @@ def embed(frozen, rows, train_set, device, autocast, num_columns=None):
     pool = {k: v.to(device) for k, v in tokens.items()}
     with torch.no_grad(), autocast():
         embs = frozen.model(**pool, groups=groups).float()  # in pool order
-    return list(embs.split(len(texts[0])))
+    return list(embs.chunk(len(columns)))

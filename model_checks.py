@@ -9,16 +9,19 @@ Matryoshka sizes and the sequence lengths fit the model; and, on a copy built on
 device (`check_meta_model`: no memory, no time), the FSDP block class, activation
 checkpointing and the LoRA target modules. It returns the FSDP block class names, or None.
 
-    layer_classes = model_checks.check_model(plan.model, plan)  # ValueError naming the fix
+    layer_classes, folder = model_checks.check_model(plan.model, plan)  # ValueError naming the fix
     model_checks.check_frozen_models(plan)                      # --guide-model, --teacher-model
     problem = model_checks.weights_problem(folder)              # None: the weights look whole
 
 Left out on purpose: loading the weights (embedding_model.py does, once every check passed),
 and checking the values in them (the loss and the weights are checked while training).
 
-Needs transformers, and training_data.py (`root_cause`), embedding_model.py, export.py
+Needs transformers, and training_data.py (`root_cause`), embedding_model.py, st_folder.py
 (`read_sentence_transformer_config`), fsdp_utils.py (`resolve_layer_classes`), lora.py and
 guide_model.py (`frozen_spec`).
+Its whole copy set (what it needs, directly or through another): batches.py, collectives.py,
+config.py, embedding_model.py, eval_dist.py, fsdp_utils.py, guide_model.py, lora.py, st_folder.py,
+token_cache.py, training_data.py.
 """
 
 import dataclasses
@@ -30,7 +33,7 @@ import transformers
 
 import training_data
 import embedding_model
-import export
+import st_folder
 import fsdp_utils
 import guide_model
 import lora
@@ -42,14 +45,15 @@ def check_model(spec, plan):
     --dataset-settings prompts: run_plan.py): the folder or hub id exists
     and its config loads (read here once more, without the weights, so a bad --model fails
     before anything heavy); under FSDP, the block class to wrap is found (in a copy built on
-    the meta device: no memory, no time). Returns the FSDP block class names, or None."""
-    path, subfolder, model_config = model_config_of(spec)
+    the meta device: no memory, no time). Returns (the FSDP block class names or None, what its
+    SentenceTransformer folder says: st_folder.read_sentence_transformer_config, read once here)."""
+    path, st_config, model_config = model_config_of(spec)
+    subfolder = st_config["subfolder"]
     check_model_files(spec, os.path.normpath(os.path.join(path, subfolder)))
     if spec.append_eos:
         check_eos_tokenizer(spec, path, subfolder)
     if spec.bidirectional:
         check_bidirectional(spec, model_config)
-    st_config = export.read_sentence_transformer_config(path)
     if not (st_config["include_prompt"] if spec.include_prompt is None else spec.include_prompt):
         check_prompts_leave_text(spec, plan, path, subfolder, st_config)
     width = embedding_width(model_config, st_config)
@@ -67,8 +71,8 @@ def check_model(spec, plan):
             f"use at most {positions}"
         )
     if plan.strategy != "fsdp" and not spec.lora_rank and not spec.activation_checkpointing:
-        return None
-    return check_meta_model(spec, plan, model_config)
+        return None, st_config
+    return check_meta_model(spec, plan, model_config), st_config
 
 
 def embedding_width(model_config, st_config):
@@ -105,13 +109,14 @@ def check_frozen_models(plan):
 def model_width(spec):
     """The width of the embeddings of the model ModelSpec `spec` names (embedding_width), from its
     config alone."""
-    path, _, model_config = model_config_of(spec)
-    return embedding_width(model_config, export.read_sentence_transformer_config(path))
+    _, st_config, model_config = model_config_of(spec)
+    return embedding_width(model_config, st_config)
 
 
 def model_config_of(spec):
-    """(path, subfolder, config) of --model: its local folder or hub id, the subfolder that holds
-    the transformer (a SentenceTransformer folder's), and its config, loaded without weights.
+    """(path, folder settings, config) of --model: its local folder or hub id, what its
+    SentenceTransformer folder says (st_folder.read_sentence_transformer_config: the subfolder that
+    holds the transformer, its pooling, ...), and its config, loaded without weights.
     Raises ValueError naming --model when the folder is empty or lacks config.json, or the
     config cannot be loaded (no such folder, unknown hub id, no network)."""
     path = embedding_model.resolve_model_path(spec.path)
@@ -121,7 +126,8 @@ def model_config_of(spec):
             "(config.json, weights, tokenizer files)"
         )
     try:
-        subfolder = export.read_sentence_transformer_config(path)["subfolder"]
+        st_config = st_folder.read_sentence_transformer_config(path)
+        subfolder = st_config["subfolder"]
         if os.path.isdir(path) and not os.path.isfile(os.path.join(path, subfolder, "config.json")):
             raise ValueError(
                 f"the folder has no {os.path.join(subfolder, 'config.json')} "
@@ -139,7 +145,7 @@ def model_config_of(spec):
             f"--model {spec.path}: not a local model folder, and loading it from the hub failed ({reason}); "
             "pass a folder holding config.json, or a hub id where a hub is reachable"
         ) from e
-    return path, subfolder, model_config
+    return path, st_config, model_config
 
 
 def check_model_files(spec, folder):

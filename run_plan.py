@@ -21,6 +21,10 @@ config.py, run_plan.py and main() is handed the Config.
 
 Needs config.py, training_data.py, batches.py, checkpoints.py, embedding_model.py (`ModelSpec`), export.py
 (`parse_size`) and model_checks.py: it is where the flags meet the files, not a file to copy alone.
+Its whole copy set (what it needs, directly or through another): batches.py, checkpoints.py,
+collectives.py, config.py, embedding_model.py, eval_dist.py, export.py, faults.py, fsdp_utils.py,
+guide_model.py, lora.py, model_card.py, model_checks.py, st_folder.py, token_cache.py,
+training_data.py.
 """
 
 import dataclasses
@@ -141,9 +145,10 @@ def flags_plan(cfg, world_size, device):
             raise ValueError(
                 f"{metrics_path} already exists; pass --overwrite to replace it, or another --output-dir"
             )
-    layer_classes = model_checks.check_model(plan.model, plan)
+    layer_classes, folder = model_checks.check_model(plan.model, plan)  # the model's folder, read once
     model_checks.check_frozen_models(plan)
-    return dataclasses.replace(plan, layer_classes=layer_classes)
+    model = dataclasses.replace(plan.model, folder=folder)
+    return dataclasses.replace(plan, model=model, layer_classes=layer_classes)
 
 
 def resolve_flags(cfg, world_size, device):

@@ -14,6 +14,8 @@ them see its disk.
 Every function here is a collective (all ranks participate) but the two messages.
 
 Needs torch, and checkpoints.py (the output folder's lock).
+Its whole copy set (what it needs, directly or through another): checkpoints.py, collectives.py,
+config.py, faults.py, fsdp_utils.py.
 """
 
 import dataclasses

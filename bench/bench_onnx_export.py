@@ -27,8 +27,7 @@ import config  # noqa: E402
 
 import embedding_model  # noqa: E402
 import run_plan  # noqa: E402
-
-import export  # noqa: E402
+import st_folder  # noqa: E402
 
 
 TEXTS = [
@@ -75,7 +74,7 @@ def main():
     session = onnxruntime.InferenceSession(out, providers=["CPUExecutionProvider"])
     ours = session.run(None, {n: batch[n].numpy() for n in names})[0]
     theirs = SentenceTransformer(args.folder, device="cpu").encode(TEXTS)
-    st_config = export.read_sentence_transformer_config(args.folder)
+    st_config = st_folder.read_sentence_transformer_config(args.folder)
     size = sum(
         os.path.getsize(p) for p in (out, out + ".data") if os.path.exists(p)
     )  # weights may sit in OUT.data

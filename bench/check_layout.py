@@ -1,31 +1,30 @@
-"""Measure the layout a reader meets: how long train.py is, where its loop starts, how long the
-longest function is, how long each project file is, how many lines are too wide, how long the
-README is, which project files each file needs, and where a collective is called without the
-marker that says every rank must reach it. Exits 1 when a target is missed (tests/test_layout.py
-runs it).
+"""Measure the layout a reader meets: how long train.py is, where its loop starts, how long the longest
+function is, how long each project file is, how many lines are too wide, how long the README is,
+which project files each file needs, and where a collective is called without the marker that says
+every rank must reach it. Exits 1 when a target is missed (tests/test_layout.py runs it).
 
     python bench/check_layout.py            # the table, and any target missed
     python bench/check_layout.py --json     # the same numbers as JSON
 
-Targets: train.py at most 600 lines; main() at most 80 lines; the training loop (main's
-`for step in ...`) within the first 250 lines of train.py; no other function over 60 lines in
-any top-level file; no top-level file (a project file) over 800 lines; no line over 110
-characters in any Python file (ruff's setting too); the README at most 400 lines; no file but
-train.py imports train; minimal_train.py, the one-file reference, at most 600 lines (after `ruff
-format`, its docstring included), no function of it over 50 lines, and nothing imported but the
-standard library, torch, transformers, datasets, safetensors, losses.py, eval_dist.py and the
-default model's package; losses.py, eval_dist.py, lora.py and collectives.py import no other file
-of the project; every other file names in its docstring each project file it imports, so a
-reader can copy it with the few it needs; in the top-level files, every call of a torch.distributed
-collective (or DCP's save and load, or a state-dict function) carries "(all ranks participate)" in a
-comment on its line or directly above, and so does every phase of train.main that reaches one; no
-collective is reached inside an `if` that rank 0 alone enters (`unmarked_collectives` says what it
-cannot see); no project file shares its name with a folder of the repository; config.py's
-parsers of a flag's text (PLAN_PARSERS) are called in run_plan.py alone, which resolves them once
-into the run's plan that every other file reads; and no function outside config.py, run_plan.py and
-train.main is handed the Config, under any name, or reads it from an enclosing function, and no
-object stores it (`config_holders`: followed from where it is made, by what each call hands on).
-"""
+Targets: train.py at most 600 lines; main() at most 80 lines; the training loop (main's `for step in
+...`) within the first 250 lines of train.py; no other function over 60 lines in any top-level file;
+no top-level file (a project file) over 800 lines; no line over 110 characters in any Python file
+(ruff's setting too); the README at most 400 lines; no file but train.py imports train;
+minimal_train.py, the one-file reference, at most 600 lines (after `ruff format`, its docstring
+included), no function of it over 50 lines, and nothing imported but the standard library, torch,
+transformers, datasets, safetensors, losses.py, eval_dist.py and the default model's package;
+losses.py, eval_dist.py, lora.py and collectives.py import no other file of the project; every other
+file names in its docstring its whole copy set, each project file it needs directly or through
+another, so a reader can copy it with the few it needs; in the top-level files, every call of a
+torch.distributed collective (or DCP's save and load, or a state-dict function) carries "(all ranks
+participate)" in a comment on its line or directly above, and so does every phase of train.main that
+reaches one; no collective is reached inside an `if` that rank 0 alone enters
+(`unmarked_collectives` says what it cannot see); no project file shares its name with a folder of
+the repository; config.py's parsers of a flag's text (PLAN_PARSERS) are called in run_plan.py alone,
+which resolves them once into the run's plan that every other file reads; and no function outside
+config.py, run_plan.py and train.main is handed the Config, under any name, or reads it from an
+enclosing function, and no object stores it (`config_holders`: followed from where it is made, by
+what each call hands on)."""
 
 import argparse
 import ast
@@ -420,6 +419,17 @@ def own_nodes(body):
         stack.extend(ast.iter_child_nodes(node))
 
 
+def copy_set(name, imports):
+    """The project files `name` needs to be copied: those it imports, and theirs, to the end."""
+    needed, stack = set(), list(imports[name])
+    while stack:
+        module = stack.pop()
+        if module not in needed and f"{module}.py" != name:
+            needed.add(module)
+            stack.extend(imports[f"{module}.py"])
+    return sorted(needed)
+
+
 def measure():
     files = sorted(REPO_DIR.glob("*.py"))
     modules = {f.stem for f in files}
@@ -441,9 +451,10 @@ def measure():
         if count:
             wide[str(f.relative_to(REPO_DIR))] = count
     imports = {name: sorted(project_imports(tree, modules - {name[:-3]})) for name, tree in trees.items()}
+    copy_sets = {name: copy_set(name, imports) for name in imports}
     unnamed = {
         name: [m for m in needed if f"{m}.py" not in (ast.get_docstring(trees[name]) or "")]
-        for name, needed in imports.items()
+        for name, needed in copy_sets.items()
         if name != "train.py"
     }
     return {
@@ -457,6 +468,7 @@ def measure():
         "lines_over_110": wide,
         "readme_lines": len((REPO_DIR / "README.md").read_text().splitlines()),
         "imports": imports,
+        "copy_sets": copy_sets,
         "imports_not_named_in_docstring": {name: missing for name, missing in unnamed.items() if missing},
         "unmarked_collectives": unmarked_collectives({f.name: f.read_text() for f in files}),
         "parsers_outside_plan": parsers_outside_plan(trees),
@@ -508,7 +520,7 @@ def missed(m):
     problems += [f"{name} imports train" for name, needed in m["imports"].items() if "train" in needed]
     problems += [f"{name} imports {m['imports'][name]}" for name in STANDALONE if m["imports"].get(name)]
     problems += [
-        f"{name} imports {', '.join(missing)} without naming it in its docstring"
+        f"{name} needs {', '.join(missing)} (directly or through another) without naming it"
         for name, missing in m["imports_not_named_in_docstring"].items()
     ]
     return problems + m["unmarked_collectives"] + m["config_holders"]
@@ -528,7 +540,7 @@ def main():
         print(f"main(): line {m['main_line']}, {m['main_lines']} lines; the loop at line {m['loop_line']}")
         print(f"README.md: {m['readme_lines']} lines")
         for name, longest in sorted(m["longest_function"].items()):
-            needs = ", ".join(m["imports"][name]) or "no other project file"
+            needs = ", ".join(m["copy_sets"][name]) or "no other project file"
             size, function = m["file_lines"][name], f"{longest['function']} ({longest['lines']})"
             print(f"  {name:20s} {size:4d} lines; longest {function}; needs {needs}")
     problems = missed(m)

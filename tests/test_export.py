@@ -22,6 +22,7 @@ import config
 import embedding_model
 
 import export
+import st_folder
 
 import train
 
@@ -136,7 +137,7 @@ def test_export_loads_in_sentence_transformers_with_identical_embeddings(start, 
     [("mean", False, False), ("cls", True, True), ("max", False, True), ("lasttoken", True, False)],
 )
 def test_the_reader_reads_back_everything_the_writer_writes(tmp_path, pooling, normalize, do_lower_case):
-    """export.read_sentence_transformer_config on a folder from export_sentence_transformer
+    """st_folder.read_sentence_transformer_config on a folder from export_sentence_transformer
     gives back the pooling, normalisation, max length and casing written, and what
     sentence-transformers itself reads from the same folder agrees."""
 
@@ -156,7 +157,7 @@ def test_the_reader_reads_back_everything_the_writer_writes(tmp_path, pooling, n
         max_seq_length=77,
         do_lower_case=do_lower_case,
     )
-    read = export.read_sentence_transformer_config(str(folder))
+    read = st_folder.read_sentence_transformer_config(str(folder))
     assert (
         read["subfolder"],
         read["pooling"],
@@ -211,7 +212,7 @@ def test_a_folder_saved_by_sentence_transformers_6_loads_with_its_pooling(tmp_pa
     st.save(str(tmp_path / "st6"))
     pooling_file = tmp_path / "st6" / "1_Pooling" / "config.json"
     assert json.loads(pooling_file.read_text())["pooling_mode"] == "mean"
-    read = export.read_sentence_transformer_config(str(tmp_path / "st6"))
+    read = st_folder.read_sentence_transformer_config(str(tmp_path / "st6"))
     assert (read["pooling"], read["normalize"]) == ("mean", True)
     loaded = load_model(config.Config(model=str(tmp_path / "st6")), 0)
     loaded.model.eval()
@@ -221,9 +222,9 @@ def test_a_folder_saved_by_sentence_transformers_6_loads_with_its_pooling(tmp_pa
     pooling_file.write_text(
         json.dumps({"embedding_dimension": 384, "pooling_mode": "mean", "include_prompt": False})
     )
-    assert export.read_sentence_transformer_config(str(tmp_path / "st6"))["include_prompt"] is False
+    assert st_folder.read_sentence_transformer_config(str(tmp_path / "st6"))["include_prompt"] is False
     modules = json.loads((tmp_path / "st6" / "modules.json").read_text())
     modules.insert(1, {**modules[1], "type": "sentence_transformers.models.LayerNorm"})
     (tmp_path / "st6" / "modules.json").write_text(json.dumps(modules))
     with pytest.raises(ValueError, match="LayerNorm"):
-        export.read_sentence_transformer_config(str(tmp_path / "st6"))
+        st_folder.read_sentence_transformer_config(str(tmp_path / "st6"))

@@ -67,7 +67,7 @@ def test_the_checker_reports_what_it_should():
         "minimal_train.py: main has 51 lines > 50",
         "minimal_train.py imports config",
         "losses.py imports train",
-        "export.py imports lora without naming it",
+        "export.py needs lora (directly or through another) without naming it",
         "faults.py:94 in check_space(): dist.broadcast",
         "training_data.py:12 config.prompts_of(): a flag's text parsed outside run_plan.py",
         "batches.py:9 micro_batches() is handed the Config (cfg)",

@@ -1,0 +1,131 @@
+"""What a SentenceTransformer folder says about how it embeds, read from its files: the
+transformer's subfolder, the pooling mode and include_prompt, the Dense layers after pooling,
+normalisation, max_seq_length, do_lower_case and the prompts. The student's folder is read once
+at start-up (model_checks.model_config_of, for run_plan.flags_plan), and the plan carries it to
+embedding_model.load_model; the export writes what `read_sentence_transformer_config` reads back.
+
+    settings = st_folder.read_sentence_transformer_config("path/or/hub-id")
+
+Needs transformers (to find a hub folder's files) and nothing from the project.
+"""
+
+import json
+import os
+
+POOLING_KEYS = {
+    "mean": "pooling_mode_mean_tokens",
+    "cls": "pooling_mode_cls_token",
+    "max": "pooling_mode_max_tokens",
+    "lasttoken": "pooling_mode_lasttoken",
+}
+
+
+POOLING_MODES = tuple(POOLING_KEYS)
+
+
+def read_sentence_transformer_config(path):
+    """What a SentenceTransformer folder (local or a hub id) says about how it embeds: the
+    transformer's subfolder, pooling mode, include_prompt, the Dense layers after pooling (a dict
+    each: folder, in_features, out_features, bias, activation, use_residual), normalisation,
+    max_seq_length, do_lower_case, prompts, default_prompt_name and similarity_fn_name. A plain HF
+    model (no modules.json) gives the defaults: mean pooling, no normalisation, no max length of
+    its own. Raises ValueError for modules other than Transformer, Pooling, Dense and Normalize,
+    or in another order than that."""
+    import transformers
+
+    def read_json(filename):
+        file = transformers.utils.cached_file(path, filename, _raise_exceptions_for_missing_entries=False)
+        if file is None:
+            return None
+        with open(file, encoding="utf8") as f:
+            return json.load(f)
+
+    st_config = {"subfolder": "", "pooling": "mean", "include_prompt": True, "dense": [], "normalize": False}
+    st_config.update(max_seq_length=None, do_lower_case=False, prompts={}, default_prompt_name=None)
+    st_config["similarity_fn_name"] = "cosine"
+    modules = read_json("modules.json")
+    if modules is None:
+        return st_config
+    kinds = [module["type"].rsplit(".", 1)[-1] for module in modules]
+    expected = (
+        ["Transformer", "Pooling"] + ["Dense"] * kinds.count("Dense") + ["Normalize"] * ("Normalize" in kinds)
+    )
+    if kinds != expected:
+        raise ValueError(
+            f"{path}: modules {' -> '.join(kinds)} are not supported; "
+            "only Transformer -> Pooling -> [Dense ...] -> [Normalize] are"
+        )
+    for module, kind in zip(modules, kinds):
+        if kind == "Transformer":
+            st_config["subfolder"] = module["path"]
+            bert_config = read_json(os.path.join(module["path"], "sentence_bert_config.json")) or {}
+            st_config["max_seq_length"] = bert_config.get("max_seq_length")
+            st_config["do_lower_case"] = bool(bert_config.get("do_lower_case", False))
+        elif kind == "Pooling":
+            pooling_file = os.path.join(module["path"], "config.json")
+            pooling = read_json(pooling_file)
+            st_config["pooling"] = pooling_mode_of(path, pooling_file, pooling)
+            st_config["include_prompt"] = pooling.get("include_prompt", True) is not False
+        elif kind == "Dense":
+            st_config["dense"].append(dense_config_of(path, module["path"], read_json))
+        else:
+            st_config["normalize"] = True
+    saved = read_json("config_sentence_transformers.json") or {}
+    for key in ("prompts", "default_prompt_name", "similarity_fn_name"):
+        if saved.get(key) is not None:
+            st_config[key] = saved[key]
+    return st_config
+
+
+def dense_config_of(path, folder, read_json):
+    """A Dense module's settings, from `folder`/config.json of the SentenceTransformer folder
+    `path`, as sentence-transformers writes them: in_features, out_features, bias, the activation's
+    class (a torch.nn module, built with no arguments) and use_residual. Raises ValueError for
+    what this project cannot train as sentence-transformers computes it."""
+    dense = read_json(os.path.join(folder, "config.json"))
+    if dense is None:
+        raise ValueError(f"{path}: modules.json lists a Dense module, but {folder}/config.json is missing")
+    activation = dense.get("activation_function", "torch.nn.modules.activation.Tanh")
+    if not activation.startswith("torch.nn."):
+        raise ValueError(
+            f"{path}: the Dense module in {folder} uses the activation {activation}; "
+            "only torch.nn modules are supported (no remote code)"
+        )
+    for key in ("module_input_name", "module_output_name"):
+        if dense.get(key, "sentence_embedding") not in (None, "sentence_embedding"):
+            raise ValueError(
+                f"{path}: the Dense module in {folder} reads or writes {dense[key]!r}; "
+                "only Dense layers on the sentence embedding are supported"
+            )
+    return {
+        "folder": folder,
+        "in_features": int(dense["in_features"]),
+        "out_features": int(dense["out_features"]),
+        "bias": bool(dense.get("bias", True)),
+        "activation": activation,
+        "use_residual": bool(dense.get("use_residual", False)),
+    }
+
+
+def pooling_mode_of(path, pooling_file, pooling):
+    """The pooling mode that a Pooling module's config.json (`pooling_file` in the folder `path`,
+    its content `pooling`, None when it is missing) enables. Raises ValueError when it is missing
+    or enables anything but exactly one of POOLING_MODES."""
+    if pooling is None:
+        raise ValueError(
+            f"{path}: modules.json lists a Pooling module, but {pooling_file} is missing; "
+            "restore it from the original folder"
+        )
+    named = pooling.get("pooling_mode")  # sentence-transformers 6 names the mode (or a list of them)
+    if isinstance(named, (str, list)):
+        enabled = [named] if isinstance(named, str) else named
+        modes = [mode for mode in POOLING_MODES if [mode] == enabled]
+    else:  # earlier versions: one flag per mode
+        enabled = [k for k, v in pooling.items() if k.startswith("pooling_mode") and v]
+        modes = [mode for mode, key in POOLING_KEYS.items() if [key] == enabled]
+    if not modes:
+        raise ValueError(
+            f"{path}: pooling {enabled} is not supported; "
+            f"one of {POOLING_MODES} is (or override with --pooling)"
+        )
+    return modes[0]

@@ -146,7 +146,8 @@ def flags_plan(cfg, world_size, device):
                 f"{metrics_path} already exists; pass --overwrite to replace it, or another --output-dir"
             )
     layer_classes, folder = model_checks.check_model(plan.model, plan)  # the model's folder, read once
-    model_checks.check_frozen_models(plan)
+    if plan.guide_model or plan.teacher_model:
+        model_checks.check_frozen_models(plan)
     model = dataclasses.replace(plan.model, folder=folder)
     return dataclasses.replace(plan, model=model, layer_classes=layer_classes)
 
@@ -279,7 +280,8 @@ def check_run_mode_flags(cfg, plan):
         raise ValueError(
             "--eval-only evaluates --model and trains nothing, so --resume has nothing to continue: drop one"
         )
-    check_report_to(plan.report_tools)
+    if plan.report_tools:
+        check_report_to(plan.report_tools)
     if cfg.resume not in ("", "auto") and (problem := checkpoints.checkpoint_problem(cfg.resume)):
         raise ValueError(
             f"--resume {cfg.resume}: not a complete checkpoint ({problem}); "
@@ -321,11 +323,7 @@ def data_plan(cfg, plan):
     the checkpoint to continue from, every step's rows. Returns the Plan with its data (a new one:
     add_train_sets, add_schedule). Raises ValueError."""
     if cfg.eval_only:  # no training data, no checkpoints: the evaluation data
-        eval_sets = training_data.load_eval_sets(cfg.eval_data, cfg.eval_type, True, plan.losses, 0)
-        training_data.check_eval_names(eval_sets, plan.matryoshka, cfg.metric_for_best)
-        check_target_vectors(plan.model, eval_sets, "--eval-data")
-        check_prompt_columns(plan, [], eval_sets)
-        return add_schedule(plan, cfg, [], 0, eval_sets, "")
+        return add_schedule(plan, cfg, [], 0, checked_eval_sets(cfg, plan, []), "")
     train_sets = training_data.load_train_sets(
         cfg.train_data.split(","),
         cfg.train_split,
@@ -362,14 +360,25 @@ def data_plan(cfg, plan):
         plan.train_sets, cfg.seed, cfg.epochs, cfg.max_steps, cfg.mix, cfg.batch_sampler == "no_duplicates"
     )
     steps_per_epoch = len(schedule.set_orders[0])
-    eval_sets = training_data.load_eval_sets(
-        cfg.eval_data, cfg.eval_type, False, plan.losses, plan.num_labels
-    )
-    training_data.check_eval_names(eval_sets, plan.matryoshka, cfg.metric_for_best)
-    check_target_vectors(plan.model, eval_sets, "--eval-data")
-    check_prompt_columns(plan, train_sets, eval_sets)
+    eval_sets = checked_eval_sets(cfg, plan, train_sets)
     plan = add_schedule(plan, cfg, schedule, steps_per_epoch, eval_sets, fingerprint)
     return dataclasses.replace(plan, resume_dir=resume_dir, resume_note=note)
+
+
+def checked_eval_sets(cfg, plan, train_sets):
+    """--eval-data's sets (training_data.load_eval_sets), checked with the training sets against the
+    flags: their metric names and --metric-for-best, mse targets, the keys of --prompts and
+    --max-seq-length. Each check only where its flag or its data is there."""
+    eval_sets = []
+    if cfg.eval_data or cfg.metric_for_best:
+        eval_sets = training_data.load_eval_sets(
+            cfg.eval_data, cfg.eval_type, cfg.eval_only, plan.losses, plan.num_labels
+        )
+        training_data.check_eval_names(eval_sets, plan.matryoshka, cfg.metric_for_best)
+        check_target_vectors(plan.model, eval_sets, "--eval-data")
+    if plan.model.prompts or plan.model.column_lengths or plan.dataset_settings:
+        check_prompt_columns(plan, train_sets, eval_sets)
+    return eval_sets
 
 
 def check_losses(cfg, plan, train_sets):
@@ -387,9 +396,19 @@ def check_losses(cfg, plan, train_sets):
             f"{flag} works on MNRL's candidates, and no --train-data file trains with mnrl "
             f"(losses: {', '.join(losses_used)})"
         )
-    check_mnrl_directions(cfg, plan, losses_used)
-    check_false_negative_flags(cfg, losses_used)
-    check_distillation(cfg, plan, train_sets)
+    if len(plan.mnrl["directions"]) > 1:
+        check_mnrl_directions(cfg, plan, losses_used)
+    given = {f.name for f in dataclasses.fields(cfg) if getattr(cfg, f.name) != f.default}  # not defaults
+    if given & {
+        "false_negative_margin",
+        "guide_model",
+        "guide_margin",
+        "guide_margin_strategy",
+        "hardness_mode",
+    }:
+        check_false_negative_flags(cfg, losses_used)
+    if cfg.teacher_model or "mse" in losses_used:
+        check_distillation(cfg, plan, train_sets)
     if cfg.matryoshka_dims and "softmax" in losses_used:
         raise ValueError(
             "--matryoshka-dims: the Softmax head reads embeddings of one fixed size, "
@@ -403,7 +422,8 @@ def check_losses(cfg, plan, train_sets):
             "step, so no batch can be checked in advance; use --mask-duplicates (mnrl) instead"
         )
     for ts in train_sets:
-        check_set_settings(cfg, ts)
+        if cfg.cache_chunk_size or ts.name in plan.dataset_settings:
+            check_set_settings(cfg, ts)
         candidates = (
             ts.per_device_batch_size
             * (plan.world_size if cfg.gather_negatives and not ts.own_negatives else 1)
@@ -418,10 +438,8 @@ def check_losses(cfg, plan, train_sets):
 
 
 def check_mnrl_directions(cfg, plan, losses_used):
-    """--mnrl-directions: an mnrl file to train, and the flags they combine with."""
+    """--mnrl-directions, more than one: an mnrl file to train, and the flags they combine with."""
     directions = plan.mnrl["directions"]
-    if len(directions) == 1:
-        return
     if "mnrl" not in losses_used:
         raise ValueError(
             "--mnrl-directions needs a --train-data file that trains with mnrl "

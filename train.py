@@ -498,7 +498,8 @@ def eval_batch_loss(model, es, loaded, plan, indices):
     ids = None
     if plan.mask_duplicates and es.loss == "mnrl":
         ids = [batches.text_ids(rows[c], loaded.prepare).to(plan.device) for c in es.text_columns]
-    return embeddings_loss(model, embed_columns(model, features), labels, es.loss_plan, ids)
+    embs = embed_columns(model, embedding_model.pool_columns(features), len(features))
+    return embeddings_loss(model, embs, labels, es.loss_plan, ids)
 
 
 def evaluate_only(model, loaded, plan):

@@ -304,6 +304,7 @@ def forward_backward(model, train_set, rows, features, labels, opts, sync):
         chunks = [rows for group in whole for rows in group.split(opts.cache_chunk_size)]
         touch_head = lambda emb: 0.0 * model(head_input=emb[:1].repeat(1, 3)).float().sum()  # noqa: E731
         return gradcache.cached_backward(
+            lambda chunks: model(**pool, groups=chunks),
             lambda rows: model(**embedding_model.select_rows(pool, rows)),
             chunks,
             len(features),

@@ -74,6 +74,7 @@ def cached_backward(model, features, loss_of, chunk_size, groups=None, has_head=
     pool = embedding_model.pool_columns(features)
     whole = groups or [torch.arange(len(pool["input_ids"]))]
     return gradcache.cached_backward(
+        lambda chunks: model(**pool, groups=chunks),
         lambda rows: model(**embedding_model.select_rows(pool, rows)),
         [rows for group in whole for rows in group.split(chunk_size)],
         len(features),

@@ -12,11 +12,10 @@
     (seed, step, row) alone, so the same on any rank and in a resumed run;
   - collation (`collate`, `micro_batches`): prompts, one tokenizer call for all columns, in a
     background thread that tokenizes the next micro-batch while this one computes;
-  - length-sorted sub-batches (`sub_batches`): a micro-batch's texts of all columns as one pool,
-    cut into runs of similar length, each run one encoder pass padded to its own longest row;
-  - packing (`pack`): the pool's texts end to end in rows as wide as its longest text, one
-    encoder pass that computes (almost) no padding, where the model can attend within each text
-    (embedding_model.EmbeddingModel.embed_packed).
+  - length-sorted sub-batches (`sub_batches`): a micro-batch's texts of all columns as one pool
+    (embedding_model.pool_columns), cut into runs of similar length, each run one encoder pass
+    padded to its own longest row. Packing the pool's texts end to end instead lives with the
+    model (embedding_model.pack, EmbeddingModel.embed_packed).
 
 Needs torch, and token_cache.py (the token ids read once, --tokenize once).
 """

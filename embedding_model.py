@@ -7,7 +7,9 @@ every parameter used. `load_model` builds it from a local folder, a SentenceTran
 --dropout, --append-eos, LoRA and activation-checkpointing settings applied before wrapping.
 Under FSDP it builds the model on the meta device when the weights can be read slice by slice,
 so no rank ever holds the whole model (fsdp_utils.load_pretrained_sharded fills the shards).
-`LoadedModel.tokenize` is the one place texts become token ids, in training and evaluation.
+`LoadedModel.tokenize` is the one place texts become token ids, in training and evaluation;
+`pool_columns` makes a micro-batch's columns one pool, and `pack` lays its texts end to end in
+packed rows (`EmbeddingModel.embed_packed` runs them).
 
 Needs transformers, safetensors, and config.py, fsdp_utils.py (which needs collectives.py), lora.py
 and st_folder.py (`read_sentence_transformer_config`).

@@ -11,7 +11,8 @@
     collectives as rings (collectives.py); under DDP the hook `all_reduce_embedding_rows`
     (collectives.py) sends only the rows of the embedding tables that some rank used (and so
     does `all_reduce_replicated` for the tables FSDP2 leaves whole under shard_grad_op);
-    `gradient_sync`, `clip_grad_norm`, `grad_scaler` for the loop;
+    `clip_grad_norm`, `grad_scaler` for the loop; `rng_states` / `set_rng_states` for checkpoints
+    and GradCache;
   - `load_pretrained_sharded`: a model built on the meta device and sharded gets its weights
     from the safetensors files, each rank reading only the slices its shards hold.
 

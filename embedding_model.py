@@ -603,26 +603,10 @@ def to_meta(loaded, file_names, lora_names, folder):
 def build_encoder(path, subfolder, train_config, remote, on_meta):
     """(encoder in fp32, names of its tensors the checkpoint lacks, {tensor name: name in the
     safetensors files} when it was built on the meta device, else None)."""
-    folder = os.path.join(path, subfolder) if subfolder else path
     if on_meta:
-        file_keys = fsdp_utils.safetensors_keys(folder) if os.path.isdir(folder) else None
-        reason = f"{path} is not a local folder whose safetensors files each hold different tensors"
-        if file_keys:
-            with torch.device("meta"):
-                encoder = transformers.AutoModel.from_config(train_config, **remote).float()
-            # A task model's checkpoint (Qwen2ForCausalLM: model.layers...) holds the base model
-            # under its prefix.
-            file_names = {}
-            for key in encoder.state_dict():
-                file_names[key] = next(
-                    (name for name in (key, f"{encoder.base_model_prefix}.{key}") if name in file_keys), None
-                )
-            missing = [key for key, name in file_names.items() if name is None]
-            poolerless = "add_pooling_layer" in inspect.signature(type(encoder).__init__).parameters
-            # a missing pooler is dropped anyway
-            if all(key.startswith("pooler.") and poolerless for key in missing):
-                return encoder, missing, file_names
-            reason = f"its safetensors files lack {missing[0]}"
+        built, reason = build_on_meta(path, subfolder, train_config, remote)
+        if built:
+            return built
         fsdp_utils.print0(f"note: every rank loads the whole model before FSDP shards it: {reason}")
     verbosity = transformers.logging.get_verbosity()
     transformers.logging.set_verbosity_error()  # a base without a pooler is fine: see drop_pooler
@@ -638,6 +622,30 @@ def build_encoder(path, subfolder, train_config, remote, on_meta):
     # fp32 master weights whatever the checkpoint's dtype (transformers 5 keeps a bf16 checkpoint
     # in bf16, where AdamW's small updates would round away); --precision sets the compute dtype.
     return encoder.float(), loading["missing_keys"], None
+
+
+def build_on_meta(path, subfolder, train_config, remote):
+    """build_encoder on the meta device: ((encoder, missing keys, {tensor name: name in the
+    safetensors files}), "") when the files can fill it slice by slice, else (None, why not)."""
+    folder = os.path.join(path, subfolder) if subfolder else path
+    file_keys = fsdp_utils.safetensors_keys(folder) if os.path.isdir(folder) else None
+    if not file_keys:
+        return None, f"{path} is not a local folder whose safetensors files each hold different tensors"
+    with torch.device("meta"):
+        encoder = transformers.AutoModel.from_config(train_config, **remote).float()
+    # A task model's checkpoint (Qwen2ForCausalLM: model.layers...) holds the base model
+    # under its prefix.
+    file_names = {}
+    for key in encoder.state_dict():
+        file_names[key] = next(
+            (name for name in (key, f"{encoder.base_model_prefix}.{key}") if name in file_keys), None
+        )
+    missing = [key for key, name in file_names.items() if name is None]
+    poolerless = "add_pooling_layer" in inspect.signature(type(encoder).__init__).parameters
+    # a missing pooler is dropped anyway
+    if all(key.startswith("pooler.") and poolerless for key in missing):
+        return (encoder, missing, file_names), ""
+    return None, f"its safetensors files lack {missing[0]}"
 
 
 def read_tensors(folder, file_names):

@@ -6,7 +6,8 @@
     alone writes;
   - `export_sentence_transformer` (one writer, no collective): a folder that
     `SentenceTransformer(path)` (sentence-transformers 2.x to 6.x) and
-    `AutoModel.from_pretrained(path)` both load, its weights in files of a bounded size;
+    `AutoModel.from_pretrained(path)` both load, its weights in files of a bounded size, its
+    sentence-transformers files from `sentence_transformer_files`;
     st_folder.read_sentence_transformer_config reads back what it writes (pooling and include_prompt,
     Dense layers, normalisation, max length, casing, prompts), from such a folder or any other
     SentenceTransformer folder; the folder's README.md comes from model_card.py.
@@ -15,8 +16,9 @@ Usage (stage_state_dict: all ranks participate; the writer alone the rest):
     export.stage_state_dict(model, staging)
     if rank == 0:
         names = list(export.staged_tensors(staging))
+        st_files = export.sentence_transformer_files(hf_config.hidden_size, pooling_mode="mean", ...)
         export.export_sentence_transformer(out_dir, [lambda: export.read_staged(staging, names)],
-                                           config, tokenizer, pooling_mode="mean", ...)
+                                           hf_config, tokenizer, st_files, max_seq_length=256)
 
 Needs torch, transformers and safetensors, and st_folder.py (the pooling keys); for `export_model`
 also fsdp_utils.py, collectives.py, lora.py, faults.py and model_card.py.
@@ -106,22 +108,27 @@ def write_export(loaded, out_dir, plan, record, staging):
         (dense_config(d), tensors_under(tensors_of, staged, f"dense.{i}."))
         for i, d in enumerate(loaded.model.dense)
     ]
+    st_files = sentence_transformer_files(
+        loaded.export_config.hidden_size,
+        pooling_mode=loaded.model.pooling,
+        normalize=loaded.model.normalize,
+        max_seq_length=loaded.max_seq_length,
+        do_lower_case=loaded.lowercase,
+        include_prompt=loaded.include_prompt,
+        dense=[settings for settings, _ in dense],
+        prompts=loaded.named_prompts,
+    )
     export_sentence_transformer(
         out_dir,
         weight_files,
         loaded.export_config,
         loaded.tokenizer,
-        pooling_mode=loaded.model.pooling,
-        include_prompt=loaded.include_prompt,
-        dense=dense,
-        normalize=loaded.model.normalize,
+        {**st_files, "training_config.json": {**plan.flags, **record}},
         max_seq_length=loaded.max_seq_length,
-        do_lower_case=loaded.lowercase,
+        readme=model_card.card(plan, loaded, record),
+        dense_tensors=[tensors for _, tensors in dense],
         tokenizer_files=loaded.tokenizer_files,
-        model_card=model_card.card(plan, loaded, record),
-        prompts=loaded.named_prompts,
         dtype=dtype,
-        training_config={**plan.flags, **record},
         # The Softmax head is not part of a SentenceTransformer; keep it beside, not lost.
         extra_tensor_files={"softmax_head.safetensors": head} if head else None,
     )
@@ -290,20 +297,65 @@ def shard_groups(sizes, max_bytes):
 # The SentenceTransformer folder format
 
 
-# The pooling modes this project trains and exports, and their key in 1_Pooling/config.json:
-# the one list of them (train.py's --pooling choices come from here).
-def pooling_config(pooling_mode, dim, include_prompt=True):
-    """1_Pooling/config.json. Only the keys every sentence-transformers version since 2.0
-    understands, plus `pooling_mode_lasttoken` when it is the mode (2.3+ knows it) and
-    `include_prompt` when it is False (2.4+)."""
+def sentence_transformer_files(
+    dim,
+    *,
+    pooling_mode,
+    normalize,
+    max_seq_length,
+    do_lower_case=False,
+    include_prompt=True,
+    dense=(),
+    prompts=None,
+):
+    """{path: JSON content} of the sentence-transformers files of a folder, for a transformer of
+    hidden size `dim` with Dense layers after pooling (`dense`: each one's config.json):
+        modules.json                      Transformer (path "") -> Pooling -> [Dense ...] -> [Normalize]
+        sentence_bert_config.json         max_seq_length, do_lower_case (texts lowercased first)
+        1_Pooling/config.json             pooling mode and dimension: only the keys every
+                                          sentence-transformers since 2.0 understands, plus
+                                          `pooling_mode_lasttoken` when it is the mode (2.3+) and
+                                          `include_prompt` when it is False (2.4+)
+        2_Dense/config.json, ...          each Dense layer's
+        config_sentence_transformers.json versions, similarity function, `prompts` ({name: prefix},
+                                          for encode(texts, prompt_name=name))
+    A Normalize module's folder N_Normalize/ is empty: modules.json names it."""
+    if pooling_mode not in st_folder.POOLING_MODES:
+        raise ValueError(f"pooling {pooling_mode!r} cannot be exported; use one of {st_folder.POOLING_MODES}")
+    # sentence-transformers module list: the classic `sentence_transformers.models.*` names,
+    # which 2.x loads natively and 3.x-6.x map to their current classes.
+    kinds = [("", "Transformer"), ("1_Pooling", "Pooling")]
+    kinds += [(f"{i + 2}_Dense", "Dense") for i in range(len(dense))]
+    kinds += [(f"{len(dense) + 2}_Normalize", "Normalize")] if normalize else []
     pooling = {"word_embedding_dimension": dim, "pooling_mode_mean_sqrt_len_tokens": False}
-    for mode in ("mean", "cls", "max"):
+    for mode in ("mean", "cls", "max", *(["lasttoken"] if pooling_mode == "lasttoken" else [])):
         pooling[st_folder.POOLING_KEYS[mode]] = pooling_mode == mode
-    if pooling_mode == "lasttoken":
-        pooling[st_folder.POOLING_KEYS["lasttoken"]] = True
     if not include_prompt:
         pooling["include_prompt"] = False
-    return pooling
+    # The oldest sentence-transformers version that reads the folder (lasttoken pooling came in
+    # 2.3.0, include_prompt in 2.4.0); a newer number would make older versions warn "update
+    # your library".
+    oldest = "2.4.0" if not include_prompt else "2.3.0" if pooling_mode == "lasttoken" else "2.0.0"
+    versions = {
+        "sentence_transformers": oldest,
+        "transformers": importlib.metadata.version("transformers"),
+        "pytorch": torch.__version__,
+    }
+    return {
+        "modules.json": [
+            {"idx": i, "name": str(i), "path": path, "type": f"sentence_transformers.models.{kind}"}
+            for i, (path, kind) in enumerate(kinds)
+        ],
+        "1_Pooling/config.json": pooling,
+        **{f"{i + 2}_Dense/config.json": settings for i, settings in enumerate(dense)},
+        "sentence_bert_config.json": {"max_seq_length": max_seq_length, "do_lower_case": do_lower_case},
+        "config_sentence_transformers.json": {
+            "__version__": versions,
+            "prompts": prompts or {},
+            "default_prompt_name": None,
+            "similarity_fn_name": "cosine",
+        },
+    }
 
 
 def export_sentence_transformer(
@@ -311,18 +363,13 @@ def export_sentence_transformer(
     weight_files,
     encoder_config,
     tokenizer,
+    st_files,
     *,
-    pooling_mode,
-    normalize,
     max_seq_length,
-    include_prompt=True,
-    dense=(),
-    do_lower_case=False,
-    model_card="",
-    training_config=None,
-    extra_tensor_files=None,
+    readme="",
+    dense_tensors=(),
     tokenizer_files=None,
-    prompts=None,
+    extra_tensor_files=None,
     dtype=torch.float32,
 ):
     """Write a SentenceTransformer folder at `out_dir` (rank 0 only; no collective inside).
@@ -334,12 +381,11 @@ def export_sentence_transformer(
     Floating-point tensors are written in `dtype`, which config.json states. Give it every tensor
     of the base checkpoint, the untrained ones too (a BERT pooler), or every `from_pretrained` of
     the folder warns of newly initialised weights. The tokenizer: `write_tokenizer`;
-    `extra_tensor_files` ({filename: tensors}) go beside; the sentence-transformers files, the
-    Dense layers (`dense`: a (config, tensors) pair each) and README.md (`model_card`):
-    `write_sentence_transformer_files`. Written beside `out_dir`, then renamed into place
-    (`swap_into_place`): a crash never leaves a half-written export."""
-    if pooling_mode not in st_folder.POOLING_MODES:
-        raise ValueError(f"pooling {pooling_mode!r} cannot be exported; use one of {st_folder.POOLING_MODES}")
+    `st_files` ({path: JSON content}: `sentence_transformer_files`, and training_config.json);
+    each Dense layer's tensors (`dense_tensors`, in `dtype`) in its folder; README.md
+    (`readme`: the model card); `extra_tensor_files` ({filename: tensors}) beside. Written beside
+    `out_dir`, then renamed into place (`swap_into_place`): a crash never leaves a half-written
+    export."""
     out_dir = os.path.abspath(out_dir)
     tmp_dir = f"{out_dir}.tmp-{os.getpid()}"
     shutil.rmtree(tmp_dir, ignore_errors=True)
@@ -351,20 +397,15 @@ def export_sentence_transformer(
     for filename, file_tensors in (extra_tensor_files or {}).items():
         file_tensors = {name: t.detach().cpu().contiguous().clone() for name, t in file_tensors.items()}
         save_file(file_tensors, os.path.join(tmp_dir, filename))
-    write_sentence_transformer_files(
-        tmp_dir,
-        encoder_config.hidden_size,
-        pooling_mode=pooling_mode,
-        normalize=normalize,
-        max_seq_length=max_seq_length,
-        do_lower_case=do_lower_case,
-        prompts=prompts,
-        training_config=training_config,
-        model_card=model_card,
-        include_prompt=include_prompt,
-        dense=dense,
-        dtype=dtype,
-    )
+    for module in st_files["modules.json"][1:]:
+        os.makedirs(os.path.join(tmp_dir, module["path"]))
+    for name, content in st_files.items():
+        with open(os.path.join(tmp_dir, name), "w", encoding="utf8") as f:
+            json.dump(content, f, indent=2)
+    with open(os.path.join(tmp_dir, "README.md"), "w", encoding="utf8") as f:
+        f.write(readme)
+    for i, tensors in enumerate(dense_tensors):
+        write_weight_files(os.path.join(tmp_dir, f"{i + 2}_Dense"), [lambda t=tensors: dict(t)], dtype)
     swap_into_place(tmp_dir, out_dir)
 
 
@@ -425,83 +466,6 @@ def write_tokenizer(tmp_dir, tokenizer, max_seq_length, tokenizer_files):
             if not os.path.exists(os.path.join(tmp_dir, os.path.basename(file))):
                 os.rename(file, os.path.join(tmp_dir, os.path.basename(file)))
         shutil.rmtree(model_dir)
-
-
-def write_sentence_transformer_files(
-    tmp_dir,
-    dim,
-    *,
-    pooling_mode,
-    normalize,
-    max_seq_length,
-    do_lower_case,
-    prompts,
-    training_config,
-    model_card,
-    include_prompt=True,
-    dense=(),
-    dtype=torch.float32,
-):
-    """The sentence-transformers files of the folder `tmp_dir`, for a transformer of hidden size
-    `dim` (`dense`: a (config, tensors) pair per Dense layer; its tensors written in `dtype`):
-        modules.json                      Transformer (path "") -> Pooling -> [Dense ...] -> [Normalize]
-        sentence_bert_config.json         max_seq_length, do_lower_case (texts lowercased first)
-        1_Pooling/config.json             pooling mode, dimension, include_prompt when False
-        2_Dense/ ...                      each Dense layer's config.json and model.safetensors
-        N_Normalize/                      (empty) when the model normalises
-        config_sentence_transformers.json versions, similarity function, `prompts` ({name: prefix},
-                                          for encode(texts, prompt_name=name))
-        training_config.json              `training_config`, unless it is None
-        README.md                         the model card
-    """
-    # sentence-transformers module list: the classic `sentence_transformers.models.*` names,
-    # which 2.x loads natively and 3.x-6.x map to their current classes.
-    kinds = [("", "Transformer"), ("1_Pooling", "Pooling")]
-    kinds += [(f"{i + 2}_Dense", "Dense") for i in range(len(dense))]
-    kinds += [(f"{len(dense) + 2}_Normalize", "Normalize")] if normalize else []
-    modules = [
-        {"idx": i, "name": str(i), "path": path, "type": f"sentence_transformers.models.{kind}"}
-        for i, (path, kind) in enumerate(kinds)
-    ]
-    for path, _ in kinds[1:]:
-        os.makedirs(os.path.join(tmp_dir, path))
-    files = {
-        "modules.json": modules,
-        "1_Pooling/config.json": pooling_config(pooling_mode, dim, include_prompt),
-        **{f"{i + 2}_Dense/config.json": settings for i, (settings, _) in enumerate(dense)},
-        "sentence_bert_config.json": {"max_seq_length": max_seq_length, "do_lower_case": do_lower_case},
-        "config_sentence_transformers.json": config_sentence_transformers(
-            pooling_mode, prompts, include_prompt
-        ),
-    }
-    if training_config is not None:
-        files["training_config.json"] = training_config
-    for name, content in files.items():
-        with open(os.path.join(tmp_dir, name), "w", encoding="utf8") as f:
-            json.dump(content, f, indent=2)
-    with open(os.path.join(tmp_dir, "README.md"), "w", encoding="utf8") as f:
-        f.write(model_card)
-    for i, (_, tensors) in enumerate(dense):
-        write_weight_files(os.path.join(tmp_dir, f"{i + 2}_Dense"), [lambda t=tensors: dict(t)], dtype)
-
-
-def config_sentence_transformers(pooling_mode, prompts, include_prompt=True):
-    """config_sentence_transformers.json: versions, similarity function, `prompts` ({name: prefix},
-    for encode(texts, prompt_name=name))."""
-    oldest = "2.4.0" if not include_prompt else "2.3.0" if pooling_mode == "lasttoken" else "2.0.0"
-    return {
-        # The oldest sentence-transformers version that reads this folder (lasttoken pooling
-        # came in 2.3.0, include_prompt in 2.4.0); a newer number would make older versions warn
-        # "update your library".
-        "__version__": {
-            "sentence_transformers": oldest,
-            "transformers": importlib.metadata.version("transformers"),
-            "pytorch": torch.__version__,
-        },
-        "prompts": prompts or {},
-        "default_prompt_name": None,
-        "similarity_fn_name": "cosine",
-    }
 
 
 def swap_into_place(tmp_dir, out_dir):

@@ -130,15 +130,21 @@ def agreed_writes(what, folder, clean_up=lambda: None):
     failed = torch.tensor([code], device=flag_device())
     if dist.is_initialized():
         dist.all_reduce(failed, op=dist.ReduceOp.MAX)  # (all ranks participate): the worst outcome
-    if failed.item() == 0:
-        return
+    if failed.item() != 0:
+        raise_write_failure(what, folder, clean_up, error, another_failed=failed.item() == 2)
+
+
+def raise_write_failure(what, folder, clean_up, error, another_failed):
+    """agreed_writes after a failed write on some rank: rank 0 cleans up, then every rank raises
+    its own error where it is not a disk's, or else a RuntimeError where another rank's is not a
+    disk's (`another_failed`), or else DiskFull."""
     room = None
     if not dist.is_initialized() or dist.get_rank() == 0:
         room = free_space(folder)  # as the failed write left it
         clean_up()
     if isinstance(error, DiskFull) or (error is not None and not is_write_error(error)):
         raise error
-    if failed.item() == 2:
+    if another_failed:
         raise RuntimeError(f"another rank failed while writing {what} at {folder}")
     raise DiskFull(what, folder, cause=error, room=room)
 

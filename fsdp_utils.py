@@ -473,24 +473,7 @@ def clip_grad_norm(model, max_norm):
     if is_fsdp1(model):
         return model.clip_grad_norm_(max_norm)  # (all ranks participate)
     if is_fsdp2(model):
-        with_grad = [p for p in model.parameters() if p.grad is not None]
-        whole = [p for p in with_grad if not is_sharded(p)]  # the tables FSDP leaves out (wrap_fsdp2)
-        if not whole:
-            # (all ranks participate): the norm of the shards, a DTensor, all-reduced
-            return torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm).full_tensor()
-        # torch's clip cannot take sharded and whole gradients in one list: the two norms apart
-        # (the sharded one all-reduced: the collective), then one coefficient for both.
-        sharded = [p for p in with_grad if is_sharded(p)]
-        norms = [torch.nn.utils.get_total_norm([p.grad for p in whole])]
-        if sharded:  # the same parameters on every rank
-            # (all ranks participate): the norm of the shards, a DTensor, all-reduced
-            norms.append(torch.nn.utils.get_total_norm([p.grad for p in sharded]).full_tensor())
-        total = torch.linalg.vector_norm(torch.stack(norms))
-        torch.nn.utils.clip_grads_with_norm_(whole, max_norm, total)
-        coefficient = (max_norm / (total + 1e-6)).clamp(max=1.0)  # clip_grads_with_norm_'s own
-        for p in sharded:
-            p.grad.mul_(coefficient)
-        return total
+        return clip_fsdp2_grad_norm(model, max_norm)  # (all ranks participate)
     # Single and DDP: every rank holds whole gradients, so the norm is local. torch's
     # clip_grad_norm_ multiplies every gradient by its clamped coefficient even when that is 1
     # (a read and a write of the whole gradient, every step: docs/speed.md), so
@@ -502,6 +485,29 @@ def clip_grad_norm(model, max_norm):
     coefficient = max_norm / (total.item() + 1e-6)  # clip_grad_norm_'s own
     if not coefficient >= 1.0:  # a NaN norm too: torch multiplies every gradient by NaN
         torch.nn.utils.clip_grads_with_norm_(parameters, max_norm, total)
+    return total
+
+
+def clip_fsdp2_grad_norm(model, max_norm):
+    """clip_grad_norm under FSDP2 (all ranks participate): the norm of the sharded gradients is
+    all-reduced; the tables FSDP leaves whole (wrap_fsdp2) add their local norm."""
+    with_grad = [p for p in model.parameters() if p.grad is not None]
+    whole = [p for p in with_grad if not is_sharded(p)]  # the tables FSDP leaves out (wrap_fsdp2)
+    if not whole:
+        # (all ranks participate): the norm of the shards, a DTensor, all-reduced
+        return torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm).full_tensor()
+    # torch's clip cannot take sharded and whole gradients in one list: the two norms apart
+    # (the sharded one all-reduced: the collective), then one coefficient for both.
+    sharded = [p for p in with_grad if is_sharded(p)]
+    norms = [torch.nn.utils.get_total_norm([p.grad for p in whole])]
+    if sharded:  # the same parameters on every rank
+        # (all ranks participate): the norm of the shards, a DTensor, all-reduced
+        norms.append(torch.nn.utils.get_total_norm([p.grad for p in sharded]).full_tensor())
+    total = torch.linalg.vector_norm(torch.stack(norms))
+    torch.nn.utils.clip_grads_with_norm_(whole, max_norm, total)
+    coefficient = (max_norm / (total + 1e-6)).clamp(max=1.0)  # clip_grads_with_norm_'s own
+    for p in sharded:
+        p.grad.mul_(coefficient)
     return total
 
 

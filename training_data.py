@@ -41,11 +41,14 @@ FILE_TYPES = {"jsonl": "json", "json": "json", "csv": "csv", "parquet": "parquet
 def load_data(path, split, subset="", flag="--train-data"):
     """Every rank loads the same rows. All ranks may load at once: `datasets` guards its cache
     with file locks, and a rank-0-first barrier would hang the others if rank 0 failed. `path`: a
-    file, a folder or glob of shards of one type (one data set, the shards in sorted order), a
-    Dataset.save_to_disk folder, or a hub id."""
+    file, a folder or glob of shards of one type (one data set, the shards in sorted order), or
+    (load_saved_or_hub) a Dataset.save_to_disk folder or a hub id."""
     files = [path] if os.path.isfile(path) else shards_of(path, flag)
-    if files:
-        return load_files(files, flag)
+    return load_files(files, flag) if files else load_saved_or_hub(path, split, subset, flag)
+
+
+def load_saved_or_hub(path, split, subset, flag):
+    """A Dataset.save_to_disk folder (its split `split` when it holds several), or a hub id."""
     if os.path.isdir(path):
         try:
             loaded = datasets.load_from_disk(path)
@@ -112,22 +115,28 @@ def load_files(files, flag):
     try:
         return datasets.load_dataset(builder, data_files=files, split="train")
     except Exception as e:  # malformed JSON/CSV, numbers out of range: one message naming the line
-        for path in files:
-            detail = (ext == "jsonl" and first_bad_json_line(path)) or (
-                ext == "json" and json_document_error(path)
+        raise ValueError(f"{flag} {why_unreadable(files, ext, builder, e)}") from e
+
+
+def why_unreadable(files, ext, builder, error):
+    """Why `datasets` could not read the data files `files` (`error`), naming the file and line
+    at fault where one can be found: "PATH: ..." ."""
+    for path in files:
+        detail = (ext == "jsonl" and first_bad_json_line(path)) or (
+            ext == "json" and json_document_error(path)
+        )
+        if detail:
+            return f"{path}: cannot be read as {builder}: {detail}"
+    # datasets' "Couldn't cast" names neither shard: find the first whose columns differ.
+    first = first_columns(files[0], ext)
+    for path in files[1:]:
+        if first is not None and (columns := first_columns(path, ext)) not in (None, first):
+            return (
+                f"{path}: columns {columns}, but {files[0]} has {first}; the shards of one data set "
+                "share their columns"
             )
-            if detail:
-                raise ValueError(f"{flag} {path}: cannot be read as {builder}: {detail}") from e
-        # datasets' "Couldn't cast" names neither shard: find the first whose columns differ.
-        first = first_columns(files[0], ext)
-        for path in files[1:]:
-            if first is not None and (columns := first_columns(path, ext)) not in (None, first):
-                raise ValueError(
-                    f"{flag} {path}: columns {columns}, but {files[0]} has {first}; the shards of one "
-                    "data set share their columns"
-                ) from e
-        where = files[0] if len(files) == 1 else f"{files[0]} .. {files[-1]}"
-        raise ValueError(f"{flag} {where}: cannot be read as {builder}: {root_cause(e)}") from e
+    where = files[0] if len(files) == 1 else f"{files[0]} .. {files[-1]}"
+    return f"{where}: cannot be read as {builder}: {root_cause(error)}"
 
 
 def first_columns(path, ext):
@@ -511,9 +520,27 @@ def eval_kind(columns):
     return "nli" if "label" in columns else "retrieval"
 
 
+# What each loss needs of a file's columns: (fewest text columns, most (None: any), a target:
+# True needs one, False refuses one, None takes either), and how its error message says it.
+# fmt: off
+LOSS_COLUMNS = {
+    "mnrl": (2, None, False, "(anchor, positive[, negative ...]) text columns and no target"),
+    "distill_kl": (3, None, True, "(query, positive, negative[, negative ...]) text columns and a "
+                   "'scores' (or 'label') list with the teacher's score of each"),
+    "mse": (1, None, None, "text columns (a text[, its translations ...]) and an 'embedding' column "
+            "with the teacher's vector (or --teacher-model)"),
+    "margin_mse": (3, 3, True, "(query, positive, negative) text columns and a 'label' with the "
+                   "teacher's score margin"),
+    "cosent": (2, 2, True, "two text columns and a target (sentence1, sentence2, score)"),
+    "softmax": (2, 2, True, "two text columns and a target (premise, hypothesis, label)"),
+}
+# fmt: on
+
+
 def data_columns(ds, loss_name):
     """Split the columns into text columns (in order) and the target column, and check that
-    they fit the loss. Returns (text_columns, target_column or None, num_labels or 0)."""
+    they fit the loss (LOSS_COLUMNS). Returns (text_columns, target_column or None, num_labels
+    or 0)."""
     if len(ds) == 0:
         raise ValueError("the data set holds no rows")
     targets = [c for c in ds.column_names if c in TARGET_COLUMNS]
@@ -527,36 +554,11 @@ def data_columns(ds, loss_name):
     if len(targets) > 1:
         raise ValueError(f"columns {targets} are both targets; keep one")
     target = targets[0] if targets else None
-    if loss_name == "mnrl":
-        if len(texts) < 2 or target is not None:
-            raise ValueError(
-                "--loss mnrl needs (anchor, positive[, negative ...]) text columns and no target; got "
-                f"{ds.column_names}"
-            )
-    elif loss_name == "distill_kl":
-        if len(texts) < 3 or target is None:
-            raise ValueError(
-                "--loss distill_kl needs (query, positive, negative[, negative ...]) text columns and a "
-                f"'scores' (or 'label') list with the teacher's score of each; got {ds.column_names}"
-            )
+    fewest, most, wants_target, needs = LOSS_COLUMNS[loss_name]
+    if len(texts) < fewest or len(texts) > (most or len(texts)) or wants_target not in (None, bool(target)):
+        raise ValueError(f"--loss {loss_name} needs {needs}; got {ds.column_names}")
+    if loss_name == "distill_kl":
         check_score_lists(ds, target, len(texts) - 1)
-    elif loss_name == "mse":
-        if not texts:
-            raise ValueError(
-                "--loss mse needs text columns (a text[, its translations ...]) and an 'embedding' column "
-                f"with the teacher's vector (or --teacher-model); got {ds.column_names}"
-            )
-    elif loss_name == "margin_mse":
-        if len(texts) != 3 or target is None:
-            raise ValueError(
-                "--loss margin_mse needs (query, positive, negative) text columns and a 'label' with the "
-                f"teacher's score margin; got {ds.column_names}"
-            )
-    elif len(texts) != 2 or target is None:
-        want = "sentence1, sentence2, score" if loss_name == "cosent" else "premise, hypothesis, label"
-        raise ValueError(
-            f"--loss {loss_name} needs two text columns and a target ({want}); got {ds.column_names}"
-        )
     numeric = ("float16", "float32", "float64", "int32", "int64")
     if loss_name in ("cosent", "margin_mse") and getattr(ds.features[target], "dtype", "") not in numeric:
         raise ValueError(

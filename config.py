@@ -13,6 +13,7 @@ Needs only the standard library.
 
 import argparse
 import dataclasses
+import importlib.util
 import json
 import math
 import os
@@ -205,10 +206,11 @@ class Config:
     seed: int = arg(12, "seeds the data order and the initialisation of new heads")
     # loss recipes
     scale: float = arg(
-        20.0,
-        "mnrl and cosent: the factor on the cosine similarities "
-        "(sentence-transformers' scale; 1/temperature)",
+        None,
+        "mnrl and cosent: the factor on the cosine similarities (sentence-transformers' scale; "
+        "1/temperature); unset: 20, and 100 for mnrl with --guide-model (GISTEmbedLoss's temperature 0.01)",
         above=0,
+        type=float,
     )
     matryoshka_dims: str = arg(
         "",
@@ -260,6 +262,19 @@ class Config:
         choices=("absolute", "relative"),
     )
     guide_margin: float = arg(0.0, "--guide-model's margin M (GISTEmbedLoss's margin)")
+    contrast_anchors: bool = arg(
+        None,
+        "--guide-model: also rank each anchor against the other anchors (GISTEmbedLoss's contrast_anchors: "
+        "--mnrl-directions' query_to_query); unset: on with --guide-model",
+        type=bool,
+    )
+    contrast_positives: bool = arg(
+        None,
+        "--guide-model: also rank each positive against the other positives, in the anchor's softmax "
+        "(GISTEmbedLoss's contrast_positives: --mnrl-directions' positive_to_positive); unset: on with "
+        "--guide-model",
+        type=bool,
+    )
     teacher_model: str = arg(
         "",
         "mse: a frozen teacher model whose embedding of each row's first text is the target of every text "
@@ -280,7 +295,8 @@ class Config:
     mnrl_directions: str = arg(
         "query_to_doc",
         "mnrl: which similarities give each anchor's negatives, comma-separated: query_to_doc (always), "
-        "query_to_query, doc_to_query, doc_to_doc; all four: GTE's improved contrastive loss",
+        "query_to_query, doc_to_query, doc_to_doc, positive_to_positive (each positive against the other "
+        "positives); the first four: GTE's improved contrastive loss",
     )
     mnrl_partition: str = arg(
         "joint",
@@ -545,8 +561,9 @@ REPORT_TOOLS = ("tensorboard", "wandb", "mlflow")
 
 
 def report_tools(cfg):
-    """--report-to as a list of names, in the order given, each known and named once (whether its
-    package is installed is a start-up check). Raises ValueError."""
+    """--report-to as a list of names, in the order given, each known, named once and installed
+    (optional packages, imported only by tracking.py when asked for; the package has the tool's
+    name). Raises ValueError."""
     tools = [name.strip() for name in cfg.report_to.split(",") if name.strip()]
     unknown = [name for name in tools if name not in REPORT_TOOLS]
     if unknown:
@@ -557,6 +574,12 @@ def report_tools(cfg):
     twice = sorted({name for name in tools if tools.count(name) > 1})
     if twice:
         raise ValueError(f"--report-to {cfg.report_to}: {', '.join(twice)} named twice; name each tool once")
+    for name in tools:
+        if importlib.util.find_spec(name) is None:
+            raise ValueError(
+                f"--report-to {name} needs the {name} package: pip install {name} "
+                "(or leave it out of --report-to)"
+            )
     return tools
 
 
@@ -589,7 +612,7 @@ def matryoshka_sizes(cfg):
 
 
 # losses.MNRL_DIRECTIONS, in its order (config.py imports no other project file).
-MNRL_DIRECTIONS = ("query_to_doc", "query_to_query", "doc_to_query", "doc_to_doc")
+MNRL_DIRECTIONS = ("query_to_doc", "query_to_query", "doc_to_query", "doc_to_doc", "positive_to_positive")
 
 
 def mnrl_options(cfg):
@@ -606,6 +629,36 @@ def mnrl_options(cfg):
         "directions": tuple(d for d in MNRL_DIRECTIONS if d in named | {"query_to_doc"}),
         "partition": cfg.mnrl_partition,
     }
+
+
+# Flags whose unset value (None) a resumed run takes from its checkpoint, so a checkpoint written
+# before their defaults came to depend on --guide-model resumes as it was written
+# (checkpoints.check_same_run lets them differ; `loss_scales` takes the checkpoint's).
+FROM_CHECKPOINT_WHEN_UNSET = ("scale", "contrast_anchors", "contrast_positives")
+
+
+def loss_scales(cfg, saved_flags=None):
+    """{"scale": MNRL's and CoSENT's, "gist": (scale, contrast_anchors, contrast_positives) of MNRL
+    with --guide-model, else None}. Each flag as given; unset, the checkpoint's (`saved_flags`, a
+    resumed run's: one written before --contrast-anchors existed ranked neither block), else the
+    defaults: 20, and with --guide-model GISTEmbedLoss's (temperature 0.01, both blocks)."""
+    saved = saved_flags or {}
+    written_before = saved_flags is not None and "contrast_anchors" not in saved
+
+    def resolved(name, default):
+        given = getattr(cfg, name)
+        return given if given is not None else saved[name] if saved.get(name) is not None else default
+
+    scale = resolved("scale", None)
+    blocks = [resolved(name, not written_before) for name in ("contrast_anchors", "contrast_positives")]
+    return {"scale": scale or 20.0, "gist": (scale or 100.0, *blocks) if cfg.guide_model else None}
+
+
+def gist_directions(directions, gist):
+    """MNRL's `directions` with GISTEmbedLoss's blocks that `gist` (loss_scales; None: none) switches
+    on: the anchor-anchor one (query_to_query) and the positive-positive one (positive_to_positive)."""
+    blocks = {"query_to_query": gist[1], "positive_to_positive": gist[2]} if gist else {}
+    return tuple(d for d in MNRL_DIRECTIONS if d in directions or blocks.get(d))
 
 
 def column_lengths(cfg):

@@ -113,7 +113,7 @@ def duplicate_mask(query_ids_B, pair_ids_B, candidate_ids_N, pair_index_B):
     return same_BN
 
 
-MNRL_DIRECTIONS = ("query_to_doc", "query_to_query", "doc_to_query", "doc_to_doc")
+MNRL_DIRECTIONS = ("query_to_doc", "query_to_query", "doc_to_query", "doc_to_doc", "positive_to_positive")
 FALSE_NEGATIVE_STRATEGIES = ("absolute", "relative")
 HARDNESS_MODES = ("in_batch_negatives", "hard_negatives", "all_negatives")
 
@@ -225,6 +225,8 @@ def _mnrl_directions(
         query_to_query  a_i against every other anchor
         doc_to_query    p_i against every anchor
         doc_to_doc      p_i against every candidate but row i's own (its positive and negatives)
+        positive_to_positive  p_i against every other positive (GISTEmbedLoss's positive-positive
+                        block, its contrast_positives)
     partition "joint": one softmax over all of them; "per_direction": one normaliser per
     direction, their log-sum-exps averaged: only with query_to_doc and doc_to_query, the
     directions whose candidates hold the positive pair. guide, false_negatives, hardness: mnrl_loss's.
@@ -251,6 +253,11 @@ def _mnrl_directions(
     if "doc_to_doc" in directions:
         row_docs_BN = F.one_hot(place_B, all_candidates[0].shape[0]).bool().repeat(1, len(all_candidates))
         scores["doc_to_doc"] = cosine_scores(positive_BD, cand_ND).masked_fill(row_docs_BN, float("-inf"))
+    if "positive_to_positive" in directions:
+        same_positive_BP = F.one_hot(place_B, all_candidates[0].shape[0]).bool()
+        scores["positive_to_positive"] = cosine_scores(positive_BD, all_candidates[0]).masked_fill(
+            same_positive_BP, float("-inf")
+        )
     cos_BN = scores["query_to_doc"]
     scores = {name: scale * s for name, s in scores.items()}
     if hardness is not None:
@@ -309,9 +316,9 @@ def _mask_false_negatives(
     """Each direction of `scores` ({name: (B, X) logits}, as in _mnrl_directions; "doc_to_query" is
     also `symmetric`'s positive -> anchors) with its false negatives at -inf: false_negative_mask of
     the guide's similarities of the same pairs, as GISTEmbedLoss does for its anchor-positive,
-    anchor-anchor, positive-positive and anchor-negative matrices. Unlike its positive-positive
-    (positives against positives), doc_to_doc ranks p_i against every document. With `gather` and a
-    guide, the guide's gathers (all ranks participate)."""
+    anchor-anchor (query_to_query), positive-positive (positive_to_positive) and anchor-negative
+    matrices; doc_to_doc ranks p_i against every document. With `gather` and a guide, the guide's
+    gathers (all ranks participate)."""
     needs_anchors = not scores.keys().isdisjoint({"query_to_query", "doc_to_query"})
     g_anchor_BD, g_anchors_MD, g_candidates = _guide_embeddings(
         guide, anchor_BD, all_anchors_MD, all_candidates, gather, needs_anchors
@@ -322,6 +329,7 @@ def _mask_false_negatives(
         "query_to_query": (g_anchor_BD, g_anchors_MD, None),
         "doc_to_query": (g_positive_BD, g_anchors_MD, place_B),
         "doc_to_doc": (g_positive_BD, g_cand_ND, None),
+        "positive_to_positive": (g_positive_BD, g_candidates[0], None),
     }
     g_positive_B = cosine_scores(g_anchor_BD, g_cand_ND)[
         torch.arange(len(place_B), device=place_B.device), place_B

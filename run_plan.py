@@ -28,7 +28,6 @@ training_data.py.
 """
 
 import dataclasses
-import importlib.util
 import math
 import os
 from dataclasses import dataclass
@@ -77,6 +76,8 @@ class Plan:
     model: embedding_model.ModelSpec  # which model loads and how: path, pooling, lengths, prompts, LoRA
     matryoshka: tuple | None  # (dims, weights), or None
     mnrl: dict  # MNRL's directions and partition
+    scale: float  # MNRL's and CoSENT's (config.loss_scales)
+    gist: tuple | None  # MNRL's with --guide-model: (scale, contrast_anchors, contrast_positives)
     losses: list  # --loss: one name, one per --train-data file, or none (each file's columns)
     dataset_settings: dict  # --dataset-settings: {file stem: {setting: value}}
     report_tools: list  # --report-to's trackers, in order
@@ -138,7 +139,7 @@ def flags_plan(cfg, world_size, device):
             "(one, or one per --train-data file)"
         )
     check_run_mode_flags(cfg, plan)
-    check_output_dir(cfg.output_dir)
+    checkpoints.check_output_dir(cfg.output_dir)
     if cfg.eval_only:
         metrics_path = os.path.join(cfg.output_dir, "metrics.jsonl")
         if os.path.exists(metrics_path) and not cfg.overwrite:
@@ -172,6 +173,7 @@ def resolve_flags(cfg, world_size, device):
         model=model_spec(cfg),
         matryoshka=config.matryoshka_sizes(cfg) if cfg.matryoshka_dims or cfg.matryoshka_weights else None,
         mnrl=config.mnrl_options(cfg),
+        **config.loss_scales(cfg),
         losses=[name.strip() for name in cfg.loss.split(",")] if cfg.loss else [],
         dataset_settings=config.dataset_settings_of(cfg) if cfg.dataset_settings else {},
         report_tools=config.report_tools(cfg) if cfg.report_to else [],
@@ -267,8 +269,8 @@ def export_shard_bytes(cfg):
 
 
 def check_run_mode_flags(cfg, plan):
-    """The flags that choose what the run does: resume or overwrite, evaluate only or first, report
-    to trackers; --resume PATH must name a complete checkpoint."""
+    """The flags that choose what the run does: resume or overwrite, evaluate only or first;
+    --resume PATH must name a complete checkpoint."""
     if cfg.resume and cfg.overwrite:
         raise ValueError("--resume continues a run and --overwrite starts it over: choose one")
     if (cfg.eval_only or cfg.eval_on_start) and not cfg.eval_data:
@@ -280,37 +282,11 @@ def check_run_mode_flags(cfg, plan):
         raise ValueError(
             "--eval-only evaluates --model and trains nothing, so --resume has nothing to continue: drop one"
         )
-    if plan.report_tools:
-        check_report_to(plan.report_tools)
     if cfg.resume not in ("", "auto") and (problem := checkpoints.checkpoint_problem(cfg.resume)):
         raise ValueError(
             f"--resume {cfg.resume}: not a complete checkpoint ({problem}); "
             "pass a complete OUTPUT_DIR/checkpoints/step-N folder, or --resume auto, "
             "which takes the newest complete one"
-        )
-
-
-def check_report_to(tools):
-    """Each tracker's package is installed (optional packages, imported only by tracking.py when
-    asked for; the package has the tool's name)."""
-    for name in tools:
-        if importlib.util.find_spec(name) is None:
-            raise ValueError(
-                f"--report-to {name} needs the {name} package: pip install {name} "
-                "(or leave it out of --report-to)"
-            )
-
-
-def check_output_dir(output_dir):
-    """--output-dir must be a folder this process can create files in (checked without writing)."""
-    if os.path.exists(output_dir) and not os.path.isdir(output_dir):
-        raise ValueError(f"--output-dir {output_dir} is a file, not a folder; choose another --output-dir")
-    existing = os.path.abspath(output_dir)
-    while not os.path.exists(existing):
-        existing = os.path.dirname(existing)
-    if not os.path.isdir(existing) or not os.access(existing, os.W_OK | os.X_OK):
-        raise ValueError(
-            f"--output-dir {output_dir}: cannot write in {existing}; choose a folder you can write to"
         )
 
 
@@ -346,7 +322,9 @@ def data_plan(cfg, plan):
         return dataclasses.replace(plan, finished=True)
     note = ""
     if resume_dir is not None:  # at another world size too: the checkpoint's global batches kept
-        plan, train_sets, note = resumed_batches(plan, cfg, train_sets, checkpoints.saved_state(resume_dir))
+        saved = checkpoints.saved_state(resume_dir)
+        plan = dataclasses.replace(plan, **config.loss_scales(cfg, saved["config"]))  # as it was written
+        plan, train_sets, note = resumed_batches(plan, cfg, train_sets, saved)
     check_losses(cfg, plan, train_sets)
     plan = add_train_sets(plan, cfg, train_sets)
     for ts in plan.train_sets:
@@ -396,8 +374,6 @@ def check_losses(cfg, plan, train_sets):
             f"{flag} works on MNRL's candidates, and no --train-data file trains with mnrl "
             f"(losses: {', '.join(losses_used)})"
         )
-    if len(plan.mnrl["directions"]) > 1:
-        check_mnrl_directions(cfg, plan, losses_used)
     given = {f.name for f in dataclasses.fields(cfg) if getattr(cfg, f.name) != f.default}  # not defaults
     if given & {
         "false_negative_margin",
@@ -405,8 +381,13 @@ def check_losses(cfg, plan, train_sets):
         "guide_margin",
         "guide_margin_strategy",
         "hardness_mode",
+        "contrast_anchors",
+        "contrast_positives",
     }:
         check_false_negative_flags(cfg, losses_used)
+    directions = config.gist_directions(plan.mnrl["directions"], plan.gist)
+    if len(directions) > 1:
+        check_mnrl_directions(cfg, plan, losses_used, directions)
     if cfg.teacher_model or "mse" in losses_used:
         check_distillation(cfg, plan, train_sets)
     if cfg.matryoshka_dims and "softmax" in losses_used:
@@ -437,13 +418,15 @@ def check_losses(cfg, plan, train_sets):
             )
 
 
-def check_mnrl_directions(cfg, plan, losses_used):
-    """--mnrl-directions, more than one: an mnrl file to train, and the flags they combine with."""
-    directions = plan.mnrl["directions"]
+def check_mnrl_directions(cfg, plan, losses_used, directions):
+    """More MNRL `directions` than query_to_doc (--mnrl-directions, and --guide-model's blocks): an
+    mnrl file to train, and the flags they combine with."""
+    named = f"--mnrl-directions {','.join(directions)}"
+    if directions != plan.mnrl["directions"]:
+        named += " (--guide-model's blocks; --no-contrast-anchors --no-contrast-positives leave them out)"
     if "mnrl" not in losses_used:
         raise ValueError(
-            "--mnrl-directions needs a --train-data file that trains with mnrl "
-            f"(losses: {', '.join(losses_used)})"
+            f"{named} needs a --train-data file that trains with mnrl (losses: {', '.join(losses_used)})"
         )
     if cfg.symmetric or cfg.mask_duplicates:
         flag = (
@@ -451,11 +434,12 @@ def check_mnrl_directions(cfg, plan, losses_used):
             if cfg.symmetric
             else "--mask-duplicates"
         )
-        raise ValueError(f"--mnrl-directions {cfg.mnrl_directions} does not combine with {flag}")
+        raise ValueError(f"{named} does not combine with {flag}")
     if cfg.mnrl_partition == "per_direction" and not set(directions) <= {"query_to_doc", "doc_to_query"}:
         raise ValueError(
-            "--mnrl-partition per_direction needs every direction's candidates to hold the positive pair: "
-            "query_to_query and doc_to_doc never do; use --mnrl-partition joint"
+            f"{named}: --mnrl-partition per_direction needs every direction's candidates to hold the "
+            "positive pair: query_to_query, doc_to_doc and positive_to_positive never do; use "
+            "--mnrl-partition joint"
         )
 
 
@@ -473,6 +457,11 @@ def check_false_negative_flags(cfg, losses_used):
     if guide_flags and not cfg.guide_model:
         raise ValueError(
             "--guide-margin and --guide-margin-strategy set the guide's rule; pass --guide-model"
+        )
+    if (cfg.contrast_anchors, cfg.contrast_positives) != (None, None) and not cfg.guide_model:
+        raise ValueError(
+            "--contrast-anchors and --contrast-positives switch --guide-model's blocks (GISTEmbedLoss's); "
+            "pass --guide-model, or without one use --mnrl-directions query_to_query,positive_to_positive"
         )
     flags += ["--hardness-mode"] if cfg.hardness_mode else []
     if flags and "mnrl" not in losses_used:
@@ -729,17 +718,18 @@ def add_schedule(plan, cfg, schedule, steps_per_epoch, eval_sets, fingerprint):
 def loss_plan(plan, cfg, name, own_negatives, num_labels, gather, guided=True):
     """The LossPlan of a set that trains (or is scored) with loss `name`; `guided`: with the
     --guide-model's rule (its embeddings come with each micro-batch: train.forward_backward)."""
-    false_negatives = None
-    if cfg.guide_model and guided:
+    false_negatives, scale, directions = None, plan.scale, plan.mnrl["directions"]
+    if cfg.guide_model and guided and name == "mnrl":  # GISTEmbedLoss's scale and blocks
         false_negatives = (cfg.guide_margin_strategy, cfg.guide_margin)
+        scale, directions = plan.gist[0], config.gist_directions(directions, plan.gist)
     elif cfg.false_negative_margin is not None:
         # the model's own scores, no guide: s_ij > s_i+ + M is strategy "absolute" with margin -M
         false_negatives = ("absolute", -cfg.false_negative_margin)
     return LossPlan(
         name=name,
-        scale=cfg.scale,
+        scale=scale,
         matryoshka=plan.matryoshka,
-        directions=plan.mnrl["directions"],
+        directions=directions,
         partition=plan.mnrl["partition"],
         temperatures=(cfg.student_temperature, cfg.teacher_temperature),
         gather=gather and not own_negatives,
@@ -789,6 +779,8 @@ def record(plan, loaded=None):
             "global_batch": ts.global_batch,
             "weight": ts.weight,
             "own_negatives": ts.own_negatives,
+            "scale": ts.loss_plan.scale,  # --scale resolved (config.loss_scales)
+            "directions": ts.loss_plan.directions if ts.loss == "mnrl" else None,
             "prompts": ts.prompts,
             "steps": plan.schedule.steps_of_set(index),
         }

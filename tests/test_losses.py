@@ -19,6 +19,9 @@ except ImportError:
 
 import losses
 
+# GTE's improved contrastive loss: the four directions sentence-transformers' MNRL takes
+GTE_DIRECTIONS = ("query_to_doc", "query_to_query", "doc_to_query", "doc_to_doc")
+
 pytestmark = pytest.mark.quick  # the quick tier: python -m pytest tests -m quick
 
 B, D = 8, 16
@@ -369,7 +372,7 @@ DIRECTION_SETS = [
     ("query_to_doc", "doc_to_query"),
     ("query_to_doc", "query_to_query"),
     ("query_to_doc", "doc_to_doc"),
-    losses.MNRL_DIRECTIONS,  # GTE's improved contrastive loss
+    GTE_DIRECTIONS,  # GTE's improved contrastive loss
 ]
 
 
@@ -402,7 +405,7 @@ def test_mnrl_directions_with_gathered_negatives_equal_one_process(tmp_path):
     from safetensors.torch import load_file
 
     worker = Path(__file__).resolve().parent / "loss_worker.py"
-    rows, columns, world, directions = 3, 3, 2, losses.MNRL_DIRECTIONS  # GTE's four, hard negatives
+    rows, columns, world, directions = 3, 3, 2, losses.MNRL_DIRECTIONS  # all five, hard negatives
     # Started by the warm launcher (conftest.warm_run): torchrun's worker environment, gloo.
     args = [tmp_path, rows, columns, ",".join(directions), "joint"]
     warm_run(args, nproc=world, script=worker, train_flags=False, timeout=120)

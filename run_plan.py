@@ -426,7 +426,8 @@ def check_mnrl_directions(cfg, plan, losses_used, directions):
         named += " (--guide-model's blocks; --no-contrast-anchors --no-contrast-positives leave them out)"
     if "mnrl" not in losses_used:
         raise ValueError(
-            f"{named} needs a --train-data file that trains with mnrl (losses: {', '.join(losses_used)})"
+            "--mnrl-directions needs a --train-data file that trains with mnrl "
+            f"(losses: {', '.join(losses_used)})"
         )
     if cfg.symmetric or cfg.mask_duplicates:
         flag = (

@@ -260,4 +260,8 @@ def test_help_shows_the_config_sections_with_defaults():
         start = text.index(f"\n{section}:\n")
         end = min([p for p in positions if p > start] + [len(text)])
         assert re.search(f"\n  {flag}[ ,\n]", text[start:end]), (flag, section)
-    assert "(default: 2e-05)" in text and "(default: proportional)" in text and "(default: 20.0)" in text
+    assert (
+        "(default: 2e-05)" in text
+        and "(default: proportional)" in text
+        and "unset: 20, and 100 for mnrl with --guide-model" in " ".join(text.split())
+    )

@@ -321,15 +321,22 @@ def targets(rows, target, loss_name, device):
     )
 
 
-def micro_batches(plan, loaded, tables, rank, start_step):
-    """This rank's micro-batches from start_step on, in training order: (train set, rows,
-    features, labels), tokenized on the CPU. Where `tables` (write_or_read_token_files) holds a
-    set's token table, its ids are read from it and only padded; else each micro-batch is
-    tokenized as it is read. A background thread reads the
-    next one while the caller computes on this one, so reading overlaps the step (tokenizing: a
-    small share of a CPU's step, a far larger one of a GPU's: docs/steps.md). The thread has its
-    own copy of the tokenizer: a fast tokenizer used from two threads at once fails ("Already
-    borrowed"), and evaluation tokenizes in the main thread."""
+# Micro-batches the reader thread keeps ready ahead of the step (micro_batches): two, so that one
+# slow to read (a long text, a cold page of the data) still arrives before the step needs it.
+READ_AHEAD = 2
+
+
+def micro_batches(plan, loaded, tables, rank, start_step, prepare):
+    """This rank's micro-batches from start_step on, in training order: what `prepare(train set,
+    rows, features, labels)` makes of each (train.prepare_micro_batch: pooled, packed, pinned),
+    tokenized on the CPU. Where `tables` (write_or_read_token_files) holds a set's token table, its
+    ids are read from it and only padded; else each micro-batch is tokenized as it is read. A
+    background thread reads and prepares the next READ_AHEAD micro-batches while the caller
+    computes on this one, so reading overlaps the step (tokenizing and packing: a small share of
+    a CPU's step, a far larger one of a GPU's: docs/steps.md), and the step never waits on them
+    while the reader keeps up. The thread has its own copy of the tokenizer: a fast tokenizer used
+    from two threads at once fails ("Already borrowed"), and evaluation tokenizes in the main
+    thread."""
     thread_loaded = dataclasses.replace(loaded, tokenizer=copy.deepcopy(loaded.tokenizer))
 
     def read(step, micro_step):
@@ -344,7 +351,7 @@ def micro_batches(plan, loaded, tables, rank, start_step):
             features = token_cache.features(
                 tables[set_index], indices, ts.text_columns, thread_loaded, prompts
             )
-            return ts, rows, features, targets(rows, ts.target, ts.loss, "cpu")
+            return prepare(ts, rows, features, targets(rows, ts.target, ts.loss, "cpu"))
         features, labels = collate(
             rows,
             ts.text_columns,
@@ -355,7 +362,7 @@ def micro_batches(plan, loaded, tables, rank, start_step):
             ts.prompts,
             ts.prompt_columns,
         )
-        return ts, rows, features, labels
+        return prepare(ts, rows, features, labels)
 
     def steps():  # one at a time: no list of every step
         for step in range(start_step, len(plan.schedule)):
@@ -364,12 +371,13 @@ def micro_batches(plan, loaded, tables, rank, start_step):
     def read_ahead():
         order = steps()
         with concurrent.futures.ThreadPoolExecutor(max_workers=1) as worker:
-            first = next(order, None)
-            pending = worker.submit(read, *first) if first else None
-            while pending is not None:
-                batch = pending.result()  # re-raises whatever reading or tokenizing raised
+            # the next READ_AHEAD micro-batches, read in order by the one thread
+            pending = collections.deque(worker.submit(read, *s) for s in itertools.islice(order, READ_AHEAD))
+            while pending:
+                batch = pending.popleft().result()  # re-raises whatever reading or tokenizing raised
                 following = next(order, None)
-                pending = worker.submit(read, *following) if following else None
+                if following is not None:
+                    pending.append(worker.submit(read, *following))
                 yield batch
 
     return read_ahead()

@@ -348,6 +348,13 @@ class Config:
         "fp16 (the same with loss scaling)",
         choices=("fp32", "bf16", "fp16"),
     )
+    tf32: str = arg(
+        "on",
+        "--precision fp32 on an NVIDIA GPU that has TensorFloat-32 (Ampere or newer): on lets its "
+        "matmuls and convolutions use it (about 10 bits of mantissa, several times faster); off keeps "
+        "them in full fp32. Ignored on CPU and under bf16/fp16, whose fp32 loss stays full fp32",
+        choices=("on", "off"),
+    )
     activation_checkpointing: bool = arg(
         False,
         "keep only each block's inputs in forward and recompute the rest in backward (non-reentrant, "

@@ -22,6 +22,7 @@ import inspect
 import os
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 import torch.nn.functional as F
 import transformers
@@ -118,13 +119,14 @@ class EmbeddingModel(torch.nn.Module):
         pool_mask=None,
         head_input=None,
         groups=None,
+        pads_left=None,
     ):
         """Token batch -> embeddings (B, D), in batch order. `pool_mask` (B, T): the positions
         pooling keeps, when it leaves out the prompts' tokens (LoadedModel.tokenize; None: the
         attention mask). `groups` (row-index tensors that
         together hold every row once: sub_batches) runs the encoder once per group, each without
         the positions that are padding in all its rows; a Packing (pack) runs it once over packed
-        rows (embed_packed); None runs it once. Or, with `head_input`
+        rows (embed_packed); None runs it once. `pads_left`: see embed. Or, with `head_input`
         (B, 3D), the Softmax head's logits. The head goes through forward too, so the wrapper
         sees every parameter used."""
         if head_input is not None:
@@ -145,18 +147,22 @@ class EmbeddingModel(torch.nn.Module):
         if pool_mask is not None:
             tokens["pool_mask"] = pool_mask
         if groups is None:
-            return self.embed(tokens)
+            return self.embed(tokens, pads_left)
         if isinstance(groups, Packing):
             return self.embed_packed(tokens, groups)
-        pieces = [self.embed(select_rows(tokens, rows)) for rows in groups]
+        pieces = [self.embed(select_rows(tokens, rows), pads_left) for rows in groups]
         return torch.cat(pieces)[torch.argsort(torch.cat(groups))]
 
-    def embed(self, tokens):
+    def embed(self, tokens, pads_left=None):
+        """`pads_left`: whether rows may start with padding, when the caller knows (the reader
+        thread: train.prepare_micro_batch); None: seen from the mask, which waits for the device."""
         tokens = dict(tokens)
         mask_BT = tokens["attention_mask"]
         pool_mask_BT = tokens.pop("pool_mask", mask_BT)  # the encoder attends by the attention mask
-        if self.takes_positions and not bool(mask_BT[:, 0].all()):  # left padding
-            tokens["position_ids"] = (mask_BT.long().cumsum(1) - 1).clamp(min=0)
+        if pads_left is None:
+            pads_left = not bool(mask_BT[:, 0].all())
+        if self.takes_positions and pads_left:
+            tokens["position_ids"] = (mask_BT.long().cumsum(1) - 1).clamp(min=0) + self.first_position
         return self.pooled(self.encoder(**tokens).last_hidden_state, pool_mask_BT)
 
     def pooled(self, token_states_BTD, mask_BT):
@@ -223,36 +229,55 @@ class Packing:
 
 def pack(mask_NT):
     """The Packing of a micro-batch's texts, all columns as one pool (`mask_NT`: its attention mask,
-    pool_columns; padding on either side): rows as wide as its longest text, filled first-fit in order of
-    decreasing length (ties in batch order). A row's attention is never wider than the padded batch's, and
-    its other layers compute (almost) only real tokens (docs/steps.md: STS-B against a padded batch and
-    sub_batches). Each rank packs its own rows into one forward, so FSDP ranks still run the same
-    collectives."""
-    lengths = mask_NT.sum(1).tolist()
-    width = max(lengths)
-    rows, room = [], []  # each row's texts, and its free slots
-    for n in sorted(range(len(lengths)), key=lambda n: -lengths[n]):
-        p = next((p for p, free in enumerate(room) if free >= lengths[n]), len(rows))
-        if p == len(rows):
-            rows.append([])
-            room.append(width)
-        rows[p].append(n)
-        room[p] -= lengths[n]
-    T = mask_NT.shape[1]
-    take_PL = torch.full((len(rows), width), -1, dtype=torch.long)
-    position_PL, text_PL = torch.zeros_like(take_PL), torch.full_like(take_PL, -1)
-    put_NT = torch.zeros(mask_NT.shape, dtype=torch.long)
-    for p, texts in enumerate(rows):
-        start = 0
-        for n in texts:
-            columns_K = mask_NT[n].nonzero().squeeze(1)  # the text's tokens, in order
-            slots_K = torch.arange(start, start + len(columns_K))
-            take_PL[p, slots_K] = n * T + columns_K
-            position_PL[p, slots_K] = slots_K - start
-            text_PL[p, slots_K] = n
-            put_NT[n, columns_K] = p * width + slots_K
-            start += len(columns_K)
-    return Packing(take_PL, position_PL, text_PL, put_NT)
+    on the CPU, pool_columns; padding on either side): rows as wide as its longest text, filled
+    first-fit in order of decreasing length (ties in batch order: `first_fit_rows`). A row's
+    attention is never wider than the padded batch's, and its other layers compute (almost) only
+    real tokens (docs/steps.md: STS-B against a padded batch and sub_batches). Each rank packs its
+    own rows into one forward, so FSDP ranks still run the same collectives. Array operations
+    over the whole batch, no loop over texts: the reader packs each micro-batch ahead of the step
+    (batches.micro_batches)."""
+    real_NT = mask_NT.numpy().astype(bool)
+    N, T = real_NT.shape
+    lengths_N = real_NT.sum(1)
+    width = int(lengths_N.max())
+    row_N, start_N, num_rows = first_fit_rows(lengths_N, width)
+    place_NT = np.cumsum(real_NT, 1) - 1  # each real token's place in its text
+    slot_NT = (row_N * width + start_N)[:, None] + place_NT  # its slot in the flattened rows
+    slots = slot_NT[real_NT]
+    take, text = np.full(num_rows * width, -1), np.full(num_rows * width, -1)
+    position = np.zeros(num_rows * width, dtype=np.int64)
+    take[slots] = np.flatnonzero(real_NT)  # its index in the flattened (N, T) batch
+    position[slots] = place_NT[real_NT]
+    text[slots] = np.nonzero(real_NT)[0]
+    rows_PL = [torch.from_numpy(a.astype(np.int64).reshape(num_rows, width)) for a in (take, position, text)]
+    return Packing(*rows_PL, torch.from_numpy(np.where(real_NT, slot_NT, 0)))
+
+
+def first_fit_rows(lengths_N, width):
+    """(row, first slot) of each text and the number of rows, for texts of `lengths_N` placed one
+    by one, longest first (ties in batch order), each in the first row of `width` slots with room
+    for it. Computed a length at a time, not a text at a time: the texts of one length go, in
+    batch order, to the first row with room for one, and fill it before the next, exactly as
+    placing them one by one does."""
+    row_N, start_N = np.zeros(len(lengths_N), dtype=np.int64), np.zeros(len(lengths_N), dtype=np.int64)
+    used_P = np.zeros(0, dtype=np.int64)  # each row's slots taken so far
+    for length in np.unique(lengths_N)[::-1]:
+        texts = np.flatnonzero(lengths_N == length)  # in batch order
+        if length == 0:  # no tokens to place: any row does
+            used_P = used_P if len(used_P) else np.zeros(1, dtype=np.int64)
+            continue
+        fits_P = (width - used_P) // length  # how many of this length each row still takes
+        last_P = np.cumsum(fits_P)
+        old = np.arange(min(len(texts), last_P[-1] if len(last_P) else 0))  # those the rows take
+        rows = np.searchsorted(last_P, old, side="right")
+        starts = used_P[rows] + (old - (last_P - fits_P)[rows]) * length
+        new = np.arange(len(texts) - len(old))  # the others fill new rows, width // length each
+        rows = np.concatenate([rows, len(used_P) + new // (width // length)])
+        row_N[texts], start_N[texts] = rows, np.concatenate([starts, new % (width // length) * length])
+        opened = -(-len(new) // (width // length))  # new rows
+        used_P = np.concatenate([used_P, np.zeros(opened, dtype=np.int64)])
+        used_P += np.bincount(rows, minlength=len(used_P)) * length
+    return row_N, start_N, len(used_P)
 
 
 def packing_support(encoder, takes_positions):
@@ -289,12 +314,43 @@ def packing_choice(model, flags_refuse):
     return False, f"forwards: length-sorted sub-batches, not packed rows ({why_not})"
 
 
+def to_device(tensors, device):
+    """`tensors` (map_tensors') on `device`, copied without waiting where they are in pinned memory
+    (train.prepare_micro_batch): the copy is queued on the GPU's stream, before the forward."""
+    return map_tensors(tensors, lambda t: t.to(device, non_blocking=True))
+
+
+def map_tensors(value, f):
+    """`value` with f(tensor) for each tensor in it, in dicts, lists, tuples and dataclasses."""
+    if isinstance(value, torch.Tensor):
+        return f(value)
+    if isinstance(value, dict):
+        return {k: map_tensors(v, f) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return type(value)(map_tensors(v, f) for v in value)
+    if dataclasses.is_dataclass(value):
+        changed = {
+            field.name: map_tensors(getattr(value, field.name), f) for field in dataclasses.fields(value)
+        }
+        return dataclasses.replace(value, **changed)
+    return value
+
+
+def autocast(strategy, device, precision):
+    """The autocast context of the model's forwards (training and evaluation) under --precision:
+    bf16 or fp16 compute under single and DDP, whose parameters stay fp32; none under FSDP, which
+    casts each block's parameters itself (fsdp_utils.wrap_model), nor in fp32. The losses and the metrics
+    run outside it, in fp32."""
+    enabled = precision != "fp32" and strategy in ("single", "ddp")
+    return torch.autocast(device.type, dtype=fsdp_utils.PRECISIONS[precision], enabled=enabled)
+
+
 def select_rows(tokens, rows):
     """Rows `rows` (an index tensor) of a tokenized column, without the positions that are
     padding in every one of them: the same as tokenizing those rows alone, and faster."""
-    tokens = {k: v[rows] for k, v in tokens.items()}
+    tokens = {k: v[rows] if torch.is_tensor(v) else v for k, v in tokens.items()}  # pads_left: kept
     keep_T = tokens["attention_mask"].any(0)
-    return {k: v[:, keep_T] for k, v in tokens.items()}
+    return {k: v[:, keep_T] if torch.is_tensor(v) else v for k, v in tokens.items()}
 
 
 @dataclass

@@ -110,7 +110,9 @@ def model_device(model):
 # Encoding: each rank embeds its share of global batches
 
 
-def encode_local(model, tokenize, texts, batch_size=32, device=None, columns=None):
+def encode_local(
+    model, tokenize, texts, batch_size=32, device=None, columns=None, autocast=contextlib.nullcontext
+):
     """Embed this rank's share of `texts`. Returns (rows_R, emb_RD): the indices of the texts this
     rank encoded (ascending) and their float32 embeddings. Under FSDP each forward is a
     collective (all ranks participate): each rank runs ceil(ceil(N / batch_size) / world)
@@ -138,7 +140,8 @@ def encode_local(model, tokenize, texts, batch_size=32, device=None, columns=Non
             tokens = tokenize([texts[i] for i in batch_rows], *batch_columns)
             # num_steps times: under FSDP the forward all-gathers
             # parameters, a collective that hangs if one rank skips it. A dummy's result is dropped.
-            emb_BD = model(**{k: v.to(device) for k, v in tokens.items()}).float()
+            with autocast():  # the caller's mixed precision (train.py: embedding_model.autocast)
+                emb_BD = model(**{k: v.to(device) for k, v in tokens.items()}).float()
             if emb_RD is None:
                 # One buffer for all the rank's rows, filled batch by batch. Keeping each batch's
                 # small output alive instead, among the next batches' freed activations,
@@ -152,11 +155,11 @@ def encode_local(model, tokenize, texts, batch_size=32, device=None, columns=Non
     return rows_R, emb_RD[order_R]
 
 
-def encode(model, tokenize, texts, batch_size=32, device=None, columns=None):
+def encode(model, tokenize, texts, batch_size=32, device=None, columns=None, autocast=contextlib.nullcontext):
     """Embed all `texts` -> float32 (N, D), identical on every rank (all ranks participate)."""
     rank, world_size = rank_and_world()
     # the forwards, the same number on every rank
-    rows_R, emb_RD = encode_local(model, tokenize, texts, batch_size, device, columns)
+    rows_R, emb_RD = encode_local(model, tokenize, texts, batch_size, device, columns, autocast)
     emb_ND = emb_RD.new_zeros(len(texts), emb_RD.shape[1])
     emb_ND[rows_R] = emb_RD
     if world_size > 1:
@@ -289,7 +292,17 @@ def spearman(x_N, y_N):
 
 
 def evaluate_sts(
-    model, tokenize, sentences1, sentences2, scores, *, batch_size=32, device=None, dims=(), columns=None
+    model,
+    tokenize,
+    sentences1,
+    sentences2,
+    scores,
+    *,
+    batch_size=32,
+    device=None,
+    dims=(),
+    columns=None,
+    autocast=contextlib.nullcontext,
 ):
     """Semantic textual similarity: Spearman and Pearson (x 100) of cos(u_i, v_i) vs scores[i],
     as sentence-transformers' EmbeddingSimilarityEvaluator (its "spearman_cosine" /
@@ -305,7 +318,10 @@ def evaluate_sts(
         )
     names = [columns[0]] * num_pairs + [columns[1]] * num_pairs if columns else None
     # One encode for both columns: one set of forwards, fuller batches
-    emb_2ND = encode(model, tokenize, list(sentences1) + list(sentences2), batch_size, device, names).double()
+    emb_2ND = encode(
+        model, tokenize, list(sentences1) + list(sentences2), batch_size, device, names, autocast
+    )
+    emb_2ND = emb_2ND.double()
     gold_N = torch.tensor(scores, dtype=torch.float64, device=emb_2ND.device)
     metrics = {}
     for suffix, dim in [("", emb_2ND.shape[-1])] + [(f"@{d}", d) for d in dims]:
@@ -354,6 +370,7 @@ def evaluate_retrieval(
     columns=None,
     metrics=None,
     query_chunk=1024,
+    autocast=contextlib.nullcontext,
 ):
     """Retrieve each query's best corpus entries by cosine similarity and score them. `metrics`
     names them as NAME@K with NAME one of mrr, ndcg, recall, map (default: mrr@k, ndcg@k,
@@ -379,14 +396,14 @@ def evaluate_retrieval(
     rank, world_size = rank_and_world()
     query_names = [columns[0]] * len(queries) if columns else None
     # the queries on every rank, then each rank's share of the corpus
-    full_query_QD = encode(model, tokenize, queries, batch_size, device, query_names).double()
+    full_query_QD = encode(model, tokenize, queries, batch_size, device, query_names, autocast).double()
     distinct = {}  # text -> its index among the distinct texts, in first-seen order
     distinct_of_row_N = torch.tensor(
         [distinct.setdefault(text, len(distinct)) for text in corpus], device=full_query_QD.device
     )
     distinct_names = [columns[1]] * len(distinct) if columns else None
     local_U, full_corpus_UD = encode_local(
-        model, tokenize, list(distinct), batch_size, device, distinct_names
+        model, tokenize, list(distinct), batch_size, device, distinct_names, autocast
     )
     results = {}
     for suffix, dim in [("", full_query_QD.shape[-1])] + [(f"@{d}", d) for d in dims]:
@@ -495,7 +512,17 @@ def retrieval_metrics(hits, gains, names):
 
 
 def evaluate_nli(
-    model, tokenize, premises, hypotheses, labels, classify, *, batch_size=32, device=None, columns=None
+    model,
+    tokenize,
+    premises,
+    hypotheses,
+    labels,
+    classify,
+    *,
+    batch_size=32,
+    device=None,
+    columns=None,
+    autocast=contextlib.nullcontext,
 ):
     """Accuracy (x 100) of a classification head: argmax classify(u, v) vs labels, with u, v the
     embeddings of premise and hypothesis. `classify(u_BD, v_BD) -> logits_BC` is supplied by the
@@ -517,7 +544,7 @@ def evaluate_nli(
     rank, world_size = rank_and_world()
     names = [columns[0]] * num_rows + [columns[1]] * num_rows if columns else None
     # both columns in one encode
-    emb_2ND = encode(model, tokenize, list(premises) + list(hypotheses), batch_size, device, names)
+    emb_2ND = encode(model, tokenize, list(premises) + list(hypotheses), batch_size, device, names, autocast)
     start, end = shard_bounds(num_rows, rank, world_size)
     with evaluating(model):
         # once each, even with an empty slice: under FSDP the head

@@ -107,6 +107,24 @@ def print0(*args, **kwargs):  # rank 0's print
         print(*args, **kwargs, flush=True)
 
 
+def set_tf32(device, precision, tf32):
+    """Let fp32 matmuls and convolutions on an NVIDIA GPU use TensorFloat-32 (`tf32` "on", the
+    --tf32 default) under --precision fp32, for the whole process; returns the log line saying
+    so, or None on CPU. Under bf16 and fp16 the encoder computes in 16 bits anyway, and TF32 stays
+    off so that the loss, computed in fp32 (train.forward_backward), is fp32. Without TF32
+    (before Ampere) the setting changes nothing."""
+    if device.type != "cuda":
+        return None
+    on = tf32 == "on" and precision == "fp32"
+    torch.backends.cuda.matmul.allow_tf32 = on
+    torch.backends.cudnn.allow_tf32 = on
+    if not on:
+        return f"tf32: off (--precision {precision}, --tf32 {tf32}): fp32 matmuls in full fp32"
+    if torch.cuda.get_device_capability(device)[0] < 8:
+        return "tf32: on, but this GPU has no TensorFloat-32 (it needs Ampere or newer): full fp32"
+    return "tf32: on: fp32 matmuls use TensorFloat-32; --tf32 off keeps them in full fp32"
+
+
 def set_cpu_allocator(device, strategy, sharding):
     """Set how glibc's malloc treats large freed blocks on CPU, for the whole process: kept for
     reuse (speed first), or given back to the system at once (memory first, under full_shard and
@@ -306,8 +324,11 @@ def wrap_model(model, strategy, device, *, sharding="auto", fsdp_version=2, laye
 
 
 def wrap_ddp(model, device):
-    """DDP around `model`, its embedding tables' gradients all-reduced by the rows some rank used
-    (`all_reduce_embedding_rows`). DDP's constructor broadcasts rank 0's weights (all ranks participate)."""
+    """DDP around `model`, on CPU its embedding tables' gradients all-reduced by the rows some rank
+    used (`all_reduce_embedding_rows`). DDP's constructor broadcasts rank 0's weights (all ranks
+    participate). On a GPU DDP's own dense all-reduce stays: the rows' hook must learn on the host
+    how many rows to send (a `nonzero`), which would make the GPU wait each step, while over NVLink
+    or InfiniBand the whole table (47 MB for MiniLM) is sent in about a millisecond."""
     device_ids = [device.index] if device.type == "cuda" else None
     # find_unused_parameters stays False: the model is built with no unused parameters
     # (no BERT pooler), which DDP would otherwise refuse at the second step.
@@ -316,8 +337,9 @@ def wrap_ddp(model, device):
     ddp = torch.nn.parallel.DistributedDataParallel(  # (all ranks participate): rank 0's weights
         model, device_ids=device_ids, gradient_as_bucket_view=True
     )
-    embeddings = [m.weight for m in embedding_tables(model)]
-    ddp.register_comm_hook(collectives.EmbeddingRows(embeddings), collectives.all_reduce_embedding_rows)
+    if device.type == "cpu":
+        embeddings = [m.weight for m in embedding_tables(model)]
+        ddp.register_comm_hook(collectives.EmbeddingRows(embeddings), collectives.all_reduce_embedding_rows)
     return ddp
 
 
@@ -476,15 +498,13 @@ def clip_grad_norm(model, max_norm):
         return clip_fsdp2_grad_norm(model, max_norm)  # (all ranks participate)
     # Single and DDP: every rank holds whole gradients, so the norm is local. torch's
     # clip_grad_norm_ multiplies every gradient by its clamped coefficient even when that is 1
-    # (a read and a write of the whole gradient, every step: docs/speed.md), so
-    # that a GPU never waits for the norm on the host. train.py reads each step's loss on the
-    # host anyway; here the norm is read too, and the multiply by 1, which changes nothing, is
-    # skipped.
+    # (a read and a write of the whole gradient, every step: docs/speed.md), so that a GPU never
+    # waits for the norm on the host. On a GPU so does this; on the CPU the norm is read and the
+    # multiply by 1, which changes nothing, is skipped.
     parameters = [p for p in model.parameters() if p.grad is not None]
     total = torch.nn.utils.get_total_norm([p.grad for p in parameters])
-    coefficient = max_norm / (total.item() + 1e-6)  # clip_grad_norm_'s own
-    if not coefficient >= 1.0:  # a NaN norm too: torch multiplies every gradient by NaN
-        torch.nn.utils.clip_grads_with_norm_(parameters, max_norm, total)
+    if total.device.type != "cpu" or not max_norm / (total.item() + 1e-6) >= 1.0:  # clip_grad_norm_'s
+        torch.nn.utils.clip_grads_with_norm_(parameters, max_norm, total)  # a NaN norm too: all NaN
     return total
 
 

@@ -66,8 +66,7 @@ def cached_backward(
 
     # 2. the loss and its gradient with respect to every embedding (DDP: nothing all-reduced yet)
     with gradient_sync(False):
-        with autocast():
-            loss = loss_of(embs)
+        loss = loss_of(embs)  # in fp32, outside autocast, as without GradCache
         scale_loss(loss).backward()
 
     # 3. re-embed each chunk with a graph and push its cached gradient through the encoder

@@ -2,7 +2,8 @@
 and a teacher (--teacher-model, embedding distillation with --loss mse).
 
     guide, teacher = guide_model.load_frozen_models(plan)   # (all ranks participate)
-    guide_embs = guide_model.embed(frozen, rows, train_set, plan.device, autocast)   # one per column
+    tokens, groups, num_columns = guide_model.tokens_of(guide, rows, train_set, device)   # on the CPU
+    guide_embs = guide_model.embed(guide, tokens, groups, num_columns, autocast)   # one per column
 
 Either is loaded as the student is (embedding_model.load_model: a SentenceTransformer or HF folder
 with its own pooling, normalisation, Dense layers, tokenizer and max length) and then frozen: no
@@ -101,17 +102,29 @@ def load_frozen_models(plan):
     return guide, teacher
 
 
-def embed_rows(opts, rows, train_set, labels):
-    """What the frozen models give one micro-batch of `train_set`: (the guide's embeddings of each
-    column, for an mnrl set that ranks against other rows, else None; the labels: for an mse set
-    with a teacher, the teacher's embedding of the first column, every column's target; else
-    `labels`). `opts`: train.py's StepOptions (its guide, teacher, device and autocast). Under FSDP
-    (all ranks participate) every rank's micro-batch is of the same set: the same forwards."""
-    guide = None
+def prepare_rows(opts, rows, train_set):
+    """What the frozen models read of one micro-batch of `train_set`, prepared by the reader thread
+    (train.prepare_micro_batch): {"guide": its tokens and groups (`tokens_of`), for an mnrl set
+    that ranks against other rows; "teacher": of the first column, for an mse set}. The reader
+    alone tokenizes with the frozen models' tokenizers, so no other thread shares them."""
+    frozen = {}
     if opts.guide and train_set.loss == "mnrl" and not train_set.loss_plan.own_negatives:
-        guide = embed(opts.guide, rows, train_set, opts.device, opts.autocast)
+        frozen["guide"] = tokens_of(opts.guide, rows, train_set, opts.device)
     if opts.teacher and train_set.loss == "mse":
-        labels = embed(opts.teacher, rows, train_set, opts.device, opts.autocast, num_columns=1)[0]
+        frozen["teacher"] = tokens_of(opts.teacher, rows, train_set, opts.device, num_columns=1)
+    return frozen
+
+
+def embed_rows(opts, frozen, train_set, labels):
+    """What the frozen models give one micro-batch of `train_set` from its `frozen` tokens
+    (prepare_rows, on the device): (the guide's embeddings of each column, or None; the labels:
+    for an mse set with a teacher, the teacher's embedding of the first column, every column's
+    target; else `labels`). `opts`: train.py's StepOptions (its guide, teacher and autocast).
+    Under FSDP (all ranks participate) every rank's micro-batch is of the same set: the same
+    forwards."""
+    guide = embed(opts.guide, *frozen["guide"], opts.autocast) if "guide" in frozen else None
+    if "teacher" in frozen:
+        labels = embed(opts.teacher, *frozen["teacher"], opts.autocast)[0]
     return guide, labels
 
 
@@ -121,12 +134,12 @@ def local_numel(param):
     return param.to_local().numel() if hasattr(param, "to_local") else param.numel()
 
 
-def embed(frozen, rows, train_set, device, autocast, num_columns=None):
-    """The frozen model's embeddings of the text columns of `rows` as `train_set` reads them (its
-    text_columns with its prompts; the first `num_columns`), fp32, without gradient: one (B, D) per
-    column. All columns' texts are embedded as the student's are (train.embed_columns): one forward
-    over packed rows, or length-sorted sub-batches, at most --cache-chunk-size rows each. Under FSDP
-    each forward gathers the model's blocks (all ranks participate): every rank runs as many."""
+def tokens_of(frozen, rows, train_set, device, num_columns=None):
+    """(tokens, groups, number of columns) of the text columns of `rows` as `train_set` reads
+    them (its text_columns with its prompts; the first `num_columns`), for the frozen model: all
+    columns' texts pooled as the student's are (train.prepare_micro_batch), in one forward over
+    packed rows, or length-sorted sub-batches (as many as suit `device`), at most
+    --cache-chunk-size rows each. On the CPU."""
     columns = train_set.text_columns[:num_columns]
     keys = (train_set.prompt_columns or train_set.text_columns)[:num_columns]
     # texts -> prompts -> tokens as the student's are collated, cut at the frozen model's own length
@@ -137,13 +150,20 @@ def embed(frozen, rows, train_set, device, autocast, num_columns=None):
     # As many forwards on every rank: one packed, or the plan's count of sub-batches (fixed under FSDP),
     # cut into chunks of equally many rows (equal micro-batches make equally many).
     mask_NT = tokens["attention_mask"]
+    tokens["pads_left"] = not bool(mask_NT[:, 0].all())  # on the CPU (EmbeddingModel.embed)
     if frozen.packed:
         groups = embedding_model.pack(mask_NT)
     else:
         groups = batches.sub_batches(mask_NT, frozen.length_buckets, device, frozen.chunk_size > 0)
     if frozen.chunk_size:  # at most --cache-chunk-size rows an encoder pass
         groups = [rows for group in groups for rows in group.split(frozen.chunk_size)]
-    pool = {k: v.to(device) for k, v in tokens.items()}
+    return tokens, groups, len(columns)
+
+
+def embed(frozen, tokens, groups, num_columns, autocast):
+    """The frozen model's embeddings of `tokens` (tokens_of, on its device), fp32, without
+    gradient: one (B, D) per column. Under FSDP each forward gathers the model's blocks (all ranks
+    participate): every rank runs as many."""
     with torch.no_grad(), autocast():
-        embs = frozen.model(**pool, groups=groups).float()  # in pool order
-    return list(embs.chunk(len(columns)))
+        embs = frozen.model(**tokens, groups=groups).float()  # in pool order
+    return list(embs.chunk(num_columns))

@@ -88,6 +88,7 @@ class Plan:
     guide_model: str  # a frozen model's folder ("" : none): MNRL's false negatives
     teacher_model: str  # a frozen model's folder: --loss mse's targets
     precision: str  # fp32, bf16 or fp16
+    tf32: str  # on: CUDA's fp32 matmuls may use TensorFloat-32 (fsdp_utils.set_tf32)
     fsdp_version: int
     seed: int  # the data order, grouped rows' draws and new heads' initialisation
     tokenize: str  # once (a token file per set) or on_the_fly
@@ -185,6 +186,7 @@ def resolve_flags(cfg, world_size, device):
         guide_model=cfg.guide_model,
         teacher_model=cfg.teacher_model,
         precision=cfg.precision,
+        tf32=cfg.tf32,
         fsdp_version=cfg.fsdp_version,
         seed=cfg.seed,
         tokenize=cfg.tokenize,

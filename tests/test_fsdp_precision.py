@@ -10,6 +10,9 @@ Run: python -m pytest tests/test_fsdp_precision.py
 """
 
 import functools
+import json
+from pathlib import Path
+from unittest import mock
 
 import pytest
 import torch
@@ -18,6 +21,7 @@ from safetensors.torch import load_file
 from sentence_transformers import SentenceTransformer
 
 import config
+import fsdp_utils
 
 
 TEXTS = ["A woman is slicing an onion.", "Nobody is riding the bike", "A dog runs after a ball in the park."]
@@ -122,3 +126,66 @@ def test_plain_fsdp_run_prints_no_torch_deprecation(tmp_path, tiny_model, extra)
     assert (tmp_path / "checkpoints" / "step-2" / "trainer_state.json").exists()
     for warning in ("FutureWarning", "DeprecationWarning", "UserWarning"):
         assert warning not in proc.stderr, proc.stderr[-3000:]
+
+
+@pytest.mark.parametrize("strategy,nproc", [("single", 1), ("ddp", 2), ("fsdp", 2)])
+@pytest.mark.parametrize("precision", ["bf16", "fp16"])
+def test_the_loss_runs_in_fp32_under_mixed_precision(tmp_path, tiny_model, strategy, nproc, precision):
+    """Under --precision bf16 and fp16, on one process, DDP and FSDP alike, MNRL gets fp32
+    embeddings and runs outside autocast: its loss equals the fp32 loss of the same embeddings
+    to 1e-6, and differs from their loss under bf16 autocast (which casts the scores' matmul to
+    bf16), so the test fails if autocast reaches the scores. The evaluation's encoder computes in
+    that precision on every strategy: under autocast (single, DDP) or on FSDP's cast weights
+    (tests/precision_worker.py)."""
+    flags = ["--model", tiny_model, "--train-data", data_file("sick-triplets-train.jsonl"), "--loss", "mnrl"]
+    flags += ["--max-steps", 1, "--per-device-batch-size", 8 // nproc, "--precision", precision]
+    sts = tmp_path / "sts.jsonl"  # 64 pairs to evaluate on
+    sts.write_text("".join(Path(data_file("stsb-dev.jsonl")).read_text().splitlines(True)[:64]))
+    flags += ["--strategy", strategy, "--output-dir", tmp_path / "out", "--save-steps", 0, "--eval-data", sts]
+    warm_run(flags, nproc=nproc, script=Path(__file__).parent / "precision_worker.py")
+    for rank in range(nproc):
+        seen = json.loads((tmp_path / "out" / f"loss-rank-{rank}.json").read_text())
+        assert seen["dtype"] == "torch.float32" and not seen["autocast_on"], seen
+        assert abs(seen["loss"] - seen["fp32"]) <= 1e-6 * abs(seen["fp32"]), seen
+        assert abs(seen["under_autocast"] - seen["fp32"]) > 1e-4 * abs(seen["fp32"]), seen
+        low = str(LOW[precision])
+        computed = {
+            autocast if strategy != "fsdp" else weight for autocast, weight in seen["evaluation_forwards"]
+        }
+        assert seen["evaluation_forwards"] and computed == {low}, seen["evaluation_forwards"]
+
+
+@pytest.mark.quick
+def test_tf32_is_on_for_fp32_on_cuda_only():
+    """fsdp_utils.set_tf32: TF32 for fp32 on a CUDA device unless --tf32 off; off under bf16 and
+    fp16 (their loss is fp32); nothing changed on CPU. torch's switches exist without a GPU."""
+    cuda = torch.device("cuda", 0)
+    switches = lambda: (torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32)  # noqa: E731
+    before = switches()
+    try:
+        with mock.patch("torch.cuda.get_device_capability", return_value=(9, 0)):
+            assert fsdp_utils.set_tf32(cuda, "fp32", "on").startswith("tf32: on")
+            assert switches() == (True, True)
+            for precision, tf32 in [("bf16", "on"), ("fp16", "on"), ("fp32", "off")]:
+                assert fsdp_utils.set_tf32(cuda, precision, tf32).startswith("tf32: off")
+                assert switches() == (False, False)
+        with mock.patch("torch.cuda.get_device_capability", return_value=(7, 0)):
+            assert "no TensorFloat-32" in fsdp_utils.set_tf32(cuda, "fp32", "on")
+        torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = True
+        assert fsdp_utils.set_tf32(torch.device("cpu"), "fp32", "off") is None
+        assert switches() == (True, True)  # unchanged on CPU
+    finally:
+        torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32 = before
+
+
+@pytest.mark.quick
+def test_the_gpu_check_says_there_is_no_gpu_here_and_its_runs_parse():
+    """bench/gpu_check.py on this machine (no GPU): it measures nothing, says so, and exits 0 once
+    every train.py command it would run has parsed (a flag train.py lacks would exit 2)."""
+    import subprocess
+    import sys
+
+    script = Path(__file__).resolve().parents[1] / "bench" / "gpu_check.py"
+    done = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    assert "no GPU found: nothing measured; the 8 runs this check makes parse" in done.stdout

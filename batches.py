@@ -262,7 +262,7 @@ def micro_batch_indices(global_batch_rows, rank, micro_step, per_device_batch_si
 
 def with_prompt(texts, prompts, column):
     """A column's texts with its --prompts prefix, prepended as sentence-transformers'
-    encode(texts, prompt_name=column) does (before stripping and tokenizing)."""
+    encode(texts, prompt_name=column) does (before tokenizing)."""
     prefix = prompts.get(column, "")
     return [prefix + text for text in texts] if prefix else texts
 
@@ -410,10 +410,11 @@ def write_or_read_token_files(plan, loaded, rank):
     return tables
 
 
-def text_ids(texts, prepare):
-    """One int64 per text, equal for equal texts as the model sees them (8 bytes of blake2b):
-    what MNRL's duplicate-safe negatives compare, on every rank."""
-    return torch.tensor([text_hash(t) for t in prepare(texts)])
+def text_ids(texts):
+    """One int64 per text, equal for equal texts as written (8 bytes of blake2b), as
+    sentence-transformers' no-duplicates sampler compares them: what MNRL's duplicate-safe
+    negatives compare, on every rank."""
+    return torch.tensor([text_hash(t) for t in texts])
 
 
 # ----------------------------------------------------------------------------------------------

@@ -384,10 +384,11 @@ class LoadedModel:
 
     def prompt_length(self, prompt):
         """The tokens of `prompt` that pooling leaves out, as sentence-transformers counts them:
-        the prompt tokenized alone (lowercased where the model is), less a special token it ends
-        with (an EOS or [SEP] the tokenizer appends); a [CLS] or BOS it starts with counts."""
+        the prompt tokenized alone (lowercased by the tokenizer where the model is), less a special
+        token it ends with (an EOS or [SEP] the tokenizer appends); a [CLS] or BOS it starts with
+        counts."""
         if prompt not in self.prompt_lengths:
-            self.prompt_lengths[prompt] = prompt_token_count(self.tokenizer, prompt, self.lowercase)
+            self.prompt_lengths[prompt] = prompt_token_count(self.tokenizer, prompt)
         return self.prompt_lengths[prompt]
 
     def with_pool_mask(self, tokens, prompts):
@@ -398,14 +399,11 @@ class LoadedModel:
         lengths = [self.prompt_length(p) if p else 0 for p in prompts]
         return {**tokens, "pool_mask": pool_mask(tokens["attention_mask"], lengths)}
 
-    def prepare(self, texts):
-        """Strip, and lowercase where the model was trained so, as sentence-transformers'
-        Transformer module does (so the export embeds identically)."""
-        return [t.strip().lower() if self.lowercase else t.strip() for t in texts]
-
     def tokenize(self, texts, columns=None, prompts=None):
         """The one place texts become token ids, for training and evaluation alike, so the two
-        never disagree: prepare, truncate, pad to the longest row. `columns` (one per text) names
+        never disagree: each text as written, as sentence-transformers 6 reads it (not stripped;
+        lowercased by the tokenizer itself where the model is: st_folder.lowercase_inside), truncated,
+        padded to the longest row. `columns` (one per text) names
         the column each text comes from, where --max-seq-length gives columns their own lengths:
         each text is cut at its column's, and all are padded together, as one call would.
         `prompts` (one per text): the prefix each text begins with (None: its column's --prompts
@@ -419,14 +417,12 @@ class LoadedModel:
         lengths = [self.column_lengths.get(c, self.max_seq_length) for c in columns]
         if len(set(lengths)) <= 1:
             return self.tokenizer(
-                self.prepare(texts), padding=True, truncation=True, max_length=lengths[0], return_tensors="pt"
+                texts, padding=True, truncation=True, max_length=lengths[0], return_tensors="pt"
             )
         encoded = [None] * len(texts)
         for length in set(lengths):
             rows = [i for i, row_length in enumerate(lengths) if row_length == length]
-            tokens = self.tokenizer(
-                self.prepare([texts[i] for i in rows]), truncation=True, max_length=length
-            )
+            tokens = self.tokenizer([texts[i] for i in rows], truncation=True, max_length=length)
             for j, i in enumerate(rows):
                 encoded[i] = {k: v[j] for k, v in tokens.items()}
         longest = max(len(e["input_ids"]) for e in encoded)
@@ -506,6 +502,8 @@ def load_model(spec, num_labels=0, on_meta=False):
     tokenizer = transformers.AutoTokenizer.from_pretrained(path, subfolder=subfolder, **remote)
     if spec.append_eos:
         append_eos(tokenizer)
+    if st_config["do_lower_case"]:
+        st_folder.lowercase_inside(tokenizer)
     # Two copies of the config: the encoder is built from one whose dropout rates --dropout may
     # rewrite, the export keeps the other as it came, so an exported model keeps its base's rates.
     export_config = transformers.AutoConfig.from_pretrained(path, subfolder=subfolder, **remote)
@@ -528,7 +526,6 @@ def load_model(spec, num_labels=0, on_meta=False):
     dense = [dense_layer(path, settings) for settings in st_config["dense"]]
     model = EmbeddingModel(encoder, pooling, normalize, num_labels, dense)
     model.train()  # from_pretrained returns eval mode: dropout would silently stay off
-    prompts = spec.prompts
     loaded = LoadedModel(
         model,
         tokenizer,
@@ -537,8 +534,8 @@ def load_model(spec, num_labels=0, on_meta=False):
         st_config["do_lower_case"],
         untrained_state,
         base_tokenizer_files(path, subfolder),
-        prompts,
-        {**st_config["prompts"], **prompts},
+        spec.prompts,
+        {**st_config["prompts"], **spec.prompts},
         column_lengths=spec.column_lengths,
         parameter_counts=(
             sum(p.numel() for p in model.parameters()),

@@ -22,16 +22,15 @@ Shape legend (suffixes on tensor names):
 Use it (one process, or every rank under torchrun; gloo on CPU, NCCL on CUDA):
     import eval_dist
     def tokenize(texts):  # texts -> token batch; use the very function your training uses
-        return tokenizer([t.strip() for t in texts], padding=True, truncation=True, max_length=128,
-                         return_tensors="pt")
+        return tokenizer(texts, padding=True, truncation=True, max_length=128, return_tensors="pt")
     metrics = eval_dist.evaluate_sts(model, tokenize, dev["sentence1"], dev["sentence2"], dev["score"],
                                      batch_size=32)
     # -> {"spearman": ..., "pearson": ...} (x 100), the same dict on every rank; print from rank 0
 
 `model` is the module the training loop calls: the DDP/FSDP1/FSDP2-wrapped one, so that FSDP can
 gather its parameters. It is called as `model(**tokenize(texts))` -> (B, D) embeddings. Texts
-reach it only through the caller's `tokenize`, so evaluation prepares texts (stripping, casing,
-truncation, later prompts) exactly as training does. Every function here that encodes or
+reach it only through the caller's `tokenize`, so evaluation reads texts (casing, truncation,
+prompts) exactly as training does. Every function here that encodes or
 merges is called by all ranks (all ranks participate), the same number of times, in the same
 order: an FSDP forward is a collective, and a rank that runs one forward fewer, or one that
 skips a function, leaves the others waiting forever. With no

@@ -252,9 +252,10 @@ def load_model(args, num_labels):
     model = EmbeddingModel(encoder.float(), st["pooling"], st["normalize"], num_labels).train()
 
     def tokenize(texts):
-        """Texts as sentence-transformers' Transformer module reads them: stripped (lowercased where
-        the folder says), cut at max_length, padded to the longest."""
-        texts = [t.strip().lower() if st["lowercase"] else t.strip() for t in texts]
+        """Texts as sentence-transformers 6 reads them: as written, not stripped (lowercased where
+        the folder says: 6.x does it in the tokenizer, the same for these texts), cut at max_length,
+        padded to the longest."""
+        texts = [t.lower() for t in texts] if st["lowercase"] else texts
         return tokenizer(texts, padding=True, truncation=True, max_length=max_length, return_tensors="pt")
 
     config.architectures = [type(encoder).__name__]

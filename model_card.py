@@ -79,7 +79,7 @@ from transformers import AutoModel, AutoTokenizer
 texts = ["A sentence.", "Another one."]
 tokenizer = AutoTokenizer.from_pretrained("path/to/this/folder")  # truncates at {max_seq_length} tokens
 model = AutoModel.from_pretrained("path/to/this/folder").eval()
-batch = tokenizer([{prepare} for t in texts], padding=True, truncation=True, return_tensors="pt")
+batch = tokenizer({prepared}, padding=True, truncation=True, return_tensors="pt")
 with torch.no_grad():
     states = model(**batch).last_hidden_state
 {pooling_by_hand}{normalize}
@@ -136,7 +136,8 @@ def card(plan, loaded, record):
             if sizes
             else ""
         ),
-        prepare="t.strip().lower()" if loaded.lowercase else "t.strip()",
+        # texts as written (sentence-transformers 6), lowercased where the model is
+        prepared="[t.lower() for t in texts]" if loaded.lowercase else "texts",
         pooling_by_hand=POOLING_BY_HAND[pooling]
         + (
             "\n# then the Dense layers (2_Dense/, ...), as sentence-transformers applies them"

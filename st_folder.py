@@ -5,6 +5,8 @@ at start-up (model_checks.model_config_of, for run_plan.flags_plan), and the pla
 embedding_model.load_model; the export writes what `read_sentence_transformer_config` reads back.
 
     settings = st_folder.read_sentence_transformer_config("path/or/hub-id")
+    if settings["do_lower_case"]:
+        st_folder.lowercase_inside(tokenizer)   # as sentence-transformers 6 lowercases: in the tokenizer
 
 Needs transformers (to find a hub folder's files) and nothing from the project.
 """
@@ -129,3 +131,20 @@ def pooling_mode_of(path, pooling_file, pooling):
             f"one of {POOLING_MODES} is (or override with --pooling)"
         )
     return modes[0]
+
+
+def lowercase_inside(tokenizer):
+    """Make the tokenizer lowercase every text itself, as sentence-transformers 6 does for a folder
+    with do_lower_case (its Transformer module: a Lowercase normaliser before the tokenizer's own,
+    unless that lowercases already), so prompts and texts are lowercased alike, spaces kept. A
+    slow tokenizer gets its do_lower_case."""
+    backend = getattr(tokenizer, "backend_tokenizer", None)
+    if backend is None:
+        tokenizer.do_lower_case = True
+        return
+    from tokenizers import normalizers
+
+    normalizer = backend.normalizer
+    if normalizer is None or normalizer.normalize_str("A") != "a":
+        steps = list(normalizer) if isinstance(normalizer, normalizers.Sequence) else [normalizer]
+        backend.normalizer = normalizers.Sequence([normalizers.Lowercase()] + [n for n in steps if n])

@@ -1,18 +1,18 @@
 """Texts tokenized once: each training set's token ids in a memory-mapped Arrow file, read by the loop.
 
-`write_or_read_token_table(ts, loaded, fallback_dir, fingerprint)` returns the table of a training set
-(training_data.TrainSet): one list<int32> column per text column, the ids of each row's text as
-`loaded.tokenize` (embedding_model.py) makes them before padding: prompted, prepared, cut at the
+`write_or_read_token_table(ts, loaded, fallback_dir, fingerprint)` returns the table of a training
+set (training_data.TrainSet): one list<int32> column per text column, the ids of each row's text as
+`loaded.tokenize` (embedding_model.py) makes them before padding: prompted, as written, cut at the
 column's length, with the EOS an --append-eos tokenizer adds. The file lies beside the data set's
 own Arrow cache (where it has none, or that folder is read-only: in `fallback_dir`), named
 tokens-NAME-HASH.arrow by a hash of everything the ids depend on (`cache_key`): the data, the
-tokenizer, the columns, their prompts and lengths, lowercasing. It is written once, a window of
-rows at a time (memory flat in rows), to NAME.tmp-PID and renamed, under a file lock: the first
-process of a host (or of every host that shares the folder) writes it, the others wait on the lock
-and then read it; every epoch and every resume reads it again. No collective: a writer that fails
-releases the lock, and the next process tries itself. `features(table, indices, columns, loaded)`
-pads a micro-batch's ids exactly as `loaded.tokenize` pads them (tests/test_token_cache.py: equal
-tensors).
+tokenizer, the columns, their prompts and lengths, lowercasing, the texts read as written. It is
+written once, a window of rows at a time (memory flat in rows), to NAME.tmp-PID and renamed, under
+a file lock: the first process of a host (or of every host that shares the folder) writes it, the
+others wait on the lock and then read it; every epoch and every resume reads it again. No
+collective: a writer that fails releases the lock, and the next process tries itself.
+`features(table, indices, columns, loaded)` pads a micro-batch's ids exactly as `loaded.tokenize`
+pads them (tests/test_token_cache.py: equal tensors).
 
     table, path, wrote = token_cache.write_or_read_token_table(ts, loaded, output_dir, fingerprint)
     features = token_cache.features(table, indices, ts.text_columns, loaded)
@@ -73,6 +73,9 @@ def cache_key(ts, loaded, fingerprint):
         "prompts": [ts.prompts.get(c, "") for c in ts.prompt_columns],
         "lengths": [loaded.column_lengths.get(c, loaded.max_seq_length) for c in ts.prompt_columns],
         "lowercase": loaded.lowercase,
+        # Texts as sentence-transformers 6 reads them, as written: a file of stripped texts' ids
+        # (written before) has another key, so it is never read.
+        "texts": "as written",
     }
 
 
@@ -126,10 +129,10 @@ def write_table(ts, loaded, path):
 
 def ids_of(texts, key, ts, loaded):
     """The unpadded ids of a column's texts, as loaded.tokenize makes them: the prompt prepended as
-    batches.with_prompt does, then prepared and cut at the column's length (`key`: its --prompts
-    and --max-seq-length key)."""
+    batches.with_prompt does, then as written (never stripped) and cut at the column's length
+    (`key`: its --prompts and --max-seq-length key)."""
     prefix = ts.prompts.get(key, "")
-    texts = loaded.prepare([prefix + t for t in texts] if prefix else texts)
+    texts = [prefix + t for t in texts] if prefix else texts  # as written (LoadedModel.tokenize)
     length = loaded.column_lengths.get(key, loaded.max_seq_length)
     return loaded.tokenizer(texts, truncation=True, max_length=length)["input_ids"]
 

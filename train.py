@@ -241,7 +241,7 @@ class StepOptions:
     cache_chunk_size: int  # GradCache's chunk of rows; 0: off
     packed: bool  # one forward over packed rows (embedding_model.pack); else length_buckets' sub-batches
     length_buckets: int  # forwards per micro-batch; 0: chosen for each (batches.sub_batches)
-    prepare: object  # None, or the model's text preparation, for MNRL's duplicate-safe negatives
+    mask_duplicates: bool  # MNRL's duplicate-safe negatives: each text's id (batches.text_ids)
     has_head: bool  # the model has a Softmax head (GradCache touches it in its last backward)
     autocast: object  # () -> the autocast context (single, DDP; FSDP casts per block itself)
     scale_loss: object  # loss -> the loss to backward (fp16: scaled by the GradScaler)
@@ -263,7 +263,7 @@ def step_options(plan, loaded, scaler, guide, teacher):
         cache_chunk_size=plan.cache_chunk_size,
         packed=packed,
         length_buckets=plan.length_buckets,
-        prepare=loaded.prepare if plan.mask_duplicates else None,
+        mask_duplicates=plan.mask_duplicates,
         has_head=plan.num_labels > 0,
         autocast=functools.partial(embedding_model.autocast, plan.strategy, plan.device, plan.precision),
         scale_loss=scaler.scale if scaler else lambda loss: loss,
@@ -300,8 +300,8 @@ def prepare_micro_batch(opts, train_set, rows, features, labels):
     else:
         groups = batches.sub_batches(mask_NT, opts.length_buckets, opts.device, opts.cache_chunk_size > 0)
     ids = None
-    if opts.prepare and train_set.loss == "mnrl":
-        ids = [batches.text_ids(rows[c], opts.prepare) for c in train_set.text_columns]
+    if opts.mask_duplicates and train_set.loss == "mnrl":
+        ids = [batches.text_ids(rows[c]) for c in train_set.text_columns]
     pin = lambda tensors: tensors  # noqa: E731
     if opts.device.type == "cuda":  # a GPU's copies from pinned memory need not wait
         pin = functools.partial(embedding_model.map_tensors, f=torch.Tensor.pin_memory)
@@ -528,7 +528,7 @@ def eval_batch_loss(model, es, loaded, plan, indices):
     )
     ids = None
     if plan.mask_duplicates and es.loss == "mnrl":
-        ids = [batches.text_ids(rows[c], loaded.prepare).to(plan.device) for c in es.text_columns]
+        ids = [batches.text_ids(rows[c]).to(plan.device) for c in es.text_columns]
     with embedding_model.autocast(plan.strategy, plan.device, plan.precision):
         embs = embed_columns(model, embedding_model.pool_columns(features), len(features))
     return embeddings_loss(model, embs, labels, es.loss_plan, ids)

@@ -439,10 +439,10 @@ class LoadedModel:
         return batch
 
 
-def prompt_token_count(tokenizer, prompt, lowercase=False):
+def prompt_token_count(tokenizer, prompt):
     """The tokens of `prompt` that pooling leaves out under include_prompt False, counted as
-    sentence-transformers counts them (LoadedModel.prompt_length)."""
-    ids = tokenizer(prompt.lower() if lowercase else prompt)["input_ids"]
+    sentence-transformers counts them (LoadedModel.prompt_length): tokenized alone, as written."""
+    ids = tokenizer(prompt)["input_ids"]
     return len(ids) - (bool(ids) and ids[-1] in tokenizer.all_special_ids)
 
 

@@ -311,7 +311,7 @@ def sentence_transformer_files(
     """{path: JSON content} of the sentence-transformers files of a folder, for a transformer of
     hidden size `dim` with Dense layers after pooling (`dense`: each one's config.json):
         modules.json                      Transformer (path "") -> Pooling -> [Dense ...] -> [Normalize]
-        sentence_bert_config.json         max_seq_length, do_lower_case (texts lowercased first)
+        sentence_bert_config.json         max_seq_length, do_lower_case (the tokenizer lowercases)
         1_Pooling/config.json             pooling mode and dimension: only the keys every
                                           sentence-transformers since 2.0 understands, plus
                                           `pooling_mode_lasttoken` when it is the mode (2.3+) and

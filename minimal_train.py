@@ -244,6 +244,8 @@ def load_model(args, num_labels):
     if getattr(encoder, "pooler", None) is not None:  # BERT's: no pooling mode uses it, DDP must not
         encoder.pooler.requires_grad_(False)  # wait for its gradient, the export keeps it unchanged
     tokenizer = transformers.AutoTokenizer.from_pretrained(path, subfolder=st["subfolder"])
+    if st["lowercase"]:
+        lowercase_inside(tokenizer)
     positions = getattr(config, "max_position_embeddings", None) or 512
     max_length = (
         args.max_seq_length or st["max_seq_length"] or min(tokenizer.model_max_length, 512, positions)
@@ -252,14 +254,25 @@ def load_model(args, num_labels):
     model = EmbeddingModel(encoder.float(), st["pooling"], st["normalize"], num_labels).train()
 
     def tokenize(texts):
-        """Texts as sentence-transformers 6 reads them: as written, not stripped (lowercased where
-        the folder says: 6.x does it in the tokenizer, the same for these texts), cut at max_length,
-        padded to the longest."""
-        texts = [t.lower() for t in texts] if st["lowercase"] else texts
+        """Texts as sentence-transformers 6 reads them: as written, never stripped (2.x-5.x stripped
+        them), lowercased by the tokenizer where the folder says; cut at max_length, padded."""
         return tokenizer(texts, padding=True, truncation=True, max_length=max_length, return_tensors="pt")
 
     config.architectures = [type(encoder).__name__]
     return model, tokenize, {**st, "config": config, "tokenizer": tokenizer, "max_seq_length": max_length}
+
+
+def lowercase_inside(tokenizer):
+    """do_lower_case as sentence-transformers 6 applies it: a Lowercase normaliser before the
+    tokenizer's own, unless it has one (Python's str.lower differs on a few letters: a final sigma).
+    Built from the tokenizer's JSON, so this file needs no import of `tokenizers` for it."""
+    backend = tokenizer.backend_tokenizer  # a fast tokenizer: every one is, in transformers 5
+    state = json.loads(backend.to_str())
+    steps = [state["normalizer"]] if state["normalizer"] else []
+    steps = steps[0]["normalizers"] if steps and steps[0]["type"] == "Sequence" else steps
+    if all(step["type"] != "Lowercase" for step in steps):
+        state["normalizer"] = {"type": "Sequence", "normalizers": [{"type": "Lowercase"}, *steps]}
+        backend.normalizer = type(backend).from_str(json.dumps(state)).normalizer
 
 
 def read_sentence_transformer_folder(path):

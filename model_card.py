@@ -20,6 +20,16 @@ def public_name(name):
     return os.path.basename(os.path.normpath(name)) if os.path.exists(name) else name
 
 
+# Lowercasing by hand, for the card's plain-transformers example of a do_lower_case model: a
+# Lowercase normaliser in the tokenizer, as sentence-transformers 6 adds it (Python's str.lower differs
+# for a few letters, such as a final sigma). The export saves it, but transformers may rebuild a
+# tokenizer class's normaliser on loading; where it is kept, a second Lowercase changes nothing.
+LOWERCASE_BY_HAND = """# do_lower_case: the tokenizer lowercases, as in sentence-transformers 6
+from tokenizers.normalizers import Lowercase, Sequence
+steps = [tokenizer.backend_tokenizer.normalizer] if tokenizer.backend_tokenizer.normalizer else []
+tokenizer.backend_tokenizer.normalizer = Sequence([Lowercase(), *steps])
+"""
+
 # Pooling by hand, for the model card's plain-transformers example: what `pool` does.
 POOLING_BY_HAND = {
     "mean": (
@@ -79,7 +89,7 @@ from transformers import AutoModel, AutoTokenizer
 texts = ["A sentence.", "Another one."]
 tokenizer = AutoTokenizer.from_pretrained("path/to/this/folder")  # truncates at {max_seq_length} tokens
 model = AutoModel.from_pretrained("path/to/this/folder").eval()
-batch = tokenizer({prepared}, padding=True, truncation=True, return_tensors="pt")
+{lowercase}batch = tokenizer(texts, padding=True, truncation=True, return_tensors="pt")  # texts as written
 with torch.no_grad():
     states = model(**batch).last_hidden_state
 {pooling_by_hand}{normalize}
@@ -136,8 +146,7 @@ def card(plan, loaded, record):
             if sizes
             else ""
         ),
-        # texts as written (sentence-transformers 6), lowercased where the model is
-        prepared="[t.lower() for t in texts]" if loaded.lowercase else "texts",
+        lowercase=LOWERCASE_BY_HAND if loaded.lowercase else "",
         pooling_by_hand=POOLING_BY_HAND[pooling]
         + (
             "\n# then the Dense layers (2_Dense/, ...), as sentence-transformers applies them"

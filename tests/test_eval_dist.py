@@ -129,7 +129,7 @@ def naive_embed(model, tokenizer, texts):
     embs = []
     for start in range(0, len(texts), worker.BATCH_SIZE):
         tokens = tokenizer(
-            [t.strip() for t in texts[start : start + worker.BATCH_SIZE]],
+            list(texts[start : start + worker.BATCH_SIZE]),  # as written, as training reads them
             padding=True,
             truncation=True,
             max_length=worker.MAX_SEQ_LENGTH,

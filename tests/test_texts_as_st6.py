@@ -5,12 +5,16 @@ token of its own), lowercased by the tokenizer itself where a folder says do_low
 - a decoder with a byte-level BPE tokenizer, trained by train.py on pairs whose texts have
   leading, trailing and doubled spaces, then exported: our model embeds such texts as
   `SentenceTransformer(export).encode` does, to 1e-6, without a prompt, with each column's prompt
-  (`prompt_name`), and with --no-include-prompt; and the spaces are seen (stripped texts embed
-  otherwise), so the test fails if stripping comes back;
+  (`prompt_name`), with --no-include-prompt, and from a do_lower_case folder; the export's model
+  card, its plain-transformers example run as written, embeds them so too (1e-5); and the spaces
+  are seen (stripped texts embed otherwise), so the test fails if stripping comes back;
 - the token file and tokenizing on the fly give the same ids for such texts, and a token file
   written under the old rule (its key without "texts") is not read;
-- a lowercasing folder lowercases inside its tokenizer, as sentence-transformers 6 does: the same
-  ids as its tokenize.
+- a lowercasing folder lowercases inside its tokenizer, as sentence-transformers 6 does (not
+  Python's str.lower, which differs on a final sigma): the same ids as its tokenize, in train.py's
+  model and in minimal_train.py's;
+- --batch-sampler no_duplicates and --mask-duplicates tell texts apart as sentence-transformers'
+  NoDuplicatesBatchSampler does: as written, a space or a capital more is another text.
 
 Run: python -m pytest tests/test_texts_as_st6.py
 """
@@ -26,9 +30,12 @@ from conftest import data_file, load_model, start_up, tiny_decoder, warm_run
 import batches
 import config
 import export
+import minimal_train
 import token_cache
 
 PROMPTS = {"anchor": "query: ", "positive": "passage: "}
+# Greek capitals with a final sigma: the tokenizer's Lowercase gives "οδοσ", Python's str.lower "οδος"
+FINAL_SIGMA = "ΟΔΟΣ  ΣΑΣ "
 
 
 def spaced(text, i):
@@ -56,17 +63,49 @@ def decoder(tmp_path_factory):
     return str(tiny_decoder(tmp_path_factory.mktemp("bpe-decoder")))
 
 
-@pytest.mark.parametrize("include_prompt", [True, False], ids=["prompt-pooled", "no-include-prompt"])
-def test_spaced_texts_embed_as_sentence_transformers_6_encodes_the_export(tmp_path, decoder, include_prompt):
+def lowercasing(decoder, folder):
+    """`decoder` copied to `folder` as a SentenceTransformer folder that says do_lower_case."""
+    import shutil
+
+    shutil.copytree(decoder, folder)
+    st_files = export.sentence_transformer_files(64, pooling_mode="mean", normalize=False, max_seq_length=32)
+    st_files["sentence_bert_config.json"]["do_lower_case"] = True
+    for name, content in st_files.items():
+        (folder / name).parent.mkdir(exist_ok=True)
+        (folder / name).write_text(json.dumps(content))
+    return str(folder)
+
+
+def card_embeddings(folder, texts):
+    """The export's model card: its plain-transformers example, run as written on `texts`."""
+    card = (folder / "README.md").read_text()
+    code = card.split("## Use with plain transformers\n```python\n")[1].split("```")[0]
+    code = code.replace("path/to/this/folder", str(folder))
+    namespace = {}
+    exec(code.replace('texts = ["A sentence.", "Another one."]', f"texts = {texts!r}"), namespace)
+    assert namespace["texts"] == texts
+    return namespace["embeddings"]
+
+
+@pytest.mark.parametrize(
+    "include_prompt,lowercase",
+    [(True, False), (False, False), (True, True)],
+    ids=["prompt-pooled", "no-include-prompt", "do-lower-case"],
+)
+def test_spaced_texts_embed_as_sentence_transformers_6_encodes_the_export(
+    tmp_path, decoder, include_prompt, lowercase
+):
     from sentence_transformers import SentenceTransformer
 
     data, texts = spaced_pairs(tmp_path / "data")
-    args = ["--model", decoder, "--train-data", data, "--max-steps", 2, "--per-device-batch-size", 8]
+    texts = [*texts, FINAL_SIGMA]
+    base = lowercasing(decoder, tmp_path / "lowercasing") if lowercase else decoder
+    args = ["--model", base, "--train-data", data, "--max-steps", 2, "--per-device-batch-size", 8]
     args += ["--prompts", json.dumps(PROMPTS), "--output-dir", tmp_path / "out", "--lr", 1e-3]
     warm_run([*args, *([] if include_prompt else ["--no-include-prompt"])])
     export = str(tmp_path / "out" / "final")
     loaded = load_model(config.Config(model=export, prompts=json.dumps(PROMPTS)))
-    assert loaded.include_prompt == include_prompt
+    assert (loaded.include_prompt, loaded.lowercase) == (include_prompt, lowercase)
     model, st = loaded.model.eval(), SentenceTransformer(export, device="cpu")
 
     def ours(texts, column=None):
@@ -79,6 +118,8 @@ def test_spaced_texts_embed_as_sentence_transformers_6_encodes_the_export(tmp_pa
         assert (ours(texts, column) - theirs).abs().max().item() <= 1e-6, column
     stripped = st.encode([t.strip() for t in texts], convert_to_tensor=True)
     assert (ours(texts) - stripped).abs().max().item() > 1e-3  # the spaces reach the tokenizer
+    by_hand = card_embeddings(tmp_path / "out" / "final", texts)
+    assert (by_hand - st.encode(texts, convert_to_tensor=True)).abs().max().item() <= 1e-5
 
 
 @pytest.mark.quick
@@ -114,25 +155,53 @@ def test_the_token_file_holds_the_ids_of_texts_as_written_and_an_old_file_is_not
 def test_a_lowercasing_folder_lowercases_in_its_tokenizer_as_sentence_transformers_6(tmp_path, decoder):
     """do_lower_case: texts and prompts are lowercased by the tokenizer itself (a Lowercase
     normaliser, as sentence-transformers 6 adds), not in Python before it: the same ids as
-    sentence-transformers 6 gives the folder's texts, spaces kept."""
-    import shutil
-
+    sentence-transformers 6 gives the folder's texts, spaces kept, in train.py's model and in
+    minimal_train.py's."""
     from sentence_transformers import SentenceTransformer
 
-    folder = tmp_path / "lowercasing"
-    shutil.copytree(decoder, folder)
-    st_files = export.sentence_transformer_files(64, pooling_mode="mean", normalize=False, max_seq_length=32)
-    st_files["sentence_bert_config.json"]["do_lower_case"] = True
-    for name, content in st_files.items():
-        (folder / name).parent.mkdir(exist_ok=True)
-        (folder / name).write_text(json.dumps(content))
-    loaded = load_model(config.Config(model=str(folder)))
+    folder = lowercasing(decoder, tmp_path / "lowercasing")
+    loaded = load_model(config.Config(model=folder))
     assert loaded.lowercase
-    texts = ["  A Man Plays ", "a man plays", "Ärger  ÜBER Öl"]
-    ours = loaded.tokenize(texts)
-    theirs = SentenceTransformer(str(folder), device="cpu").tokenize(texts)
-    assert torch.equal(ours["input_ids"], theirs["input_ids"])
-    assert ours["input_ids"][0].tolist() != ours["input_ids"][1].tolist()  # the spaces stay
+    texts = ["  A Man Plays ", "a man plays", "Ärger  ÜBER Öl", FINAL_SIGMA]
+    st = SentenceTransformer(folder, device="cpu")
+    theirs = st.preprocess(texts)["input_ids"]
+    assert torch.equal(loaded.tokenize(texts)["input_ids"], theirs)
+    _, minimal_tokenize, _ = minimal_train.load_model(minimal_train.parse_args(["--model", folder]), 0)
+    assert torch.equal(minimal_tokenize(texts)["input_ids"], theirs)
+    assert theirs[0].tolist() != theirs[1].tolist()  # the spaces stay
+    # The final sigma tells the tokenizer's Lowercase from Python's str.lower.
+    lowered = st.preprocess([FINAL_SIGMA.lower()])["input_ids"]
+    assert lowered.tolist() != st.preprocess([FINAL_SIGMA])["input_ids"].tolist()
     assert (
         loaded.tokenize(["A MAN"])["input_ids"].tolist() == loaded.tokenize(["a man"])["input_ids"].tolist()
     )
+
+
+@pytest.mark.quick
+def test_duplicates_are_texts_as_written_as_in_the_no_duplicates_sampler_of_sentence_transformers():
+    """--batch-sampler no_duplicates (batches.text_hashes, no_duplicate_batches) and
+    --mask-duplicates (batches.text_ids) compare texts as sentence-transformers'
+    NoDuplicatesBatchSampler does (str(value), as written): texts that differ by a space or a
+    capital are other texts and may share a batch; an exact repeat may not."""
+    from datasets import Dataset
+    from sentence_transformers.base.sampler import NoDuplicatesBatchSampler
+
+    texts = ["A man plays.", "A man plays. ", " A man plays.", "A man  plays.", "a man plays."]
+    rows = Dataset.from_dict({"anchor": texts, "positive": [f"Row {i}." for i in range(len(texts))]})
+    ids = batches.text_ids(texts)
+    assert len(set(ids.tolist())) == len(texts)
+    assert torch.equal(batches.text_ids(texts[:1] * 2), ids[:1].repeat(2))
+    hashes = batches.text_hashes(rows, ["anchor", "positive"])
+    order = torch.arange(len(texts))
+    ours = batches.no_duplicate_batches(hashes, order, len(texts)).tolist()
+    theirs = list(NoDuplicatesBatchSampler(rows, batch_size=len(texts), drop_last=True))
+    assert sorted(ours) == sorted(theirs[0]) == list(range(len(texts)))
+    # An exact repeat (row 5's positive is row 0's anchor) never shares a batch with it, in either.
+    positives = [f"Row {i}." for i in range(len(texts))] + [texts[0]]
+    repeated = Dataset.from_dict({"anchor": [*texts, "Row 5."], "positive": positives})
+    hashes = batches.text_hashes(repeated, ["anchor", "positive"])
+    ours = batches.no_duplicate_batches(hashes, torch.arange(6), 3).view(-1, 3).tolist()
+    theirs = list(NoDuplicatesBatchSampler(repeated, batch_size=3, drop_last=True))
+    assert ours and theirs
+    for batch in ours + theirs:
+        assert not {0, 5} <= set(batch), batch

@@ -154,8 +154,8 @@ class EmbeddingModel(torch.nn.Module):
         return torch.cat(pieces)[torch.argsort(torch.cat(groups))]
 
     def embed(self, tokens, pads_left=None):
-        """`pads_left`: whether rows may start with padding, when the caller knows (the reader
-        thread: train.prepare_micro_batch); None: seen from the mask, which waits for the device."""
+        """`pads_left`: whether rows may start with padding, when the caller knows (pool_columns);
+        None: seen from the mask, which waits for the device."""
         tokens = dict(tokens)
         mask_BT = tokens["attention_mask"]
         pool_mask_BT = tokens.pop("pool_mask", mask_BT)  # the encoder attends by the attention mask
@@ -203,14 +203,16 @@ class EmbeddingModel(torch.nn.Module):
 def pool_columns(features):
     """The columns' tokens as one batch: column 0's rows, then column 1's, ... collate gives them
     one padded length; columns tokenized apart are padded to the longest, on their tokenizer's
-    side (left if any column has a row that starts with padding), with masked zeros."""
+    side (left if any column has a row that starts with padding), with masked zeros; and
+    "pads_left", which side that is, seen here on the CPU so that the model need not read it back
+    from the device (EmbeddingModel.embed)."""
     T = max(tokens["attention_mask"].shape[1] for tokens in features)
     left = any(not tokens["attention_mask"][:, 0].all() for tokens in features)
 
     def pad(v):
         return torch.nn.functional.pad(v, (T - v.shape[1], 0) if left else (0, T - v.shape[1]))
 
-    return {k: torch.cat([pad(tokens[k]) for tokens in features]) for k in features[0]}
+    return {**{k: torch.cat([pad(tokens[k]) for tokens in features]) for k in features[0]}, "pads_left": left}
 
 
 # ----------------------------------------------------------------------------------------------

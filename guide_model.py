@@ -150,7 +150,6 @@ def tokens_of(frozen, rows, train_set, device, num_columns=None):
     # As many forwards on every rank: one packed, or the plan's count of sub-batches (fixed under FSDP),
     # cut into chunks of equally many rows (equal micro-batches make equally many).
     mask_NT = tokens["attention_mask"]
-    tokens["pads_left"] = not bool(mask_NT[:, 0].all())  # on the CPU (EmbeddingModel.embed)
     if frozen.packed:
         groups = embedding_model.pack(mask_NT)
     else:

@@ -294,7 +294,6 @@ def prepare_micro_batch(opts, train_set, rows, features, labels):
     in pinned memory, whose copies need not wait (forward_backward copies with non_blocking)."""
     pool = embedding_model.pool_columns(features)
     mask_NT = pool["attention_mask"]
-    pool["pads_left"] = not bool(mask_NT[:, 0].all())  # seen here on the CPU, not by the step
     if opts.packed:
         groups = embedding_model.pack(mask_NT)
     else:

@@ -147,6 +147,12 @@ def test_the_token_file_holds_the_ids_of_texts_as_written_and_an_old_file_is_not
     got = token_cache.features(table, indices, ts.text_columns, loaded)
     for g, w in zip(got, want):
         assert all(torch.equal(g[k], w[k]) for k in w)
+    # Against the tokenizer itself, called on each prompted text as written: the stored ids.
+    for i, text in enumerate(rows["anchor"]):
+        written = loaded.tokenizer(
+            PROMPTS["anchor"] + text, truncation=True, max_length=loaded.max_seq_length
+        )
+        assert table.column("anchor")[i].as_py() == written["input_ids"], (i, text)
     stripped = loaded.tokenize([PROMPTS["anchor"] + t.strip() for t in rows["anchor"]])
     assert not torch.equal(stripped["input_ids"], want[0]["input_ids"])  # the spaces are in the ids
 

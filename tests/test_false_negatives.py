@@ -6,7 +6,9 @@
   student's parameter gradients through its own forward;
 - its MultipleNegativesRankingLoss with hardness_mode / hardness_strength, and its MSELoss;
 - naive per-row loops where sentence-transformers has no such configuration (doc_to_query,
-  doc_to_doc, `symmetric`, the student as its own guide, Qwen3-Embedding's rule);
+  doc_to_doc, `symmetric`, the student as its own guide, Qwen3-Embedding's rule), and for
+  GISTEmbedLoss's blocks (query_to_query, positive_to_positive) over more negative columns than it
+  takes;
 - one process with the whole batch, at world 2 with gathered negatives and a gathered guide
   (tests/loss_worker.py, torchrun's environment and gloo through conftest.warm_run).
 

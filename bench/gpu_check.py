@@ -99,8 +99,8 @@ class GpuWatch:
         used = [sample for sample in self.samples if sample]
         if not used:
             return None, None
-        busy = [u for sample in used for u, _ in sample if u > 0] or [0.0]
-        return sum(busy) / len(busy), max(m for sample in used for _, m in sample)
+        utilisation = [u for sample in used for u, _ in sample]  # idle samples count: loading too
+        return sum(utilisation) / len(utilisation), max(m for sample in used for _, m in sample)
 
 
 def run(name, nproc, flags, log):

@@ -23,13 +23,18 @@ Needs torch, and token_cache.py (the token ids read once, --tokenize once).
 import bisect
 import collections
 import concurrent.futures
+import contextlib
 import copy
 import dataclasses
 import hashlib
 import itertools
 import math
+import multiprocessing
 import os
 import random
+import signal
+import threading
+import time
 
 import torch
 
@@ -296,20 +301,26 @@ def collate(rows, text_columns, target, loss_name, tokenize, device, prompts=Non
     column, and the targets. `tokenize(texts, columns, prompts)`: LoadedModel.tokenize. All
     columns are tokenized in one call, so they share one padded length (and padding side) and
     embed_columns can run rows of different columns in the same forward."""
-    keys = prompt_columns or text_columns
-    texts = [with_prompt(rows[column], prompts or {}, key) for column, key in zip(text_columns, keys)]
-    # Each text's column key too: --max-seq-length may cut columns at lengths of their own.
-    # Each text's prompt too: pooling leaves its tokens out under --no-include-prompt.
-    tokens = tokenize(
+    tokens = tokenize(*flat_texts(rows, text_columns, prompt_columns or text_columns, prompts or {}))
+    return per_column(tokens, len(text_columns), device), targets(rows, target, loss_name, device)
+
+
+def flat_texts(rows, text_columns, keys, prompts):
+    """What one tokenize call takes for the text columns, column after column: each text with its
+    prompt prepended, its column's key (--max-seq-length may cut columns at lengths of their own),
+    and its prompt (pooling leaves the prompt's tokens out under --no-include-prompt)."""
+    texts = [with_prompt(rows[column], prompts, key) for column, key in zip(text_columns, keys)]
+    return (
         [text for column in texts for text in column],
-        [k for k, t in zip(keys, texts) for _ in t],
-        [(prompts or {}).get(k, "") for k, t in zip(keys, texts) for _ in t],
+        [key for key, column in zip(keys, texts) for _ in column],
+        [prompts.get(key, "") for key, column in zip(keys, texts) for _ in column],
     )
-    features = [
-        {k: v[i * len(texts[0]) : (i + 1) * len(texts[0])].to(device) for k, v in tokens.items()}
-        for i in range(len(texts))
-    ]
-    return features, targets(rows, target, loss_name, device)
+
+
+def per_column(tokens, num_columns, device):
+    """One tokenize call's tokens (flat_texts' order) cut back into one dict a column."""
+    size = len(tokens["input_ids"]) // num_columns
+    return [{k: v[i * size : (i + 1) * size].to(device) for k, v in tokens.items()} for i in range(num_columns)]
 
 
 def targets(rows, target, loss_name, device):
@@ -330,16 +341,18 @@ def micro_batches(plan, loaded, tables, rank, start_step, prepare):
     """This rank's micro-batches from start_step on, in training order: what `prepare(train set,
     rows, features, labels)` makes of each (train.prepare_micro_batch: pooled, packed, pinned),
     tokenized on the CPU. Where `tables` (write_or_read_token_files) holds a set's token table, its
-    ids are read from it and only padded; else each micro-batch is tokenized as it is read. A
-    background thread reads and prepares the next READ_AHEAD micro-batches while the caller
-    computes on this one, so reading overlaps the step (tokenizing and packing: a small share of
-    a CPU's step, a far larger one of a GPU's: docs/steps.md), and the step never waits on them
-    while the reader keeps up. The thread has its own copy of the tokenizer: a fast tokenizer used
-    from two threads at once fails ("Already borrowed"), and evaluation tokenizes in the main
-    thread."""
+    ids are read from it and only padded; else each micro-batch is tokenized as it is read: by the
+    reader thread, or with plan.tokenize_workers by that many worker processes (tokenizing_pool),
+    each given a micro-batch that many ahead, so that all of them work at once. A background
+    thread reads and prepares the next READ_AHEAD micro-batches while the caller computes on this
+    one, so reading overlaps the step (tokenizing and packing: a small share of a CPU's step, a
+    far larger one of a GPU's: docs/steps.md), and the step never waits on them while the reader
+    keeps up. The thread has its own copy of the tokenizer: a fast tokenizer used from two threads
+    at once fails ("Already borrowed"), and evaluation tokenizes in the main thread."""
     thread_loaded = dataclasses.replace(loaded, tokenizer=copy.deepcopy(loaded.tokenizer))
 
-    def read(step, micro_step):
+    def start(step, micro_step, pool):
+        """A micro-batch's rows, and its tokens or (with workers) the future of them."""
         _, set_index, batch_rows = plan.schedule[step]
         ts = plan.train_sets[set_index]
         indices = micro_batch_indices(batch_rows, rank, micro_step, ts.per_device_batch_size, plan.world_size)
@@ -348,39 +361,91 @@ def micro_batches(plan, loaded, tables, rank, start_step, prepare):
             rows = grouped_rows(rows, indices, ts.group_size, plan.seed, step)
         if tables[set_index] is not None:  # the ids read, only padded here
             prompts = [ts.prompts.get(key, "") for key in ts.prompt_columns]
-            features = token_cache.features(
-                tables[set_index], indices, ts.text_columns, thread_loaded, prompts
-            )
-            return prepare(ts, rows, features, targets(rows, ts.target, ts.loss, "cpu"))
-        features, labels = collate(
-            rows,
-            ts.text_columns,
-            ts.target,
-            ts.loss,
-            thread_loaded.tokenize,
-            "cpu",
-            ts.prompts,
-            ts.prompt_columns,
-        )
-        return prepare(ts, rows, features, labels)
+            return ts, rows, token_cache.features(tables[set_index], indices, ts.text_columns, thread_loaded, prompts)
+        texts = flat_texts(rows, ts.text_columns, ts.prompt_columns, ts.prompts)
+        if pool is None:
+            return ts, rows, per_column(thread_loaded.tokenize(*texts), len(ts.text_columns), "cpu")
+        return ts, rows, pool.submit(tokenize_in_worker, *texts)
 
-    def steps():  # one at a time: no list of every step
-        for step in range(start_step, len(plan.schedule)):
-            yield from ((step, micro_step) for micro_step in range(plan.grad_accum_steps))
+    def finish(ts, rows, features):
+        if isinstance(features, concurrent.futures.Future):  # re-raises what the worker raised
+            tokens = {k: torch.from_numpy(v) for k, v in features.result().items()}
+            features = per_column(tokens, len(ts.text_columns), "cpu")
+        return prepare(ts, rows, features, targets(rows, ts.target, ts.loss, "cpu"))
+
+    def prepared(pool):  # in order, each micro-batch's tokenizing started `workers` ahead
+        started = collections.deque()
+        for step in range(start_step, len(plan.schedule)):  # one at a time: no list of every step
+            for micro_step in range(plan.grad_accum_steps):
+                started.append(start(step, micro_step, pool))
+                if len(started) > plan.tokenize_workers:
+                    yield finish(*started.popleft())
+        while started:
+            yield finish(*started.popleft())
 
     def read_ahead():
-        order = steps()
-        with concurrent.futures.ThreadPoolExecutor(max_workers=1) as worker:
-            # the next READ_AHEAD micro-batches, read in order by the one thread
-            pending = collections.deque(worker.submit(read, *s) for s in itertools.islice(order, READ_AHEAD))
-            while pending:
-                batch = pending.popleft().result()  # re-raises whatever reading or tokenizing raised
-                following = next(order, None)
-                if following is not None:
-                    pending.append(worker.submit(read, *following))
-                yield batch
+        with tokenizing_pool(plan.tokenize_workers, loaded) as pool:
+            with concurrent.futures.ThreadPoolExecutor(max_workers=1) as reader:
+                # the next READ_AHEAD micro-batches, read in order by the one thread (None: no more)
+                batches = prepared(pool)
+                pending = collections.deque(reader.submit(next, batches, None) for _ in range(READ_AHEAD))
+                while (batch := pending.popleft().result()) is not None:  # re-raises what reading raised
+                    pending.append(reader.submit(next, batches, None))
+                    yield batch
 
     return read_ahead()
+
+
+def tokenize_workers(requested, device):
+    """--tokenize-workers resolved: as given, or (-1) on a GPU the cores each rank of the host has
+    beyond its training and reader threads, at most 4 (one worker supplies several thousand texts
+    a second: docs/steps.md); on a CPU 0, as the step's threads already use every core."""
+    if requested >= 0:
+        return requested
+    if device.type != "cuda":
+        return 0
+    cores = len(os.sched_getaffinity(0)) // int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
+    return max(0, min(4, cores - 2))
+
+
+def tokenizing_pool(workers, loaded):
+    """`workers` processes, each with its own single-threaded copy of the tokenizer, started
+    fresh (spawn: no fork of a process that runs threads and collectives); with 0, no pool."""
+    if not workers:
+        return contextlib.nullcontext()
+    tokenizer_only = dataclasses.replace(
+        loaded, model=None, export_config=None, untrained_state={}, fresh_tensors={}
+    )  # what LoadedModel.tokenize reads, without the weights
+    return concurrent.futures.ProcessPoolExecutor(
+        workers,
+        mp_context=multiprocessing.get_context("spawn"),
+        initializer=start_worker,
+        initargs=(tokenizer_only, os.getpid()),
+    )
+
+
+WORKER = {}  # a worker process's LoadedModel (start_worker)
+
+
+def start_worker(loaded, parent_pid):
+    """A tokenizing worker's start: one thread (every core is another worker's or a rank's), the
+    parent's Ctrl-C left to the parent, and an exit of its own should the parent die unannounced."""
+    os.environ["TOKENIZERS_PARALLELISM"] = "false"
+    torch.set_num_threads(1)
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    WORKER["loaded"] = loaded
+
+    def exit_with_parent():
+        while os.getppid() == parent_pid:
+            time.sleep(1)
+        os._exit(0)
+
+    threading.Thread(target=exit_with_parent, daemon=True).start()
+
+
+def tokenize_in_worker(texts, columns, prompts):
+    """LoadedModel.tokenize in a worker, its tensors as NumPy arrays (pickled as plain bytes)."""
+    return {k: v.numpy() for k, v in WORKER["loaded"].tokenize(texts, columns, prompts).items()}
 
 
 def write_or_read_token_files(plan, loaded, rank):

@@ -372,14 +372,26 @@ class Config:
         resume_may_change=True,
     )
     tokenize: str = arg(
-        "once",
-        "once: each training file's texts tokenized once, the first time a host trains on it, into an "
-        "Arrow file of token ids beside the data set's cache (tokens-NAME-HASH.arrow, keyed by the data, "
-        "tokenizer, prompts, lengths and --append-eos: token_cache.py), which every rank of the host, "
-        "every epoch and every resume reads; on_the_fly: each micro-batch tokenized as it is read, no file "
-        "written: for data that changes between runs (each version would write a file of its own) or a run "
-        "too short to repay the writing. Grouped rows are always tokenized on the fly",
-        choices=("once", "on_the_fly"),
+        "on_the_fly",
+        "on_the_fly: each micro-batch tokenized as it is read, ahead of the step that needs it (by the "
+        "reader thread, or by --tokenize-workers processes), so no run waits on tokenizing before its "
+        "first step, however large its data; once: each training file's texts tokenized once, before the "
+        "first step, the first time a host trains on it, into an Arrow file of token ids beside the data "
+        "set's cache (tokens-NAME-HASH.arrow, keyed by the data, tokenizer, prompts, lengths and "
+        "--append-eos: token_cache.py), which every rank of the host, every epoch and every resume reads: "
+        "where tokenizing on the fly slows the step (a few percent on a CPU whose cores all train), at "
+        "the cost of about 3 minutes per million rows of triplets before a host's first run starts. "
+        "Grouped rows are always tokenized on the fly",
+        choices=("on_the_fly", "once"),
+        resume_may_change=True,
+    )
+    tokenize_workers: int = arg(
+        -1,
+        "processes that tokenize each rank's micro-batches on the fly, each one single-threaded tokenizer, "
+        "a micro-batch each at a time; 0: the reader thread tokenizes; -1 (auto): on a GPU the cores each "
+        "rank of the host has beyond its training and reader threads (at most 4), on a CPU 0 (the step's "
+        "threads already use every core, and tokenizing costs well under 1%% of a CPU step)",
+        at_least=-1,
         resume_may_change=True,
     )
     packing: str = arg(

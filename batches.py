@@ -33,10 +33,12 @@ import multiprocessing
 import os
 import random
 import signal
+import sys
 import threading
 import time
 
 import torch
+import tqdm
 
 import token_cache
 
@@ -202,7 +204,10 @@ def text_hashes(ds, text_columns):
     rows at a time, so no column is held as Python strings."""
     hashes = torch.empty((len(ds), len(text_columns)), dtype=torch.int64)
     table = ds.with_format("arrow")
-    for start in range(0, len(ds), 1 << 16):
+    shown = (
+        len(ds) > 1 << 20 and os.environ.get("RANK", "0") == "0"
+    )  # a bar on rank 0, where it takes seconds
+    for start in tqdm.trange(0, len(ds), 1 << 16, desc="hashing texts (no_duplicates)", disable=not shown):
         window = table[start : start + (1 << 16)]
         for j, column in enumerate(text_columns):
             texts = window.column(column).to_pylist()
@@ -320,7 +325,9 @@ def flat_texts(rows, text_columns, keys, prompts):
 def per_column(tokens, num_columns, device):
     """One tokenize call's tokens (flat_texts' order) cut back into one dict a column."""
     size = len(tokens["input_ids"]) // num_columns
-    return [{k: v[i * size : (i + 1) * size].to(device) for k, v in tokens.items()} for i in range(num_columns)]
+    return [
+        {k: v[i * size : (i + 1) * size].to(device) for k, v in tokens.items()} for i in range(num_columns)
+    ]
 
 
 def targets(rows, target, loss_name, device):
@@ -343,7 +350,7 @@ def micro_batches(plan, loaded, tables, rank, start_step, prepare):
     tokenized on the CPU. Where `tables` (write_or_read_token_files) holds a set's token table, its
     ids are read from it and only padded; else each micro-batch is tokenized as it is read: by the
     reader thread, or with plan.tokenize_workers by that many worker processes (tokenizing_pool),
-    each given a micro-batch that many ahead, so that all of them work at once. A background
+    twice as many micro-batches started as there are workers, so that none waits for work. A background
     thread reads and prepares the next READ_AHEAD micro-batches while the caller computes on this
     one, so reading overlaps the step (tokenizing and packing: a small share of a CPU's step, a
     far larger one of a GPU's: docs/steps.md), and the step never waits on them while the reader
@@ -361,7 +368,10 @@ def micro_batches(plan, loaded, tables, rank, start_step, prepare):
             rows = grouped_rows(rows, indices, ts.group_size, plan.seed, step)
         if tables[set_index] is not None:  # the ids read, only padded here
             prompts = [ts.prompts.get(key, "") for key in ts.prompt_columns]
-            return ts, rows, token_cache.features(tables[set_index], indices, ts.text_columns, thread_loaded, prompts)
+            features = token_cache.features(
+                tables[set_index], indices, ts.text_columns, thread_loaded, prompts
+            )
+            return ts, rows, features
         texts = flat_texts(rows, ts.text_columns, ts.prompt_columns, ts.prompts)
         if pool is None:
             return ts, rows, per_column(thread_loaded.tokenize(*texts), len(ts.text_columns), "cpu")
@@ -373,12 +383,12 @@ def micro_batches(plan, loaded, tables, rank, start_step, prepare):
             features = per_column(tokens, len(ts.text_columns), "cpu")
         return prepare(ts, rows, features, targets(rows, ts.target, ts.loss, "cpu"))
 
-    def prepared(pool):  # in order, each micro-batch's tokenizing started `workers` ahead
+    def prepared(pool):  # in order; 2 x workers micro-batches tokenizing: each worker has its next queued
         started = collections.deque()
         for step in range(start_step, len(plan.schedule)):  # one at a time: no list of every step
             for micro_step in range(plan.grad_accum_steps):
                 started.append(start(step, micro_step, pool))
-                if len(started) > plan.tokenize_workers:
+                if len(started) > 2 * plan.tokenize_workers:
                     yield finish(*started.popleft())
         while started:
             yield finish(*started.popleft())
@@ -467,7 +477,16 @@ def write_or_read_token_files(plan, loaded, rank):
             tables.append(None)
             continue
         fallback = os.path.join(plan.output_dir, "token-cache")  # for data sets with no cache folder
-        table, path, wrote = token_cache.write_or_read_token_table(ts, loaded, fallback, fingerprint)
+        try:
+            table, path, wrote = token_cache.write_or_read_token_table(ts, loaded, fallback, fingerprint)
+        except OSError as e:
+            if e.errno not in token_cache.DISK_FULL:
+                raise
+            said = f"warning: tokens of {ts.name}: no room to write them ({e}); tokenized on the fly instead"
+            if os.environ.get("LOCAL_RANK", "0") == "0":  # each host's first process says it once
+                print(f"\n{said} (the same ids): free space, or pass --tokenize on_the_fly", file=sys.stderr)
+            tables.append(None)
+            continue
         if wrote or rank == 0:  # whichever process of a host took the lock first wrote the file
             said = "written to" if wrote else "read from"
             print(f"tokens of {ts.name}: {said} {path} (rank {rank})", flush=True)

@@ -121,17 +121,28 @@ def timed(totals, key):
 class StepMeter:
     """Every rank's bookkeeping between two log lines, with no collective (the step losses it is
     given are already the mean over ranks): each training set's step losses, and the seconds
-    spent training, for samples/s. Evaluation and saving are not training: they are timed into
-    `paused` (timed(meter.paused, "eval")) and left out."""
+    spent training, for samples/s. Start-up (to `begin`: loading, checks, a token file),
+    evaluation and saving are not training: start-up is counted apart, and evaluation and saving
+    are timed into `paused` (timed(meter.paused, "eval")) and left out."""
 
-    def __init__(self, several_sets, world_size=1):
+    def __init__(self, several_sets, world_size=1, started=None):
         self.several_sets = several_sets
         self.world_size = world_size  # in every log line: a resumed run may run at another
         self.paused = {"eval": 0.0, "save": 0.0}
         self.start = self.last_time = time.perf_counter()
+        self.started = self.start if started is None else started  # the run's (perf_counter)
+        self.startup_seconds, self.paused_before = 0.0, 0.0
         self.paused_at_last = 0.0
         self.loss_sums, self.steps = collections.Counter(), collections.Counter()
         self.rows = self.total_rows = 0  # since the last log line; since the start
+
+    def begin(self):
+        """The first step starts now: the time since the run started, less any evaluation, is
+        start-up, reported on its own and left out of train_seconds and samples/s."""
+        now, paused = time.perf_counter(), sum(self.paused.values())
+        self.startup_seconds = now - self.started - paused
+        self.start = self.last_time = now
+        self.paused_before = self.paused_at_last = paused
 
     def add(self, set_name, step_loss, global_batch):
         """One step of set `set_name`: its loss (the mean over ranks) and its rows (all ranks')."""
@@ -159,9 +170,10 @@ class StepMeter:
 
     def summary(self, final_loss):
         """The run's totals, for the last line of metrics.jsonl and the export."""
-        train_seconds = time.perf_counter() - self.start - sum(self.paused.values())
+        train_seconds = time.perf_counter() - self.start - (sum(self.paused.values()) - self.paused_before)
         return {
             "final_loss": final_loss,
+            "startup_seconds": self.startup_seconds,
             "train_seconds": train_seconds,
             "samples_per_s": self.total_rows / train_seconds,
             "eval_seconds": self.paused["eval"],

@@ -21,9 +21,11 @@ Left out on purpose: grouped rows (their texts are drawn anew each step: batches
 them on the fly), evaluation (it tokenizes its own texts), and tokenizers whose features are more
 than ids, a mask and all-zero token types (`unsupported`: tokenized on the fly).
 
-Needs torch, numpy and pyarrow (installed with datasets); imports no other project file.
+Needs torch, numpy, pyarrow (installed with datasets) and tqdm (with transformers); imports no other
+project file.
 """
 
+import errno
 import fcntl
 import glob
 import hashlib
@@ -34,7 +36,9 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
 import torch
+import tqdm
 
+DISK_FULL = (errno.ENOSPC, errno.EDQUOT)  # the errors of a disk that has no room for the file
 ROWS_AT_ONCE = 1 << 14  # rows tokenized (and held as Python lists) at a time while writing
 FORMAT = 1  # bump when the file's layout or what its ids mean changes: older files are then left unread
 
@@ -116,14 +120,23 @@ def write_table(ts, loaded, path):
     schema = pa.schema([(c, pa.list_(pa.int32())) for c in ts.text_columns])
     temporary = f"{path}.tmp-{os.getpid()}"
     rows = ts.ds.with_format("arrow")
-    with pa.OSFile(temporary, "wb") as sink, pa.ipc.new_file(sink, schema) as writer:
-        for start in range(0, len(ts.ds), ROWS_AT_ONCE):
-            window = rows[start : start + ROWS_AT_ONCE]
-            columns = [
-                pa.array(ids_of(window.column(c).to_pylist(), key, ts, loaded), type=pa.list_(pa.int32()))
-                for c, key in zip(ts.text_columns, ts.prompt_columns)
-            ]
-            writer.write_batch(pa.record_batch(columns, schema=schema))
+    bar = tqdm.tqdm(total=len(ts.ds), desc=f"tokenizing {ts.name}", unit=" rows", unit_scale=True)
+    try:
+        with pa.OSFile(temporary, "wb") as sink, pa.ipc.new_file(sink, schema) as writer:
+            for start in range(0, len(ts.ds), ROWS_AT_ONCE):
+                window = rows[start : start + ROWS_AT_ONCE]
+                columns = [
+                    pa.array(ids_of(window.column(c).to_pylist(), key, ts, loaded), type=pa.list_(pa.int32()))
+                    for c, key in zip(ts.text_columns, ts.prompt_columns)
+                ]
+                writer.write_batch(pa.record_batch(columns, schema=schema))
+                bar.update(len(window))
+    except OSError as e:
+        if e.errno in DISK_FULL:  # nothing half written stays on a full disk
+            os.remove(temporary)
+        raise
+    finally:
+        bar.close()
     os.replace(temporary, path)  # whole, or not there: a killed writer leaves only its .tmp file
 
 

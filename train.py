@@ -42,6 +42,7 @@ import json
 import math
 import os
 import sys
+import time
 from dataclasses import dataclass
 
 import torch
@@ -66,6 +67,7 @@ import startup_checks
 
 def main(cfg):
     """Train and export (all ranks participate); returns the unwrapped model (None: exported already)."""
+    started = time.perf_counter()  # start-up is reported apart from the steps (metrics.StepMeter)
     rank, world_size, device = fsdp_utils.setup_dist(cfg.dist_timeout_minutes)
     # 1. Check the flags, resolved once into the run's plan, and the model's files (all ranks participate)
     plan = startup_checks.agreed(lambda: run_plan.flags_plan(cfg, world_size, device), rank, device)
@@ -86,7 +88,7 @@ def main(cfg):
     )
     fsdp_utils.print0(json.dumps({**plan.flags, **run_plan.record(plan, loaded)}, indent=2))
     log = clear_output_and_open_log(plan, loaded, start_step)  # (all ranks participate)
-    meter = metrics.StepMeter(several_sets=len(plan.train_sets) > 1, world_size=world_size)
+    meter = metrics.StepMeter(several_sets=len(plan.train_sets) > 1, world_size=world_size, started=started)
     if cfg.eval_on_start and start_step == 0:
         with metrics.timed(meter.paused, "eval"):  # (all ranks participate)
             best_value = evaluate_log_export_best(model, loaded, plan, 0, best_value, log)
@@ -97,6 +99,7 @@ def main(cfg):
     prepare = functools.partial(prepare_micro_batch, opts)  # pooled, packed, pinned by the reader
     micro_batches = batches.micro_batches(plan, loaded, tables, rank, start_step, prepare)
     faults.HEARTBEAT.start()  # a thread writes this rank's step to the rendezvous store every 2 s
+    meter.begin()  # samples/s counts the steps alone
 
     # ---- the loop
     for step in range(start_step + 1, plan.total_steps + 1):  # optimizer steps, counted from 1

@@ -34,7 +34,7 @@ import time
 
 import pytest
 import torch
-from conftest import REPO_DIR, data_file, run_train, torchrun_command, warm_run
+from conftest import REPO_DIR, data_file, read_metrics, run_train, torchrun_command, warm_run
 from safetensors.torch import load_file
 
 STEPS = 8
@@ -371,3 +371,29 @@ def test_the_error_file_torchrun_reads_is_written_whole_or_not_at_all(tmp_path, 
         faults.say("lost contact", 4, printed=False)
     assert error_file.read_text() == first
     assert os.listdir(tmp_path) == ["error.json"]
+
+
+def test_a_token_file_that_does_not_fit_falls_back_to_tokenizing_on_the_fly(tmp_path, tiny_model):
+    """--tokenize once on a data set cache with no room left for the token file, at world 2: one
+    warning line, nothing half written left on that disk, and the run trains as on the fly."""
+    args = [*COMMON, "--model", tiny_model, "--max-steps", 3, "--log-steps", 1]
+    data = tmp_path / "data" / "triplets.jsonl"  # a path of its own: a cache no other run made
+    data.parent.mkdir()
+    rows = [json.loads(line) for line in open(data_file("sick-triplets-train.jsonl"))]
+    rows = [{k: f"{v} {i}" for k, v in r.items()} for i in range(40) for r in rows]  # ids of ~1 MB
+    data.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    args[1] = str(data)
+    warm_run([*args, "--output-dir", tmp_path / "fly"], nproc=2)
+    with tmpfs(tmp_path / "cache", 16) as cache:
+        env = {**os.environ, "HF_DATASETS_CACHE": str(cache)}
+        run_train([*args, "--output-dir", tmp_path / "convert", "--max-steps", 1], env=env)  # the Arrow cache
+        with open(cache / "filler", "wb") as f:  # another program takes the room left
+            f.write(b"\0" * (shutil.disk_usage(cache).free - 256 * 1024))  # room for datasets, not the ids
+        proc = run_train([*args, "--tokenize", "once", "--output-dir", tmp_path / "once"], nproc=2, env=env)
+        warnings = [line for line in proc.stderr.splitlines() if line.startswith("warning: tokens of")]
+        assert len(warnings) == 1 and "No space left on device" in warnings[0], proc.stderr[-3000:]
+        assert "tokenized on the fly instead (the same ids)" in warnings[0]
+        left = [str(p) for p in cache.rglob("tokens-*") if not p.name.endswith(".lock")]
+        assert left == [], left
+    losses = {run: [r["loss"] for r in read_metrics(tmp_path / run)] for run in ("once", "fly")}
+    assert len(losses["once"]) == 3 and losses["once"] == losses["fly"]

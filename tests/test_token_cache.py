@@ -12,7 +12,9 @@ Run: python -m pytest tests/test_token_cache.py
 import dataclasses
 import json
 import os
+import re
 import shutil
+import time
 
 import pyarrow as pa
 import pytest
@@ -22,6 +24,7 @@ from conftest import data_file, export_weights, load_model, read_metrics, start_
 import batches
 import config
 import token_cache
+import train
 
 PROMPTS = '{"anchor": "query: ", "positive": "passage: "}'
 
@@ -137,3 +140,27 @@ def test_two_processes_train_alike_on_ids_read_once_and_tokenized_on_the_fly(tmp
         changed = [*common, flag, value, "--output-dir", tmp_path / flag.strip("-"), "--max-steps", 1]
         other = warm_run(changed)
         assert "written to" in other.stdout and path not in other.stdout, (flag, other.stdout[-2000:])
+
+
+@pytest.mark.quick
+def test_writing_the_token_file_shows_progress_and_counts_as_start_up_not_training(
+    tmp_path, tiny_model, monkeypatch, capfd
+):
+    write_table = token_cache.write_table
+
+    def slow_write(*args):  # a data set large enough to take 4 s to tokenize
+        time.sleep(4)
+        return write_table(*args)
+
+    monkeypatch.setattr(token_cache, "write_table", slow_write)
+    args = ["--model", tiny_model, "--train-data", fresh_copy(tmp_path), "--max-steps", 3, "--log-steps", 1]
+    args += ["--per-device-batch-size", 8, "--tokenize", "once", "--output-dir", tmp_path / "out"]
+    train.main(config.parse_config([str(a) for a in args]))
+    out, err = capfd.readouterr()
+    assert "tokens of sick-pairs-train: written to" in out
+    assert re.search(r"tokenizing sick-pairs-train: 100%.*rows/s", err), err[-2000:]  # tqdm's bar, its rate
+    summary = [json.loads(line) for line in (tmp_path / "out" / "metrics.jsonl").read_text().splitlines()][-1]
+    assert summary["startup_seconds"] >= 4 and summary["train_seconds"] < 4, summary
+    assert summary["samples_per_s"] * summary["train_seconds"] == pytest.approx(3 * 8)
+    steps = read_metrics(tmp_path / "out")
+    assert steps[0]["samples_per_s"] > 8 / 4  # the first step's window holds no writing either

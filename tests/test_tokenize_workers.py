@@ -12,9 +12,17 @@ import dataclasses
 import os
 import time
 
-import pytest
 import torch
-from conftest import data_file, export_weights, grouped_file, load_model, read_metrics, run_train, start_up, warm_run
+from conftest import (
+    data_file,
+    export_weights,
+    grouped_file,
+    load_model,
+    read_metrics,
+    run_train,
+    start_up,
+    warm_run,
+)
 
 import batches
 import config
@@ -60,13 +68,19 @@ def test_workers_give_the_reader_threads_micro_batches_every_epoch_and_from_a_re
     _, _, rows_of_step = plan.schedule[0]
     indices = batches.micro_batch_indices(rows_of_step, 0, 0, 8, 2)
     ts = plan.train_sets[0]
-    want, _ = batches.collate(ts.ds[indices], ts.text_columns, None, "mnrl", loaded.tokenize, "cpu", ts.prompts)
+    want, _ = batches.collate(
+        ts.ds[indices], ts.text_columns, None, "mnrl", loaded.tokenize, "cpu", ts.prompts
+    )
     assert_same([("x", first, None)], [("x", want, None)])
 
 
-@pytest.mark.quick
 def test_workers_give_grouped_rows_as_the_reader_thread(tmp_path):
-    args = ["--train-data", str(grouped_file(tmp_path / "grouped.jsonl")), "--output-dir", str(tmp_path / "out")]
+    args = [
+        "--train-data",
+        str(grouped_file(tmp_path / "grouped.jsonl")),
+        "--output-dir",
+        str(tmp_path / "out"),
+    ]
     args += ["--group-size", "3", "--per-device-batch-size", "4", "--max-steps", "6"]
     cfg = config.parse_config(args)
     plan = start_up(cfg, world_size=2)

@@ -23,7 +23,6 @@ Needs torch, and token_cache.py (the token ids read once, --tokenize once).
 import bisect
 import collections
 import concurrent.futures
-import contextlib
 import copy
 import dataclasses
 import hashlib
@@ -349,7 +348,7 @@ def micro_batches(plan, loaded, tables, rank, start_step, prepare):
     rows, features, labels)` makes of each (train.prepare_micro_batch: pooled, packed, pinned),
     tokenized on the CPU. Where `tables` (write_or_read_token_files) holds a set's token table, its
     ids are read from it and only padded; else each micro-batch is tokenized as it is read: by the
-    reader thread, or with plan.tokenize_workers by that many worker processes (tokenizing_pool),
+    reader thread, or with plan.tokenize_workers by that many worker processes (TokenizingWorkers),
     twice as many micro-batches started as there are workers, so that none waits for work. A background
     thread reads and prepares the next READ_AHEAD micro-batches while the caller computes on this
     one, so reading overlaps the step (tokenizing and packing: a small share of a CPU's step, a
@@ -359,28 +358,19 @@ def micro_batches(plan, loaded, tables, rank, start_step, prepare):
     thread_loaded = dataclasses.replace(loaded, tokenizer=copy.deepcopy(loaded.tokenizer))
 
     def start(step, micro_step, pool):
-        """A micro-batch's rows, and its tokens or (with workers) the future of them."""
+        """A micro-batch's rows and tokens, or (to a worker) the future of them."""
         _, set_index, batch_rows = plan.schedule[step]
         ts = plan.train_sets[set_index]
         indices = micro_batch_indices(batch_rows, rank, micro_step, ts.per_device_batch_size, plan.world_size)
-        rows = ts.ds[indices]
-        if ts.group_size:
-            rows = grouped_rows(rows, indices, ts.group_size, plan.seed, step)
-        if tables[set_index] is not None:  # the ids read, only padded here
-            prompts = [ts.prompts.get(key, "") for key in ts.prompt_columns]
-            features = token_cache.features(
-                tables[set_index], indices, ts.text_columns, thread_loaded, prompts
-            )
-            return ts, rows, features
-        texts = flat_texts(rows, ts.text_columns, ts.prompt_columns, ts.prompts)
-        if pool is None:
-            return ts, rows, per_column(thread_loaded.tokenize(*texts), len(ts.text_columns), "cpu")
-        return ts, rows, pool.submit(tokenize_in_worker, *texts)
+        if pool is not None and tables[set_index] is None:
+            return ts, pool.send(set_index, indices, step)  # the worker that reads it, in turn
+        return ts, read_rows(ts, indices, step, plan.seed, thread_loaded, tables[set_index])
 
-    def finish(ts, rows, features):
-        if isinstance(features, concurrent.futures.Future):  # re-raises what the worker raised
-            tokens = {k: torch.from_numpy(v) for k, v in features.result().items()}
-            features = per_column(tokens, len(ts.text_columns), "cpu")
+    def finish(ts, read, pool):
+        if isinstance(read, int):  # the worker's; re-raises what it raised
+            rows, arrays = pool.receive(read)
+            read = rows, [{k: torch.from_numpy(v) for k, v in column.items()} for column in arrays]
+        rows, features = read
         return prepare(ts, rows, features, targets(rows, ts.target, ts.loss, "cpu"))
 
     def prepared(pool):  # in order; 2 x workers micro-batches tokenizing: each worker has its next queued
@@ -389,15 +379,15 @@ def micro_batches(plan, loaded, tables, rank, start_step, prepare):
             for micro_step in range(plan.grad_accum_steps):
                 started.append(start(step, micro_step, pool))
                 if len(started) > 2 * plan.tokenize_workers:
-                    yield finish(*started.popleft())
+                    yield finish(*started.popleft(), pool)
         while started:
-            yield finish(*started.popleft())
+            yield finish(*started.popleft(), pool)
 
     def read_ahead():
-        with tokenizing_pool(plan.tokenize_workers, loaded) as pool:
+        with TokenizingWorkers(plan.tokenize_workers, loaded, plan.train_sets, plan.seed) as pool:
             with concurrent.futures.ThreadPoolExecutor(max_workers=1) as reader:
                 # the next READ_AHEAD micro-batches, read in order by the one thread (None: no more)
-                batches = prepared(pool)
+                batches = prepared(pool if plan.tokenize_workers else None)
                 pending = collections.deque(reader.submit(next, batches, None) for _ in range(READ_AHEAD))
                 while (batch := pending.popleft().result()) is not None:  # re-raises what reading raised
                     pending.append(reader.submit(next, batches, None))
@@ -418,32 +408,77 @@ def tokenize_workers(requested, device):
     return max(0, min(4, cores - 2))
 
 
-def tokenizing_pool(workers, loaded):
-    """`workers` processes, each with its own single-threaded copy of the tokenizer, started
-    fresh (spawn: no fork of a process that runs threads and collectives); with 0, no pool."""
-    if not workers:
-        return contextlib.nullcontext()
-    tokenizer_only = dataclasses.replace(
-        loaded, model=None, export_config=None, untrained_state={}, fresh_tensors={}
-    )  # what LoadedModel.tokenize reads, without the weights
-    return concurrent.futures.ProcessPoolExecutor(
-        workers,
-        mp_context=multiprocessing.get_context("spawn"),
-        initializer=start_worker,
-        initargs=(tokenizer_only, os.getpid()),
-    )
+def read_rows(ts, indices, step, seed, loaded, table=None):
+    """A micro-batch's rows (grouped rows drawn for `step`) and one dict of tokens a text column:
+    its ids read from the set's token `table` and padded, or its texts tokenized."""
+    rows = ts.ds[indices]
+    if ts.group_size:
+        rows = grouped_rows(rows, indices, ts.group_size, seed, step)
+    if table is not None:
+        prompts = [ts.prompts.get(key, "") for key in ts.prompt_columns]
+        return rows, token_cache.features(table, indices, ts.text_columns, loaded, prompts)
+    tokens = loaded.tokenize(*flat_texts(rows, ts.text_columns, ts.prompt_columns, ts.prompts))
+    return rows, per_column(tokens, len(ts.text_columns), "cpu")
 
 
-WORKER = {}  # a worker process's LoadedModel (start_worker)
+class TokenizingWorkers:
+    """`workers` processes that read rows and tokenize them (read_rows), each with its own
+    single-threaded copy of the tokenizer and its own map of the memory-mapped data sets, started
+    fresh (spawn: no fork of a process that runs threads and collectives). Micro-batches go to
+    them in turn over one pipe each and come back in the same turn, so in order; no thread of
+    the parent's is involved (a pool's own threads cost the parent more CPU than its reading)."""
+
+    def __init__(self, workers, loaded, train_sets, seed):
+        tokenizer_only = dataclasses.replace(
+            loaded, model=None, export_config=None, untrained_state={}, fresh_tensors={}
+        )  # what LoadedModel.tokenize reads, without the weights
+        state = {"loaded": tokenizer_only, "train_sets": train_sets, "seed": seed}
+        context = multiprocessing.get_context("spawn")
+        self.pipes, self.processes, self.sent = [], [], 0
+        for _ in range(workers):
+            ours, theirs = context.Pipe()
+            process = context.Process(target=worker_loop, args=(theirs, state, os.getpid()), daemon=True)
+            process.start()
+            self.pipes.append(ours)
+            self.processes.append(process)
+
+    def send(self, *task):
+        """Hands a micro-batch to the next worker in turn; returns its number, for `receive`."""
+        self.pipes[self.sent % len(self.pipes)].send(task)
+        self.sent += 1
+        return self.sent - 1
+
+    def receive(self, number):
+        """Micro-batch `number`'s (rows, arrays); what the worker raised is raised here."""
+        try:
+            ok, result = self.pipes[number % len(self.pipes)].recv()
+        except (EOFError, OSError):
+            raise RuntimeError(
+                "a tokenizing worker (--tokenize-workers) died; see its message above"
+            ) from None
+        if not ok:
+            raise result
+        return result
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        for pipe in self.pipes:
+            pipe.close()  # a worker ends at its pipe's end
+        for process in self.processes:
+            process.join(5)
+            if process.is_alive():
+                process.kill()
 
 
-def start_worker(loaded, parent_pid):
-    """A tokenizing worker's start: one thread (every core is another worker's or a rank's), the
-    parent's Ctrl-C left to the parent, and an exit of its own should the parent die unannounced."""
+def worker_loop(pipe, state, parent_pid):
+    """A tokenizing worker: one thread (every core is another worker's or a rank's), the parent's
+    Ctrl-C left to the parent; reads each task from its pipe until it closes, and ends on its
+    own should the parent die unannounced."""
     os.environ["TOKENIZERS_PARALLELISM"] = "false"
     torch.set_num_threads(1)
     signal.signal(signal.SIGINT, signal.SIG_IGN)
-    WORKER["loaded"] = loaded
 
     def exit_with_parent():
         while os.getppid() == parent_pid:
@@ -451,11 +486,21 @@ def start_worker(loaded, parent_pid):
         os._exit(0)
 
     threading.Thread(target=exit_with_parent, daemon=True).start()
-
-
-def tokenize_in_worker(texts, columns, prompts):
-    """LoadedModel.tokenize in a worker, its tensors as NumPy arrays (pickled as plain bytes)."""
-    return {k: v.numpy() for k, v in WORKER["loaded"].tokenize(texts, columns, prompts).items()}
+    while True:
+        try:
+            set_index, indices, step = pipe.recv()
+        except (EOFError, OSError):  # the parent is done (or gone)
+            return
+        try:
+            ts = state["train_sets"][set_index]
+            rows, features = read_rows(ts, indices, step, state["seed"], state["loaded"])
+            reply = (True, (rows, [{k: v.numpy() for k, v in column.items()} for column in features]))
+        except Exception as e:  # the parent raises it
+            reply = (False, e)
+        try:
+            pipe.send(reply)
+        except OSError:  # the parent stopped reading (its run ended, or failed)
+            return
 
 
 def write_or_read_token_files(plan, loaded, rank):

@@ -9,9 +9,11 @@ Run: python -m pytest tests/test_tokenize_workers.py
 """
 
 import dataclasses
+import multiprocessing
 import os
 import time
 
+import pytest
 import torch
 from conftest import (
     data_file,
@@ -125,3 +127,24 @@ def worker_processes(tmp_path):
         if "multiprocessing" in command and "spawn" in command and int(pid) != os.getpid():
             left.append((pid, command))
     return left
+
+
+def test_what_a_worker_raises_is_raised_in_the_run_and_a_dead_worker_is_named(tmp_path):
+    args = ["--train-data", data_file("sick-pairs-train.jsonl"), "--output-dir", str(tmp_path / "out")]
+    cfg = config.parse_config([*args, "--per-device-batch-size", "8", "--max-steps", "6"])
+    plan = start_up(cfg)
+    loaded = load_model(cfg)
+    broken = dataclasses.replace(loaded, column_lengths={"anchor": "nine"})  # not a length
+    with pytest.raises(TypeError) as in_thread:
+        every_micro_batch(plan, broken, 0, 0, workers=0)
+    with pytest.raises(TypeError) as in_worker:
+        every_micro_batch(plan, broken, 0, 0, workers=1)
+    assert str(in_worker.value) == str(in_thread.value)
+    reader = batches.micro_batches(
+        dataclasses.replace(plan, tokenize_workers=1), loaded, [None], 0, 0, lambda *a: a[0].name
+    )
+    assert next(reader) == plan.train_sets[0].name
+    for worker in multiprocessing.active_children():
+        worker.kill()
+    with pytest.raises(RuntimeError, match=r"a tokenizing worker \(--tokenize-workers\) died"):
+        list(reader)

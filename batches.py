@@ -11,18 +11,20 @@
   - grouped rows (`grouped_rows`): each step, a query's positive and G-1 negatives drawn from
     (seed, step, row) alone, so the same on any rank and in a resumed run;
   - collation (`collate`, `micro_batches`): prompts, one tokenizer call for all columns, in a
-    background thread that tokenizes the next micro-batch while this one computes;
+    background thread that reads the next micro-batches while this one computes, tokenizing them
+    itself or handing them to worker processes (`TokenizingWorkers`), in order;
   - length-sorted sub-batches (`sub_batches`): a micro-batch's texts of all columns as one pool
     (embedding_model.pool_columns), cut into runs of similar length, each run one encoder pass
     padded to its own longest row. Packing the pool's texts end to end instead lives with the
     model (embedding_model.pack, EmbeddingModel.embed_packed).
 
-Needs torch, and token_cache.py (the token ids read once, --tokenize once).
+Needs torch and tqdm (with transformers), and token_cache.py (the token ids read once, --tokenize once).
 """
 
 import bisect
 import collections
 import concurrent.futures
+import contextlib
 import copy
 import dataclasses
 import hashlib
@@ -349,8 +351,8 @@ def micro_batches(plan, loaded, tables, rank, start_step, prepare):
     tokenized on the CPU. Where `tables` (write_or_read_token_files) holds a set's token table, its
     ids are read from it and only padded; else each micro-batch is tokenized as it is read: by the
     reader thread, or with plan.tokenize_workers by that many worker processes (TokenizingWorkers),
-    twice as many micro-batches started as there are workers, so that none waits for work. A background
-    thread reads and prepares the next READ_AHEAD micro-batches while the caller computes on this
+    twice as many micro-batches under way as there are workers, so that none waits for work. A
+    background thread reads and prepares the next READ_AHEAD micro-batches while the caller computes on this
     one, so reading overlaps the step (tokenizing and packing: a small share of a CPU's step, a
     far larger one of a GPU's: docs/steps.md), and the step never waits on them while the reader
     keeps up. The thread has its own copy of the tokenizer: a fast tokenizer used from two threads
@@ -358,7 +360,7 @@ def micro_batches(plan, loaded, tables, rank, start_step, prepare):
     thread_loaded = dataclasses.replace(loaded, tokenizer=copy.deepcopy(loaded.tokenizer))
 
     def start(step, micro_step, pool):
-        """A micro-batch's rows and tokens, or (to a worker) the future of them."""
+        """A micro-batch's rows and tokens, or (handed to a worker) its number in the workers' turn."""
         _, set_index, batch_rows = plan.schedule[step]
         ts = plan.train_sets[set_index]
         indices = micro_batch_indices(batch_rows, rank, micro_step, ts.per_device_batch_size, plan.world_size)
@@ -384,10 +386,12 @@ def micro_batches(plan, loaded, tables, rank, start_step, prepare):
             yield finish(*started.popleft(), pool)
 
     def read_ahead():
-        with TokenizingWorkers(plan.tokenize_workers, loaded, plan.train_sets, plan.seed) as pool:
+        workers = plan.tokenize_workers
+        tokenizing = TokenizingWorkers(workers, loaded, plan.train_sets, plan.seed) if workers else None
+        with tokenizing or contextlib.nullcontext() as pool:
             with concurrent.futures.ThreadPoolExecutor(max_workers=1) as reader:
                 # the next READ_AHEAD micro-batches, read in order by the one thread (None: no more)
-                batches = prepared(pool if plan.tokenize_workers else None)
+                batches = prepared(pool)
                 pending = collections.deque(reader.submit(next, batches, None) for _ in range(READ_AHEAD))
                 while (batch := pending.popleft().result()) is not None:  # re-raises what reading raised
                     pending.append(reader.submit(next, batches, None))

@@ -762,6 +762,7 @@ def record(plan, loaded=None):
         "steps_per_epoch": plan.steps_per_epoch,
         "total_steps": plan.total_steps,
         "warmup_steps": plan.warmup_steps,
+        "tokenize_workers_used": plan.tokenize_workers,  # --tokenize-workers resolved (batches.py)
     }
     if loaded is not None:
         values["max_seq_length_used"] = loaded.max_seq_length
@@ -777,6 +778,7 @@ def record(plan, loaded=None):
         {
             "name": ts.name,
             "rows": len(ts.ds),
+            "arrow_cache": os.path.dirname(ts.ds.cache_files[0]["filename"]) if ts.ds.cache_files else None,
             "loss": ts.loss,
             "text_columns": ts.text_columns,
             "target_column": ts.target,

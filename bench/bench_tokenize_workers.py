@@ -6,7 +6,8 @@ rows costs at each --tokenize setting.
    pairs, max length 128, in this process, nothing else running: texts/s tokenized and padded
    with 0 workers (the reader thread), 1 and 2 worker processes (--tokenize-workers), each one
    single-threaded tokenizer (TOKENIZERS_PARALLELISM=false, set here for all three). Counted
-   from the 20th micro-batch on, so the workers' start (spawn, about 2 s) is left out.
+   from the 20th micro-batch on, so the workers' start (spawn, about 2 s) is left out; the median
+   of --repeats readings of each.
 2. What a step consumes, and a first run at each setting: train.py, one process, MNRL on the same
    pairs, global batch 32, max length 128, --steps steps, each run with a fresh output folder:
    the default (on the fly, the reader thread), --tokenize-workers 1, and --tokenize once with no
@@ -24,6 +25,7 @@ import argparse
 import json
 import os
 import shutil
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -88,6 +90,9 @@ def main():
     )
     parser.add_argument("--rows", type=int, default=1_000_000)
     parser.add_argument("--micro-batches", type=int, default=400, help="part 1: micro-batches read a setting")
+    parser.add_argument(
+        "--repeats", type=int, default=3, help="part 1: readings of each setting (the median)"
+    )
     parser.add_argument("--steps", type=int, default=200, help="part 2: steps a run (0: skip part 2)")
     parser.add_argument("--json", help="also write the numbers to this file")
     args = parser.parse_args()
@@ -99,9 +104,11 @@ def main():
     write_pairs(parquet, args.rows)
     results = {"rows": args.rows, "supply_texts_per_s": {}, "runs": {}}
     for workers in (0, 1, 2):
-        speed = supply(parquet, workers, args.micro_batches)
+        speeds = [supply(parquet, workers, args.micro_batches) for _ in range(args.repeats)]
+        speed = statistics.median(speeds)
         results["supply_texts_per_s"][workers] = round(speed)
-        print(f"reader supply, {workers} workers: {speed:,.0f} texts/s", flush=True)
+        said = ", ".join(f"{s:,.0f}" for s in speeds)
+        print(f"reader supply, {workers} workers: {speed:,.0f} texts/s (median of {said})", flush=True)
     one, two = results["supply_texts_per_s"][1], results["supply_texts_per_s"][2]
     print(f"2 workers / 1 worker: {two / one:.2f}x", flush=True)
     runs = {

@@ -205,14 +205,15 @@ def text_hashes(ds, text_columns):
     rows at a time, so no column is held as Python strings."""
     hashes = torch.empty((len(ds), len(text_columns)), dtype=torch.int64)
     table = ds.with_format("arrow")
-    shown = (
-        len(ds) > 1 << 20 and os.environ.get("RANK", "0") == "0"
-    )  # a bar on rank 0, where it takes seconds
-    for start in tqdm.trange(0, len(ds), 1 << 16, desc="hashing texts (no_duplicates)", disable=not shown):
+    shown = len(ds) > 1 << 20 and os.environ.get("RANK", "0") == "0"  # on rank 0, where it takes seconds
+    bar = tqdm.tqdm(total=len(ds), desc="hashing texts (no_duplicates)", unit=" rows", disable=not shown)
+    for start in range(0, len(ds), 1 << 16):
         window = table[start : start + (1 << 16)]
         for j, column in enumerate(text_columns):
             texts = window.column(column).to_pylist()
             hashes[start : start + len(texts), j] = torch.tensor([text_hash(t) for t in texts])
+        bar.update(len(window))
+    bar.close()
     return hashes
 
 

@@ -387,9 +387,10 @@ class Config:
     )
     tokenize_workers: int = arg(
         -1,
-        "processes that tokenize each rank's micro-batches on the fly, each one single-threaded tokenizer, "
-        "a micro-batch each at a time; 0: the reader thread tokenizes; -1 (auto): on a GPU the cores each "
-        "rank of the host has beyond its training and reader threads (at most 4), on a CPU 0 (the step's "
+        "processes that read and tokenize each rank's micro-batches on the fly, each one single-threaded "
+        "tokenizer handed whole micro-batches in turn; 0: the reader thread tokenizes; -1 (auto): on a "
+        "GPU the cores each rank of the host has beyond its training and reader threads (at most 4), on a "
+        "CPU 0 (the step's "
         "threads already use every core, and tokenizing costs well under 1%% of a CPU step)",
         at_least=-1,
         resume_may_change=True,

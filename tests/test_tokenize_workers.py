@@ -1,7 +1,7 @@
-"""Tokenizing on the fly by worker processes (--tokenize-workers, batches.tokenizing_pool) gives
+"""Tokenizing on the fly by worker processes (--tokenize-workers, batches.TokenizingWorkers) gives
 every rank exactly the micro-batches the reader thread gives, tensor for tensor, in order: over two
 epochs, from a resumed step, with prompts and a column cut at a length of its own, for grouped
-rows, and as the token file gives them; two processes train with two workers each to the losses
+rows; two processes train with two workers each to the losses
 and weights of the reader thread's run, a resume included; a worker that fails ends the run with
 its error, and no worker outlives the run.
 
@@ -111,12 +111,12 @@ def test_two_processes_with_two_workers_each_train_as_the_reader_thread_resume_i
     trained, reference = (export_weights(tmp_path / run / "final") for run in ("workers", "thread"))
     assert all(torch.equal(trained[k], reference[k]) for k in reference)
     time.sleep(2)  # a worker whose parent was killed notices within a second
-    assert not worker_processes(tmp_path)
+    assert not worker_processes()
 
 
-def worker_processes(tmp_path):
-    """Processes still alive that a run of this test started (their command line names tmp_path
-    through the spawn of train.py: none should be)."""
+def worker_processes():
+    """Worker processes (multiprocessing's spawn) still alive on this machine: after a run whose
+    rank was killed, none should be (the suite runs one test at a time)."""
     left = []
     for pid in filter(str.isdigit, os.listdir("/proc")):
         try:

@@ -349,8 +349,8 @@ READ_AHEAD = 2
 def micro_batches(plan, loaded, tables, rank, start_step, prepare):
     """This rank's micro-batches from start_step on, in training order: what `prepare(train set,
     rows, features, labels)` makes of each (train.prepare_micro_batch: pooled, packed, pinned),
-    tokenized on the CPU. Where `tables` (write_or_read_token_files) holds a set's token table, its
-    ids are read from it and only padded; else each micro-batch is tokenized as it is read: by the
+    tokenized on the CPU. Where `tables` (write_or_read_token_files; None: none) holds a set's token
+    table, its ids are read from it and only padded; else each micro-batch is tokenized as it is read: by the
     reader thread, or with plan.tokenize_workers by that many worker processes (TokenizingWorkers),
     twice as many micro-batches under way as there are workers, so that none waits for work. A
     background thread reads and prepares the next READ_AHEAD micro-batches while the caller computes on this
@@ -359,6 +359,7 @@ def micro_batches(plan, loaded, tables, rank, start_step, prepare):
     keeps up. The thread has its own copy of the tokenizer: a fast tokenizer used from two threads
     at once fails ("Already borrowed"), and evaluation tokenizes in the main thread."""
     thread_loaded = dataclasses.replace(loaded, tokenizer=copy.deepcopy(loaded.tokenizer))
+    tables = tables or [None] * len(plan.train_sets)
 
     def start(step, micro_step, pool):
         """A micro-batch's rows and tokens, or (handed to a worker) its number in the workers' turn."""
@@ -509,11 +510,12 @@ def worker_loop(pipe, state, parent_pid):
 
 
 def write_or_read_token_files(plan, loaded, rank):
-    """Each training set's token table (token_cache.py), or None where it is tokenized on the fly:
-    --tokenize on_the_fly, grouped rows (drawn anew each step), or a tokenizer whose features are
-    more than padded ids (token_cache.unsupported). A set's token file is written first where no
-    process has written it (once a host: whichever process takes the file lock), else read."""
-    problem = token_cache.unsupported(loaded.tokenizer) if plan.tokenize == "once" else ""
+    """--tokenize once: each training set's token table (token_cache.py), or None where it is
+    tokenized on the fly all the same: grouped rows (drawn anew each step), or a tokenizer whose
+    features are more than padded ids (token_cache.unsupported). A set's token file is written
+    first where no process has written it (once a host: whichever process takes the file lock),
+    else read."""
+    problem = token_cache.unsupported(loaded.tokenizer)
     if problem and rank == 0:
         print(f"tokenized on the fly, not once: {problem}", flush=True)
     # Each set's content hash (training_data.data_fingerprint, joined by run_plan.data_plan), so that an edit
@@ -523,7 +525,7 @@ def write_or_read_token_files(plan, loaded, rank):
         fingerprints = [plan.data_fingerprint] * len(plan.train_sets)
     tables = []
     for ts, fingerprint in zip(plan.train_sets, fingerprints):
-        if plan.tokenize != "once" or ts.group_size or problem:
+        if ts.group_size or problem:
             tables.append(None)
             continue
         fallback = os.path.join(plan.output_dir, "token-cache")  # for data sets with no cache folder

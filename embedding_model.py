@@ -421,6 +421,10 @@ class LoadedModel:
             return self.tokenizer(
                 texts, padding=True, truncation=True, max_length=lengths[0], return_tensors="pt"
             )
+        return self.padded_ids_of_lengths(texts, lengths)
+
+    def padded_ids_of_lengths(self, texts, lengths):
+        """padded_ids for columns of their own --max-seq-length: each text cut at its own, all padded."""
         encoded = [None] * len(texts)
         for length in set(lengths):
             rows = [i for i, row_length in enumerate(lengths) if row_length == length]

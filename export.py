@@ -133,17 +133,23 @@ def write_export(loaded, out_dir, plan, record, staging):
         extra_tensor_files={"softmax_head.safetensors": head} if head else None,
     )
     if plan.export_adapter:  # the adapters alone, for peft, on the base model
-        adapters = tensors_of([name for name in staged if name.endswith((".lora_A", ".lora_B"))])
-        lora.save_peft_adapter(
-            os.path.join(out_dir, "adapter"),
-            {k.removeprefix("encoder."): v for k, v in adapters.items()},
-            rank=plan.model.lora_rank,
-            alpha=plan.model.lora_alpha,
-            dropout=plan.model.lora_dropout,
-            base_model=model_card.public_name(plan.model.path),
-        )
+        write_adapter(os.path.join(out_dir, "adapter"), tensors_of, staged, plan.model)
     if staging:
         shutil.rmtree(staging, ignore_errors=True)
+
+
+def write_adapter(folder, tensors_of, names, spec):
+    """--export-adapter: the LoRA adapters among `names` (read through `tensors_of`) as a peft
+    adapter folder for the base model of ModelSpec `spec`."""
+    adapters = tensors_of([name for name in names if name.endswith((".lora_A", ".lora_B"))])
+    lora.save_peft_adapter(
+        folder,
+        {k.removeprefix("encoder."): v for k, v in adapters.items()},
+        rank=spec.lora_rank,
+        alpha=spec.lora_alpha,
+        dropout=spec.lora_dropout,
+        base_model=model_card.public_name(spec.path),
+    )
 
 
 def tensors_under(tensors_of, names, prefix):

@@ -94,8 +94,8 @@ def main(cfg):
             best_value = evaluate_log_export_best(model, loaded, plan, 0, best_value, log)
     last_loss = log.last_loss if log is not None else math.nan
     progress = tqdm(total=plan.total_steps, initial=start_step, disable=rank != 0, desc="train")
-    # This rank's micro-batches, read ahead in a thread, each set's ids from its token file, if any.
-    tables = batches.write_or_read_token_files(plan, loaded, rank)
+    # This rank's micro-batches, read ahead in a thread; --tokenize once: ids from each set's token file.
+    tables = batches.write_or_read_token_files(plan, loaded, rank) if plan.tokenize == "once" else None
     prepare = functools.partial(prepare_micro_batch, opts)  # pooled, packed, pinned by the reader
     micro_batches = batches.micro_batches(plan, loaded, tables, rank, start_step, prepare)
     faults.HEARTBEAT.start()  # a thread writes this rank's step to the rendezvous store every 2 s

@@ -474,3 +474,103 @@ def softmax_loss(emb_a_BD, emb_b_BD, labels_B, classifier):
     """
     logits_BC = classifier(softmax_features(emb_a_BD, emb_b_BD))
     return F.cross_entropy(logits_BC, labels_B)
+
+
+# ---- SPLADE (sparse embeddings, splade.py): V is the vocabulary size, the embedding dimension.
+
+
+def flops_loss(emb_BV, threshold=None):
+    """FLOPS regulariser (Paria et al., 2020), sentence-transformers' FlopsLoss: the squared mean
+    weight of each vocabulary entry over the rows, summed, a smooth stand-in for the cost of
+    retrieving with these rows:
+
+        loss = sum_v ( mean_i e_iv )^2
+
+    threshold (l0 masking, Geng et al., 2025): a row with at most `threshold` non-zero entries is
+    zeroed, not dropped: it still counts in the mean's denominator, as there."""
+    if threshold is not None:
+        keep_B = ((emb_BV != 0).sum(dim=1) > threshold).to(emb_BV.dtype)
+        emb_BV = emb_BV * keep_B[:, None]
+    return emb_BV.mean(dim=0).pow(2).sum()
+
+
+def splade_loss_parts(
+    emb_query_BV,
+    emb_docs,
+    query_regularizer_weight,
+    document_regularizer_weight,
+    query_regularizer_threshold=None,
+    document_regularizer_threshold=None,
+    use_document_regularizer_only=False,
+    gather=False,
+    scale=1.0,
+):
+    """The terms of `splade_loss`, by sentence-transformers' SpladeLoss's names: base_loss,
+    document_regularizer_loss and, with a query weight, query_regularizer_loss (weights applied)."""
+    if use_document_regularizer_only and query_regularizer_weight is not None:
+        # SpladeLoss warns and drops the query weight; a setting dropped without a word is a bug in a run
+        raise ValueError(
+            "use_document_regularizer_only regularises the queries as documents: "
+            "pass query_regularizer_weight=None"
+        )
+    num_rows = emb_query_BV.shape[0]
+    offset = dist.get_rank() * num_rows if gather and dist.is_initialized() else 0
+    # when gather: every column, in the same order on every rank
+    all_docs = [gather_with_grad(emb) for emb in emb_docs] if gather else list(emb_docs)
+    labels_B = torch.arange(offset, offset + num_rows, device=emb_query_BV.device)
+    scores_BN = scale * emb_query_BV @ torch.cat(all_docs).T
+    parts = {"base_loss": F.cross_entropy(scores_BN, labels_B)}
+    needs_queries = use_document_regularizer_only or query_regularizer_weight is not None
+    # when gather: the same columns on every rank, so the same gathers
+    all_queries = gather_with_grad(emb_query_BV) if gather and needs_queries else emb_query_BV
+    documents = torch.cat([all_queries, *all_docs] if use_document_regularizer_only else all_docs)
+    document_flops = flops_loss(documents, document_regularizer_threshold)
+    parts["document_regularizer_loss"] = document_flops * document_regularizer_weight
+    if query_regularizer_weight is not None:
+        query_flops = flops_loss(all_queries, query_regularizer_threshold)
+        parts["query_regularizer_loss"] = query_flops * query_regularizer_weight
+    return parts
+
+
+def splade_loss(
+    emb_query_BV,
+    emb_docs,
+    query_regularizer_weight,
+    document_regularizer_weight,
+    query_regularizer_threshold=None,
+    document_regularizer_threshold=None,
+    use_document_regularizer_only=False,
+    gather=False,
+    scale=1.0,
+):
+    """SPLADE's training loss (Formal et al., 2022), sentence-transformers' SpladeLoss wrapping
+    SparseMultipleNegativesRankingLoss at its defaults (dot product, scale 1): in-batch negatives
+    plus the FLOPS regularisers of the queries and of the documents (every candidate column).
+
+        scores_BN = scale * q_i . c_j        with c = concat(positives, negatives...)
+        loss      = mean_i -log softmax(scores_BN[i])[i]
+                    + lambda_d * flops(c) + lambda_q * flops(q)
+
+    query_regularizer_weight None: no query term (inference-free queries). The weights are those of
+    this step (splade.regularizer_weight warms them up). use_document_regularizer_only: one document
+    term over the queries and the candidates together (symmetric texts); thresholds: `flops_loss`'s.
+
+    gather=True (all ranks participate): every rank's candidates are negatives for every rank's
+    queries, as in mnrl_loss, and the FLOPS terms are over every rank's rows, the same value on
+    every rank. Unlike sentence-transformers under DDP (each rank's FLOPS over its own rows: the
+    square of a mean is not the mean of squares), world W then trains as world 1 on the W x B rows:
+    the reduce-scatter hands each rank W times its rows' share of the FLOPS gradient, which DDP's
+    average over ranks divides back.
+    """
+    parts = splade_loss_parts(
+        emb_query_BV,
+        emb_docs,
+        query_regularizer_weight,
+        document_regularizer_weight,
+        query_regularizer_threshold,
+        document_regularizer_threshold,
+        use_document_regularizer_only,
+        gather,
+        scale,
+    )
+    return sum(parts.values())

@@ -367,15 +367,17 @@ def micro_batches(plan, loaded, tables, rank, start_step, prepare):
         ts = plan.train_sets[set_index]
         indices = micro_batch_indices(batch_rows, rank, micro_step, ts.per_device_batch_size, plan.world_size)
         if pool is not None and tables[set_index] is None:
-            return ts, pool.send(set_index, indices, step)  # the worker that reads it, in turn
-        return ts, read_rows(ts, indices, step, plan.seed, thread_loaded, tables[set_index])
+            return ts, pool.send(set_index, indices, step), step  # the worker that reads it, in turn
+        return ts, read_rows(ts, indices, step, plan.seed, thread_loaded, tables[set_index]), step
 
-    def finish(ts, read, pool):
+    def finish(ts, read, step, pool):
         if isinstance(read, int):  # the worker's; re-raises what it raised
             rows, arrays = pool.receive(read)
             read = rows, [{k: torch.from_numpy(v) for k, v in column.items()} for column in arrays]
         rows, features = read
-        return prepare(ts, rows, features, targets(rows, ts.target, ts.loss, "cpu"))
+        return prepare(
+            ts, rows, features, targets(rows, ts.target, ts.loss, "cpu"), (step, len(plan.schedule))
+        )
 
     def prepared(pool):  # in order; 2 x workers micro-batches tokenizing: each worker has its next queued
         started = collections.deque()

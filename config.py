@@ -114,8 +114,18 @@ class Config:
     )
     pooling: str = arg(
         "",
-        "token pooling; empty: the SentenceTransformer folder's mode, else mean",
-        choices=("", *POOLING_MODES),
+        "token pooling; empty: the SentenceTransformer folder's mode (a SparseEncoder folder's: splade), "
+        "else mean. splade: sparse vocabulary-sized embeddings from a masked-LM model's head (SPLADE)",
+        choices=("", *POOLING_MODES, "splade"),
+    )
+    splade_pooling_strategy: str = arg(
+        "", "splade: max or sum over tokens; empty: as saved, else max", choices=("", "max", "sum")
+    )
+    splade_activation_function: str = arg(
+        "", "splade: relu or log1p_relu; empty: as saved, else relu", choices=("", "relu", "log1p_relu")
+    )
+    splade_chunk_size: int = arg(
+        8, "splade: rows whose vocabulary-sized logits are computed at once (memory, not results)", at_least=1
     )
     normalize: bool = arg(
         None, "L2-normalise embeddings; unset: as the SentenceTransformer folder does, else no", type=bool
@@ -303,6 +313,30 @@ class Config:
         "mnrl with --mnrl-directions: one softmax over every direction's scores (joint), or one per "
         "direction, averaged (per_direction: with query_to_doc and doc_to_query only)",
         choices=("joint", "per_direction"),
+    )
+    # SPLADE's loss: sentence-transformers' SpladeLoss (on SparseMultipleNegativesRankingLoss), its names
+    query_regularizer_weight: float = arg(
+        5e-5, "splade: the FLOPS regulariser's weight on the queries (first column); 0: none", at_least=0
+    )
+    document_regularizer_weight: float = arg(
+        3e-5, "splade: the FLOPS regulariser's weight on the documents (the other columns)", at_least=0
+    )
+    query_regularizer_threshold: int = arg(
+        0,
+        "splade: queries with at most this many non-zero entries are left out of their FLOPS term",
+        at_least=0,
+    )
+    document_regularizer_threshold: int = arg(
+        0, "splade: documents with at most this many non-zero entries are left out of theirs", at_least=0
+    )
+    use_document_regularizer_only: bool = arg(
+        False, "splade: one FLOPS term, the documents', over the queries and documents together", type=bool
+    )
+    regularizer_scheduler_type: str = arg(
+        "quadratic", "splade: how the weights warm up from 0", choices=("quadratic", "linear")
+    )
+    regularizer_warmup_ratio: float = arg(
+        1 / 3, "splade: the share of the steps over which the weights warm up", above=0, at_most=1
     )
     cache_chunk_size: int = arg(
         0,

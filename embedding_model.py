@@ -11,8 +11,8 @@ so no rank ever holds the whole model (fsdp_utils.load_pretrained_sharded fills 
 `pool_columns` makes a micro-batch's columns one pool, and `pack` lays its texts end to end in
 packed rows (`EmbeddingModel.embed_packed` runs them).
 
-Needs transformers, safetensors, and config.py, fsdp_utils.py (which needs collectives.py), lora.py
-and st_folder.py (`read_sentence_transformer_config`).
+Needs transformers, safetensors, and config.py, fsdp_utils.py (which needs collectives.py), lora.py,
+splade.py (SPLADE's head) and st_folder.py (`read_sentence_transformer_config`).
 """
 
 import copy
@@ -31,6 +31,7 @@ import config
 import st_folder
 import fsdp_utils
 import lora
+import splade
 
 
 def pool(token_states_BTD, mask_BT, mode):
@@ -85,10 +86,12 @@ class DenseLayer(torch.nn.Module):
 
 
 class EmbeddingModel(torch.nn.Module):
-    def __init__(self, encoder, pooling, normalize, num_labels=0, dense=()):
+    def __init__(self, encoder, pooling, normalize, num_labels=0, dense=(), sparse=None):
         super().__init__()
         self.encoder = encoder
         self.pooling = pooling
+        # --pooling splade: the masked LM's head and SpladePooling (splade.SpladeHead), in place of pooling
+        self.sparse = sparse
         # A SentenceTransformer folder's Dense layers, after pooling and before normalising (
         # EmbeddingGemma: 768 -> 3072 -> 768). Small: under FSDP they sit in the root unit with
         # the embedding tables' neighbours, gathered once per forward (fsdp_utils.wrap_model).
@@ -167,6 +170,8 @@ class EmbeddingModel(torch.nn.Module):
 
     def pooled(self, token_states_BTD, mask_BT):
         """Pooling, then the Dense layers, then normalising: sentence-transformers' module order."""
+        if self.sparse is not None:  # SPLADE: (B, V), no Dense layers, not normalised
+            return self.sparse(token_states_BTD, mask_BT)
         emb_BD = pool(token_states_BTD, mask_BT, self.pooling)
         for layer in self.dense:
             emb_BD = layer(emb_BD)
@@ -487,6 +492,12 @@ class ModelSpec:
     lora_leaf_names: tuple = ()  # the Linear layers' names LoRA adapts
     activation_checkpointing: bool = False
     fsdp_layer_cls: str = ""  # the block class named by --fsdp-layer-cls ("" : found)
+    splade: tuple = ("", "", 8)  # --splade-pooling-strategy, -activation-function, -chunk-size
+
+    @property
+    def sparse(self):  # SPLADE: --pooling splade, or a SparseEncoder folder's (read at start-up)
+        return (self.pooling or (self.folder or {}).get("pooling")) == "splade"
+
     # What its SentenceTransformer folder says (st_folder.read_sentence_transformer_config), read
     # once at start-up by the model checks; None: load_model reads it.
     folder: dict | None = None
@@ -505,24 +516,21 @@ def load_model(spec, num_labels=0, on_meta=False):
     st_config = spec.folder or st_folder.read_sentence_transformer_config(path)
     subfolder = st_config["subfolder"]
     remote = {"trust_remote_code": spec.trust_remote_code}  # a hub repository's own code runs only if asked
-    tokenizer = transformers.AutoTokenizer.from_pretrained(path, subfolder=subfolder, **remote)
-    if spec.append_eos:
-        append_eos(tokenizer)
-    if st_config["do_lower_case"]:
-        st_folder.lowercase_inside(tokenizer)
+    tokenizer = load_tokenizer(path, subfolder, remote, spec.append_eos, st_config["do_lower_case"])
     # Two copies of the config: the encoder is built from one whose dropout rates --dropout may
     # rewrite, the export keeps the other as it came, so an exported model keeps its base's rates.
     export_config = transformers.AutoConfig.from_pretrained(path, subfolder=subfolder, **remote)
-    # Saved in the export's config.json: it loads bidirectional everywhere. (An encoder's config has
-    # no such setting, nor needs one: model_checks.check_bidirectional.)
-    if spec.bidirectional and "use_bidirectional_attention" in export_config.to_dict():
-        export_config = bidirectional_config(export_config)
+    # Saved in the export's config.json: it loads bidirectional everywhere.
+    export_config = bidirectional_config(export_config) if spec.bidirectional else export_config
     train_config = with_dropout(export_config, spec.dropout)
     folder = os.path.join(path, subfolder) if subfolder else path
-    encoder, missing_keys, file_names = build_encoder(path, subfolder, train_config, remote, on_meta)
-    untrained_state = drop_pooler(encoder, missing_keys, file_names, folder)
-    export_config.architectures = [type(encoder).__name__]
     pooling = spec.pooling or st_config["pooling"]
+    splade_settings = (spec.splade, st_config["splade"]) if pooling == "splade" else None
+    encoder, sparse, missing_keys, file_names = build_encoder(
+        path, subfolder, train_config, remote, on_meta, splade_settings
+    )
+    untrained_state = drop_pooler(encoder, missing_keys, file_names, folder)
+    export_config.architectures = [sparse.masked_lm_class if sparse else type(encoder).__name__]
     normalize = st_config["normalize"] if spec.normalize is None else spec.normalize
     positions = getattr(train_config, "max_position_embeddings", None) or 512
     max_seq_length = (
@@ -530,7 +538,7 @@ def load_model(spec, num_labels=0, on_meta=False):
     )
     lora_names = prepare_encoder(encoder, spec)  # LoRA adapters drawn from the RNG, before the head
     dense = [dense_layer(path, settings) for settings in st_config["dense"]]
-    model = EmbeddingModel(encoder, pooling, normalize, num_labels, dense)
+    model = EmbeddingModel(encoder, pooling, normalize, num_labels, dense, sparse)
     model.train()  # from_pretrained returns eval mode: dropout would silently stay off
     loaded = LoadedModel(
         model,
@@ -539,7 +547,7 @@ def load_model(spec, num_labels=0, on_meta=False):
         max_seq_length,
         st_config["do_lower_case"],
         untrained_state,
-        base_tokenizer_files(path, subfolder),
+        st_folder.base_tokenizer_files(path, subfolder),
         spec.prompts,
         {**st_config["prompts"], **spec.prompts},
         column_lengths=spec.column_lengths,
@@ -554,11 +562,25 @@ def load_model(spec, num_labels=0, on_meta=False):
     return loaded
 
 
+def load_tokenizer(path, subfolder, remote, eos, lowercase):
+    """The model's tokenizer as training reads texts: an EOS token appended to each (`eos`:
+    --append-eos), everything lowercased inside the tokenizer where the folder says do_lower_case."""
+    tokenizer = transformers.AutoTokenizer.from_pretrained(path, subfolder=subfolder, **remote)
+    if eos:
+        append_eos(tokenizer)
+    if lowercase:
+        st_folder.lowercase_inside(tokenizer)
+    return tokenizer
+
+
 def bidirectional_config(model_config):
     """A copy of `model_config` that attends in both directions (--bidirectional), made the way
     from_pretrained reads it back (from its dict), so training runs the very config the export
     saves: Gemma3's, for one, also halves its sliding window when the setting is on.
-    model_checks.check_bidirectional has checked that the model's code honours it."""
+    model_checks.check_bidirectional has checked that the model's code honours it. A config without
+    the setting (an encoder's, which attends both ways anyway) is returned as it is."""
+    if "use_bidirectional_attention" not in model_config.to_dict():
+        return model_config
     return type(model_config).from_dict({**model_config.to_dict(), "use_bidirectional_attention": True})
 
 
@@ -659,28 +681,34 @@ def to_meta(loaded, file_names, lora_names, folder):
     loaded.pretrained_dir = folder
 
 
-def build_encoder(path, subfolder, train_config, remote, on_meta):
-    """(encoder in fp32, names of its tensors the checkpoint lacks, {tensor name: name in the
-    safetensors files} when it was built on the meta device, else None)."""
-    if on_meta:
+def build_encoder(path, subfolder, train_config, remote, on_meta, splade_settings=None):
+    """(encoder in fp32, its SPLADE head or None, names of its tensors the checkpoint lacks, {tensor
+    name: name in the safetensors files} when it was built on the meta device, else None).
+    `splade_settings` (SPLADE: splade.head_of's flags and saved settings): the masked LM is loaded whole
+    (never on meta), and its head is split off the encoder, into a splade.SpladeHead."""
+    if on_meta and not splade_settings:
         built, reason = build_on_meta(path, subfolder, train_config, remote)
         if built:
-            return built
+            return built[0], None, *built[1:]
         fsdp_utils.print0(f"note: every rank loads the whole model before FSDP shards it: {reason}")
     verbosity = transformers.logging.get_verbosity()
     transformers.logging.set_verbosity_error()  # a base without a pooler is fine: see drop_pooler
     transformers.logging.disable_progress_bar()
     # The RNG is set back after: a tensor the checkpoint lacks (a pooler) is drawn from it, and
     # the new head drawn next must not depend on that, nor on whether loading was sharded.
+    auto = transformers.AutoModelForMaskedLM if splade_settings else transformers.AutoModel
     with torch.random.fork_rng(devices=[]):
-        encoder, loading = transformers.AutoModel.from_pretrained(
+        encoder, loading = auto.from_pretrained(
             path, subfolder=subfolder, config=train_config, output_loading_info=True, **remote
         )
     transformers.logging.set_verbosity(verbosity)
     transformers.logging.enable_progress_bar()
     # fp32 master weights whatever the checkpoint's dtype (transformers 5 keeps a bf16 checkpoint
     # in bf16, where AdamW's small updates would round away); --precision sets the compute dtype.
-    return encoder.float(), loading["missing_keys"], None
+    if splade_settings:  # the head is the masked LM's children beside its base model
+        sparse = splade.head_of(encoder.float(), *splade_settings)
+        return encoder.base_model, sparse, loading["missing_keys"], None
+    return encoder.float(), None, loading["missing_keys"], None
 
 
 def build_on_meta(path, subfolder, train_config, remote):
@@ -770,31 +798,3 @@ def append_eos(tokenizer):
             f"--append-eos: the {type(tokenizer).__name__} did not take the EOS post-processor; "
             "drop --append-eos"
         )
-
-
-# What slow tokenizers (and transformers before 4.57) read, where the model family has them.
-SLOW_TOKENIZER_FILES = (
-    "vocab.txt",
-    "vocab.json",
-    "merges.txt",
-    "sentencepiece.bpe.model",
-    "spiece.model",
-    "tokenizer.model",
-    "special_tokens_map.json",
-    "added_tokens.json",
-)
-
-
-def base_tokenizer_files(path, subfolder):
-    """{name: local path} of the base model's slow-tokenizer files, which the export copies."""
-    found = {}
-    for name in SLOW_TOKENIZER_FILES:
-        try:
-            file = transformers.utils.cached_file(
-                path, name, subfolder=subfolder, _raise_exceptions_for_missing_entries=False
-            )
-        except OSError:  # an unreachable hub: the fast tokenizer.json is still exported
-            file = None
-        if file:
-            found[name] = file
-    return found

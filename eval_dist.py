@@ -5,7 +5,10 @@ Evaluators (each returns a flat dict of python floats, identical on every rank):
   - `evaluate_sts`        Spearman and Pearson (x 100) of cosine similarity vs gold scores
   - `evaluate_retrieval`  MRR@k, NDCG@k, Recall@k, MAP@k (as sentence-transformers'
                           InformationRetrievalEvaluator; nDCG also with graded relevance), the
-                          corpus sharded across ranks, the queries scored in chunks
+                          corpus sharded across ranks, the queries scored in chunks; by cosine,
+                          or with similarity="dot" by dot product for sparse (SPLADE) models,
+                          then with SparseInformationRetrievalEvaluator's active dimensions,
+                          sparsity ratios and avg_flops (`sparsity_metrics`)
   - `evaluate_nli`        accuracy (x 100) of a classification head over (u, v, |u - v|)
   - `evaluate_loss`       the training loss on held-out rows, in world-size-independent batches
 and the pieces they share: `encode`, `encode_local`, `shard_bounds`, `retrieval_from_pairs`;
@@ -18,6 +21,7 @@ Shape legend (suffixes on tensor names):
     Q  queries    K  hits kept per query (k)             W  world size    U  distinct texts
     C  candidates per query after the merge (W * K)      S  rows of this rank's slice
     H  queries of one chunk (top_k_sharded)              L  corpus rows of one block of the shard
+    V  entries of a sparse (SPLADE) embedding: the vocabulary size, its D
 
 Use it (one process, or every rank under torchrun; gloo on CPU, NCCL on CUDA):
     import eval_dist
@@ -52,8 +56,11 @@ model's train/eval mode is put back afterwards (also on exceptions): a run that 
 trains exactly like one that does not.
 
 This file imports only the standard library and torch, never the rest of this project, so it
-can be copied alone. Left out on purpose: similarity functions other than cosine, caching
-embeddings between evaluations, writing CSV files.
+can be copied alone. Left out on purpose: similarity functions other than cosine (and, in
+evaluate_retrieval, the dot product, which sparse models such as SPLADE are scored by); sparse
+tensors (a sparse embedding is held dense, (N, V), as the model returns it) and
+sentence-transformers' top-k `max_active_dims`; caching embeddings between evaluations, writing
+CSV files.
 """
 
 import contextlib
@@ -370,29 +377,31 @@ def evaluate_retrieval(
     metrics=None,
     query_chunk=1024,
     autocast=contextlib.nullcontext,
+    similarity="cosine",
 ):
-    """Retrieve each query's best corpus entries by cosine similarity and score them. `metrics`
-    names them as NAME@K with NAME one of mrr, ndcg, recall, map (default: mrr@k, ndcg@k,
-    recall@1, recall@k; fractions in [0, 1]), with exactly the definitions of
-    sentence-transformers' InformationRetrievalEvaluator: recall = relevant hits / all relevant;
-    MAP@k divides by min(k, #relevant); ideal DCG from the best possible top k. `relevant[q]` is
-    a set of corpus indices (relevance 1) or a dict {index: graded relevance > 0}: nDCG then
-    gains each hit's grade (as BEIR's trec_eval does; sentence-transformers has binary relevance
-    only), the other metrics count any grade as relevant. Equal scores rank the lower corpus
-    index first, so the result does not depend on the world size.
+    """Retrieve each query's best corpus entries by `similarity`, "cosine" or "dot" (the raw
+    embeddings' dot product, as SparseInformationRetrievalEvaluator scores SPLADE vectors; adds
+    `sparsity_metrics`), and score them. `metrics`: NAME@K with NAME one of mrr, ndcg, recall, map
+    (default: mrr@k, ndcg@k, recall@1, recall@k; fractions in [0, 1]), with exactly the definitions of
+    sentence-transformers' InformationRetrievalEvaluator: recall = relevant hits / all relevant; MAP@k
+    divides by min(k, #relevant); ideal DCG from the best possible top k. `relevant[q]` is a set of
+    corpus indices (relevance 1) or a dict {index: graded relevance > 0}: nDCG then gains each hit's
+    grade (as BEIR's trec_eval does; sentence-transformers has binary relevance only), the other
+    metrics count any grade as relevant. Equal scores rank the lower corpus index first, so the result
+    does not depend on the world size.
 
     The corpus is sharded: each rank keeps only the embeddings it encoded, scores `query_chunk`
-    queries at a time against them (a chunk x shard matrix at most), and offers its local top
-    K; one all_reduce per chunk merges the offers (all ranks participate). Each distinct corpus
-    text is encoded and scored once, and every copy of it takes that score: duplicates tie
-    exactly by construction, wherever they sit. (Two ranks, or two positions of one matrix
-    product, need not compute bitwise-equal floats for the same text; CPUs differ there.) `dims`
-    (Matryoshka): also every metric at each truncated size d ("mrr@10@64", ...), from the same
-    encoding. `columns`: the queries' and the corpus' column names, for tokenize."""
+    queries at a time against them (a chunk x shard matrix at most), and offers its local top K; one
+    all_reduce per chunk merges the offers (all ranks participate). Each distinct corpus text is
+    encoded and scored once and every copy takes that score, so duplicates tie exactly wherever they
+    sit (one text need not give bitwise-equal floats on two ranks, or at two positions of one matrix
+    product). `dims` (Matryoshka): also every metric at each truncated size d ("mrr@10@64", ...), from
+    the same encoding. `columns`: the queries' and the corpus' column names, for tokenize."""
+    if similarity not in ("cosine", "dot"):
+        raise ValueError(f"evaluate_retrieval: similarity {similarity!r}: use 'cosine', or 'dot' for SPLADE")
     names = metrics or (f"mrr@{k}", f"ndcg@{k}", "recall@1", f"recall@{k}")
     gains = relevance_grades(queries, corpus, relevant)
     top = max(int(name.split("@")[1]) for name in names)
-    rank, world_size = rank_and_world()
     query_names = [columns[0]] * len(queries) if columns else None
     # the queries on every rank, then each rank's share of the corpus
     full_query_QD = encode(model, tokenize, queries, batch_size, device, query_names, autocast).double()
@@ -406,15 +415,61 @@ def evaluate_retrieval(
     )
     results = {}
     for suffix, dim in [("", full_query_QD.shape[-1])] + [(f"@{d}", d) for d in dims]:
-        query_QD = F.normalize(full_query_QD[:, :dim], dim=-1)
-        corpus_UD = F.normalize(full_corpus_UD[:, :dim].double(), dim=-1)
-        hits = []
-        for start in range(0, len(queries), query_chunk):
-            scores_QU = query_QD[start : start + query_chunk] @ corpus_UD.T
-            # the same chunks on every rank, two all_reduces each
-            hits += _top_rows(scores_QU, local_U, len(distinct), distinct_of_row_N, top, rank, world_size)
+        query_QD = _as_scored(full_query_QD[:, :dim], similarity)
+        corpus_UD = _as_scored(full_corpus_UD[:, :dim].double(), similarity)
+        hits = _ranked_hits(query_QD, corpus_UD, local_U, distinct_of_row_N, len(distinct), top, query_chunk)
         results.update({name + suffix: v for name, v in retrieval_metrics(hits, gains, names).items()})
+    if similarity == "dot":  # of the whole embeddings, whatever `dims`
+        results.update(sparsity_metrics(full_query_QD, full_corpus_UD, local_U, distinct_of_row_N))
     return results
+
+
+def _as_scored(emb_ND, similarity):
+    """The embeddings as `similarity` scores them by a matrix product: unit rows for cosine, raw for dot."""
+    return F.normalize(emb_ND, dim=-1) if similarity == "cosine" else emb_ND
+
+
+def _ranked_hits(query_QD, corpus_UD, local_U, distinct_of_row_N, num_distinct, k, query_chunk):
+    """Each query's k best corpus rows (_top_rows), scored by query . corpus row, `query_chunk`
+    queries at a time: the same chunks on every rank, two all_reduces each."""
+    rank, world_size = rank_and_world()
+    hits = []
+    for start in range(0, len(query_QD), query_chunk):
+        scores_QU = query_QD[start : start + query_chunk] @ corpus_UD.T
+        hits += _top_rows(scores_QU, local_U, num_distinct, distinct_of_row_N, k, rank, world_size)
+    return hits
+
+
+def sparsity_metrics(query_QV, local_UV, local_U, distinct_of_row_N):
+    """The sparsity numbers of sentence-transformers' SparseInformationRetrievalEvaluator, from the
+    queries' embeddings (all of them, on every rank) and this rank's distinct corpus texts (local_U,
+    their embeddings local_UV; distinct_of_row_N maps each corpus row to its text):
+      query_active_dims, corpus_active_dims   the mean over rows of a row's non-zero entries
+      query_sparsity_ratio, ...               1 - active_dims / V
+      avg_flops                               sum_v q_v c_v, with q_v and c_v the fractions of the
+                                              queries and of the corpus rows non-zero at entry v
+    (avg_flops: the expected number of entries a query and a document share, the work of an
+    inverted index per pair). The corpus counts every row, each copy of a text, as there (it
+    encodes every corpus id): each distinct text's counts weigh its number of copies. Each rank
+    counts its own texts; one all_reduce sums the counts (all ranks participate); divided once."""
+    _, world_size = rank_and_world()
+    num_queries, num_rows, num_entries = len(query_QV), len(distinct_of_row_N), query_QV.shape[1]
+    copies_R = torch.bincount(distinct_of_row_N)[local_U].double()  # copies of each local text
+    corpus_count_V = query_QV.new_zeros(num_entries, dtype=torch.float64)
+    for start in range(0, len(local_U), 256):  # a (256, V) mask at a time, not one of the shard
+        corpus_count_V += copies_R[start : start + 256] @ (local_UV[start : start + 256] != 0).double()
+    if world_size > 1:
+        # Whole numbers (< 2^53) in float64: the sum over ranks is exact, in any order.
+        dist.all_reduce(corpus_count_V, op=dist.ReduceOp.SUM)  # (all ranks participate)
+    query_count_V = (query_QV != 0).sum(0).double()  # every rank holds all the queries
+    query_dims, corpus_dims = query_count_V.sum().item() / num_queries, corpus_count_V.sum().item() / num_rows
+    return {
+        "query_active_dims": query_dims,
+        "query_sparsity_ratio": 1 - query_dims / num_entries,
+        "corpus_active_dims": corpus_dims,
+        "corpus_sparsity_ratio": 1 - corpus_dims / num_entries,
+        "avg_flops": ((query_count_V / num_queries) @ (corpus_count_V / num_rows)).item(),
+    }
 
 
 def relevance_grades(queries, corpus, relevant):

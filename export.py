@@ -101,22 +101,27 @@ def write_export(loaded, out_dir, plan, record, staging):
         shapes = {name: (t.shape, t.dtype) for name, t in state.items()}
     staged = sorted(shapes)
     dtype = fsdp_utils.PRECISIONS[plan.export_dtype]
-    weight_files = exported_files(tensors_of, shapes, loaded.untrained_state, plan, dtype)
+    sparse = loaded.model.sparse  # SPLADE: a SparseEncoder folder, the masked LM's weights
+    weight_files = exported_files(tensors_of, shapes, loaded.untrained_state, plan, dtype, sparse)
     head = tensors_under(tensors_of, staged, "classifier.")
     # each Dense layer's config and tensors, under Dense's own names (linear.weight, ...)
     dense = [
         (dense_config(d), tensors_under(tensors_of, staged, f"dense.{i}."))
         for i, d in enumerate(loaded.model.dense)
     ]
-    st_files = sentence_transformer_files(
-        loaded.export_config.hidden_size,
-        pooling_mode=loaded.model.pooling,
-        normalize=loaded.model.normalize,
-        max_seq_length=loaded.max_seq_length,
-        do_lower_case=loaded.lowercase,
-        include_prompt=loaded.include_prompt,
-        dense=[settings for settings, _ in dense],
-        prompts=loaded.named_prompts,
+    st_files = (
+        sparse_encoder_files(loaded, sparse)
+        if sparse
+        else sentence_transformer_files(
+            loaded.export_config.hidden_size,
+            pooling_mode=loaded.model.pooling,
+            normalize=loaded.model.normalize,
+            max_seq_length=loaded.max_seq_length,
+            do_lower_case=loaded.lowercase,
+            include_prompt=loaded.include_prompt,
+            dense=[settings for settings, _ in dense],
+            prompts=loaded.named_prompts,
+        )
     )
     export_sentence_transformer(
         out_dir,
@@ -172,19 +177,33 @@ def dense_config(layer):
     return {**settings, "use_residual": True} if layer.use_residual else settings
 
 
-def exported_files(tensors_of, shapes, untrained_state, plan, dtype):
+def exported_files(tensors_of, shapes, untrained_state, plan, dtype, sparse=None):
     """The export's weight files, as functions that each read one file's tensors (at most
     --export-max-shard-size) through `tensors_of(names)`. Each exported tensor and the staged
     ones it is made of: the encoder's under plain HF names; a LoRA layer's weight from its base
     weight and adapters (merged: a plain model anyone loads); the untrained base tensors as
-    they came (`untrained_state`)."""
-    adapted = lora.adapted_modules(name.removeprefix("encoder.") for name in shapes)
+    they came (`untrained_state`). `sparse` (a SPLADE model's splade.SpladeHead): the masked LM's
+    names, the encoder's under its base_model_prefix and the head's as the masked LM has them,
+    less those tied to another tensor (save_pretrained's layout; from_pretrained ties them)."""
+    prefix = f"{sparse.base_model_prefix}." if sparse else ""
+    head = lambda name: sparse is not None and name.startswith("sparse.head_modules.")  # noqa: E731
+
+    def renamed(name):  # a staged name as the export writes it (LoRA's adapters, before merging)
+        return (
+            name.removeprefix("sparse.head_modules.")
+            if head(name)
+            else prefix + name.removeprefix("encoder.")
+        )
+
+    adapted = lora.adapted_modules(renamed(name) for name in shapes if name.startswith("encoder."))
     sources, sizes = {}, {}
     for name, (shape, _) in sorted(shapes.items()):
-        plain = lora.plain_name(name.removeprefix("encoder."), adapted)
-        if name.startswith("encoder.") and not name.endswith((".lora_A", ".lora_B")):
+        plain = lora.plain_name(renamed(name), adapted)
+        exported = name.startswith("encoder.") or (head(name) and plain not in sparse.tied)
+        if exported and not name.endswith((".lora_A", ".lora_B")):
             module = plain.rpartition(".")[0]
-            adapters = [f"encoder.{module}.lora_A", f"encoder.{module}.lora_B"] if module in adapted else []
+            staged = f"encoder.{module.removeprefix(prefix)}"
+            adapters = [f"{staged}.lora_A", f"{staged}.lora_B"] if module in adapted else []
             sources[plain] = [name] + adapters
             sizes[plain] = shape.numel() * dtype.itemsize
     sizes.update({name: t.numel() * dtype.itemsize for name, t in untrained_state.items()})
@@ -193,7 +212,7 @@ def exported_files(tensors_of, shapes, untrained_state, plan, dtype):
         tensors = tensors_of(
             sorted({source for name in names if name in sources for source in sources[name]})
         )
-        tensors = {name.removeprefix("encoder."): t for name, t in tensors.items()}
+        tensors = {renamed(name): t for name, t in tensors.items()}
         if plan.model.lora_rank:
             tensors = lora.merge_lora(tensors, plan.model.lora_alpha / plan.model.lora_rank)
         tensors.update({name: t for name, t in untrained_state.items() if name in names})
@@ -223,6 +242,7 @@ def stage_state_dict(model, folder, sees_output_dir=(True,)):
 
     with fsdp_utils.quiet_checkpoint_warnings():
         state = get_model_state_dict(model)  # sharded under FSDP, no gathering (all ranks participate)
+        state = first_of_tied(state)  # safetensors refuses two names for one tensor
         # (all ranks participate): each rank writes its own shards
         dcp.save(
             state,
@@ -242,6 +262,26 @@ def stage_state_dict(model, folder, sees_output_dir=(True,)):
     fsdp_utils.barrier()  # every file is sent before any host clears its copy
     if not on_rank0_disk:
         shutil.rmtree(folder, ignore_errors=True)
+
+
+def first_of_tied(state):
+    """`state` with each tensor under its first name alone: tied tensors (a masked LM's decoder is
+    its word embeddings, BERT's decoder bias its head's bias) are one storage under two names. The
+    export writes the first (exported_files leaves the others out), as save_pretrained does."""
+    kept, seen = {}, set()
+    for name, tensor in state.items():
+        local = getattr(tensor, "_local_tensor", tensor)  # a DTensor's shard on this rank
+        plain = type(local) in (torch.Tensor, torch.nn.Parameter) and local.numel()  # not FSDP1's kind
+        where = (
+            (local.untyped_storage().data_ptr(), local.storage_offset(), local.numel())
+            if plain
+            else id(tensor)
+        )
+        if where in seen:
+            continue
+        seen.add(where)
+        kept[name] = tensor
+    return kept
 
 
 def staged_tensors(folder):
@@ -284,6 +324,17 @@ def parse_size(text):
     if unit not in SIZE_UNITS:
         raise ValueError(f"{text!r} is not a size: write it like 5GB, 300MB or 2GiB")
     return int(float(match.group(1)) * SIZE_UNITS[unit])
+
+
+def max_shard_bytes(text):
+    """--export-max-shard-size in bytes (`parse_size`, above 0). Raises ValueError naming the flag."""
+    try:
+        max_bytes = parse_size(text)
+    except ValueError:
+        max_bytes = 0
+    if max_bytes < 1:
+        raise ValueError(f"--export-max-shard-size {text!r} is not a size: write it like 5GB, 300MB or 2GiB")
+    return max_bytes
 
 
 def shard_groups(sizes, max_bytes):
@@ -360,6 +411,50 @@ def sentence_transformer_files(
             "prompts": prompts or {},
             "default_prompt_name": None,
             "similarity_fn_name": "cosine",
+        },
+    }
+
+
+def sparse_encoder_files(loaded, sparse):
+    """{path: JSON content} of a SparseEncoder folder's sentence-transformers files, for the
+    LoadedModel `loaded` whose SpladeHead is `sparse`, in the layout of sentence-transformers 5.0-5.3,
+    which 5.0 on (6.x too) loads: an MLMTransformer (the masked LM, at the root), then SpladePooling.
+        modules.json                      MLMTransformer (path "") -> SpladePooling
+        sentence_bert_config.json         max_seq_length, do_lower_case
+        1_SpladePooling/config.json       pooling_strategy, activation_function, word_embedding_dimension
+        config_sentence_transformers.json versions, model_type SparseEncoder, dot product, prompts"""
+    strategy, activation, _ = sparse.settings
+    kinds = [("", "MLMTransformer"), ("1_SpladePooling", "SpladePooling")]
+    versions = {
+        "sentence_transformers": "5.0.0",
+        "transformers": importlib.metadata.version("transformers"),
+        "pytorch": torch.__version__,
+    }
+    return {
+        "modules.json": [
+            {
+                "idx": i,
+                "name": str(i),
+                "path": path,
+                "type": f"sentence_transformers.sparse_encoder.models.{kind}",
+            }
+            for i, (path, kind) in enumerate(kinds)
+        ],
+        "1_SpladePooling/config.json": {
+            "pooling_strategy": strategy,
+            "activation_function": activation,
+            "word_embedding_dimension": loaded.export_config.vocab_size,
+        },
+        "sentence_bert_config.json": {
+            "max_seq_length": loaded.max_seq_length,
+            "do_lower_case": loaded.lowercase,
+        },
+        "config_sentence_transformers.json": {
+            "__version__": versions,
+            "model_type": "SparseEncoder",
+            "prompts": loaded.named_prompts or {},
+            "default_prompt_name": None,
+            "similarity_fn_name": "dot",
         },
     }
 

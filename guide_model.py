@@ -27,7 +27,7 @@ student of other widths (the embeddings must be the same size: a start-up check)
 Needs torch, and embedding_model.py (`load_model`, `fill_sharded_weights`), batches.py
 (`with_prompt`) and fsdp_utils.py (`wrap_model`, `print0`).
 Its whole copy set (what it needs, directly or through another): batches.py, collectives.py,
-config.py, embedding_model.py, fsdp_utils.py, lora.py, st_folder.py, token_cache.py.
+config.py, embedding_model.py, fsdp_utils.py, lora.py, splade.py, st_folder.py, token_cache.py.
 """
 
 from dataclasses import dataclass

@@ -15,7 +15,8 @@ Shape legend (suffixes on tensor names):
 Each function returns a scalar: the mean over the batch (CoSENT: one log-sum-exp over all
 pairs of the batch), matching sentence-transformers' MultipleNegativesRankingLoss (its hardness
 weighting too), CoSENTLoss, SoftmaxLoss, MarginMSELoss, DistillKLDivLoss, MSELoss and MatryoshkaLoss
-on the same embeddings, values and gradients, and GISTEmbedLoss on the same models' embeddings.
+on the same embeddings, values and gradients, GISTEmbedLoss on the same models' embeddings, and for
+sparse (SPLADE) embeddings SpladeLoss around SparseMultipleNegativesRankingLoss, and FlopsLoss.
 
 Usage (one process, CPU is fine):
     import losses
@@ -504,9 +505,12 @@ def splade_loss_parts(
     use_document_regularizer_only=False,
     gather=False,
     scale=1.0,
+    gather_regularizers=None,
 ):
     """The terms of `splade_loss`, by sentence-transformers' SpladeLoss's names: base_loss,
-    document_regularizer_loss and, with a query weight, query_regularizer_loss (weights applied)."""
+    document_regularizer_loss and, with a query weight, query_regularizer_loss (weights applied).
+    gather_regularizers (None: as `gather`): the FLOPS terms over every rank's rows (all ranks
+    participate), with the negatives gathered or not."""
     if use_document_regularizer_only and query_regularizer_weight is not None:
         # SpladeLoss warns and drops the query weight; a setting dropped without a word is a bug in a run
         raise ValueError(
@@ -515,15 +519,19 @@ def splade_loss_parts(
         )
     num_rows = emb_query_BV.shape[0]
     offset = dist.get_rank() * num_rows if gather and dist.is_initialized() else 0
-    # when gather: every column, in the same order on every rank
-    all_docs = [gather_with_grad(emb) for emb in emb_docs] if gather else list(emb_docs)
+    over_ranks = gather if gather_regularizers is None else gather_regularizers
+    # when gathered: every column, in the same order on every rank
+    all_docs = [gather_with_grad(emb) for emb in emb_docs] if gather or over_ranks else list(emb_docs)
     labels_B = torch.arange(offset, offset + num_rows, device=emb_query_BV.device)
-    scores_BN = scale * emb_query_BV @ torch.cat(all_docs).T
-    parts = {"base_loss": F.cross_entropy(scores_BN, labels_B)}
+    candidates = torch.cat(all_docs if gather else list(emb_docs))
+    regularized_docs = all_docs if over_ranks else list(emb_docs)
+    parts = {"base_loss": F.cross_entropy(scale * emb_query_BV @ candidates.T, labels_B)}
     needs_queries = use_document_regularizer_only or query_regularizer_weight is not None
-    # when gather: the same columns on every rank, so the same gathers
-    all_queries = gather_with_grad(emb_query_BV) if gather and needs_queries else emb_query_BV
-    documents = torch.cat([all_queries, *all_docs] if use_document_regularizer_only else all_docs)
+    # when gathered: the same columns on every rank, so the same gathers
+    all_queries = gather_with_grad(emb_query_BV) if over_ranks and needs_queries else emb_query_BV
+    documents = torch.cat(
+        [all_queries, *regularized_docs] if use_document_regularizer_only else regularized_docs
+    )
     document_flops = flops_loss(documents, document_regularizer_threshold)
     parts["document_regularizer_loss"] = document_flops * document_regularizer_weight
     if query_regularizer_weight is not None:
@@ -542,6 +550,7 @@ def splade_loss(
     use_document_regularizer_only=False,
     gather=False,
     scale=1.0,
+    gather_regularizers=None,
 ):
     """SPLADE's training loss (Formal et al., 2022), sentence-transformers' SpladeLoss wrapping
     SparseMultipleNegativesRankingLoss at its defaults (dot product, scale 1): in-batch negatives
@@ -572,5 +581,6 @@ def splade_loss(
         use_document_regularizer_only,
         gather,
         scale,
+        gather_regularizers,
     )
     return sum(parts.values())

@@ -35,8 +35,8 @@ Needs torch, transformers, datasets, and config.py, training_data.py, embedding_
 `load_model`: the model as train.py loads it), eval_dist.py, fsdp_utils.py and startup_checks.py
 (`agree_on_error`).
 Its whole copy set (what it needs, directly or through another): checkpoints.py, collectives.py,
-config.py, embedding_model.py, eval_dist.py, faults.py, fsdp_utils.py, lora.py, st_folder.py,
-startup_checks.py, training_data.py.
+config.py, embedding_model.py, eval_dist.py, faults.py, fsdp_utils.py, lora.py, splade.py,
+st_folder.py, startup_checks.py, training_data.py.
 """
 
 import argparse

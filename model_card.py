@@ -74,7 +74,15 @@ tags: [sentence-transformers, feature-extraction, sentence-similarity, fsdp-embe
 - Steps: {total_steps} of global batch {global_batch} on {world_size} process(es)
 - Final training loss: {final_loss:.4f}{notes}
 {evaluation}
-## Use with sentence-transformers
+{usage}## Hyper-parameters
+```json
+{settings}
+```
+"""
+
+
+# How to use the model, for a dense model (the fields: `card`'s) and for a sparse (SPLADE) one.
+DENSE_USE = """## Use with sentence-transformers
 ```python
 from sentence_transformers import SentenceTransformer
 model = SentenceTransformer("path/to/this/folder")
@@ -95,10 +103,29 @@ with torch.no_grad():
 {pooling_by_hand}{normalize}
 ```
 
-## Hyper-parameters
-```json
-{settings}
+"""
+SPARSE_USE = """## Use with sentence-transformers (5.0 or later)
+```python
+from sentence_transformers import SparseEncoder
+model = SparseEncoder("path/to/this/folder")
+embeddings = model.encode(["A sentence.", "Another one."])  # sparse, one weight per vocabulary entry
 ```
+
+## Use with plain transformers
+```python
+import torch
+from transformers import AutoModelForMaskedLM, AutoTokenizer
+
+texts = ["A sentence.", "Another one."]
+tokenizer = AutoTokenizer.from_pretrained("path/to/this/folder")  # truncates at {max_seq_length} tokens
+model = AutoModelForMaskedLM.from_pretrained("path/to/this/folder").eval()
+{lowercase}batch = tokenizer(texts, padding=True, truncation=True, return_tensors="pt")  # texts as written
+with torch.no_grad():
+    logits = model(**batch).logits
+weights = torch.log1p(torch.relu(logits * batch["attention_mask"].unsqueeze(-1))){log1p_again}
+embeddings = weights.{reduce}(1)  # SpladePooling: {strategy} over the tokens
+```
+
 """
 
 
@@ -111,7 +138,8 @@ def card(plan, loaded, record):
     settings = card_settings(plan.flags)
     sizes = plan.matryoshka
     multiple_sets = len(record["train_sets"]) > 1
-    return MODEL_CARD.format(
+    usage = DENSE_USE if loaded.model.sparse is None else sparse_use(loaded)  # the latter filled in already
+    return MODEL_CARD.replace("{usage}", usage).format(
         base_model=f"base_model: {base}" if base_is_hub else "",
         base=base,
         train_data=settings["train_data"],
@@ -147,7 +175,7 @@ def card(plan, loaded, record):
             else ""
         ),
         lowercase=LOWERCASE_BY_HAND if loaded.lowercase else "",
-        pooling_by_hand=POOLING_BY_HAND[pooling]
+        pooling_by_hand=POOLING_BY_HAND.get(pooling, "")
         + (
             "\n# then the Dense layers (2_Dense/, ...), as sentence-transformers applies them"
             if loaded.model.dense
@@ -159,6 +187,18 @@ def card(plan, loaded, record):
             else ""
         ),
         settings=json.dumps(settings, indent=2),
+    )
+
+
+def sparse_use(loaded):
+    """SPARSE_USE filled in for the SpladeHead of `loaded` (splade.SpladeHead.settings)."""
+    strategy, activation, _ = loaded.model.sparse.settings
+    return SPARSE_USE.format(
+        max_seq_length=loaded.max_seq_length,
+        lowercase=LOWERCASE_BY_HAND if loaded.lowercase else "",
+        log1p_again="\nweights = torch.log1p(weights)  # log1p_relu" if activation == "log1p_relu" else "",
+        reduce="amax" if strategy == "max" else "sum",
+        strategy=strategy,
     )
 
 

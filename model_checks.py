@@ -8,6 +8,7 @@ alone, every shard an index names); --append-eos has a fast tokenizer with an EO
 Matryoshka sizes and the sequence lengths fit the model; and, on a copy built on the meta
 device (`check_meta_model`: no memory, no time), the FSDP block class, activation
 checkpointing and the LoRA target modules. It returns the FSDP block class names, or None.
+`check_sparse(spec, plan)`: the SPLADE flags against the model's kind (a masked-LM head to load).
 
     layer_classes, folder = model_checks.check_model(plan.model, plan)  # ValueError naming the fix
     model_checks.check_frozen_models(plan)                      # --guide-model, --teacher-model
@@ -16,12 +17,12 @@ checkpointing and the LoRA target modules. It returns the FSDP block class names
 Left out on purpose: loading the weights (embedding_model.py does, once every check passed),
 and checking the values in them (the loss and the weights are checked while training).
 
-Needs transformers, and training_data.py (`root_cause`), embedding_model.py, st_folder.py
-(`read_sentence_transformer_config`), fsdp_utils.py (`resolve_layer_classes`), lora.py and
-guide_model.py (`frozen_spec`).
+Needs transformers, and config.py, training_data.py (`root_cause`), embedding_model.py, st_folder.py
+(`read_sentence_transformer_config`), fsdp_utils.py (`resolve_layer_classes`), lora.py, splade.py
+(`head_of`) and guide_model.py (`frozen_spec`).
 Its whole copy set (what it needs, directly or through another): batches.py, collectives.py,
-config.py, embedding_model.py, eval_dist.py, fsdp_utils.py, guide_model.py, lora.py, st_folder.py,
-token_cache.py, training_data.py.
+config.py, embedding_model.py, eval_dist.py, fsdp_utils.py, guide_model.py, lora.py, splade.py,
+st_folder.py, token_cache.py, training_data.py.
 """
 
 import dataclasses
@@ -31,8 +32,10 @@ import os
 import torch
 import transformers
 
+import config
 import training_data
 import embedding_model
+import splade
 import st_folder
 import fsdp_utils
 import guide_model
@@ -73,6 +76,60 @@ def check_model(spec, plan):
     if plan.strategy != "fsdp" and not spec.lora_rank and not spec.activation_checkpointing:
         return None, st_config
     return check_meta_model(spec, plan, model_config), st_config
+
+
+# What only a sparse (SPLADE) model takes, and what it does not take yet.
+SPLADE_FLAGS = (
+    "query_regularizer_weight", "document_regularizer_weight", "query_regularizer_threshold",
+    "document_regularizer_threshold", "use_document_regularizer_only", "regularizer_scheduler_type",
+    "regularizer_warmup_ratio", "splade_pooling_strategy", "splade_activation_function", "splade_chunk_size",
+)  # fmt: skip
+NOT_SPARSE_YET = (
+    "symmetric", "mask_duplicates", "mnrl_directions", "guide_model", "false_negative_margin",
+    "hardness_mode", "teacher_model",
+)  # fmt: skip
+
+
+def check_sparse(spec, plan):
+    """The flags against the model's kind, before any weights load: a sparse (SPLADE) model has a
+    masked-LM head this project knows (built on the meta device: no memory, no time), no Matryoshka
+    sizes (its dimensions are vocabulary entries, in no order) and none of MNRL's options that
+    SpladeLoss does not take here yet; a dense model is given no SPLADE flag."""
+    defaults = {f.name: f.default for f in dataclasses.fields(config.Config)}
+
+    def given(names):  # the flags of `names` set to other than their defaults
+        return [f"--{n.replace('_', '-')}" for n in names if plan.flags[n] != defaults[n]]
+
+    if not spec.sparse:
+        if given(SPLADE_FLAGS):
+            raise ValueError(
+                f"{given(SPLADE_FLAGS)[0]} is a SPLADE setting, and --model {spec.path} trains dense "
+                "embeddings; drop it, or pass --pooling splade with a masked-LM model"
+            )
+        return
+    if plan.matryoshka:
+        raise ValueError(
+            "--matryoshka-dims: a SPLADE model's dimensions are vocabulary entries, in no order; drop it"
+        )
+    if given(NOT_SPARSE_YET):
+        raise ValueError(f"{given(NOT_SPARSE_YET)[0]} does not train a sparse (SPLADE) model yet; drop it")
+    if given(["use_document_regularizer_only"]) and given(["query_regularizer_weight"]):
+        raise ValueError(
+            "--use-document-regularizer-only regularises the queries as documents: "
+            "drop --query-regularizer-weight"
+        )
+    _, st_config, model_config = model_config_of(spec)
+    try:
+        with torch.device("meta"):
+            masked_lm = transformers.AutoModelForMaskedLM.from_config(
+                model_config, trust_remote_code=spec.trust_remote_code
+            )
+        splade.head_of(masked_lm, spec.splade, st_config["splade"])
+    except ValueError as e:
+        raise ValueError(
+            f"--pooling splade: {spec.path} has no masked-LM head to load ({str(e).splitlines()[0]}); "
+            "use a masked-LM model (BERT, RoBERTa, DistilBERT, ModernBERT) or another --pooling"
+        ) from e
 
 
 def embedding_width(model_config, st_config):
@@ -153,7 +210,7 @@ def check_model_files(spec, folder):
     whole (see `weights_problem`)."""
     if os.path.isdir(folder) and not any(
         os.path.isfile(os.path.join(folder, name))
-        for name in ("tokenizer.json", *embedding_model.SLOW_TOKENIZER_FILES[:6])
+        for name in ("tokenizer.json", *st_folder.SLOW_TOKENIZER_FILES[:6])
     ):
         # Without them transformers builds a tokenizer that maps every word to [UNK], and
         # training "works".

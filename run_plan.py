@@ -20,10 +20,10 @@ fails when one of config.py's parsers is called anywhere but here, and when a fu
 config.py, run_plan.py and main() is handed the Config.
 
 Needs config.py, training_data.py, batches.py, checkpoints.py, embedding_model.py (`ModelSpec`), export.py
-(`parse_size`) and model_checks.py: it is where the flags meet the files, not a file to copy alone.
+(`max_shard_bytes`) and model_checks.py: it is where the flags meet the files, not a file to copy alone.
 Its whole copy set (what it needs, directly or through another): batches.py, checkpoints.py,
 collectives.py, config.py, embedding_model.py, eval_dist.py, export.py, faults.py, fsdp_utils.py,
-guide_model.py, lora.py, model_card.py, model_checks.py, st_folder.py, token_cache.py,
+guide_model.py, lora.py, model_card.py, model_checks.py, splade.py, st_folder.py, token_cache.py,
 training_data.py.
 """
 
@@ -60,6 +60,7 @@ class LossPlan:
     # by the guide model's scores where the micro-batch brings them, else by the model's own
     hardness: tuple | None = None  # MNRL's (mode, strength): harder negatives weighted more
     idle_head: bool = False  # the model has a Softmax head that this loss leaves unused
+    splade: dict | None = None  # a sparse model's MNRL: SpladeLoss's flags (splade.loss_arguments)
 
 
 @dataclass(frozen=True)
@@ -149,6 +150,7 @@ def flags_plan(cfg, world_size, device):
                 f"{metrics_path} already exists; pass --overwrite to replace it, or another --output-dir"
             )
     layer_classes, folder = model_checks.check_model(plan.model, plan)  # the model's folder, read once
+    model_checks.check_sparse(dataclasses.replace(plan.model, folder=folder), plan)
     if plan.guide_model or plan.teacher_model:
         model_checks.check_frozen_models(plan)
     model = dataclasses.replace(plan.model, folder=folder)
@@ -201,7 +203,7 @@ def resolve_flags(cfg, world_size, device):
         metric_for_best=cfg.metric_for_best,
         save_total_limit=cfg.save_total_limit,
         export_dtype=cfg.export_dtype,
-        export_max_shard_bytes=export_shard_bytes(cfg),
+        export_max_shard_bytes=export.max_shard_bytes(cfg.export_max_shard_size),
         export_adapter=cfg.export_adapter,
         flags=dataclasses.asdict(cfg),
         sharding=cfg.sharding,
@@ -229,6 +231,7 @@ def model_spec(cfg):
         lora_leaf_names=tuple(config.lora_leaf_names(cfg)),
         activation_checkpointing=cfg.activation_checkpointing,
         fsdp_layer_cls=cfg.fsdp_layer_cls,
+        splade=(cfg.splade_pooling_strategy, cfg.splade_activation_function, cfg.splade_chunk_size),
     )
 
 
@@ -253,30 +256,16 @@ def check_launch(cfg, world_size, device):
         raise ValueError(f"--epochs {cfg.epochs} trains nothing; use --epochs 1 or more, or --max-steps")
 
 
-def export_shard_bytes(cfg):
-    """--export-max-shard-size in bytes; --export-adapter has LoRA adapters to write."""
-    try:
-        max_bytes = export.parse_size(cfg.export_max_shard_size)
-        if max_bytes < 1:
-            raise ValueError("zero")
-    except ValueError:
-        raise ValueError(
-            f"--export-max-shard-size {cfg.export_max_shard_size!r} is not a size: "
-            "write it like 5GB, 300MB or 2GiB"
-        ) from None
-    if cfg.export_adapter and not cfg.lora_rank:
-        raise ValueError(
-            "--export-adapter writes LoRA adapters, and there are none without --lora-rank R; "
-            "pass one, or drop --export-adapter"
-        )
-    return max_bytes
-
-
 def check_run_mode_flags(cfg, plan):
     """The flags that choose what the run does: resume or overwrite, evaluate only or first;
     --resume PATH must name a complete checkpoint."""
     if cfg.resume and cfg.overwrite:
         raise ValueError("--resume continues a run and --overwrite starts it over: choose one")
+    if cfg.export_adapter and not cfg.lora_rank:
+        raise ValueError(
+            "--export-adapter writes LoRA adapters, and there are none without --lora-rank R; "
+            "pass one, or drop --export-adapter"
+        )
     if (cfg.eval_only or cfg.eval_on_start) and not cfg.eval_data:
         raise ValueError(
             f"--{'eval-only' if cfg.eval_only else 'eval-on-start'} evaluates on "
@@ -366,6 +355,8 @@ def checked_eval_sets(cfg, plan, train_sets):
 def check_losses(cfg, plan, train_sets):
     """The flags that need a loss, against the losses the files train with."""
     losses_used = sorted({ts.loss for ts in train_sets})
+    if plan.model.sparse and losses_used != ["mnrl"]:  # SPLADE: sentence-transformers' SpladeLoss
+        raise ValueError(f"--loss {','.join(losses_used)}: a sparse (SPLADE) model trains with mnrl alone")
     if (cfg.gather_negatives or cfg.symmetric or cfg.mask_duplicates) and "mnrl" not in losses_used:
         flag = (
             "--gather-negatives"
@@ -724,6 +715,8 @@ def loss_plan(plan, cfg, name, own_negatives, num_labels, gather, guided=True):
     """The LossPlan of a set that trains (or is scored) with loss `name`; `guided`: with the
     --guide-model's rule (its embeddings come with each micro-batch: train.forward_backward)."""
     false_negatives, scale, directions = None, plan.scale, plan.mnrl["directions"]
+    if plan.model.sparse and cfg.scale is None:
+        scale = 1.0  # SparseMultipleNegativesRankingLoss's: dot products of sparse vectors, unscaled
     if cfg.guide_model and guided and name == "mnrl":  # GISTEmbedLoss's scale and blocks
         false_negatives = (cfg.guide_margin_strategy, cfg.guide_margin)
         scale, directions = plan.gist[0], config.gist_directions(directions, plan.gist)
@@ -743,6 +736,10 @@ def loss_plan(plan, cfg, name, own_negatives, num_labels, gather, guided=True):
         idle_head=num_labels > 0 and name != "softmax",
         false_negatives=false_negatives,
         hardness=(cfg.hardness_mode, cfg.hardness_strength) if cfg.hardness_mode else None,
+        # SpladeLoss's flags by name (splade.loss_arguments), its FLOPS over every rank's rows in training
+        splade={f: getattr(cfg, f) for f in model_checks.SPLADE_FLAGS} | {"over_ranks": guided}
+        if plan.model.sparse
+        else None,
     )
 
 

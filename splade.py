@@ -22,13 +22,14 @@ Usage (one process, CPU is fine; `masked_lm` a Hugging Face *ForMaskedLM model):
     loss = losses.splade_loss(emb_query_BV, emb_docs, query_weight, document_weight)
 
 Under FSDP, `splade_embed` calls the encoder and the head directly, not the wrapped root's
-forward, so a root that holds the head's parameters would not gather them: the trainer must shard
-the head as its own unit or run this inside a wrapped module's forward.
+forward, so a root that holds the head's parameters would not gather them. The trainer runs the
+head inside its model's forward instead: a `SpladeHead` in place of pooling
+(embedding_model.EmbeddingModel), which the wrapped root gathers with the word embeddings it shares.
 
 Needs only torch (no other project file). Tests: python -m pytest tests/test_splade.py -q.
 Left out: sentence-transformers' path for unpadded (flattened, FlashAttention-2) inputs, the top-k
-`max_active_dims` of encode(), inference-free (Router) SPLADE, the SparseAutoEncoder (CSR) models,
-and the export as a SparseEncoder folder.
+`max_active_dims` of encode(), inference-free (Router) SPLADE, the SparseAutoEncoder (CSR) models.
+The export as a SparseEncoder folder is export.py's (`sparse_encoder_files`).
 """
 
 import torch
@@ -164,8 +165,71 @@ def regularizer_weight(step, total_steps, final_weight, scheduler_type="quadrati
     return final_weight * (ratio if scheduler_type == "linear" else ratio**2)
 
 
+def loss_arguments(flags, step=None, total_steps=None):
+    """losses.splade_loss's keyword arguments at optimizer step `step` (0 for the first) of
+    `total_steps`, from the trainer's flags by their names ({query_regularizer_weight, ...,
+    regularizer_scheduler_type, regularizer_warmup_ratio, over_ranks}): the weights warmed up
+    (`regularizer_weight`); a weight or threshold of 0 is none (sentence-transformers' None), and
+    so is the query weight under use_document_regularizer_only; over_ranks: the FLOPS terms over
+    every rank's rows (gather_regularizers). `step` None: the final weights (an evaluation's loss)."""
+    step, total_steps = (1, 1) if step is None else (step, total_steps)  # int(1 x ratio) <= 1: warmed up
+    warmup = (flags["regularizer_scheduler_type"], flags["regularizer_warmup_ratio"])
+    query_weight = (
+        None if flags["use_document_regularizer_only"] else flags["query_regularizer_weight"] or None
+    )
+    return {
+        "query_regularizer_weight": regularizer_weight(step, total_steps, query_weight, *warmup),
+        "document_regularizer_weight": regularizer_weight(
+            step, total_steps, flags["document_regularizer_weight"], *warmup
+        ),
+        "query_regularizer_threshold": flags["query_regularizer_threshold"] or None,
+        "document_regularizer_threshold": flags["document_regularizer_threshold"] or None,
+        "use_document_regularizer_only": flags["use_document_regularizer_only"],
+        "gather_regularizers": flags["over_ranks"],
+    }
+
+
 def active_dims(emb_BV):
     """(B,) the number of non-zero entries of each row. sentence-transformers' `sparsity()` reports
     their mean as active_dims and 1 - mean / V as sparsity_ratio: across ranks, reduce the sum and
     the count of rows, and divide once."""
     return (emb_BV != 0).sum(dim=-1)
+
+
+class SpladeHead(torch.nn.Module):
+    """After the encoder of an embedding model: a masked-LM model's head and SpladePooling, token
+    states (B, T, H) and the pool mask -> sparse vectors (B, V), `rows_per_chunk` rows at a time
+    (`splade_from_hidden`). The head's modules are kept under the masked LM's own names (BERT's
+    `cls`, RoBERTa's `lm_head`, ...) in `head_modules`, so an export writes them back where the
+    masked LM has them; a decoder tied to the word embeddings stays the encoder's very parameter.
+    `tied`: the head's names of tensors that are another tensor of the masked LM (the export leaves
+    them out, as save_pretrained does, and from_pretrained ties them again)."""
+
+    def __init__(self, masked_lm, pooling_strategy="max", activation_function="relu", rows_per_chunk=8):
+        super().__init__()
+        check_pooling(pooling_strategy, activation_function)
+        base = masked_lm.base_model
+        self.head_modules = torch.nn.ModuleDict(
+            {name: module for name, module in masked_lm.named_children() if module is not base}
+        )
+        masked_lm_head(self.head_modules)  # raises for a masked LM whose head is not known
+        self.base_model_prefix, self.masked_lm_class = masked_lm.base_model_prefix, type(masked_lm).__name__
+        tensors = masked_lm.state_dict(keep_vars=True)
+        tied = getattr(masked_lm, "_tied_weights_keys", None) or {}
+        self.tied = [
+            name for name, source in dict(tied).items() if tensors.get(name) is tensors.get(source, 0)
+        ]
+        self.settings = (pooling_strategy, activation_function, rows_per_chunk)
+
+    def forward(self, token_states_BTH, mask_BT):
+        head = masked_lm_head(self.head_modules)
+        return splade_from_hidden(token_states_BTH, mask_BT, head, *self.settings)
+
+
+def head_of(masked_lm, flags, saved):
+    """The SpladeHead of `masked_lm`, SpladePooling's settings from the trainer's flags (ModelSpec.splade:
+    strategy, activation, rows a chunk), else as the SparseEncoder folder saved them (`saved`), else
+    sentence-transformers' defaults (max, relu)."""
+    strategy = flags[0] or saved.get("pooling_strategy", "max")
+    activation = flags[1] or saved.get("activation_function", "relu")
+    return SpladeHead(masked_lm, strategy, activation, rows_per_chunk=flags[2])

@@ -1,6 +1,7 @@
 """What a SentenceTransformer folder says about how it embeds, read from its files: the
 transformer's subfolder, the pooling mode and include_prompt, the Dense layers after pooling,
-normalisation, max_seq_length, do_lower_case and the prompts. The student's folder is read once
+normalisation, max_seq_length, do_lower_case and the prompts; of a SparseEncoder folder (SPLADE),
+its SpladePooling settings (`sparse_encoder_config`); the base's slow-tokenizer files the export copies. The student's folder is read once
 at start-up (model_checks.model_config_of, for run_plan.flags_plan), and the plan carries it to
 embedding_model.load_model; the export writes what `read_sentence_transformer_config` reads back.
 
@@ -44,11 +45,13 @@ def read_sentence_transformer_config(path):
 
     st_config = {"subfolder": "", "pooling": "mean", "include_prompt": True, "dense": [], "normalize": False}
     st_config.update(max_seq_length=None, do_lower_case=False, prompts={}, default_prompt_name=None)
-    st_config["similarity_fn_name"] = "cosine"
+    st_config.update(similarity_fn_name="cosine", splade={})  # splade: SpladePooling's settings
     modules = read_json("modules.json")
     if modules is None:
         return st_config
     kinds = [module["type"].rsplit(".", 1)[-1] for module in modules]
+    if kinds in (["Transformer", "SpladePooling"], ["MLMTransformer", "SpladePooling"]):
+        return sparse_encoder_config(modules, read_json, st_config)
     expected = (
         ["Transformer", "Pooling"] + ["Dense"] * kinds.count("Dense") + ["Normalize"] * ("Normalize" in kinds)
     )
@@ -77,6 +80,28 @@ def read_sentence_transformer_config(path):
         if saved.get(key) is not None:
             st_config[key] = saved[key]
     return st_config
+
+
+def sparse_encoder_config(modules, read_json, st_config):
+    """read_sentence_transformer_config of a SparseEncoder folder: a masked-LM Transformer (6.x: its
+    transformer_task "fill-mask"; 5.0-5.3: an MLMTransformer), then SpladePooling, whose
+    pooling_strategy and activation_function are `st_config["splade"]`'s; pooling "splade"."""
+    bert_config = read_json(os.path.join(modules[0]["path"], "sentence_bert_config.json")) or {}
+    pooling = read_json(os.path.join(modules[1]["path"], "config.json")) or {}
+    saved = read_json("config_sentence_transformers.json") or {}
+    return {
+        **st_config,
+        "subfolder": modules[0]["path"],
+        "pooling": "splade",
+        "splade": {
+            key: pooling.get(key, d)
+            for key, d in (("pooling_strategy", "max"), ("activation_function", "relu"))
+        },
+        "max_seq_length": bert_config.get("max_seq_length"),  # 6.x keeps it in the tokenizer's config
+        "do_lower_case": bool(bert_config.get("do_lower_case", False)),
+        "prompts": saved.get("prompts") or {},
+        "similarity_fn_name": "dot",
+    }
 
 
 def dense_config_of(path, folder, read_json):
@@ -150,3 +175,33 @@ def lowercase_inside(tokenizer):
     steps = [step for step in steps if step is not None]
     if not any(isinstance(step, normalizers.Lowercase) for step in steps):
         backend.normalizer = normalizers.Sequence([normalizers.Lowercase(), *steps])
+
+
+# What slow tokenizers (and transformers before 4.57) read, where the model family has them.
+SLOW_TOKENIZER_FILES = (
+    "vocab.txt",
+    "vocab.json",
+    "merges.txt",
+    "sentencepiece.bpe.model",
+    "spiece.model",
+    "tokenizer.model",
+    "special_tokens_map.json",
+    "added_tokens.json",
+)
+
+
+def base_tokenizer_files(path, subfolder):
+    """{name: local path} of the base model's slow-tokenizer files, which the export copies."""
+    import transformers
+
+    found = {}
+    for name in SLOW_TOKENIZER_FILES:
+        try:
+            file = transformers.utils.cached_file(
+                path, name, subfolder=subfolder, _raise_exceptions_for_missing_entries=False
+            )
+        except OSError:  # an unreachable hub: the fast tokenizer.json is still exported
+            file = None
+        if file:
+            found[name] = file
+    return found

@@ -48,6 +48,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 from tqdm import tqdm
+from transformers import get_linear_schedule_with_warmup
 
 import batches
 import checkpoints
@@ -62,6 +63,7 @@ import guide_model
 import losses
 import metrics
 import run_plan
+import splade
 import startup_checks
 
 
@@ -181,8 +183,8 @@ def build_training(model, no_decay_names, plan, lr, weight_decay):
     # []): "output with shape [] doesn't match the broadcast shape [1]". fp16 + FSDP goes unfused.
     fused = not (plan.precision == "fp16" and plan.strategy == "fsdp")
     optimizer = build_optimizer(model, no_decay_names, lr, weight_decay, fused=fused)
-    schedule = linear_schedule(plan.warmup_steps, plan.total_steps)
-    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, schedule)
+    # 0 -> lr over the warm-up, then linearly down to 0 at the last step (as the HF Trainer)
+    scheduler = get_linear_schedule_with_warmup(optimizer, plan.warmup_steps, plan.total_steps)
     return optimizer, scheduler, fsdp_utils.grad_scaler(model, plan.precision, plan.device)
 
 
@@ -217,19 +219,7 @@ def build_optimizer(model, no_decay_names, lr, weight_decay, fused=True):
     # An empty group (LoRA trains no bias or LayerNorm) is left out: torch's flattened optimizer
     # state dict cannot load one back ("list index out of range" on resume).
     groups = [(decay, weight_decay), (no_decay, 0.0), (tables, weight_decay)]
-    # fused: ~6% faster on CPU than the loop
     return torch.optim.AdamW([{"params": p, "weight_decay": wd} for p, wd in groups if p], lr=lr, fused=fused)
-
-
-def linear_schedule(warmup_steps, total_steps):
-    """LR multiplier: 0 -> 1 over the warm-up, then linearly down to 0 at the last step."""
-
-    def multiplier(step):
-        if step < warmup_steps:
-            return step / max(1, warmup_steps)
-        return max(0.0, (total_steps - step) / max(1, total_steps - warmup_steps))
-
-    return multiplier
 
 
 # ----------------------------------------------------------------------------------------------
@@ -288,9 +278,10 @@ class MicroBatch:
     text_ids: list | None  # each column's text ids: MNRL's duplicate-safe negatives
     frozen: dict  # the guide's and the teacher's tokens (guide_model.prepare_rows)
     num_columns: int  # text columns, pooled one after the other
+    progress: tuple  # (steps before this one, total steps): SPLADE's regularisers warm up with it
 
 
-def prepare_micro_batch(opts, train_set, rows, features, labels):
+def prepare_micro_batch(opts, train_set, rows, features, labels, progress):
     """What the reader thread (batches.micro_batches) does for each micro-batch ahead of its step,
     so that the step itself only copies and computes: the columns pooled, packed (or cut into
     sub-batches), the text ids hashed, the frozen models' texts tokenized, and on a GPU all of it
@@ -308,7 +299,7 @@ def prepare_micro_batch(opts, train_set, rows, features, labels):
     if opts.device.type == "cuda":  # a GPU's copies from pinned memory need not wait
         pin = functools.partial(embedding_model.map_tensors, f=torch.Tensor.pin_memory)
     frozen = guide_model.prepare_rows(opts, rows, train_set)
-    return MicroBatch(train_set, *map(pin, (pool, groups, labels, ids, frozen)), len(features))
+    return MicroBatch(train_set, *map(pin, (pool, groups, labels, ids, frozen)), len(features), progress)
 
 
 def forward_backward(model, batch, opts, sync):
@@ -324,7 +315,8 @@ def forward_backward(model, batch, opts, sync):
 
     def micro_batch_loss(embs):
         """From its column embeddings (GradCache: cached ones)."""
-        return embeddings_loss(model, embs, labels, train_set.loss_plan, ids, guide) / opts.grad_accum_steps
+        loss = embeddings_loss(model, embs, labels, train_set.loss_plan, ids, guide, batch.progress)
+        return loss / opts.grad_accum_steps
 
     if opts.cache_chunk_size:  # GradCache: the groups cut into chunks, one chunk's activations at a time
         whole = groups or [torch.arange(len(pool["input_ids"]))]
@@ -413,12 +405,13 @@ def embed_columns(model, pool, num_columns, groups=None):
     return list(embs.chunk(num_columns))
 
 
-def embeddings_loss(model, embs, labels, loss, text_ids=None, guide=None):
+def embeddings_loss(model, embs, labels, loss, text_ids=None, guide=None, progress=(None, None)):
     """The loss of one micro-batch from its column embeddings (each (B, D), fp32), as its LossPlan
     `loss` says (run_plan.py). `model` is only used for the Softmax head, which runs through the
     wrapped root (FSDP gathers it). `text_ids`: one id tensor per column, for MNRL's duplicate-safe
-    negatives; `guide`, a guide model's of each column. (all ranks participate) With loss.gather,
-    MNRL all-gathers every rank's candidates (and the guide's).
+    negatives; `guide`, a guide model's of each column; `progress`: (step, total steps), at which
+    SPLADE's regularisers are warmed up (None: fully). (all ranks participate) With loss.gather,
+    MNRL all-gathers every rank's candidates (and the guide's); SPLADE's FLOPS, every rank's rows.
     loss.idle_head: the model has a Softmax head that this loss does not use (another set's, in a
     mix): it is touched with a zero, so its gradient is 0 on every rank and in every strategy (DDP
     reduces only what the backward reaches, and would wait for it)."""
@@ -428,6 +421,9 @@ def embeddings_loss(model, embs, labels, loss, text_ids=None, guide=None):
 
     def at_one_size(embs):
         """The loss of embeddings of one size (Matryoshka: of each). (all ranks participate)"""
+        if loss.splade:  # a sparse model's MNRL: sentence-transformers' SpladeLoss
+            arguments = splade.loss_arguments(loss.splade, *progress)
+            return losses.splade_loss(embs[0], embs[1:], gather=loss.gather, scale=loss.scale, **arguments)
         if loss.name == "mnrl" and loss.own_negatives:
             return losses.own_negatives_loss(embs[0], embs[1:], scale=loss.scale)
         if loss.name == "mnrl":
@@ -507,6 +503,7 @@ def evaluate(model, loaded, plan):
         elif es.kind in ("retrieval", "beir"):  # pairs, or a BEIR folder with graded relevance
             retrieval = es.retrieval_set(texts)  # (queries, corpus, relevant)
             options.update(dims=dims, metrics=es.metric_names)
+            options["similarity"] = "dot" if loaded.model.sparse else "cosine"  # SPLADE: and active dims
             scores = eval_dist.evaluate_retrieval(model, loaded.tokenize, *retrieval, **options)
         elif es.kind == "nli":
             # The head runs through the wrapped root, like in training (FSDP gathers it there).

@@ -57,7 +57,7 @@ def supply(parquet, workers, micro_batches_to_read):
     plan = dataclasses.replace(plan, tokenize_workers=workers)
     loaded = embedding_model.load_model(plan.model, 0)
 
-    def prepare(ts, rows, features, labels):
+    def prepare(ts, rows, features, labels, progress):
         return sum(len(f["input_ids"]) for f in features)
 
     reader = batches.micro_batches(plan, loaded, [None], 0, 0, prepare)

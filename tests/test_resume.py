@@ -171,14 +171,14 @@ def test_a_schedule_saved_with_one_parameter_group_fewer_resumes_on_the_same_rat
     group of their own holds the schedule of one group fewer; torch's LambdaLR then fails at the
     first step ("zip() argument 2 is shorter than argument 1"). checkpoints.schedule_for_groups
     gives it to every group: the rates equal those of a schedule run with the three groups from
-    the start (train.linear_schedule, as train.py builds it)."""
+    the start (transformers' get_linear_schedule_with_warmup, as train.build_training builds it)."""
     import checkpoints
-    import train
+    import transformers
 
     def run(groups, steps):
         params = [torch.nn.Parameter(torch.zeros(1)) for _ in range(groups)]
         optimizer = torch.optim.AdamW([{"params": [p]} for p in params], lr=2e-5)
-        scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, train.linear_schedule(2, 10))
+        scheduler = transformers.get_linear_schedule_with_warmup(optimizer, 2, 10)
         for _ in range(steps):
             optimizer.step()
             scheduler.step()

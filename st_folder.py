@@ -1,8 +1,9 @@
 """What a SentenceTransformer folder says about how it embeds, read from its files: the
 transformer's subfolder, the pooling mode and include_prompt, the Dense layers after pooling,
 normalisation, max_seq_length, do_lower_case and the prompts; of a SparseEncoder folder (SPLADE),
-its SpladePooling settings (`sparse_encoder_config`); the base's slow-tokenizer files the export copies. The student's folder is read once
-at start-up (model_checks.model_config_of, for run_plan.flags_plan), and the plan carries it to
+its SpladePooling settings (`sparse_encoder_config`); the base's slow-tokenizer files the export
+copies (`base_tokenizer_files`). The student's folder is read once at start-up
+(model_checks.model_config_of, for run_plan.flags_plan), and the plan carries it to
 embedding_model.load_model; the export writes what `read_sentence_transformer_config` reads back.
 
     settings = st_folder.read_sentence_transformer_config("path/or/hub-id")

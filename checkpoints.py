@@ -323,15 +323,17 @@ def weights_finite(model, device):
     return non_finite.item() == 0
 
 
-def check_loss_finite(loss_value, step, output_dir):
-    """FloatingPointError (exit 3) for a loss that is NaN or inf: its step, and the newest
-    checkpoint a rerun can start from. Every rank holds the same loss, so every rank raises."""
-    if math.isfinite(loss_value):
+def check_loss_finite(step_losses, output_dir):
+    """FloatingPointError (exit 3) for the first loss of `step_losses` ([(step, loss)]: those since
+    the last check, metrics.StepMeter.read_losses) that is NaN or inf: its step, and the newest
+    checkpoint a rerun can start from. Every rank holds the same losses, so every rank raises."""
+    step, loss_value = next(((s, v) for s, v in step_losses if not math.isfinite(v)), (None, None))
+    if step is None:
         return
     usable, skipped = newest_usable_checkpoint(os.path.join(output_dir, "checkpoints"))
     passed_over = "".join(f" ({path}: {problem})" for path, problem in skipped)
     raise FloatingPointError(
-        f"the loss is {loss_value} at step {step}; stopped before the optimizer step. "
+        f"the loss is {loss_value} at step {step}; stopped before anything was written after it. "
         f"Newest checkpoint with finite weights: {usable or 'none'}{passed_over}"
         f"{'' if usable or skipped else ' (use --save-steps)'}. "
         "Lower --lr, use --precision fp32 or bf16, or check the data"

@@ -135,6 +135,7 @@ class StepMeter:
         self.paused_at_last = 0.0
         self.loss_sums, self.steps = collections.Counter(), collections.Counter()
         self.rows = self.total_rows = 0  # since the last log line; since the start
+        self.pending = []  # (step, set name, loss) added and not yet read on the host (read_losses)
 
     def begin(self):
         """The first step starts now: the time since the run started, less any evaluation, is
@@ -144,16 +145,32 @@ class StepMeter:
         self.start = self.last_time = now
         self.paused_before = self.paused_at_last = paused
 
-    def add(self, set_name, step_loss, global_batch):
-        """One step of set `set_name`: its loss (the mean over ranks) and its rows (all ranks')."""
-        self.loss_sums[set_name] += step_loss
+    def add(self, set_name, step_loss, global_batch, step=0):
+        """One step of set `set_name`: its loss (the mean over ranks; a tensor on the device is read
+        later, by `read_losses`, so that a GPU does not wait for it every step) and its rows."""
+        self.pending.append((step, set_name, step_loss))
         self.steps[set_name] += 1
         self.rows += global_batch
         self.total_rows += global_batch
 
+    def read_losses(self):
+        """The losses added since the last read, on the host, in one wait for the device, added to
+        their sets' sums: [(step, loss)]."""
+        import torch
+
+        if not self.pending:
+            return []
+        values = torch.stack([torch.as_tensor(loss) for *_, loss in self.pending]).tolist()
+        for (_, name, _), value in zip(self.pending, values):
+            self.loss_sums[name] += value
+        read, self.pending = [(step, value) for (step, *_), value in zip(self.pending, values)], []
+        return read
+
     def record(self, step, epoch, grad_norm, lr):
         """The log line of the steps since the last one (with several training sets, each set's
         own mean loss over its steps too), then a new window."""
+        if self.pending:
+            self.read_losses()
         steps, paused = self.steps.total(), sum(self.paused.values())
         seconds = time.perf_counter() - self.last_time - (paused - self.paused_at_last)
         loss = sum(self.loss_sums.values()) / steps

@@ -8,7 +8,7 @@ alone, every shard an index names); --append-eos has a fast tokenizer with an EO
 Matryoshka sizes and the sequence lengths fit the model; and, on a copy built on the meta
 device (`check_meta_model`: no memory, no time), the FSDP block class, activation
 checkpointing and the LoRA target modules. It returns the FSDP block class names, or None.
-`check_sparse(spec, plan)`: the SPLADE flags against the model's kind (a masked-LM head to load).
+`check_sparse(spec, plan)`: a SPLADE model's head and flags; `flags_given`: which flags a run sets.
 
     layer_classes, folder = model_checks.check_model(plan.model, plan)  # ValueError naming the fix
     model_checks.check_frozen_models(plan)                      # --guide-model, --teacher-model
@@ -26,6 +26,7 @@ st_folder.py, token_cache.py, training_data.py.
 """
 
 import dataclasses
+import functools
 import json
 import os
 
@@ -90,23 +91,17 @@ NOT_SPARSE_YET = (
 )  # fmt: skip
 
 
-def check_sparse(spec, plan):
-    """The flags against the model's kind, before any weights load: a sparse (SPLADE) model has a
-    masked-LM head this project knows (built on the meta device: no memory, no time), no Matryoshka
-    sizes (its dimensions are vocabulary entries, in no order) and none of MNRL's options that
-    SpladeLoss does not take here yet; a dense model is given no SPLADE flag."""
+def flags_given(plan, names):
+    """The flags among `names` (Config fields) that the run sets to other than their defaults."""
     defaults = {f.name: f.default for f in dataclasses.fields(config.Config)}
+    return [f"--{n.replace('_', '-')}" for n in names if plan.flags[n] != defaults[n]]
 
-    def given(names):  # the flags of `names` set to other than their defaults
-        return [f"--{n.replace('_', '-')}" for n in names if plan.flags[n] != defaults[n]]
 
-    if not spec.sparse:
-        if given(SPLADE_FLAGS):
-            raise ValueError(
-                f"{given(SPLADE_FLAGS)[0]} is a SPLADE setting, and --model {spec.path} trains dense "
-                "embeddings; drop it, or pass --pooling splade with a masked-LM model"
-            )
-        return
+def check_sparse(spec, plan):
+    """A sparse (SPLADE) model, before any weights load: a masked-LM head this project knows (built
+    on the meta device: no memory, no time), no Matryoshka sizes (its dimensions are vocabulary
+    entries, in no order) and none of MNRL's options that SpladeLoss does not take here yet."""
+    given = functools.partial(flags_given, plan)
     if plan.matryoshka:
         raise ValueError(
             "--matryoshka-dims: a SPLADE model's dimensions are vocabulary entries, in no order; drop it"

@@ -150,10 +150,16 @@ def flags_plan(cfg, world_size, device):
                 f"{metrics_path} already exists; pass --overwrite to replace it, or another --output-dir"
             )
     layer_classes, folder = model_checks.check_model(plan.model, plan)  # the model's folder, read once
-    model_checks.check_sparse(dataclasses.replace(plan.model, folder=folder), plan)
     if plan.guide_model or plan.teacher_model:
         model_checks.check_frozen_models(plan)
     model = dataclasses.replace(plan.model, folder=folder)
+    if model.sparse:  # SPLADE: a masked-LM head, and no option SpladeLoss does not take here
+        model_checks.check_sparse(model, plan)
+    elif splade_flags := model_checks.flags_given(plan, model_checks.SPLADE_FLAGS):
+        raise ValueError(
+            f"{splade_flags[0]} is a SPLADE setting, and --model {model.path} trains dense embeddings; "
+            "drop it, or pass --pooling splade with a masked-LM model"
+        )
     return dataclasses.replace(plan, model=model, layer_classes=layer_classes)
 
 

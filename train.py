@@ -112,21 +112,25 @@ def main(cfg):
             sync = micro_step == plan.grad_accum_steps - 1  # DDP: all-reduce in the last backward only
             # (all ranks participate) FSDP gathers and reduce-scatters every block in each.
             step_loss += forward_backward(model, batch, opts, sync)
-        # One scalar all_reduce: the step's mean loss; a NaN or inf on any rank stops all, unchanged.
+        # One scalar all_reduce: the step's mean loss, the same on every rank.
         if world_size > 1:
             dist.all_reduce(step_loss)  # (all ranks participate)
-        step_loss_value = step_loss.item() / world_size
-        checkpoints.check_loss_finite(step_loss_value, step, plan.output_dir)  # raises on every rank
         # (all ranks participate) under FSDP: the norm of sharded gradients; the whole tables' gradients.
         grad_norm, lr = clip_and_step(model, optimizer, scheduler, scaler, cfg.max_grad_norm)
         progress.update(1)
-        meter.add(batch.train_set.name, step_loss_value, batch.train_set.global_batch)
-        if step % cfg.log_steps == 0 or step == plan.total_steps:  # no collective: rank 0 writes
+        meter.add(batch.train_set.name, step_loss / world_size, batch.train_set.global_batch, step)
+        last = step == plan.total_steps
+        logging = step % cfg.log_steps == 0 or last
+        evaluating = plan.eval_sets and (last or cfg.eval_steps and step % cfg.eval_steps == 0)
+        saving = plan.save_steps and step % plan.save_steps == 0
+        if logging or evaluating or saving:  # the losses since, in one wait for the device: a NaN stops all
+            checkpoints.check_loss_finite(meter.read_losses(), plan.output_dir)
+        if logging:  # no collective: rank 0 writes
             last_loss = log_step(meter, log, progress, step, plan.schedule.epoch_at(step - 1), grad_norm, lr)
-        if plan.eval_sets and ((cfg.eval_steps and step % cfg.eval_steps == 0) or step == plan.total_steps):
+        if evaluating:
             with metrics.timed(meter.paused, "eval"):  # (all ranks participate) and the best export
                 best_value = evaluate_log_export_best(model, loaded, plan, step, best_value, log, last_loss)
-        if plan.save_steps and step % plan.save_steps == 0:
+        if saving:
             with metrics.timed(meter.paused, "save"):  # (all ranks participate) each writes its shard
                 save_state(model, optimizer, scheduler, scaler, plan, loaded, step, best_value)
     progress.close()
@@ -168,7 +172,6 @@ def build_model_and_set_allocator(plan):
     for line in filter(None, (why, allocator, tf32)):
         fsdp_utils.print0(line)
     options = {"sharding": sharding, "fsdp_version": plan.fsdp_version, "precision": plan.precision}
-    # DDP broadcasts rank 0's weights as it wraps.
     model = fsdp_utils.wrap_model(
         raw_model, plan.strategy, plan.device, layer_cls=plan.model.fsdp_layer_cls, **options
     )
@@ -491,6 +494,7 @@ def evaluate(model, loaded, plan):
     metrics in fp32 (embedding_model.autocast)."""
     results = {}
     dims = (plan.matryoshka or [()])[0]  # Matryoshka: every metric at every size too
+    similarity = "dot" if loaded.model.sparse else "cosine"  # SPLADE's retrieval: with its active dims
     autocast = functools.partial(embedding_model.autocast, plan.strategy, plan.device, plan.precision)
     for es in plan.eval_sets:
         options = {"batch_size": plan.eval_batch_size, "device": plan.device, "columns": es.text_columns}
@@ -502,8 +506,7 @@ def evaluate(model, loaded, plan):
             )
         elif es.kind in ("retrieval", "beir"):  # pairs, or a BEIR folder with graded relevance
             retrieval = es.retrieval_set(texts)  # (queries, corpus, relevant)
-            options.update(dims=dims, metrics=es.metric_names)
-            options["similarity"] = "dot" if loaded.model.sparse else "cosine"  # SPLADE: and active dims
+            options.update(dims=dims, metrics=es.metric_names, similarity=similarity)
             scores = eval_dist.evaluate_retrieval(model, loaded.tokenize, *retrieval, **options)
         elif es.kind == "nli":
             # The head runs through the wrapped root, like in training (FSDP gathers it there).

@@ -443,6 +443,23 @@ def test_a_diverged_run_names_the_newest_checkpoint_with_finite_weights(tmp_path
     )
 
 
+def test_a_nan_between_logged_steps_is_named_at_the_next_one(tmp_path, tiny_model):
+    """The step losses are read on the host only before a step that logs, evaluates or saves (one
+    wait for the device, not one a step): step 3's NaN loss, in a run that logs every 4 steps, stops
+    the run at step 4 with step 3 named, and nothing is written: no log line, no export."""
+    out = tmp_path / "out"
+    args = [
+        "--model", tiny_model, "--train-data", data_file("sick-pairs-train.jsonl"), "--max-steps", 4,
+        "--per-device-batch-size", 4, "--max-seq-length", 32, "--lr", 3e38, "--warmup-ratio", 0.25,
+        "--max-grad-norm", 0, "--log-steps", 4, "--output-dir", out,
+    ]  # fmt: skip
+    proc = run_train(args, check=False)
+    errors = [line for line in proc.stderr.splitlines() if line.startswith("error:")]
+    assert proc.returncode == 3 and len(errors) == 1, proc.stderr[-3000:]
+    assert "the loss is nan at step 3" in errors[0], errors
+    assert not (out / "final").exists() and read_metrics(out) == []
+
+
 REMOTE_CODE = '''
 from transformers import BertConfig, BertModel
 

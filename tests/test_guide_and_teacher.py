@@ -92,7 +92,7 @@ def our_step(cfg, rows, columns, loss_name="mnrl", dtype=torch.float32):
         loss_plan=run_plan.loss_plan(plan, cfg, loss_name, False, 0, gather=False),
     )
     features, labels = batches.collate(rows, columns, None, loss_name, loaded.tokenize, "cpu", {})
-    batch = train.prepare_micro_batch(opts, train_set, rows, features, labels)  # the reader's part
+    batch = train.prepare_micro_batch(opts, train_set, rows, features, labels, (0, 1))  # the reader's part
     loss = train.forward_backward(loaded.model, batch, opts, sync=True)
     return loss.item(), loaded.model, opts
 

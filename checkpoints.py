@@ -282,11 +282,13 @@ def restore_checkpoint(resume_dir, model, optimizer, scheduler, scaler, total_st
 def schedule_for_groups(schedule, groups):
     """A saved learning-rate schedule's state for an optimizer with `groups` parameter groups.
     A checkpoint written before FSDP2's shard_grad_op gave the embedding tables a group of their
-    own (fsdp_utils.wrap_fsdp2) has one group fewer; every group follows the same schedule
-    (train.py), so each per-group list holds one value, now given to every group."""
+    own (fsdp_utils.wrap_fsdp2) has one group fewer, and one resumed at a world size or strategy
+    without that group one more; every group follows the same schedule (train.py), so each
+    per-group list holds one value, now given to every group. The schedule's function is a pure
+    function of the step: its saved state (`lr_lambdas`) holds nothing, and is given per group too."""
     if len(schedule["base_lrs"]) == groups or len(set(schedule["base_lrs"])) != 1:
         return schedule
-    one_each = {key: schedule[key][:1] * groups for key in ("base_lrs", "_last_lr")}
+    one_each = {key: schedule[key][:1] * groups for key in ("base_lrs", "_last_lr", "lr_lambdas")}
     return {**schedule, **one_each}
 
 

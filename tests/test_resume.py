@@ -196,3 +196,8 @@ def test_a_schedule_saved_with_one_parameter_group_fewer_resumes_on_the_same_rat
         unbroken.step()
         assert resumed.get_last_lr() == unbroken.get_last_lr() and len(set(unbroken.get_last_lr())) == 1
     assert checkpoints.schedule_for_groups(unbroken.state_dict(), 3) == unbroken.state_dict()
+    # And one group fewer: a run resumed without the tables' group (FSDP2 at world 2, then one
+    # process) loads the 3-group schedule, lr_lambdas too ("list index out of range" otherwise).
+    fewer = run(2, 0)
+    fewer.load_state_dict(checkpoints.schedule_for_groups(run(3, 3).state_dict(), 2))
+    assert fewer.get_last_lr() == run(2, 3).get_last_lr()

@@ -235,3 +235,44 @@ def test_bad_input_ends_with_one_error_line_before_weights_load(
     errors = [line for line in proc.stderr.splitlines() if line.startswith("error:")]
     assert proc.returncode != 0 and len(errors) == 1 and culprit in errors[0], proc.stderr[-2000:]
     assert '"world_size"' not in proc.stdout
+
+
+def test_eval_only_scores_sparse_retrieval_as_sentence_transformers_at_any_world_size(masked_lm, tmp_path):
+    """--eval-only of a SPLADE export on (anchor, positive) pairs, at world 1 and 2, reports the
+    same MRR@10, nDCG@10, recall and active dimensions of the queries and the corpus, equal to
+    sentence-transformers' SparseInformationRetrievalEvaluator on the same folder: the trainer
+    scores a sparse model by dot product (cosine would rank otherwise) and counts its active
+    dimensions as sentence-transformers does."""
+    from sentence_transformers import SparseEncoder
+    from sentence_transformers.sparse_encoder.evaluation import SparseInformationRetrievalEvaluator
+
+    import eval_dist
+
+    warm_run(splade_args(masked_lm, tmp_path / "train", "--max-steps", 2))
+    rows = [json.loads(line) for line in open(data_file("sick-pairs-train.jsonl"))][:60]
+    pairs = tmp_path / "pairs.jsonl"
+    pairs.write_text("".join(json.dumps(row) + "\n" for row in rows))
+    final = tmp_path / "train" / "final"
+    got = []
+    for nproc in (1, 2):
+        out = tmp_path / f"eval-{nproc}"
+        flags = ["--eval-data", pairs, "--eval-type", "retrieval", "--output-dir", out]
+        warm_run(["--model", final, "--eval-only", *flags], nproc=nproc)
+        rows_logged = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+        got.append(next(row["eval"] for row in rows_logged if "eval" in row))
+    assert got[1] == pytest.approx(got[0], rel=1e-9)  # avg_flops: sums in another order
+    queries, corpus, relevant = eval_dist.retrieval_from_pairs(
+        [r["anchor"] for r in rows], [r["positive"] for r in rows]
+    )
+    # Zero-padded ids: sentence-transformers breaks score ties by ascending id, eval_dist by index.
+    theirs = SparseInformationRetrievalEvaluator(
+        {f"q{i:06d}": q for i, q in enumerate(queries)},
+        {f"{i:06d}": c for i, c in enumerate(corpus)},
+        {f"q{i:06d}": {f"{c:06d}" for c in rel} for i, rel in enumerate(relevant)},
+        mrr_at_k=[10], ndcg_at_k=[10], accuracy_at_k=[1, 10], precision_recall_at_k=[1, 10], map_at_k=[10],
+        name="p",
+    )(SparseEncoder(str(final), device="cpu"))  # fmt: skip
+    names = {"mrr@10": "p_dot_mrr@10", "ndcg@10": "p_dot_ndcg@10", "recall@10": "p_dot_recall@10"}
+    names |= {"query_active_dims": "p_query_active_dims", "corpus_active_dims": "p_corpus_active_dims"}
+    for ours, their_name in names.items():
+        assert got[0][f"pairs/{ours}"] == pytest.approx(theirs[their_name], rel=1e-5), ours

@@ -14,7 +14,7 @@
     background thread that reads the next micro-batches while this one computes, tokenizing them
     itself or handing them to worker processes (`TokenizingWorkers`), in order;
   - length-sorted sub-batches (`sub_batches`): a micro-batch's texts of all columns as one pool
-    (embedding_model.pool_columns), cut into runs of similar length, each run one encoder pass
+    (pool_columns), cut into runs of similar length, each run one encoder pass
     padded to its own longest row. Packing the pool's texts end to end instead lives with the
     model (embedding_model.pack, EmbeddingModel.embed_packed).
 
@@ -324,6 +324,21 @@ def flat_texts(rows, text_columns, keys, prompts):
     )
 
 
+def pool_columns(features):
+    """The columns' tokens as one batch: column 0's rows, then column 1's, ... collate gives them
+    one padded length; columns tokenized apart are padded to the longest, on their tokenizer's
+    side (left if any column has a row that starts with padding), with masked zeros; and
+    "pads_left", which side that is, seen here on the CPU so that the model need not read it back
+    from the device (EmbeddingModel.embed)."""
+    T = max(tokens["attention_mask"].shape[1] for tokens in features)
+    left = any(not tokens["attention_mask"][:, 0].all() for tokens in features)
+
+    def pad(v):
+        return torch.nn.functional.pad(v, (T - v.shape[1], 0) if left else (0, T - v.shape[1]))
+
+    return {**{k: torch.cat([pad(tokens[k]) for tokens in features]) for k in features[0]}, "pads_left": left}
+
+
 def per_column(tokens, num_columns, device):
     """One tokenize call's tokens (flat_texts' order) cut back into one dict a column."""
     size = len(tokens["input_ids"]) // num_columns
@@ -613,12 +628,14 @@ def group_count(padded_K, forward_cost):
     return 1 + costs.index(min(costs))
 
 
-def sub_batches(mask_NT, length_buckets, device, equal_sizes=False):
+def sub_batches(mask_NT, length_buckets, device, chunk_size=0):
     """The groups of rows embed_columns runs as one encoder pass each, as row sets of the pool of all text
-    columns (embedding_model.pool_columns; `mask_NT`: its attention mask): consecutive runs of the pool's
-    rows sorted by length, cut where they save the most padding (equal_sizes: into equally many rows, as
-    GradCache needs: see below). `length_buckets`: the number of groups; 0: the number that saves the most
-    (padded tokens plus FORWARD_COST_TOKENS per pass), chosen by each rank alone.
+    columns (pool_columns; `mask_NT`: its attention mask): consecutive runs of the pool's
+    rows sorted by length, cut where they save the most padding (`chunk_size`, GradCache's: into equally
+    many rows, as GradCache needs (see below), then into chunks of at most `chunk_size` rows).
+    `length_buckets`: the number of groups; 0: the number that saves the most (padded tokens plus
+    FORWARD_COST_TOKENS per pass), chosen by each rank alone. Each group comes with the token positions
+    it keeps (with_positions).
 
     Each rank may choose its own: under DDP the wrapped model is called once per micro-batch (GradCache:
     once per chunk, and DDP broadcasts its buffers only in a forward that follows a synchronised one with
@@ -634,8 +651,17 @@ def sub_batches(mask_NT, length_buckets, device, equal_sizes=False):
         count = group_count(
             padded_K, FORWARD_COST_TOKENS.get(torch.device(device).type, FORWARD_COST_TOKENS["cuda"])
         )
-    if equal_sizes:
-        return list(torch.tensor_split(runs(1)[0], count))  # runs(1): all rows, sorted
+    if chunk_size:  # runs(1): all rows, sorted
+        groups = [rows for group in torch.tensor_split(runs(1)[0], count) for rows in group.split(chunk_size)]
+        return with_positions(mask_NT, groups)
     # One forward: the pool as it comes (None), nothing to sort and put back; so its gradients
     # are summed over the rows in batch order, as a plain padded forward sums them.
-    return runs(count) if count > 1 else None
+    return with_positions(mask_NT, runs(count)) if count > 1 else None
+
+
+def with_positions(mask_NT, groups):
+    """Each of `groups` (row-index tensors) as (rows, the token positions that are not padding in
+    every one of them): what embedding_model.select_rows keeps. Found here, on the CPU where the
+    reader holds the mask: on a GPU, selecting them by a boolean mask would make the CPU wait
+    for the GPU at every group."""
+    return [(rows, mask_NT[rows].any(0).nonzero().squeeze(1)) for rows in groups]

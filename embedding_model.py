@@ -8,7 +8,7 @@ every parameter used. `load_model` builds it from a local folder, a SentenceTran
 Under FSDP it builds the model on the meta device when the weights can be read slice by slice,
 so no rank ever holds the whole model (fsdp_utils.load_pretrained_sharded fills the shards).
 `LoadedModel.tokenize` is the one place texts become token ids, in training and evaluation;
-`pool_columns` makes a micro-batch's columns one pool, and `pack` lays its texts end to end in
+`pack` lays its texts end to end in
 packed rows (`EmbeddingModel.embed_packed` runs them).
 
 Needs transformers, safetensors, and config.py, fsdp_utils.py (which needs collectives.py), lora.py,
@@ -126,10 +126,10 @@ class EmbeddingModel(torch.nn.Module):
     ):
         """Token batch -> embeddings (B, D), in batch order. `pool_mask` (B, T): the positions
         pooling keeps, when it leaves out the prompts' tokens (LoadedModel.tokenize; None: the
-        attention mask). `groups` (row-index tensors that
-        together hold every row once: sub_batches) runs the encoder once per group, each without
-        the positions that are padding in all its rows; a Packing (pack) runs it once over packed
-        rows (embed_packed); None runs it once. `pads_left`: see embed. Or, with `head_input`
+        attention mask). `groups` ((rows, positions) pairs whose rows together hold every row
+        once: sub_batches) runs the encoder once per group, at its positions alone (without those
+        that are padding in all its rows); a Packing (pack) runs it once over packed rows
+        (embed_packed); None runs it once. `pads_left`: see embed. Or, with `head_input`
         (B, 3D), the Softmax head's logits. The head goes through forward too, so the wrapper
         sees every parameter used."""
         if head_input is not None:
@@ -153,11 +153,11 @@ class EmbeddingModel(torch.nn.Module):
             return self.embed(tokens, pads_left)
         if isinstance(groups, Packing):
             return self.embed_packed(tokens, groups)
-        pieces = [self.embed(select_rows(tokens, rows), pads_left) for rows in groups]
-        return torch.cat(pieces)[torch.argsort(torch.cat(groups))]
+        pieces = [self.embed(select_rows(tokens, rows, positions), pads_left) for rows, positions in groups]
+        return torch.cat(pieces)[torch.argsort(torch.cat([rows for rows, _ in groups]))]
 
     def embed(self, tokens, pads_left=None):
-        """`pads_left`: whether rows may start with padding, when the caller knows (pool_columns);
+        """`pads_left`: whether rows may start with padding, when the caller knows (batches.pool_columns);
         None: seen from the mask, which waits for the device."""
         tokens = dict(tokens)
         mask_BT = tokens["attention_mask"]
@@ -166,7 +166,22 @@ class EmbeddingModel(torch.nn.Module):
             pads_left = not bool(mask_BT[:, 0].all())
         if self.takes_positions and pads_left:
             tokens["position_ids"] = (mask_BT.long().cumsum(1) - 1).clamp(min=0) + self.first_position
+        if self.cannot_pack is None:  # a ready mask: transformers' would read the mask back (a GPU wait)
+            allowed_B11T = mask_BT.bool()[:, None, None]
+            tokens["attention_mask"] = self.ready_mask(allowed_B11T, tokens["inputs_embeds"].dtype)
         return self.pooled(self.encoder(**tokens).last_hidden_state, pool_mask_BT)
+
+    def ready_mask(self, allowed_B1LL, dtype):
+        """Which keys each query attends to, as the 4D mask that transformers' mask builders pass
+        through unchanged (packing_support): sdpa takes the booleans, eager adds the mask to the
+        scores."""
+        if self.causal:  # earlier keys only, and itself (so no row is all masked: left padding)
+            L = allowed_B1LL.shape[-1]
+            allowed_B1LL = (allowed_B1LL | torch.eye(L, dtype=torch.bool, device=allowed_B1LL.device)).tril()
+        if self.encoder.config._attn_implementation == "sdpa":
+            return allowed_B1LL
+        mask_B1LL = torch.zeros(allowed_B1LL.shape, dtype=dtype, device=allowed_B1LL.device)
+        return mask_B1LL.masked_fill_(~allowed_B1LL, torch.finfo(dtype).min)
 
     def pooled(self, token_states_BTD, mask_BT):
         """Pooling, then the Dense layers, then normalising: sentence-transformers' module order."""
@@ -187,37 +202,14 @@ class EmbeddingModel(torch.nn.Module):
         take_PL = packing.take_PL.clamp(min=0).to(device)
         text_PL = packing.text_PL.to(device)
         allowed_P1LL = (text_PL[:, :, None] == text_PL[:, None, :]).unsqueeze(1)
-        if self.causal:
-            allowed_P1LL = allowed_P1LL.tril()
-        mask_P1LL = allowed_P1LL  # sdpa takes it as it is; eager adds it to the scores
-        if self.encoder.config._attn_implementation == "eager":
-            dtype = tokens["inputs_embeds"].dtype
-            mask_P1LL = torch.zeros(allowed_P1LL.shape, dtype=dtype, device=device)
-            mask_P1LL.masked_fill_(~allowed_P1LL, torch.finfo(dtype).min)
-        # A ready 4D mask goes through transformers' mask builders unchanged (packing_support).
         packed = {
             k: v.flatten(0, 1)[take_PL] for k, v in tokens.items() if k not in ("attention_mask", "pool_mask")
         }
-        packed["attention_mask"] = mask_P1LL
+        packed["attention_mask"] = self.ready_mask(allowed_P1LL, tokens["inputs_embeds"].dtype)
         packed["position_ids"] = packing.position_PL.to(device) + self.first_position
         states_QD = self.encoder(**packed).last_hidden_state.flatten(0, 1)
         pool_mask_BT = tokens.get("pool_mask", tokens["attention_mask"])
         return self.pooled(states_QD[packing.put_NT.to(device)], pool_mask_BT)
-
-
-def pool_columns(features):
-    """The columns' tokens as one batch: column 0's rows, then column 1's, ... collate gives them
-    one padded length; columns tokenized apart are padded to the longest, on their tokenizer's
-    side (left if any column has a row that starts with padding), with masked zeros; and
-    "pads_left", which side that is, seen here on the CPU so that the model need not read it back
-    from the device (EmbeddingModel.embed)."""
-    T = max(tokens["attention_mask"].shape[1] for tokens in features)
-    left = any(not tokens["attention_mask"][:, 0].all() for tokens in features)
-
-    def pad(v):
-        return torch.nn.functional.pad(v, (T - v.shape[1], 0) if left else (0, T - v.shape[1]))
-
-    return {**{k: torch.cat([pad(tokens[k]) for tokens in features]) for k in features[0]}, "pads_left": left}
 
 
 # ----------------------------------------------------------------------------------------------
@@ -236,7 +228,7 @@ class Packing:
 
 def pack(mask_NT):
     """The Packing of a micro-batch's texts, all columns as one pool (`mask_NT`: its attention mask,
-    on the CPU, pool_columns; padding on either side): rows as wide as its longest text, filled
+    on the CPU, batches.pool_columns; padding on either side): rows as wide as its longest text, filled
     first-fit in order of decreasing length (ties in batch order: `first_fit_rows`). A row's
     attention is never wider than the padded batch's, and its other layers compute (almost) only
     real tokens (docs/steps.md: STS-B against a padded batch and sub_batches). Each rank packs its
@@ -352,12 +344,12 @@ def autocast(strategy, device, precision):
     return torch.autocast(device.type, dtype=fsdp_utils.PRECISIONS[precision], enabled=enabled)
 
 
-def select_rows(tokens, rows):
-    """Rows `rows` (an index tensor) of a tokenized column, without the positions that are
-    padding in every one of them: the same as tokenizing those rows alone, and faster."""
-    tokens = {k: v[rows] if torch.is_tensor(v) else v for k, v in tokens.items()}  # pads_left: kept
-    keep_T = tokens["attention_mask"].any(0)
-    return {k: v[:, keep_T] if torch.is_tensor(v) else v for k, v in tokens.items()}
+def select_rows(tokens, rows, positions):
+    """Rows `rows` of a tokenized batch at token `positions` (index tensors; batches.with_positions:
+    those that are not padding in every one of the rows): the same as tokenizing those rows
+    alone, and faster."""
+    # pads_left (not a tensor) is kept
+    return {k: v[rows][:, positions] if torch.is_tensor(v) else v for k, v in tokens.items()}
 
 
 @dataclass

@@ -444,7 +444,8 @@ def wrap_fsdp2(model, device, layer_classes, sharding, low, on_meta):
 
 def all_reduce_replicated(model):
     """Under FSDP2's shard_grad_op: the mean over ranks of the gradients of the embedding tables
-    FSDP leaves whole on every rank (`wrap_fsdp2`), by the rows some rank used. Call it after the
+    FSDP leaves whole on every rank (`wrap_fsdp2`): on the CPU by the rows some rank used, on a
+    GPU whole (counting the rows would make it wait, as wrap_ddp says). Call it after the
     step's last backward, before clipping: a collective (all ranks participate). Nothing to do
     elsewhere."""
     if not is_fsdp2(model):
@@ -453,7 +454,10 @@ def all_reduce_replicated(model):
     for p in tables:
         if p.grad is None:  # not looked up on this rank: a zero gradient, still sent
             p.grad = torch.zeros_like(p)
-    if tables:  # the same tables on every rank
+    if tables and tables[0].device.type != "cpu":  # every row, as DDP's on a GPU (wrap_ddp)
+        for p in tables:  # the same tables on every rank
+            dist.all_reduce(p.grad.div_(dist.get_world_size()))  # (all ranks participate)
+    elif tables:  # the same tables on every rank
         collectives.mean_over_ranks([(p.grad, True) for p in tables])
 
 

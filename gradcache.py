@@ -7,7 +7,8 @@ Limited Setup"): a contrastive batch of any size in the memory of one chunk of r
 
 `embed_chunks(chunks)` embeds the micro-batch's pool of texts (every column's rows, one after the
 other) through the wrapped model in one call, an encoder pass per chunk, in pool order;
-`embed(rows)` embeds one chunk's rows; `chunks` are row sets that hold every row once;
+`embed(rows, positions)` embeds one chunk's rows at its token positions; `chunks` are (rows,
+positions) pairs (batches.sub_batches) whose rows hold every row once;
 `loss_of(embs)` is the micro-batch's loss from its column embeddings (train.embeddings_loss), so
 every loss, --gather-negatives and Matryoshka work unchanged; the gradients equal those of one
 backward through the whole batch (tests/test_gradcache_gather.py). Dropout draws the same masks
@@ -40,7 +41,8 @@ def cached_backward(
 ):
     """GradCache (Gao et al., 2021): backward of the loss of the whole micro-batch while only
     one chunk of rows holds activations. `embed_chunks(chunks)`: the pool's embeddings, an encoder
-    pass per chunk, in pool order; `embed(rows)`: the embeddings of one chunk's rows of the pool;
+    pass per chunk, in pool order; `embed(rows, positions)`: the embeddings of one chunk's rows of
+    the pool, at its token positions;
     `loss_of(embs)`: the micro-batch's loss from its `num_columns` column embeddings. Returns the
     (detached) loss.
 
@@ -72,11 +74,11 @@ def cached_backward(
     # 3. re-embed each chunk with a graph and push its cached gradient through the encoder
     grad_PD = torch.cat([e.grad for e in embs])
     fsdp_utils.set_rng_states(rng)
-    for i, rows in enumerate(chunks):
+    for i, (rows, positions) in enumerate(chunks):
         is_last = i == len(chunks) - 1
         with gradient_sync(sync and is_last):
             with autocast():
-                emb_CD = embed(rows).float()
+                emb_CD = embed(rows, positions).float()
             surrogate = (emb_CD * grad_PD[rows]).sum()
             if is_last and touch_head is not None:  # a zero on every rank, so DDP reduces the head
                 with autocast():

@@ -146,16 +146,14 @@ def tokens_of(frozen, rows, train_set, device, num_columns=None):
     features, _ = batches.collate(
         rows, columns, None, "", frozen.loaded.tokenize, "cpu", train_set.prompts, keys
     )
-    tokens = embedding_model.pool_columns(features)
+    tokens = batches.pool_columns(features)
     # As many forwards on every rank: one packed, or the plan's count of sub-batches (fixed under FSDP),
     # cut into chunks of equally many rows (equal micro-batches make equally many).
     mask_NT = tokens["attention_mask"]
     if frozen.packed:
         groups = embedding_model.pack(mask_NT)
     else:
-        groups = batches.sub_batches(mask_NT, frozen.length_buckets, device, frozen.chunk_size > 0)
-    if frozen.chunk_size:  # at most --cache-chunk-size rows an encoder pass
-        groups = [rows for group in groups for rows in group.split(frozen.chunk_size)]
+        groups = batches.sub_batches(mask_NT, frozen.length_buckets, device, frozen.chunk_size)
     return tokens, groups, len(columns)
 
 

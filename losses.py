@@ -214,6 +214,12 @@ def _mask_duplicates(scores, text_ids, place_B, gather):
     return masked
 
 
+def at_place(place_B, width):
+    """(B, width) booleans, row i True at column place_B[i]: one_hot's, without the range check
+    that reads the indices back from the device (a GPU wait)."""
+    return place_B[:, None] == torch.arange(width, device=place_B.device)
+
+
 def _mnrl_directions(
     emb_anchor_BD, emb_candidates, scale, gather, directions, partition, guide, false_negatives, hardness
 ):
@@ -245,17 +251,17 @@ def _mnrl_directions(
     positive_BD = all_candidates[0][place_B]
     scores = {"query_to_doc": cosine_scores(emb_anchor_BD, cand_ND)}
     if "query_to_query" in directions:
-        same_anchor_BM = F.one_hot(place_B, all_anchors_MD.shape[0]).bool()
+        same_anchor_BM = at_place(place_B, all_anchors_MD.shape[0])
         scores["query_to_query"] = cosine_scores(emb_anchor_BD, all_anchors_MD).masked_fill(
             same_anchor_BM, float("-inf")
         )
     if "doc_to_query" in directions:
         scores["doc_to_query"] = cosine_scores(positive_BD, all_anchors_MD)
     if "doc_to_doc" in directions:
-        row_docs_BN = F.one_hot(place_B, all_candidates[0].shape[0]).bool().repeat(1, len(all_candidates))
+        row_docs_BN = at_place(place_B, all_candidates[0].shape[0]).repeat(1, len(all_candidates))
         scores["doc_to_doc"] = cosine_scores(positive_BD, cand_ND).masked_fill(row_docs_BN, float("-inf"))
     if "positive_to_positive" in directions:
-        same_positive_BP = F.one_hot(place_B, all_candidates[0].shape[0]).bool()
+        same_positive_BP = at_place(place_B, all_candidates[0].shape[0])
         scores["positive_to_positive"] = cosine_scores(positive_BD, all_candidates[0]).masked_fill(
             same_positive_BP, float("-inf")
         )
@@ -357,8 +363,8 @@ def hardness_penalty(cos_BN, place_B, num_columns, mode, strength):
     if mode not in HARDNESS_MODES:
         raise ValueError(f"hardness mode {mode!r}: use one of {HARDNESS_MODES}")
     num_world_rows = cos_BN.shape[1] // num_columns
-    own_docs_BN = F.one_hot(place_B, num_world_rows).bool().repeat(1, num_columns)
-    is_positive_BN = F.one_hot(place_B, cos_BN.shape[1]).bool()
+    own_docs_BN = at_place(place_B, num_world_rows).repeat(1, num_columns)
+    is_positive_BN = at_place(place_B, cos_BN.shape[1])
     penalised_BN = {
         "in_batch_negatives": ~own_docs_BN,
         "hard_negatives": own_docs_BN & ~is_positive_BN,

@@ -275,8 +275,8 @@ class MicroBatch:
     pinned memory when the step runs on a GPU: nothing is left to compute before its forward."""
 
     train_set: object  # training_data.TrainSet
-    pool: dict  # every text column's tokens as one batch (embedding_model.pool_columns)
-    groups: object  # a Packing (embedding_model.pack), sub_batches' row sets, or None: one pass
+    pool: dict  # every text column's tokens as one batch (batches.pool_columns)
+    groups: object  # a Packing (embedding_model.pack), sub_batches' (rows, positions), or None: one pass
     labels: object  # the targets, or None
     text_ids: list | None  # each column's text ids: MNRL's duplicate-safe negatives
     frozen: dict  # the guide's and the teacher's tokens (guide_model.prepare_rows)
@@ -289,12 +289,12 @@ def prepare_micro_batch(opts, train_set, rows, features, labels, progress):
     so that the step itself only copies and computes: the columns pooled, packed (or cut into
     sub-batches), the text ids hashed, the frozen models' texts tokenized, and on a GPU all of it
     in pinned memory, whose copies need not wait (forward_backward copies with non_blocking)."""
-    pool = embedding_model.pool_columns(features)
+    pool = batches.pool_columns(features)
     mask_NT = pool["attention_mask"]
     if opts.packed:
         groups = embedding_model.pack(mask_NT)
     else:
-        groups = batches.sub_batches(mask_NT, opts.length_buckets, opts.device, opts.cache_chunk_size > 0)
+        groups = batches.sub_batches(mask_NT, opts.length_buckets, opts.device, opts.cache_chunk_size)
     ids = None
     if opts.mask_duplicates and train_set.loss == "mnrl":
         ids = [batches.text_ids(rows[c]) for c in train_set.text_columns]
@@ -321,14 +321,12 @@ def forward_backward(model, batch, opts, sync):
         loss = embeddings_loss(model, embs, labels, train_set.loss_plan, ids, guide, batch.progress)
         return loss / opts.grad_accum_steps
 
-    if opts.cache_chunk_size:  # GradCache: the groups cut into chunks, one chunk's activations at a time
-        whole = groups or [torch.arange(len(pool["input_ids"]))]
-        chunks = [rows for group in whole for rows in group.split(opts.cache_chunk_size)]
+    if opts.cache_chunk_size:  # GradCache: one chunk's activations at a time (the reader cut the chunks)
         touch_head = lambda emb: 0.0 * model(head_input=emb[:1].repeat(1, 3)).float().sum()  # noqa: E731
         return gradcache.cached_backward(
             lambda chunks: model(**pool, groups=chunks),
-            lambda rows: model(**embedding_model.select_rows(pool, rows)),
-            chunks,
+            lambda rows, positions: model(**embedding_model.select_rows(pool, rows, positions)),
+            groups,
             batch.num_columns,
             micro_batch_loss,
             sync=sync,
@@ -396,7 +394,7 @@ def log_step(meter, log, progress, step, epoch, grad_norm, lr):
 def embed_columns(model, pool, num_columns, groups=None):
     """The embeddings of each text column, in batch order, through the wrapped `model` (DDP/FSDP
     hook their gradient synchronisation, and FSDP its parameter gathering, into each forward).
-    All `num_columns` columns' rows are embedded as one pool (embedding_model.pool_columns), in
+    All `num_columns` columns' rows are embedded as one pool (batches.pool_columns), in
     one call: `groups` (sub_batches) are row sets of that pool, one encoder pass each, each without
     the positions that are padding in all its rows; a Packing (embedding_model.pack) one pass over
     packed rows; None: one pass for the whole pool. Fewer passes
@@ -532,7 +530,7 @@ def eval_batch_loss(model, es, loaded, plan, indices):
     if plan.mask_duplicates and es.loss == "mnrl":
         ids = [batches.text_ids(rows[c]).to(plan.device) for c in es.text_columns]
     with embedding_model.autocast(plan.strategy, plan.device, plan.precision):
-        embs = embed_columns(model, embedding_model.pool_columns(features), len(features))
+        embs = embed_columns(model, batches.pool_columns(features), len(features))
     return embeddings_loss(model, embs, labels, es.loss_plan, ids)
 
 

@@ -257,7 +257,7 @@ def floor(task, precision, max_steps, work_dir, repeats=3, timed_batches=20):
     def loop(sub_batched):
         started = time.perf_counter()
         for f, y in zip(features, labels):
-            pool = embedding_model.pool_columns(f)
+            pool = batches.pool_columns(f)
             groups = batches.sub_batches(pool["attention_mask"], 0, "cpu") if sub_batched else None
             with autocast():
                 embs = train.embed_columns(loaded.model, pool, len(f), groups)

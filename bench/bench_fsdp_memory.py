@@ -66,6 +66,7 @@ def worker(args):
     import torch.distributed as dist
     import transformers
 
+    import batches
     import embedding_model
     import run_plan
 
@@ -99,7 +100,7 @@ def worker(args):
         ]
         start = time.perf_counter()
         with torch.autocast(device.type, dtype=fsdp_utils.PRECISIONS[args.precision], enabled=use_autocast):
-            embs = train.embed_columns(model, embedding_model.pool_columns(features), len(features))
+            embs = train.embed_columns(model, batches.pool_columns(features), len(features))
             loss = train.embeddings_loss(model, embs, None, run_plan.LossPlan("mnrl"))
         (scaler.scale(loss) if scaler else loss).backward()
         if scaler:

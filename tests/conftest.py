@@ -59,24 +59,25 @@ def start_up(cfg, world_size=1):
 
 def embed_columns(model, features, groups=None):
     """train.embed_columns of the columns `features`, pooled as train.forward_backward pools them."""
-    return train.embed_columns(model, embedding_model.pool_columns(features), len(features), groups)
+    return train.embed_columns(model, batches.pool_columns(features), len(features), groups)
 
 
 def pool_mask(features):
-    """The attention mask of the columns' pool (embedding_model.pool_columns): what pack and
+    """The attention mask of the columns' pool (batches.pool_columns): what pack and
     sub_batches cut."""
-    return embedding_model.pool_columns(features)["attention_mask"]
+    return batches.pool_columns(features)["attention_mask"]
 
 
 def cached_backward(model, features, loss_of, chunk_size, groups=None, has_head=False):
     """gradcache.cached_backward as train.forward_backward calls it: the groups (or the whole pool)
     cut into chunks of `chunk_size` rows, one process (no gradient sync), fp32."""
-    pool = embedding_model.pool_columns(features)
+    pool = batches.pool_columns(features)
     whole = groups or [torch.arange(len(pool["input_ids"]))]
+    chunks = [rows for group in whole for rows in group.split(chunk_size)]
     return gradcache.cached_backward(
         lambda chunks: model(**pool, groups=chunks),
-        lambda rows: model(**embedding_model.select_rows(pool, rows)),
-        [rows for group in whole for rows in group.split(chunk_size)],
+        lambda rows, positions: model(**embedding_model.select_rows(pool, rows, positions)),
+        batches.with_positions(pool["attention_mask"], chunks),
         len(features),
         loss_of,
         sync=True,

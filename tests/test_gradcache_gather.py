@@ -75,6 +75,7 @@ def grads_after(model, backward):
 
 
 def plain(model, features, labels, loss, groups=None, **options):
+    groups = groups and batches.with_positions(pool_mask(features), groups)
     value = micro_batch_loss(model, features, labels, loss, groups=groups, **options)
     value.backward()
     return value
@@ -93,7 +94,8 @@ def cached(model, features, labels, loss, chunk_size, groups=None, **options):
 
 def sorted_groups(features, count=2):
     """Length-sorted sub-batches as train.py forms them under GradCache (--length-buckets 2)."""
-    groups = batches.sub_batches(pool_mask(features), count, "cpu", equal_sizes=True)
+    mask = pool_mask(features)
+    groups = [rows for rows, _ in batches.sub_batches(mask, count, "cpu", chunk_size=len(mask))]
     assert not torch.equal(torch.cat(groups), torch.arange(B * len(features)))  # really reordered
     return groups
 
@@ -105,7 +107,8 @@ def naive_chunked(model, features, labels, loss, chunk_size, groups=None):
         k: torch.cat([tokens[k] for tokens in features]) for k in features[0]
     }  # the columns' rows, one after the other
     rows = [r for g in (groups or [torch.arange(B * len(features))]) for r in g.split(chunk_size)]
-    pieces = [model(**embedding_model.select_rows(pool, r)) for r in rows]
+    chunks = batches.with_positions(pool["attention_mask"], rows)
+    pieces = [model(**embedding_model.select_rows(pool, r, positions)) for r, positions in chunks]
     embs = list(torch.cat(pieces).float()[torch.argsort(torch.cat(rows))].split(B))
     value = train.embeddings_loss(model, embs, labels, run_plan.LossPlan(loss))
     value.backward()

@@ -82,10 +82,13 @@ def test_packed_rows_embed_each_text_as_the_models_own_forward(arch, attention, 
     assert packing.take_PL.numel() < 0.6 * mask_BT.numel()  # the premise: padding is left out
     with torch.no_grad():
         packed = model(input_ids=ids_BT, attention_mask=mask_BT, groups=packing)
+        # and the padded batch, which the encoder takes with a ready 4D mask too (EmbeddingModel.embed)
+        padded = model(input_ids=ids_BT, attention_mask=mask_BT)
         for b in range(len(ids_BT)):  # each row alone, no padding: the model's own forward
             real = mask_BT[b].bool()
             states = encoder(input_ids=ids_BT[b : b + 1, real]).last_hidden_state
             assert (packed[b] - states[0].mean(0)).abs().max().item() <= 1e-5, (arch, b)
+            assert (padded[b] - states[0].mean(0)).abs().max().item() <= 1e-5, (arch, b)
         # The controls: a text attending to its row's other texts, or (absolute positions; rotary
         # ones see only distances) positions that run on across a row, give other embeddings.
         wrong = [embedding_model.Packing(**{**vars(packing), "text_PL": packing.text_PL.clamp(max=0)})]

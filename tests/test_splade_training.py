@@ -78,7 +78,7 @@ def test_one_micro_batch_equals_sentence_transformers_splade_loss(masked_lm, dty
     settings |= {"query_regularizer_weight": 0.002, "document_regularizer_weight": 0.001}
     plan = run_plan.LossPlan("mnrl", scale=1.0, splade=settings)
     features = [loaded.tokenize(texts, [column] * len(texts)) for column, texts in TEXTS.items()]
-    pool = train.embedding_model.pool_columns(features)
+    pool = train.batches.pool_columns(features)
     embs = list(model(**pool).chunk(len(features))) if dtype == torch.float64 else None
     embs = embs or train.embed_columns(model, pool, len(features))
     loss = train.embeddings_loss(model, embs, None, plan, progress=(1, 9))

@@ -81,7 +81,7 @@ def test_sub_batches_embed_as_one_padded_batch(which, tmp_path):
         for count in (2, 3, 5):
             groups = batches.sub_batches(tokens["attention_mask"], count, "cpu")
             assert (
-                max(len(embedding_model.select_rows(tokens, g)["input_ids"][0]) for g in groups[1:])
+                max(len(embedding_model.select_rows(tokens, *g)["input_ids"][0]) for g in groups[1:])
                 < tokens["input_ids"].shape[1]
             )  # shorter
             (sub,) = embed_columns(model, [tokens], groups)
@@ -397,7 +397,8 @@ def test_the_training_loop_feeds_the_encoder_length_sorted_sub_batches(
         )
     )
 
-    seen = [kwargs["attention_mask"] for kwargs in watched]
+    # The encoder takes a ready 4D mask (B, 1, 1, T): which keys every query attends to.
+    seen = [kwargs["attention_mask"][:, 0, 0, :].long() for kwargs in watched]
     tokenizer = transformers.AutoTokenizer.from_pretrained(tiny_model)
     # The pool: every column's rows, embedded together.
     true_lengths = sorted(

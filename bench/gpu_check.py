@@ -15,7 +15,9 @@ batch 32, max length 128, seed 12, the settings of bench_cosent_vs_st.py), each 
   5. 5 steps in fp32 (--tf32 off, dropout 0) on the GPU against the same 5 steps on the CPU: each
      step's loss, the largest relative difference;
   6. with 2 or more GPUs: DDP and FSDP2 at all of them (torchrun), samples/s and peak memory per GPU;
-     fp16 under FSDP2 with a checkpoint saved (--save-steps) and the export written.
+     fp16 under FSDP2 with a checkpoint saved (--save-steps) and the export written;
+  7. the operations that make the host wait for the GPU inside a micro-batch (train.forward_backward,
+     under torch.cuda.set_sync_debug_mode("warn")): packed rows, sub-batches, GradCache; 0 expected.
 It prints one table and writes every number to --json. On a machine without a GPU it says so,
 checks that every command it would run parses (config.parse_config), and exits 0.
 
@@ -39,10 +41,12 @@ sys.path.insert(0, REPO_DIR)
 
 
 def train_flags(steps, out_dir, *extra, save_steps=0):
-    """train.py's flags for one run: CoSENT on STS-B train, bench_cosent_vs_st.py's settings."""
+    """train.py's flags for one run: CoSENT on STS-B train, bench_cosent_vs_st.py's settings. Runs
+    of more than 5 steps log every 50 steps: a logged step waits for its losses."""
     flags = ["--loss", "cosent", "--train-data", os.path.join(REPO_DIR, "data", "stsb-train.jsonl")]
     flags += ["--max-steps", steps, "--per-device-batch-size", SETTINGS["batch"], "--lr", SETTINGS["lr"]]
-    flags += ["--max-seq-length", SETTINGS["max_seq_length"], "--seed", SETTINGS["seed"], "--log-steps", 1]
+    flags += ["--max-seq-length", SETTINGS["max_seq_length"], "--seed", SETTINGS["seed"]]
+    flags += ["--log-steps", 1 if steps <= 5 else 50]
     flags += ["--save-steps", save_steps, "--output-dir", out_dir, "--overwrite", *extra]
     return [str(flag) for flag in flags]
 
@@ -67,6 +71,41 @@ def runs(steps, gpus, work):
             train_flags(steps, out("fsdp-fp16"), *fp16, save_steps=max(1, steps // 2)),
         )
     return plan
+
+
+SYNC_RUNS = {  # train.py's extra flags of each run whose micro-batches are watched (item 7)
+    "packed": [],
+    "sub-batches": ["--packing", "off", "--mask-duplicates"],
+    "gradcache": ["--packing", "off", "--cache-chunk-size", "8"],
+}
+
+
+def count_syncs(flags):
+    """In this process: a train.py run of `flags` with CUDA's sync debug mode on during each
+    micro-batch's forward, loss and backward (train.forward_backward); returns the first line of
+    each warning it gave (each an operation that made the host wait for the GPU)."""
+    import warnings
+
+    import torch
+
+    import config
+    import train
+
+    forward_backward, syncs = train.forward_backward, []
+
+    def watched(*args, **kwargs):
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            torch.cuda.set_sync_debug_mode("warn")
+            try:
+                return forward_backward(*args, **kwargs)
+            finally:
+                torch.cuda.set_sync_debug_mode("default")
+                syncs.extend(str(w.message).splitlines()[0] for w in caught if "synchroniz" in str(w.message))
+
+    train.forward_backward = watched
+    train.main(config.parse_config(flags))
+    return syncs
 
 
 class GpuWatch:
@@ -135,7 +174,13 @@ def main():
     )
     parser.add_argument("--steps", type=int, default=150, help="optimizer steps of each timed run")
     parser.add_argument("--json", default=os.path.join(REPO_DIR, "bench", "results", "gpu_check.json"))
+    parser.add_argument(
+        "--count-syncs", nargs=argparse.REMAINDER, help="(internal) item 7's run of these flags"
+    )
     args = parser.parse_args()
+    if args.count_syncs is not None:
+        print(json.dumps(count_syncs(args.count_syncs)))
+        return
     import torch
 
     import config
@@ -143,10 +188,15 @@ def main():
     gpus = torch.cuda.device_count()
     with tempfile.TemporaryDirectory() as work:
         plan = runs(args.steps, max(gpus, 2), work)
+        sync_flags = {
+            name: train_flags(20, os.path.join(work, f"syncs-{name}"), "--precision", "bf16", *extra)
+            for name, extra in SYNC_RUNS.items()
+        }
         if not gpus:
-            for name, (_, flags) in plan.items():
+            for flags in [flags for _, flags in plan.values()] + list(sync_flags.values()):
                 config.parse_config(flags)  # raises SystemExit on a flag train.py does not know
-            print(f"no GPU found: nothing measured; the {len(plan)} runs this check makes parse")
+            count = len(plan) + len(sync_flags)
+            print(f"no GPU found: nothing measured; the {count} runs this check makes parse")
             return
         plan = runs(args.steps, gpus, work)
         results = {}
@@ -174,6 +224,21 @@ def main():
                         default=None,
                     ),
                 }
+            for name, flags in sync_flags.items():  # item 7, each in a process of its own
+                done = subprocess.run(
+                    [sys.executable, os.path.abspath(__file__), "--count-syncs", *flags],
+                    cwd=REPO_DIR,
+                    capture_output=True,
+                    text=True,
+                )
+                last = done.stdout.strip().splitlines()[-1:] if done.returncode == 0 else []
+                syncs = json.loads(last[0]) if last else None
+                results[f"host waits in a micro-batch, {name}"] = (
+                    {"count": len(syncs), "first": syncs[:3]}
+                    if syncs is not None
+                    else {"error": done.stderr[-500:]}
+                )
+                print(name, "host waits in micro-batches:", results[f"host waits in a micro-batch, {name}"])
             with tempfile.TemporaryDirectory() as peer_dir:
                 started = time.perf_counter()
                 with GpuWatch() as watch:

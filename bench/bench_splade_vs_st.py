@@ -66,11 +66,12 @@ import argparse
 import json
 import os
 import platform
-import socket
 import subprocess
 import sys
 import tempfile
 import time
+
+from bench_cosent_vs_st import launcher  # a torchrun command line on a free local port
 
 REPO_DIR = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 DATA_DIR = os.path.join(REPO_DIR, "data")
@@ -78,22 +79,6 @@ TRAIN_FILE = os.path.join(DATA_DIR, "sick-pairs-train.jsonl")
 HELD_OUT_FILE = os.path.join(DATA_DIR, "sick-pairs-test.jsonl")
 LOG_STEPS = 10  # both trainers log their mean loss over this many steps
 CHECK_MAX_ACTIVE_DIMS = 5000  # the unchanged (sparse) evaluator only where it takes seconds, not minutes
-
-
-def launcher(nproc):
-    if nproc == 1:
-        return [sys.executable]
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    return [
-        sys.executable,
-        "-m",
-        "torch.distributed.run",
-        f"--nproc_per_node={nproc}",
-        "--master_addr=127.0.0.1",
-        f"--master_port={port}",
-    ]
 
 
 def build_start_model(folder, seed, dropout=None):

@@ -175,9 +175,10 @@ class EmbeddingModel(torch.nn.Module):
         """Which keys each query attends to, as the 4D mask that transformers' mask builders pass
         through unchanged (packing_support): sdpa takes the booleans, eager adds the mask to the
         scores."""
-        if self.causal:  # earlier keys only, and itself (so no row is all masked: left padding)
+        if self.causal:  # earlier keys only (a padding row left with none: zeros in sdpa since torch 2.5)
             L = allowed_B1LL.shape[-1]
-            allowed_B1LL = (allowed_B1LL | torch.eye(L, dtype=torch.bool, device=allowed_B1LL.device)).tril()
+            earlier_LL = torch.ones(L, L, dtype=torch.bool, device=allowed_B1LL.device).tril()
+            allowed_B1LL = allowed_B1LL & earlier_LL
         if self.encoder.config._attn_implementation == "sdpa":
             return allowed_B1LL
         mask_B1LL = torch.zeros(allowed_B1LL.shape, dtype=dtype, device=allowed_B1LL.device)

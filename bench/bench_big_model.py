@@ -518,9 +518,9 @@ def ac_worker(args):
     import torch
 
     sys.path.insert(0, REPO_DIR)
-    import config
-    import embedding_model
-    import run_plan
+    from fsdp_embed import config
+    from fsdp_embed import embedding_model
+    from fsdp_embed import run_plan
 
     flags = [
         "--model",

@@ -227,12 +227,12 @@ def floor(task, precision, max_steps, work_dir, repeats=3, timed_batches=20):
     import torch
 
     sys.path.insert(0, REPO_DIR)
-    import batches
-    import config
-    import training_data
-    import embedding_model
-    import run_plan
-    import train
+    from fsdp_embed import batches
+    from fsdp_embed import config
+    from fsdp_embed import training_data
+    from fsdp_embed import embedding_model
+    from fsdp_embed import run_plan
+    from fsdp_embed import __main__ as full_train
 
     torch.manual_seed(SETTINGS["seed"])
     train_file, loss = task_data(task, work_dir)
@@ -260,8 +260,8 @@ def floor(task, precision, max_steps, work_dir, repeats=3, timed_batches=20):
             pool = batches.pool_columns(f)
             groups = batches.sub_batches(pool["attention_mask"], 0, "cpu") if sub_batched else None
             with autocast():
-                embs = train.embed_columns(loaded.model, pool, len(f), groups)
-                loss_value = train.embeddings_loss(loaded.model, embs, y, run_plan.LossPlan(loss))
+                embs = full_train.embed_columns(loaded.model, pool, len(f), groups)
+                loss_value = full_train.embeddings_loss(loaded.model, embs, y, run_plan.LossPlan(loss))
             loss_value.backward()
         return time.perf_counter() - started
 

@@ -76,16 +76,18 @@ def worker(strategy, out_file):
     else:
         sys.path.insert(0, REPO_DIR)
         import eval_dist
-        import config
-        import embedding_model
-        import run_plan
+        from fsdp_embed import config
+        from fsdp_embed import embedding_model
+        from fsdp_embed import run_plan
         import fsdp_utils
+
+        from fsdp_embed import sharding
 
         rank, world_size, device = fsdp_utils.setup_dist(timeout_minutes=10)
         try:
             cfg = config.Config(model="all-MiniLM-L6-v2", max_seq_length=MAX_SEQ_LENGTH)
             loaded = embedding_model.load_model(run_plan.resolve_flags(cfg, 1, device).model)
-            model = fsdp_utils.wrap_model(
+            model = sharding.wrap_model(
                 loaded.model.to(device), strategy, device, sharding="full_shard", fsdp_version=1
             )
             options = {"batch_size": BATCH_SIZE, "device": device}

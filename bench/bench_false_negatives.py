@@ -162,7 +162,7 @@ def masked_per_anchor(triplets, model_dir, args):
     from sentence_transformers import SentenceTransformer
 
     sys.path.insert(0, str(REPO_DIR))
-    import batches
+    from fsdp_embed import batches
     import losses
 
     rows = read_jsonl(triplets)

@@ -26,7 +26,7 @@ import torch.distributed as dist
 import transformers
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-import collectives  # noqa: E402
+from fsdp_embed import collectives  # noqa: E402
 
 
 def unit_sizes():

@@ -2,7 +2,7 @@
 initialised bert-base-sized encoder (`BertConfig()` defaults, 109M parameters), at 2 and 4 ranks.
 
 For every configuration it runs a few MNRL training steps through the same code as train.py
-(fsdp_utils.wrap_model, train.build_optimizer, train.embed_columns, train.embeddings_loss) on
+(sharding.wrap_model, full_train.build_optimizer, full_train.embed_columns, full_train.embeddings_loss) on
 random token batches and reports, per rank:
   - state MB: bytes of parameters + gradients + optimizer state, summed over the distinct
     storages those local tensors live in (a sharded parameter counts its local shard only),
@@ -66,12 +66,14 @@ def worker(args):
     import torch.distributed as dist
     import transformers
 
-    import batches
-    import embedding_model
-    import run_plan
+    from fsdp_embed import batches
+    from fsdp_embed import embedding_model
+    from fsdp_embed import run_plan
 
     import fsdp_utils
-    import train
+
+    from fsdp_embed import sharding
+    from fsdp_embed import __main__ as full_train
 
     rank, world_size, device = fsdp_utils.setup_dist(10)
     torch.manual_seed(0)
@@ -80,10 +82,10 @@ def worker(args):
     no_decay = {n for n, p in raw_model.named_parameters() if p.ndim < 2}
     options = json.loads(args.options)
     strategy = options.pop("strategy")
-    model = fsdp_utils.wrap_model(raw_model, strategy, device, precision=args.precision, **options)
+    model = sharding.wrap_model(raw_model, strategy, device, precision=args.precision, **options)
     fused = not (args.precision == "fp16" and strategy == "fsdp")
-    optimizer = train.build_optimizer(model, no_decay, 1e-5, 0.01, fused=fused)
-    scaler = fsdp_utils.grad_scaler(model, args.precision, device)
+    optimizer = full_train.build_optimizer(model, no_decay, 1e-5, 0.01, fused=fused)
+    scaler = sharding.grad_scaler(model, args.precision, device)
     use_autocast = args.precision != "fp32" and strategy == "ddp"
 
     generator = torch.Generator().manual_seed(rank)
@@ -100,12 +102,12 @@ def worker(args):
         ]
         start = time.perf_counter()
         with torch.autocast(device.type, dtype=fsdp_utils.PRECISIONS[args.precision], enabled=use_autocast):
-            embs = train.embed_columns(model, batches.pool_columns(features), len(features))
-            loss = train.embeddings_loss(model, embs, None, run_plan.LossPlan("mnrl"))
+            embs = full_train.embed_columns(model, batches.pool_columns(features), len(features))
+            loss = full_train.embeddings_loss(model, embs, None, run_plan.LossPlan("mnrl"))
         (scaler.scale(loss) if scaler else loss).backward()
         if scaler:
             scaler.unscale_(optimizer)
-        fsdp_utils.clip_grad_norm(model, 1.0)
+        sharding.clip_grad_norm(model, 1.0)
         (scaler.step(optimizer), scaler.update()) if scaler else optimizer.step()
         if step == args.steps - 1:
             held = state_bytes(model, optimizer)  # before zero_grad frees the gradients

@@ -165,7 +165,7 @@ def timed(command, out):
 def rank_worker(out, mine_argv):
     """Run as the launched script: mine.main, then this rank's peak RSS to OUT/rss-RANK.json."""
     sys.path.insert(0, str(REPO_DIR))
-    import mine
+    from fsdp_embed import mine
 
     code = mine.main(mine_argv)
     rank = os.environ.get("RANK", "0")

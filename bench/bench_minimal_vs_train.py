@@ -1,15 +1,15 @@
-"""Benchmark: minimal_train.py, the one-file reference, beside train.py on the same run: what
+"""Benchmark: train.py, the one-file reference, beside train.py on the same run: what
 train.py's extra machinery buys in samples/s.
 
 Three programs, each on the same command line (all-MiniLM-L6-v2, 2 processes, global batch 32,
 lr 2e-5, 10% warm-up, max length 128, seed 12, --steps steps):
-  minimal:        minimal_train.py (one padded forward a micro-batch, texts tokenized as read);
-  train_same:     train.py with the flags of minimal_train.py's "train.py flags for the same path"
-                  line (the same computation: tests/test_minimal_train.py proves the same weights);
+  minimal:        train.py (one padded forward a micro-batch, texts tokenized as read);
+  train_same:     train.py with the flags of train.py's "train.py flags for the same path"
+                  line (the same computation: tests/test_train.py proves the same weights);
   train_default:  train.py at its defaults (packed rows, ids tokenized once into a file, the
                   reader thread; FSDP2 under --strategy fsdp).
 Tasks: mnrl (MultipleNegativesRanking on sick-pairs-train.jsonl) and cosent (CoSENT on
-stsb-train.jsonl); strategies ddp and fsdp (minimal_train.py and train_same: FSDP1;
+stsb-train.jsonl); strategies ddp and fsdp (train.py and train_same: FSDP1;
 train_default: FSDP2, --sharding auto). samples/s is each program's own summary (the training
 loop alone: evaluation and the export left out); STS-B dev Spearman (x100) after the last step, as
 each evaluates it. Each run --rounds times, the order turned round each round (this machine's speed
@@ -32,16 +32,16 @@ from bench_fsdp_vs_ddp import free_port, run_timed
 REPO_DIR = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO_DIR))
 
-import minimal_train  # noqa: E402  (its docstring names train.py's flags for the same path)
+import train  # noqa: E402  (its docstring names train.py's flags for the same path)
 
 FILES = {"mnrl": "sick-pairs-train.jsonl", "cosent": "stsb-train.jsonl"}
 PROGRAMS = ("minimal", "train_same", "train_default")
 
 
 def same_path_flags(strategy):
-    """train.py's flags for minimal_train.py's path, as its docstring gives them."""
+    """train.py's flags for train.py's path, as its docstring gives them."""
     line = next(
-        x for x in minimal_train.__doc__.splitlines() if x.startswith("train.py flags for the same path:")
+        x for x in train.__doc__.splitlines() if x.startswith("train.py flags for the same path:")
     )
     flags, _, fsdp = line.split(":", 1)[1].partition("(FSDP:")
     return flags.split() + (fsdp.rstrip(")").split() if strategy == "fsdp" else [])
@@ -49,7 +49,7 @@ def same_path_flags(strategy):
 
 def run(program, task, strategy, args, out):
     """(samples/s, STS-B dev Spearman x100, cores kept busy by other processes or None)."""
-    script = "minimal_train.py" if program == "minimal" else "train.py"
+    script = "train.py" if program == "minimal" else "train.py"
     command = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2"]
     command += ["--master_addr=127.0.0.1", f"--master_port={free_port()}", str(REPO_DIR / script)]
     command += ["--loss", task, "--train-data", str(REPO_DIR / "data" / FILES[task])]

@@ -25,10 +25,10 @@ sys.path.insert(0, REPO_DIR)
 
 import datasets  # noqa: E402
 
-import batches  # noqa: E402
+from fsdp_embed import batches  # noqa: E402
 
 
-import training_data  # noqa: E402
+from fsdp_embed import training_data  # noqa: E402
 
 
 def synthetic_pairs(num_rows, seed=0):

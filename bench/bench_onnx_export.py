@@ -23,11 +23,11 @@ import torch
 REPO_DIR = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, REPO_DIR)
 
-import config  # noqa: E402
+from fsdp_embed import config  # noqa: E402
 
-import embedding_model  # noqa: E402
-import run_plan  # noqa: E402
-import st_folder  # noqa: E402
+from fsdp_embed import embedding_model  # noqa: E402
+from fsdp_embed import run_plan  # noqa: E402
+from fsdp_embed import st_folder  # noqa: E402
 
 
 TEXTS = [

@@ -66,8 +66,8 @@ def pack_time(pairs_file, num_pairs=256, calls=50):
     import transformers
 
     sys.path.insert(0, str(REPO_DIR))
-    import batches
-    import embedding_model
+    from fsdp_embed import batches
+    from fsdp_embed import embedding_model
 
     torch.set_num_threads(1)
     with open(pairs_file) as f:

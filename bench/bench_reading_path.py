@@ -5,11 +5,11 @@ reading path), per project file, and the files one micro-batch's forward, loss a
     python bench/bench_reading_path.py --json out.json
     python bench/bench_reading_path.py --nproc 1 -- --strategy fsdp   # other flags for train.py
 
-It launches `torchrun --nproc_per_node=N` on this script, which runs train.main in each process
+It launches `torchrun --nproc_per_node=N` on this script, which runs full_train.main in each process
 under a profiler hook (every thread) that notes each function of the project's top-level files
 the run calls; the reading path is the union, over the ranks, of those functions' lines (a nested
 function's lines once, inside its outer one), docstrings and comments included: what a reader
-meets at each call. While train.forward_backward runs (one micro-batch), the files of the
+meets at each call. While full_train.forward_backward runs (one micro-batch), the files of the
 functions it calls are noted apart. Nothing here changes what the run does.
 
 Left out on purpose: code reached only through torch or transformers (not the project's), and
@@ -41,10 +41,10 @@ def function_spans(path):
 
 
 def worker(out_dir, train_args):
-    """One rank: train.main under the hook; writes rank-N.json with the functions it entered."""
+    """One rank: full_train.main under the hook; writes rank-N.json with the functions it entered."""
     sys.path.insert(0, str(REPO_DIR))
-    import config
-    import train
+    from fsdp_embed import config
+    from fsdp_embed import __main__ as full_train
 
     entered, in_step, stepping = set(), set(), threading.local()
     project = {str(p) for p in REPO_DIR.glob("*.py")}
@@ -56,7 +56,7 @@ def worker(out_dir, train_args):
             if getattr(stepping, "on", False):
                 in_step.add(where)
 
-    forward_backward = train.forward_backward
+    forward_backward = full_train.forward_backward
 
     def watched(*args, **kwargs):
         stepping.on = True
@@ -65,11 +65,11 @@ def worker(out_dir, train_args):
         finally:
             stepping.on = False
 
-    train.forward_backward = watched
+    full_train.forward_backward = watched
     threading.setprofile(hook)
     sys.setprofile(hook)
     try:
-        train.main(config.parse_config(train_args))
+        full_train.main(config.parse_config(train_args))
     finally:
         sys.setprofile(None)
         threading.setprofile(None)

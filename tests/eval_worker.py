@@ -41,10 +41,10 @@ REPO_DIR = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO_DIR))
 
 import eval_dist  # noqa: E402
-import batches  # noqa: E402
-import config  # noqa: E402
-import embedding_model  # noqa: E402
-import fsdp_utils  # noqa: E402
+from fsdp_embed import batches  # noqa: E402
+from fsdp_embed import config  # noqa: E402
+from fsdp_embed import embedding_model  # noqa: E402
+from fsdp_embed import sharding  # noqa: E402
 import losses  # noqa: E402
 from conftest import exit_without_teardown, load_model, micro_batch_loss  # noqa: E402
 
@@ -135,9 +135,9 @@ def wrap(raw_model, strategy):
     if strategy in ("single", "none"):
         return raw_model
     if strategy == "ddp":
-        return fsdp_utils.wrap_model(raw_model, "ddp", torch.device("cpu"))
+        return sharding.wrap_model(raw_model, "ddp", torch.device("cpu"))
     version = {"fsdp1": 1, "fsdp2": 2}[strategy]
-    return fsdp_utils.wrap_model(
+    return sharding.wrap_model(
         raw_model, "fsdp", torch.device("cpu"), sharding="full_shard", fsdp_version=version
     )
 

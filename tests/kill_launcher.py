@@ -26,7 +26,7 @@ from pathlib import Path
 REPO_DIR = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO_DIR))
 
-import checkpoints  # noqa: E402
+from fsdp_embed import checkpoints  # noqa: E402
 
 
 def arm(where, step, rank, signal_name="KILL"):
@@ -76,5 +76,5 @@ def arm(where, step, rank, signal_name="KILL"):
 
 if __name__ == "__main__":
     arm(*sys.argv[1].split(":"))
-    sys.argv = [str(REPO_DIR / "train.py"), *sys.argv[2:]]
-    runpy.run_path(sys.argv[0], run_name="__main__")
+    sys.argv = [str(REPO_DIR / "fsdp_embed" / "__main__.py"), *sys.argv[2:]]
+    runpy.run_module("fsdp_embed", run_name="__main__", alter_sys=True)  # python -m fsdp_embed

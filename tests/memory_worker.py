@@ -24,16 +24,16 @@ from torch.utils._pytree import tree_leaves
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-import batches  # noqa: E402
+from fsdp_embed import batches  # noqa: E402
 
-import config  # noqa: E402
+from fsdp_embed import config  # noqa: E402
 
-import embedding_model  # noqa: E402
+from fsdp_embed import embedding_model  # noqa: E402
 
-import export  # noqa: E402
+from fsdp_embed import export  # noqa: E402
 
-import fsdp_utils  # noqa: E402
-import train  # noqa: E402
+from fsdp_embed import sharding  # noqa: E402
+from fsdp_embed import __main__ as full_train  # noqa: E402
 
 
 class LargestTensor(TorchDispatchMode):
@@ -124,19 +124,19 @@ def during(phase, function):
 
 embedding_model.load_model = during("load", count_forwards(embedding_model.load_model))
 batches.micro_batches = watch_steps(batches.micro_batches)
-fsdp_utils.wrap_model = during("load", fsdp_utils.wrap_model)
+sharding.wrap_model = during("load", sharding.wrap_model)
 embedding_model.init_non_persistent_buffers = during("load", embedding_model.init_non_persistent_buffers)
-fsdp_utils.load_pretrained_sharded = during("load", fsdp_utils.load_pretrained_sharded)
+sharding.load_pretrained_sharded = during("load", sharding.load_pretrained_sharded)
 export.export_model = during("export", export.export_model)
-clip_grad_norm = fsdp_utils.clip_grad_norm
-fsdp_utils.clip_grad_norm = lambda *args, **kwargs: (step_ends(), clip_grad_norm(*args, **kwargs))[
+clip_grad_norm = sharding.clip_grad_norm
+sharding.clip_grad_norm = lambda *args, **kwargs: (step_ends(), clip_grad_norm(*args, **kwargs))[
     1
 ]  # backward is over
 
 cfg = config.parse_config()
 rank = int(os.environ["RANK"])
 try:
-    train.main(cfg)
+    full_train.main(cfg)
 finally:
     if dist.is_initialized():
         dist.destroy_process_group()

@@ -3,7 +3,7 @@ and output on this rank, and whether autocast was on when the loss ran. Then, fr
 embeddings, the loss in fp32 outside autocast and the loss under bf16 autocast, as references.
 And how the encoder's first Linear layer computed in each evaluation forward: in autocast (its
 dtype) or not, and its weight's dtype (FSDP's own cast). train.py itself is unchanged;
-losses.mnrl_loss and fsdp_utils.wrap_model are wrapped here. Writes OUTPUT_DIR/loss-rank-R.json;
+losses.mnrl_loss and sharding.wrap_model are wrapped here. Writes OUTPUT_DIR/loss-rank-R.json;
 the arguments are train.py's.
 
 Run by tests/test_fsdp_precision.py:  torchrun --nproc_per_node=2 tests/precision_worker.py ARGS...
@@ -18,10 +18,10 @@ import torch.distributed as dist
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-import config  # noqa: E402
-import fsdp_utils  # noqa: E402
+from fsdp_embed import config  # noqa: E402
+from fsdp_embed import sharding  # noqa: E402
 import losses  # noqa: E402
-import train  # noqa: E402
+from fsdp_embed import __main__ as full_train  # noqa: E402
 
 seen = []
 mnrl_loss = losses.mnrl_loss
@@ -37,7 +37,7 @@ def watched(anchor, candidates, **options):
 
 losses.mnrl_loss = watched
 evaluation_forwards = []  # (autocast dtype or None, the weight's dtype) of each
-wrap_model = fsdp_utils.wrap_model
+wrap_model = sharding.wrap_model
 
 
 def note_evaluation_forward(module, args):
@@ -52,10 +52,10 @@ def wrap_and_watch(model, *args, **kwargs):
     return wrap_model(model, *args, **kwargs)
 
 
-fsdp_utils.wrap_model = wrap_and_watch
+sharding.wrap_model = wrap_and_watch
 cfg = config.parse_config()
 try:
-    train.main(cfg)
+    full_train.main(cfg)
 finally:
     if dist.is_initialized():
         dist.destroy_process_group()

@@ -10,11 +10,11 @@ Run: python -m pytest tests/test_activation_checkpointing.py
 import pytest
 from conftest import assert_same_training, data_file, warm_run
 
-import config
+from fsdp_embed import config
 
-import embedding_model
+from fsdp_embed import embedding_model
 
-import train
+from fsdp_embed import __main__ as full_train
 
 ARGS = [
     "--train-data",
@@ -52,7 +52,7 @@ def test_each_block_runs_twice_a_step_with_it(tmp_path, tiny_model, monkeypatch)
 
     monkeypatch.setattr(embedding_model, "load_model", load_and_count)
     for flags in ([], ["--activation-checkpointing"]):
-        train.main(
+        full_train.main(
             config.parse_config(
                 [
                     str(a)

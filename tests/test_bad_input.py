@@ -17,8 +17,8 @@ import time
 
 import pytest
 from conftest import data_file, run_train, start_up
-import training_data
-import config
+from fsdp_embed import training_data
+from fsdp_embed import config
 
 
 def write_jsonl(path, rows):
@@ -855,7 +855,7 @@ def test_bad_input_stops_every_rank_at_start_up_with_one_message(results, case):
 @pytest.mark.parametrize("case", IN_PROCESS_CASES, ids=[c[0] for c in IN_PROCESS_CASES])
 def test_more_bad_input_is_refused_by_the_start_up_checks(tmp_path, case):
 
-    import config
+    from fsdp_embed import config
 
     name, setup, expected = case
     extra = setup(tmp_path)
@@ -938,7 +938,7 @@ def test_resume_auto_on_a_finished_run_checks_its_settings(tmp_path, tiny_model)
     train.py writes it), then --resume auto: nothing to do for the same run; another run (here
     another seed) is refused, not silently "finished"."""
 
-    import train
+    from fsdp_embed import __main__ as full_train
 
     out = tmp_path / "out"
     args = [
@@ -955,7 +955,7 @@ def test_resume_auto_on_a_finished_run_checks_its_settings(tmp_path, tiny_model)
         "--output-dir",
         str(out),
     ]
-    train.main(config.parse_config(args))
+    full_train.main(config.parse_config(args))
     assert (out / "final" / "training_config.json").exists()
     assert start_up(config.parse_config([*args, "--resume", "auto"]), 1).finished
     with pytest.raises(ValueError, match=r"--seed 12 \(this run: 99\)"):

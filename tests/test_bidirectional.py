@@ -36,10 +36,10 @@ from conftest import (
     warm_run,
 )
 
-import batches
-import config
-import model_card
-import train
+from fsdp_embed import batches
+from fsdp_embed import config
+from fsdp_embed import model_card
+from fsdp_embed import __main__ as full_train
 
 PROMPTS = {"anchor": "task: search result | query: ", "positive": "title: none | text: "}
 
@@ -165,7 +165,7 @@ def test_the_export_attends_both_ways_keeps_its_dense_layers_and_embeds_as_train
         "--per-device-batch-size", 8, "--max-steps", 3, "--lr", 1e-3, "--dropout", 0,
         "--bidirectional", "--no-include-prompt", "--prompts", json.dumps(PROMPTS), "--output-dir", out,
     ]  # fmt: skip
-    trained = train.main(config.parse_config([str(a) for a in args])).eval()
+    trained = full_train.main(config.parse_config([str(a) for a in args])).eval()
     final = out / "final"
     kinds = [m["type"].rsplit(".", 1)[-1] for m in json.loads((final / "modules.json").read_text())]
     assert kinds == ["Transformer", "Pooling", "Dense", "Dense", "Normalize"]

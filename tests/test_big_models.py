@@ -45,10 +45,10 @@ from conftest import (
 )
 from safetensors import safe_open
 
-import config
+from fsdp_embed import config
 
 
-import train
+from fsdp_embed import __main__ as full_train
 
 ARGS = [
     "--train-data",
@@ -151,7 +151,7 @@ def test_fsdp2_training_never_holds_a_whole_gradient(tmp_path):
     model, set to None after each step) and a few blocks, far less than a whole gradient more;
     so it does with 2 accumulation steps, where every backward reduce-scatters (FSDP's no-sync
     would keep the unsharded gradients; GradCache's chunks go through the same
-    train.gradient_sync).
+    full_train.gradient_sync).
     The control: with --length-buckets 2 (two forwards before one backward) the same watch sees
     most of a whole gradient more (autograd keeps each block's gradient from the second forward
     until backward reaches the first forward's block)."""
@@ -274,7 +274,7 @@ def test_sharded_export_loads_in_sentence_transformers_and_automodel(dtype, tole
             ]
         ]
     )
-    model = train.main(cfg)
+    model = full_train.main(cfg)
     final = tmp_path / "out" / "final"
     index = json.loads((final / "model.safetensors.index.json").read_text())
     torch_dtype = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}[dtype]
@@ -301,7 +301,7 @@ def test_a_bf16_checkpoint_trains_fp32_master_weights(tmp_path):
     base = tiny_decoder(tmp_path / "base", "llama")
     transformers.LlamaModel.from_pretrained(base, dtype=torch.bfloat16).save_pretrained(tmp_path / "base")
     # lr 1e-6: an update far below bf16's resolution, which bf16 weights would round away.
-    model = train.main(
+    model = full_train.main(
         config.parse_config(
             [
                 str(a)

@@ -1,4 +1,4 @@
-"""On CPU, train.py keeps freed large blocks for reuse (fsdp_utils.set_cpu_allocator) in single and
+"""On CPU, train.py keeps freed large blocks for reuse (sharding.set_cpu_allocator) in single and
 DDP runs and under FSDP's shard_grad_op: a tensor made and freed every step, like the dense
 gradient of the word embeddings, is not faulted in again page by page at each step. Not under
 FSDP's full_shard (memory first: freed blocks go back to the system at once), and not when the
@@ -23,11 +23,11 @@ from conftest import REPO_DIR
 PROBE = """
 import json, resource, sys, torch
 sys.path.insert(0, sys.argv[1])
-import fsdp_utils
-import train
+from fsdp_embed import sharding
+from fsdp_embed import __main__ as full_train
 if sys.argv[2] != "default":
     strategy, _, sharding = sys.argv[2].partition(":")
-    print(fsdp_utils.set_cpu_allocator(torch.device("cpu"), strategy, sharding))
+    print(sharding.set_cpu_allocator(torch.device("cpu"), strategy, sharding))
 words = torch.nn.Embedding(30522, 384)
 ids = torch.randint(0, 30522, (32, 20))
 faults = []

@@ -29,11 +29,11 @@ from conftest import (
     tiny_decoder,
 )
 
-import batches
-import config
-import embedding_model
-import run_plan
-import train
+from fsdp_embed import batches
+from fsdp_embed import config
+from fsdp_embed import embedding_model
+from fsdp_embed import run_plan
+from fsdp_embed import __main__ as full_train
 
 pytestmark = pytest.mark.quick  # the quick tier: python -m pytest tests -m quick
 
@@ -129,7 +129,7 @@ def test_one_step_equals_sentence_transformers_forward_and_backward(tmp_path, ge
         loss = cached_backward(
             loaded.model,
             features,
-            lambda embs: train.embeddings_loss(loaded.model, embs, None, run_plan.LossPlan("mnrl")),
+            lambda embs: full_train.embeddings_loss(loaded.model, embs, None, run_plan.LossPlan("mnrl")),
             2,
         )
     else:

@@ -1,9 +1,9 @@
-"""DDP's all-reduce sends only the embedding rows some rank used (fsdp_utils.wrap_model's
+"""DDP's all-reduce sends only the embedding rows some rank used (sharding.wrap_model's
 communication hook, collectives.all_reduce_embedding_rows), and the gradients it leaves are the
 dense mean over ranks, the one DDP's own all-reduce gives. The same under FSDP2's shard_grad_op,
 which leaves the trainable embedding tables whole on every rank, out of its collectives
-(fsdp_utils.wrap_fsdp2), and averages their gradients by the rows used once a step
-(fsdp_utils.all_reduce_replicated); its other weights (and a frozen table) stay sharded.
+(sharding.wrap_fsdp2), and averages their gradients by the rows used once a step
+(sharding.all_reduce_replicated); its other weights (and a frozen table) stay sharded.
 
 Two gloo processes, each with its own token ids: rows only rank 0 used, rows only rank 1 used,
 rows both used, and rows neither used. The reference is independent of DDP: each rank's
@@ -25,7 +25,7 @@ import torch.distributed as dist
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-import fsdp_utils  # noqa: E402
+from fsdp_embed import sharding  # noqa: E402
 from conftest import exit_without_teardown, warm_run  # noqa: E402
 
 pytestmark = pytest.mark.quick  # the quick tier: python -m pytest tests -m quick
@@ -77,10 +77,10 @@ def worker(rank, folder):
         model = Tiny()
         model.load_state_dict(reference.state_dict())
         if strategy == "ddp":
-            wrapped = fsdp_utils.wrap_model(model, "ddp", torch.device("cpu"))
+            wrapped = sharding.wrap_model(model, "ddp", torch.device("cpu"))
         else:  # the root alone (Tiny has no repeated block), as wrap_model's FSDP2 does it
-            wrapped = fsdp_utils.wrap_fsdp2(model, torch.device("cpu"), [], "shard_grad_op", None, False)
-            found["whole"] = sorted(n for n, p in model.named_parameters() if not fsdp_utils.is_sharded(p))
+            wrapped = sharding.wrap_fsdp2(model, torch.device("cpu"), [], "shard_grad_op", None, False)
+            found["whole"] = sorted(n for n, p in model.named_parameters() if not sharding.is_sharded(p))
         worst, sent_per_step = [0.0, 0.0], []  # [the other weights, the tables (words, positions)]
         for step, micro_batches in enumerate([1, 2, 1]):
             sent.clear()
@@ -92,7 +92,7 @@ def worker(rank, folder):
                 else:
                     wrapped(ids).backward()
                 reference(ids).backward()
-            fsdp_utils.all_reduce_replicated(wrapped)  # FSDP2: the whole tables; DDP: nothing
+            sharding.all_reduce_replicated(wrapped)  # FSDP2: the whole tables; DDP: nothing
             # The reference: each rank's own gradient, gathered, averaged by hand.
             for name, p in reference.named_parameters():
                 if p.grad is None:
@@ -101,7 +101,7 @@ def worker(rank, folder):
                 dist.all_gather(grads, p.grad)
                 expected = (grads[0] + grads[1]) / 2
                 got = dict(model.named_parameters())[name].grad
-                got = got.full_tensor() if fsdp_utils.is_sharded(got) else got
+                got = got.full_tensor() if sharding.is_sharded(got) else got
                 # relative to the gradient's scale (FSDP2 reduce-scatters `mix` in each micro-step:
                 # the same sum in another order); the tables' are compared on their own below
                 error = ((got - expected).abs().max() / expected.abs().max()).item()

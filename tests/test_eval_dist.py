@@ -438,8 +438,8 @@ def test_a_beir_folder_scores_as_sentence_transformers_and_graded_ndcg_as_by_han
     from sentence_transformers import SentenceTransformer
     from sentence_transformers.sentence_transformer.evaluation import InformationRetrievalEvaluator
 
-    import config
-    import train
+    from fsdp_embed import config
+    from fsdp_embed import __main__ as full_train
 
     folder = beir_folder(tmp_path / "sick-beir")
     cfg = config.parse_config(["--eval-data", str(folder), "--eval-only", "--max-seq-length", "64"])
@@ -447,7 +447,7 @@ def test_a_beir_folder_scores_as_sentence_transformers_and_graded_ndcg_as_by_han
     (es,) = plan.eval_sets
     assert es.kind == "beir" and len(es.beir.queries) == 60 and len(es.beir.corpus) == 150
     loaded = load_model(cfg, 0)
-    ours = train.evaluate(loaded.model, loaded, plan)
+    ours = full_train.evaluate(loaded.model, loaded, plan)
     chunked = eval_dist.evaluate_retrieval(
         loaded.model,
         loaded.tokenize,

@@ -17,14 +17,14 @@ import transformers
 from conftest import DATA_DIR, data_file, load_model
 from sentence_transformers import SentenceTransformer
 
-import config
+from fsdp_embed import config
 
-import embedding_model
+from fsdp_embed import embedding_model
 
-import export
-import st_folder
+from fsdp_embed import export
+from fsdp_embed import st_folder
 
-import train
+from fsdp_embed import __main__ as full_train
 
 pytestmark = pytest.mark.quick  # the quick tier: python -m pytest tests -m quick
 
@@ -69,7 +69,7 @@ def test_export_loads_in_sentence_transformers_with_identical_embeddings(start, 
         output_dir=str(tmp_path),
         log_steps=1,
     )
-    raw_model = train.main(cfg)
+    raw_model = full_train.main(cfg)
     final = tmp_path / "final"
 
     st_model = SentenceTransformer(str(final), device="cpu")

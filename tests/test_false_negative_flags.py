@@ -13,7 +13,7 @@ Run: python -m pytest tests/test_false_negative_flags.py
 import pytest
 from conftest import assert_same_training, data_file, read_metrics, start_up, warm_run
 
-import config
+from fsdp_embed import config
 
 NUM_STEPS = 4
 

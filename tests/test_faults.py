@@ -322,7 +322,7 @@ def test_a_rank_killed_without_restarts_is_named_and_its_code_reaches_torchrun(t
 
 REPORTER = """
 import socket, sys
-import faults
+from fsdp_embed import faults
 faults.HEARTBEAT.silent_ranks = [{"host": socket.gethostname(), "pid": int(sys.argv[1])}]
 faults.end_job(faults.LOST_PEER)
 """
@@ -354,7 +354,7 @@ def test_the_error_file_torchrun_reads_is_written_whole_or_not_at_all(tmp_path, 
     torchrun itself (JSONDecodeError, so --max-restarts never restarts): seen once when a rank
     was killed and the other wrote its file. A write cut short (here json.dump, half-way) leaves
     the earlier file as it was, and no temporary file beside it."""
-    import faults
+    from fsdp_embed import faults
 
     error_file = tmp_path / "error.json"
     monkeypatch.setenv("TORCHELASTIC_ERROR_FILE", str(error_file))

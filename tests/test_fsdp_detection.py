@@ -11,9 +11,12 @@ import torch.distributed as dist
 import transformers
 from conftest import REPO_DIR, free_port  # noqa: F401  (REPO_DIR puts the repository on sys.path)
 
-import embedding_model
+from fsdp_embed import embedding_model
 
 import fsdp_utils
+
+
+from fsdp_embed import sharding
 
 pytestmark = pytest.mark.quick  # the quick tier: python -m pytest tests -m quick
 
@@ -96,7 +99,7 @@ def test_wrong_override_fails_before_wrapping_naming_the_real_classes():
     so reaching any FSDP code would fail differently: the error must come first."""
     model = tiny_model("xlm-roberta")
     with pytest.raises(ValueError) as error:
-        fsdp_utils.wrap_model(model, "fsdp", torch.device("cpu"), layer_cls="BertLayer")
+        sharding.wrap_model(model, "fsdp", torch.device("cpu"), layer_cls="BertLayer")
     message = str(error.value)
     assert "BertLayer" in message and "no such layer class" in message
     assert "['XLMRobertaLayer']" in message  # the block it does contain
@@ -126,7 +129,7 @@ def test_auto_sharding_keeps_gathered_weights_only_for_a_model_small_against_fre
         (None, None, "full_shard"),
     ]:
         monkeypatch.setattr(fsdp_utils, "free_memory_per_process", lambda device, free=free: free)
-        sharding, why = fsdp_utils.auto_sharding(model, cpu, low)
+        sharding, why = sharding.auto_sharding(model, cpu, low)
         assert sharding == expected and why.startswith(f"sharding: auto -> {expected}"), (free, low, why)
     monkeypatch.undo()  # this machine's own free memory: a tiny model is small against it
-    assert fsdp_utils.auto_sharding(model, cpu, None)[0] == "shard_grad_op"
+    assert sharding.auto_sharding(model, cpu, None)[0] == "shard_grad_op"

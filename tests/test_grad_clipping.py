@@ -1,4 +1,4 @@
-"""fsdp_utils.clip_grad_norm on a plain model gives what torch.nn.utils.clip_grad_norm_ gives,
+"""sharding.clip_grad_norm on a plain model gives what torch.nn.utils.clip_grad_norm_ gives,
 bit for bit: the same norm, the same gradients, whether it clips or not. It skips the multiply
 by 1 that torch does when nothing is clipped, so the case at the edge (a norm just below and
 just above max_norm) is checked too. DDP takes the same path (its gradients are whole on every
@@ -15,7 +15,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-import fsdp_utils  # noqa: E402
+from fsdp_embed import sharding  # noqa: E402
 
 pytestmark = pytest.mark.quick  # the quick tier: python -m pytest tests -m quick
 
@@ -41,7 +41,7 @@ NORM = torch.nn.utils.get_total_norm(
 def test_clip_grad_norm_is_torchs(max_norm):
     ours, reference = model_with_gradients(), model_with_gradients()
     before = [p.grad.clone() for p in ours.parameters() if p.grad is not None]
-    norm = fsdp_utils.clip_grad_norm(ours, max_norm)
+    norm = sharding.clip_grad_norm(ours, max_norm)
     expected = torch.nn.utils.clip_grad_norm_(reference.parameters(), max_norm)
     assert torch.equal(norm, expected)
     for p, q in zip(ours.parameters(), reference.parameters()):
@@ -63,6 +63,6 @@ def test_a_nan_gradient_makes_every_gradient_nan_as_in_torch():
     ours, reference = model_with_gradients(), model_with_gradients()
     for model in (ours, reference):
         model[1].bias.grad[0] = float("nan")
-    assert fsdp_utils.clip_grad_norm(ours, 1.0).isnan()
+    assert sharding.clip_grad_norm(ours, 1.0).isnan()
     assert torch.nn.utils.clip_grad_norm_(reference.parameters(), 1.0).isnan()
     assert all(p.grad.isnan().all() for p in ours.parameters() if p.grad is not None)

@@ -37,12 +37,12 @@ from conftest import (
 )
 
 import losses
-import batches
-import config
-import training_data
-import embedding_model
-import run_plan
-import train
+from fsdp_embed import batches
+from fsdp_embed import config
+from fsdp_embed import training_data
+from fsdp_embed import embedding_model
+from fsdp_embed import run_plan
+from fsdp_embed import __main__ as full_train
 
 pytestmark = pytest.mark.quick  # the quick tier: python -m pytest tests -m quick
 
@@ -85,7 +85,7 @@ def cached(model, features, labels, loss, chunk_size, groups=None, **options):
     return cached_backward(
         model,
         features,
-        lambda embs: train.embeddings_loss(model, embs, labels, run_plan.LossPlan(loss, **options)),
+        lambda embs: full_train.embeddings_loss(model, embs, labels, run_plan.LossPlan(loss, **options)),
         chunk_size,
         groups=groups,
         has_head=loss == "softmax",
@@ -110,7 +110,7 @@ def naive_chunked(model, features, labels, loss, chunk_size, groups=None):
     chunks = batches.with_positions(pool["attention_mask"], rows)
     pieces = [model(**embedding_model.select_rows(pool, r, positions)) for r, positions in chunks]
     embs = list(torch.cat(pieces).float()[torch.argsort(torch.cat(rows))].split(B))
-    value = train.embeddings_loss(model, embs, labels, run_plan.LossPlan(loss))
+    value = full_train.embeddings_loss(model, embs, labels, run_plan.LossPlan(loss))
     value.backward()
     return value
 

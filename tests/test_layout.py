@@ -63,9 +63,9 @@ def test_the_checker_reports_what_it_should():
         "export.py has 801 lines > 800",
         "train.py: 1 lines over",
         "README.md has 401",
-        "minimal_train.py has 601 lines > 600",
-        "minimal_train.py: main has 51 lines > 50",
-        "minimal_train.py imports config",
+        "train.py has 601 lines > 600",
+        "train.py: main has 51 lines > 50",
+        "train.py imports config",
         "losses.py imports train",
         "export.py needs lora (directly or through another) without naming it",
         "faults.py:94 in check_space(): dist.broadcast",
@@ -129,7 +129,7 @@ def main(x, rank):
 
 def test_the_collective_marker_check_names_each_unmarked_call_and_rank0_branch():
     """The marker where it helps a reader: a direct collective without it is named, and so is a
-    call in train.main (a phase of the story) of a function that reaches one (through another file,
+    call in full_train.main (a phase of the story) of a function that reaches one (through another file,
     and through a module-level alias of a collective); a call elsewhere of a function that reaches
     one needs none. Marked on the line, on the statement's first line or in the comment lines
     directly above, and a DCP load with no_dist=True, are not reported. A collective reached inside
@@ -213,9 +213,9 @@ def lr_of(lr):
 """,
     "train.py": """import functools
 
-import config
+from fsdp_embed import config
 import helpers
-import run_plan
+from fsdp_embed import run_plan
 
 
 def main(cfg):
@@ -256,12 +256,12 @@ def test_the_config_is_followed_past_main_by_what_each_function_is_handed():
 
 def config_handed_past_main(run):
     """[file:function] of every call `run()` makes, in any thread, of a function of the project's
-    top-level files outside config.py, run_plan.py and train.main (its lambdas too) that is given a
+    top-level files outside config.py, run_plan.py and full_train.main (its lambdas too) that is given a
     Config: as an argument, inside one (an attribute, a dict value, a list or tuple item), or in a
     variable it reads from an enclosing function. Seen by type, at call time, by a profiler hook."""
     import threading
 
-    import config
+    from fsdp_embed import config
 
     def holds(value):
         if isinstance(value, config.Config):
@@ -296,13 +296,13 @@ def config_handed_past_main(run):
 
 def test_no_function_past_main_is_handed_the_config_at_run_time(tmp_path, tiny_model):
     """By type, at run time (the static check's complement): a one-process run that evaluates,
-    keeps its best export, saves a checkpoint and exports hands no function past train.main a
+    keeps its best export, saves a checkpoint and exports hands no function past full_train.main a
     Config; and the watch sees one that is handed it (a helper called with it on purpose)."""
     import contextlib
 
-    import config
-    import model_card
-    import train
+    from fsdp_embed import config
+    from fsdp_embed import model_card
+    from fsdp_embed import __main__ as full_train
 
     cfg = config.Config(
         model=str(tiny_model),
@@ -316,7 +316,7 @@ def test_no_function_past_main_is_handed_the_config_at_run_time(tmp_path, tiny_m
         log_steps=1,
         output_dir=str(tmp_path / "run"),
     )
-    assert config_handed_past_main(lambda: train.main(cfg)) == []
+    assert config_handed_past_main(lambda: full_train.main(cfg)) == []
     assert (tmp_path / "run" / "final").is_dir() and (tmp_path / "run" / "best").is_dir()
 
     def leak():

@@ -20,11 +20,11 @@ import torch
 import transformers
 from conftest import assert_same_training, data_file, sentences, tiny_decoder
 
-import config
+from fsdp_embed import config
 
-import embedding_model
+from fsdp_embed import embedding_model
 
-import train
+from fsdp_embed import __main__ as full_train
 
 PROMPTS = {"anchor": "Instruct: Given a sentence, find its paraphrase\nQuery: ", "positive": "passage: "}
 
@@ -36,7 +36,7 @@ def write_jsonl(path, rows):
 
 def run(args):
     """train.py in-process (one process): the trained model, still in memory."""
-    return train.main(config.parse_config([str(a) for a in args]))
+    return full_train.main(config.parse_config([str(a) for a in args]))
 
 
 def embed(model, tokenizer, texts):

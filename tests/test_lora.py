@@ -25,13 +25,13 @@ from conftest import assert_same_training, data_file, read_metrics, run_train, t
 from safetensors import safe_open
 from safetensors.torch import load_file
 
-import config
+from fsdp_embed import config
 
-import embedding_model
+from fsdp_embed import embedding_model
 
 import fsdp_utils
-import lora
-import train
+from fsdp_embed import lora
+from fsdp_embed import __main__ as full_train
 
 
 @pytest.fixture(scope="module")
@@ -88,7 +88,7 @@ def test_lora_trains_only_the_adapters_and_exports_merged_and_as_a_peft_adapter(
     from sentence_transformers import SentenceTransformer
 
     out = tmp_path / "out"
-    model = train.main(
+    model = full_train.main(
         config.parse_config(
             [
                 str(a)

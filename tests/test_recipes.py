@@ -19,14 +19,14 @@ import pytest
 import torch
 from conftest import data_file, load_model, micro_batch_loss, read_metrics, run_train, start_up, warm_run
 
-import batches
+from fsdp_embed import batches
 
-import config
+from fsdp_embed import config
 
-import training_data
+from fsdp_embed import training_data
 
 
-import train
+from fsdp_embed import __main__ as full_train
 
 
 def first_rows(name, count, path):
@@ -41,7 +41,7 @@ def test_matryoshka_metrics_at_every_size_equal_sentence_transformers_with_trunc
     sts = first_rows("stsb-dev.jsonl", 120, tmp_path / "sts-dev.jsonl")
     pairs = first_rows("sick-pairs-train.jsonl", 60, tmp_path / "pairs-dev.jsonl")
     out = tmp_path / "out"
-    train.main(
+    full_train.main(
         config.parse_config(
             [
                 str(a)
@@ -170,7 +170,7 @@ def test_margin_mse_distils_a_teachers_margins_under_ddp(tmp_path, tiny_model, m
 def test_scale_reaches_the_loss(tmp_path, tiny_model):
     data_path = data_file("sick-triplets-train.jsonl")
     out = tmp_path / "out"
-    train.main(
+    full_train.main(
         config.parse_config(
             [
                 str(a)

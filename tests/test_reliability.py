@@ -36,14 +36,14 @@ import torch
 from conftest import REPO_DIR, data_file, read_metrics, run_train, start_up, torchrun_command, warm_run
 from safetensors.torch import load_file
 
-import checkpoints
+from fsdp_embed import checkpoints
 
-import config
+from fsdp_embed import config
 
-import metrics
+from fsdp_embed import metrics
 
 
-import train
+from fsdp_embed import __main__ as full_train
 
 
 def workers_of(out):
@@ -149,7 +149,7 @@ def test_a_nan_metric_is_written_as_null_and_never_chosen_as_best(tmp_path, tiny
         "--output-dir",
         out,
     ]
-    train.main(config.parse_config([str(a) for a in args]))
+    full_train.main(config.parse_config([str(a) for a in args]))
     rows = [
         strict_json(line) for line in (out / "metrics.jsonl").read_text().splitlines()
     ]  # valid JSON throughout

@@ -133,8 +133,8 @@ def test_a_non_finite_loss_stops_before_the_update_and_keeps_the_last_checkpoint
     """lr 1e30 wrecks the weights at the first update (still finite: about 1e30); step 2's loss
     is not finite. Training stops there, names the step and the newest checkpoint with finite
     weights, and writes nothing more."""
-    import config
-    import train
+    from fsdp_embed import config
+    from fsdp_embed import __main__ as full_train
 
     out = tmp_path / "run"
     cfg = config.parse_config(
@@ -161,7 +161,7 @@ def test_a_non_finite_loss_stops_before_the_update_and_keeps_the_last_checkpoint
         FloatingPointError,
         match=r"the loss is (nan|inf) at step 2; .*Newest checkpoint with finite weights: .*step-1\. ",
     ):
-        train.main(cfg)
+        full_train.main(cfg)
     assert sorted(p.name for p in (out / "checkpoints").iterdir()) == ["step-1"]
     assert not (out / "final").exists()
 
@@ -171,8 +171,8 @@ def test_a_schedule_saved_with_one_parameter_group_fewer_resumes_on_the_same_rat
     group of their own holds the schedule of one group fewer; torch's LambdaLR then fails at the
     first step ("zip() argument 2 is shorter than argument 1"). checkpoints.schedule_for_groups
     gives it to every group: the rates equal those of a schedule run with the three groups from
-    the start (transformers' get_linear_schedule_with_warmup, as train.build_training builds it)."""
-    import checkpoints
+    the start (transformers' get_linear_schedule_with_warmup, as full_train.build_training builds it)."""
+    from fsdp_embed import checkpoints
     import transformers
 
     def run(groups, steps):

@@ -21,8 +21,8 @@ import torch.distributed as dist
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-import collectives  # noqa: E402
-import fsdp_utils  # noqa: E402
+from fsdp_embed import collectives  # noqa: E402
+from fsdp_embed import sharding  # noqa: E402
 from conftest import exit_without_teardown, warm_run  # noqa: E402
 
 pytestmark = pytest.mark.quick  # the quick tier: python -m pytest tests -m quick
@@ -87,7 +87,7 @@ def fsdp2_against_ddp(rank):
     torch.manual_seed(0)
     models = {"ddp": Tiny(), "fsdp": Tiny()}
     models["fsdp"].load_state_dict(models["ddp"].state_dict())
-    wrapped = {s: fsdp_utils.wrap_model(m, s, torch.device("cpu"), fsdp_version=2) for s, m in models.items()}
+    wrapped = {s: sharding.wrap_model(m, s, torch.device("cpu"), fsdp_version=2) for s, m in models.items()}
     calls = []
     # torch's names for them (FSDP2 calls the *_single ones in torch 2.13)
     names = [n for n in NAMES if hasattr(dist, n)]
@@ -101,10 +101,10 @@ def fsdp2_against_ddp(rank):
             model(ids).backward()
         # --sharding auto picks shard_grad_op for this tiny model: FSDP2 leaves `embed` whole,
         # and its gradient is averaged here, as train.py does after each step's last backward.
-        fsdp_utils.all_reduce_replicated(wrapped["fsdp"])
+        sharding.all_reduce_replicated(wrapped["fsdp"])
         ddp_grads = dict(wrapped["ddp"].module.named_parameters())
         for name, p in wrapped["fsdp"].named_parameters():
-            full = p.grad.full_tensor() if fsdp_utils.is_sharded(p.grad) else p.grad
+            full = p.grad.full_tensor() if sharding.is_sharded(p.grad) else p.grad
             worst = max(worst, (full - ddp_grads[name].grad).abs().max().item())
         for model in wrapped.values():
             model.zero_grad(set_to_none=True)
@@ -133,8 +133,8 @@ def worker(rank, world_size, folder):
         # --sharding auto: rank 1 alone short of memory for a gathered copy: both ranks shard fully.
         model = Tiny()
         fp32 = 4 * sum(p.numel() for p in model.parameters())
-        fsdp_utils.free_memory_per_process = lambda device: 10**12 if rank == 0 else 5 * fp32
-        out["auto"] = fsdp_utils.auto_sharding(model, torch.device("cpu"), None)[0]
+        sharding.free_memory_per_process = lambda device: 10**12 if rank == 0 else 5 * fp32
+        out["auto"] = sharding.auto_sharding(model, torch.device("cpu"), None)[0]
     (Path(folder) / f"rank{rank}.json").write_text(json.dumps(out))
     exit_without_teardown()  # no DDP or gloo teardown: see conftest
 

@@ -16,7 +16,7 @@ import pytest
 import torch
 from conftest import data_file, start_up
 
-import config
+from fsdp_embed import config
 
 pytestmark = pytest.mark.quick  # the quick tier: python -m pytest tests -m quick
 

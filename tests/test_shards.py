@@ -15,7 +15,7 @@ import pytest
 import torch
 from conftest import data_file, export_weights, read_metrics, run_train
 
-import training_data
+from fsdp_embed import training_data
 
 ROWS = [json.loads(line) for line in open(data_file("stsb-train.jsonl"))][:300]
 

@@ -32,7 +32,7 @@ import torch.multiprocessing as mp
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the spawned workers import this file
 import eval_dist  # noqa: E402
-import splade  # noqa: E402
+from fsdp_embed import splade  # noqa: E402
 
 pytestmark = pytest.mark.quick  # the quick tier: python -m pytest tests -m quick
 

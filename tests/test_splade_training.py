@@ -13,11 +13,11 @@ import pytest
 import torch
 from conftest import assert_same_training, data_file, load_model, read_metrics, run_train, warm_run
 
-import config
-import model_checks
-import run_plan
-import splade
-import train
+from fsdp_embed import config
+from fsdp_embed import model_checks
+from fsdp_embed import run_plan
+from fsdp_embed import splade
+from fsdp_embed import __main__ as full_train
 
 TEXTS = {
     "anchor": ["a man plays a guitar", "two dogs run on the grass", "a woman cuts an onion", "kids swim"],
@@ -57,12 +57,12 @@ def masked_lm(tmp_path_factory):
 
 @pytest.mark.parametrize("dtype, tolerance", [(torch.float64, 1e-9), (torch.float32, 1e-4)])
 def test_one_micro_batch_equals_sentence_transformers_splade_loss(masked_lm, dtype, tolerance):
-    """train.embeddings_loss of a sparse model's MNRL (LossPlan.splade) on one micro-batch of
+    """full_train.embeddings_loss of a sparse model's MNRL (LossPlan.splade) on one micro-batch of
     (anchor, positive, negative) rows, with the regularisers at their warm-up value of step 1 of 9,
     equals SpladeLoss(SparseMNRL) with those weights on the same texts: the loss, and every
     parameter's gradient to `tolerance` of the largest (the tied word embeddings and the head too).
     In float64 on both sides the two agree to 1e-9: the same computation. In float32, as train.py
-    runs (train.embed_columns), they differ by rounding alone, which the sums over the vocabulary
+    runs (full_train.embed_columns), they differ by rounding alone, which the sums over the vocabulary
     (30,522 entries per dot product and FLOPS term) grow to about 3e-5 of the largest gradient.
     Catches a wrong pooling, head, similarity or scale, a FLOPS term over the wrong columns, a
     weight not warmed up as SpladeRegularizerWeightSchedulerCallback does, or the head's gradient
@@ -78,10 +78,10 @@ def test_one_micro_batch_equals_sentence_transformers_splade_loss(masked_lm, dty
     settings |= {"query_regularizer_weight": 0.002, "document_regularizer_weight": 0.001}
     plan = run_plan.LossPlan("mnrl", scale=1.0, splade=settings)
     features = [loaded.tokenize(texts, [column] * len(texts)) for column, texts in TEXTS.items()]
-    pool = train.batches.pool_columns(features)
+    pool = full_train.batches.pool_columns(features)
     embs = list(model(**pool).chunk(len(features))) if dtype == torch.float64 else None
-    embs = embs or train.embed_columns(model, pool, len(features))
-    loss = train.embeddings_loss(model, embs, None, plan, progress=(1, 9))
+    embs = embs or full_train.embed_columns(model, pool, len(features))
+    loss = full_train.embeddings_loss(model, embs, None, plan, progress=(1, 9))
     loss.backward()
     ours = {name: p.grad for name, p in model.named_parameters()}
 
@@ -149,14 +149,14 @@ def test_gradcache_and_sub_batches_train_as_one_packed_pass(masked_lm, tmp_path)
 
 def test_export_loads_in_sparse_encoder_and_transformers(masked_lm, tmp_path):
     """The export is a SparseEncoder folder: sentence-transformers' SparseEncoder loads it and
-    encodes as the trained model (train.main's, in eval mode) to 1e-6, and plain transformers
+    encodes as the trained model (full_train.main's, in eval mode) to 1e-6, and plain transformers
     loads the masked LM, whose logits pooled by hand (the model card's recipe) give the same
     vectors. Its folder reads back as SPLADE (st_folder), so it trains again with no flag."""
     import transformers
     from sentence_transformers import SparseEncoder
 
     cfg = config.parse_config([str(a) for a in splade_args(masked_lm, tmp_path / "out", "--max-steps", 2)])
-    trained = train.main(cfg).eval()
+    trained = full_train.main(cfg).eval()
     texts = TEXTS["anchor"] + TEXTS["negative"]
     loaded = load_model(config.parse_config(["--model", str(tmp_path / "out" / "final")]))
     assert loaded.model.pooling == "splade" and loaded.model.sparse.settings[:2] == ("max", "relu")

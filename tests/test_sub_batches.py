@@ -45,13 +45,13 @@ from conftest import (
     watch_encoder_forwards,
 )
 
-import batches
+from fsdp_embed import batches
 
-import config
+from fsdp_embed import config
 
-import embedding_model
+from fsdp_embed import embedding_model
 
-import train
+from fsdp_embed import __main__ as full_train
 
 pytestmark = pytest.mark.quick  # the quick tier: python -m pytest tests -m quick
 
@@ -372,7 +372,7 @@ def test_the_training_loop_feeds_the_encoder_length_sorted_sub_batches(
     data.write_text("".join(json.dumps(r) + "\n" for r in rows))
     watched = watch_encoder_forwards(monkeypatch)
     steps = 2
-    train.main(
+    full_train.main(
         config.parse_config(
             [
                 str(a)

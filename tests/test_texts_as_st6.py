@@ -12,7 +12,7 @@ token of its own), lowercased by the tokenizer itself where a folder says do_low
   written under the old rule (its key without "texts") is not read;
 - a lowercasing folder lowercases inside its tokenizer, as sentence-transformers 6 does (not
   Python's str.lower, which differs on a final sigma): the same ids as its tokenize, in train.py's
-  model and in minimal_train.py's;
+  model and in train.py's;
 - --batch-sampler no_duplicates and --mask-duplicates tell texts apart as sentence-transformers'
   NoDuplicatesBatchSampler does: as written, a space or a capital more is another text.
 
@@ -27,11 +27,11 @@ import pytest
 import torch
 from conftest import data_file, load_model, start_up, tiny_decoder, warm_run
 
-import batches
-import config
-import export
-import minimal_train
-import token_cache
+from fsdp_embed import batches
+from fsdp_embed import config
+from fsdp_embed import export
+import train
+from fsdp_embed import token_cache
 
 PROMPTS = {"anchor": "query: ", "positive": "passage: "}
 # Greek capitals with a final sigma: the tokenizer's Lowercase gives "οδοσ", Python's str.lower "οδος"
@@ -162,7 +162,7 @@ def test_a_lowercasing_folder_lowercases_in_its_tokenizer_as_sentence_transforme
     """do_lower_case: texts and prompts are lowercased by the tokenizer itself (a Lowercase
     normaliser, as sentence-transformers 6 adds), not in Python before it: the same ids as
     sentence-transformers 6 gives the folder's texts, spaces kept, in train.py's model and in
-    minimal_train.py's."""
+    train.py's."""
     from sentence_transformers import SentenceTransformer
 
     folder = lowercasing(decoder, tmp_path / "lowercasing")
@@ -172,7 +172,7 @@ def test_a_lowercasing_folder_lowercases_in_its_tokenizer_as_sentence_transforme
     st = SentenceTransformer(folder, device="cpu")
     theirs = st.preprocess(texts)["input_ids"]
     assert torch.equal(loaded.tokenize(texts)["input_ids"], theirs)
-    _, minimal_tokenize, _ = minimal_train.load_model(minimal_train.parse_args(["--model", folder]), 0)
+    _, minimal_tokenize, _ = train.load_model(train.parse_args(["--model", folder]), 0)
     assert torch.equal(minimal_tokenize(texts)["input_ids"], theirs)
     assert theirs[0].tolist() != theirs[1].tolist()  # the spaces stay
     # The final sigma tells the tokenizer's Lowercase from Python's str.lower.

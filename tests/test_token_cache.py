@@ -21,10 +21,10 @@ import pytest
 import torch
 from conftest import data_file, export_weights, load_model, read_metrics, start_up, tiny_decoder, warm_run
 
-import batches
-import config
-import token_cache
-import train
+from fsdp_embed import batches
+from fsdp_embed import config
+from fsdp_embed import token_cache
+from fsdp_embed import __main__ as full_train
 
 PROMPTS = '{"anchor": "query: ", "positive": "passage: "}'
 
@@ -155,7 +155,7 @@ def test_writing_the_token_file_shows_progress_and_counts_as_start_up_not_traini
     monkeypatch.setattr(token_cache, "write_table", slow_write)
     args = ["--model", tiny_model, "--train-data", fresh_copy(tmp_path), "--max-steps", 3, "--log-steps", 1]
     args += ["--per-device-batch-size", 8, "--tokenize", "once", "--output-dir", tmp_path / "out"]
-    train.main(config.parse_config([str(a) for a in args]))
+    full_train.main(config.parse_config([str(a) for a in args]))
     out, err = capfd.readouterr()
     assert "tokens of sick-pairs-train: written to" in out
     assert re.search(r"tokenizing sick-pairs-train: 100%.*rows/s", err), err[-2000:]  # tqdm's bar, its rate

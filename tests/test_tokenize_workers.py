@@ -26,8 +26,8 @@ from conftest import (
     warm_run,
 )
 
-import batches
-import config
+from fsdp_embed import batches
+from fsdp_embed import config
 
 PROMPTS = '{"anchor": "query: ", "positive": "passage: "}'
 

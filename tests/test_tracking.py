@@ -1,7 +1,7 @@
 """Experiment tracking beside metrics.jsonl (--report-to wandb,mlflow), read back with each tool's
 own reader and compared with metrics.jsonl, with no network: W&B in offline mode (its .wandb files
 through `wandb leet inspect --json`), MLflow with a file store in tmp_path (MlflowClient).
-Tiny BERT (conftest.tiny_model), in-process train.main, except the runs at world 2: one through
+Tiny BERT (conftest.tiny_model), in-process full_train.main, except the runs at world 2: one through
 torchrun (a tracker that cannot start), the others through the warm launcher (conftest.warm_run).
 
 - A run sends every scalar of metrics.jsonl at its step (training, each training set's loss,
@@ -36,10 +36,10 @@ from pathlib import Path
 import pytest
 from conftest import data_file, free_port, run_train, start_up, warm_run
 
-import config
+from fsdp_embed import config
 
 
-import train
+from fsdp_embed import __main__ as full_train
 
 NUM_STEPS, RESUME_STEP = 4, 2
 KILL_LAUNCHER = Path(__file__).resolve().parent / "kill_launcher.py"
@@ -215,7 +215,7 @@ def tracked(tmp_path_factory, tiny_model, eval_files):
     with pytest.MonkeyPatch.context() as mp:
         tracking_env(mp, store)
         try:
-            train.main(config.parse_config(args))
+            full_train.main(config.parse_config(args))
             seen["first"] = {
                 "metrics": metrics_rows(out),
                 "config": run_config(out),
@@ -225,7 +225,7 @@ def tracked(tmp_path_factory, tiny_model, eval_files):
             }
             shutil.rmtree(out / "final")
             shutil.rmtree(out / "checkpoints" / f"step-{NUM_STEPS}")
-            train.main(config.parse_config([*args, "--resume", "auto"]))
+            full_train.main(config.parse_config([*args, "--resume", "auto"]))
             seen["resumed"] = {
                 "metrics": metrics_rows(out),
                 "wandb": wandb_runs(out),
@@ -416,7 +416,7 @@ def test_a_tracker_failing_mid_run_costs_one_warning_line_not_the_run(
     """After the step-2 checkpoint, wandb's service is killed and MLflow's store becomes a file."""
     out, store = tmp_path / "out", tmp_path / "mlruns"
     tracking_env(monkeypatch, store)
-    save_state = train.save_state
+    save_state = full_train.save_state
 
     def save_then_break_the_trackers(*args):
         save_state(*args)
@@ -427,7 +427,7 @@ def test_a_tracker_failing_mid_run_costs_one_warning_line_not_the_run(
 
     monkeypatch.setattr(train, "save_state", save_then_break_the_trackers)
     try:
-        train.main(config.parse_config(tracked_args(tiny_model, out)))
+        full_train.main(config.parse_config(tracked_args(tiny_model, out)))
     finally:
         forget_wandb()
     err = capfd.readouterr().err

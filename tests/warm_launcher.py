@@ -37,7 +37,7 @@ import traceback
 from pathlib import Path
 
 REPO_DIR = Path(__file__).resolve().parents[1]
-TRAIN = REPO_DIR / "train.py"
+FULL_TRAIN = REPO_DIR / "fsdp_embed" / "__main__.py"
 sys.path.insert(0, str(REPO_DIR))
 
 import torch  # noqa: E402
@@ -46,7 +46,10 @@ from transformers.models.bert import modeling_bert  # noqa: E402, F401  (the tin
 from transformers.models.llama import modeling_llama  # noqa: E402, F401
 from transformers.models.qwen2 import modeling_qwen2  # noqa: E402, F401
 
-import train  # noqa: E402, F401  (everything train.py imports)
+import fsdp_embed.__main__  # noqa: E402  (everything the full trainer imports)
+
+# runpy runs the entry afresh in each worker; left in sys.modules, it would warn there
+del sys.modules["fsdp_embed.__main__"]
 
 
 def worker(request, rank, reply_fd):
@@ -80,9 +83,12 @@ def worker(request, rank, reply_fd):
             os.environ["OMP_NUM_THREADS"] = "1"
             torch.set_num_threads(1)
         os.chdir(request["cwd"])
-        script = request["script"] or str(TRAIN)
-        sys.argv = [script, *request["args"]]
-        runpy.run_path(script, run_name="__main__")
+        script = request["script"]
+        sys.argv = [script or str(FULL_TRAIN), *request["args"]]
+        if script:
+            runpy.run_path(script, run_name="__main__")
+        else:  # python -m fsdp_embed
+            runpy.run_module("fsdp_embed", run_name="__main__", alter_sys=True)
         code = 0
     except SystemExit as e:
         if e.code is None or isinstance(e.code, int):

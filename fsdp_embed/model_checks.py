@@ -33,14 +33,14 @@ import os
 import torch
 import transformers
 
-import config
-import training_data
-import embedding_model
-import splade
-import st_folder
+from fsdp_embed import config
+from fsdp_embed import training_data
+from fsdp_embed import embedding_model
+from fsdp_embed import splade
+from fsdp_embed import st_folder
 import fsdp_utils
-import guide_model
-import lora
+from fsdp_embed import guide_model
+from fsdp_embed import lora
 
 
 def check_model(spec, plan):

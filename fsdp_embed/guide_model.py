@@ -34,9 +34,10 @@ from dataclasses import dataclass
 
 import torch
 
-import batches
-import embedding_model
+from fsdp_embed import batches
+from fsdp_embed import embedding_model
 import fsdp_utils
+from fsdp_embed import sharding
 
 
 @dataclass
@@ -71,7 +72,7 @@ def load_frozen(path, flag, spec, plan):
     raw = loaded.model.requires_grad_(False)
     total = sum(p.numel() for p in raw.parameters())
     if sharded:
-        model = fsdp_utils.wrap_model(  # sharding is resolved: no all_reduce
+        model = sharding.wrap_model(  # sharding is resolved: no all_reduce
             raw,
             "fsdp",
             plan.device,

@@ -27,7 +27,7 @@ import socket
 import torch
 import torch.distributed as dist
 
-import checkpoints
+from fsdp_embed import checkpoints
 
 
 class StartUpError(ValueError):

@@ -54,12 +54,13 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-import config
-import training_data
-import embedding_model
+from fsdp_embed import config
+from fsdp_embed import training_data
+from fsdp_embed import embedding_model
 import eval_dist
 import fsdp_utils
-import startup_checks
+from fsdp_embed import sharding
+from fsdp_embed import startup_checks
 
 OUTPUT_FORMATS = ("triplet", "n-tuple", "grouped")
 
@@ -85,7 +86,7 @@ def main(argv=None):
             fsdp_utils.print0(f"error: {e}", file=sys.stderr)
             # all agreed on the error; rank 0 has printed before any
             # exits, as torchrun stops the other ranks as soon as one leaves with an error.
-            fsdp_utils.barrier()
+            sharding.barrier()
             return 2
         started = time.perf_counter()
         describe(plan, args, world_size)

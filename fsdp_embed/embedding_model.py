@@ -6,7 +6,7 @@ every parameter used. `load_model` builds it from a local folder, a SentenceTran
 (its pooling, normalisation, max length, casing and prompts kept) or a hub id, with the
 --dropout, --append-eos, LoRA and activation-checkpointing settings applied before wrapping.
 Under FSDP it builds the model on the meta device when the weights can be read slice by slice,
-so no rank ever holds the whole model (fsdp_utils.load_pretrained_sharded fills the shards).
+so no rank ever holds the whole model (sharding.load_pretrained_sharded fills the shards).
 `LoadedModel.tokenize` is the one place texts become token ids, in training and evaluation;
 `pack` lays its texts end to end in
 packed rows (`EmbeddingModel.embed_packed` runs them).
@@ -27,11 +27,12 @@ import torch
 import torch.nn.functional as F
 import transformers
 
-import config
-import st_folder
+from fsdp_embed import config
+from fsdp_embed import st_folder
 import fsdp_utils
-import lora
-import splade
+from fsdp_embed import sharding
+from fsdp_embed import lora
+from fsdp_embed import splade
 
 
 def pool(token_states_BTD, mask_BT, mode):
@@ -94,7 +95,7 @@ class EmbeddingModel(torch.nn.Module):
         self.sparse = sparse
         # A SentenceTransformer folder's Dense layers, after pooling and before normalising (
         # EmbeddingGemma: 768 -> 3072 -> 768). Small: under FSDP they sit in the root unit with
-        # the embedding tables' neighbours, gathered once per forward (fsdp_utils.wrap_model).
+        # the embedding tables' neighbours, gathered once per forward (sharding.wrap_model).
         self.dense = torch.nn.ModuleList(dense)
         self.normalize = normalize
         dim = self.dense[-1].linear.out_features if self.dense else encoder.config.hidden_size
@@ -339,7 +340,7 @@ def map_tensors(value, f):
 def autocast(strategy, device, precision):
     """The autocast context of the model's forwards (training and evaluation) under --precision:
     bf16 or fp16 compute under single and DDP, whose parameters stay fp32; none under FSDP, which
-    casts each block's parameters itself (fsdp_utils.wrap_model), nor in fp32. The losses and the metrics
+    casts each block's parameters itself (sharding.wrap_model), nor in fp32. The losses and the metrics
     run outside it, in fp32."""
     enabled = precision != "fp32" and strategy in ("single", "ddp")
     return torch.autocast(device.type, dtype=fsdp_utils.PRECISIONS[precision], enabled=enabled)
@@ -659,7 +660,7 @@ def prepare_encoder(encoder, spec):
 def to_meta(loaded, file_names, lora_names, folder):
     """A model whose encoder was built on the meta device: keep the values of the tensors the
     checkpoint does not hold, send the whole model to meta, and note where in `folder` each
-    pretrained tensor is read from after wrapping (fsdp_utils.load_pretrained_sharded)."""
+    pretrained tensor is read from after wrapping (sharding.load_pretrained_sharded)."""
     # What the checkpoint does not hold (the Softmax head, adapters) was just drawn from the
     # seeded RNG, exactly as without sharding: keep those values, then send it all to meta.
     state = loaded.model.state_dict()
@@ -708,7 +709,7 @@ def build_on_meta(path, subfolder, train_config, remote):
     """build_encoder on the meta device: ((encoder, missing keys, {tensor name: name in the
     safetensors files}), "") when the files can fill it slice by slice, else (None, why not)."""
     folder = os.path.join(path, subfolder) if subfolder else path
-    file_keys = fsdp_utils.safetensors_keys(folder) if os.path.isdir(folder) else None
+    file_keys = sharding.safetensors_keys(folder) if os.path.isdir(folder) else None
     if not file_keys:
         return None, f"{path} is not a local folder whose safetensors files each hold different tensors"
     with torch.device("meta"):
@@ -732,7 +733,7 @@ def read_tensors(folder, file_names):
     """{name: tensor} read whole from the safetensors files of `folder` ({name: name in the files})."""
     from safetensors import safe_open
 
-    files = fsdp_utils.safetensors_keys(folder)
+    files = sharding.safetensors_keys(folder)
     tensors = {}
     for name, file_name in file_names.items():
         with safe_open(os.path.join(folder, files[file_name]), framework="pt") as f:
@@ -746,7 +747,7 @@ def fill_sharded_weights(model, loaded):
     buffers no checkpoint holds are computed. (all ranks participate) Nothing to do otherwise."""
     if loaded.pretrained_dir:
         init_non_persistent_buffers(loaded.model.encoder)
-        fsdp_utils.load_pretrained_sharded(
+        sharding.load_pretrained_sharded(
             model, loaded.pretrained_dir, loaded.pretrained_names, loaded.fresh_tensors
         )
         loaded.fresh_tensors = {}

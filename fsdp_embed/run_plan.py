@@ -34,13 +34,13 @@ from dataclasses import dataclass
 
 import torch
 
-import batches
-import checkpoints
-import config
-import training_data
-import embedding_model
-import export
-import model_checks
+from fsdp_embed import batches
+from fsdp_embed import checkpoints
+from fsdp_embed import config
+from fsdp_embed import training_data
+from fsdp_embed import embedding_model
+from fsdp_embed import export
+from fsdp_embed import model_checks
 
 
 @dataclass(frozen=True)
@@ -89,7 +89,7 @@ class Plan:
     guide_model: str  # a frozen model's folder ("" : none): MNRL's false negatives
     teacher_model: str  # a frozen model's folder: --loss mse's targets
     precision: str  # fp32, bf16 or fp16
-    tf32: str  # on: CUDA's fp32 matmuls may use TensorFloat-32 (fsdp_utils.set_tf32)
+    tf32: str  # on: CUDA's fp32 matmuls may use TensorFloat-32 (sharding.set_tf32)
     fsdp_version: int
     seed: int  # the data order, grouped rows' draws and new heads' initialisation
     tokenize: str  # on_the_fly, or once (a token file per set)

@@ -18,7 +18,7 @@ import os
 import sys
 import time
 
-import tracking
+from fsdp_embed import tracking
 
 
 class MetricsLog:

@@ -45,9 +45,10 @@ import torch
 import torch.distributed as dist
 from safetensors.torch import load_file, save_file
 
-import config
-import faults
+from fsdp_embed import config
+from fsdp_embed import faults
 import fsdp_utils
+from fsdp_embed import sharding
 
 # torch.distributed.checkpoint is imported by the functions that use it: start-up time that
 # runs without FSDP or checkpoints never need (docs/speed.md).
@@ -155,7 +156,7 @@ def save_checkpoint(model, optimizer, checkpoints_dir, step, trainer_state, keep
     rank = dist.get_rank() if dist.is_initialized() else 0
     final_dir = os.path.join(checkpoints_dir, f"step-{step}")
     tmp_dir = os.path.join(checkpoints_dir, f".incomplete-step-{step}")
-    with fsdp_utils.quiet_checkpoint_warnings():  # (FSDP1's ShardedTensor warns at each use)
+    with sharding.quiet_checkpoint_warnings():  # (FSDP1's ShardedTensor warns at each use)
         tensors, hyper = _tensor_state(model, optimizer)
         # RNG states, JSON and safetensors headers: a few kB a rank, within the 1% + 1 MiB.
         need = int(1.01 * faults.global_bytes(tensors.values())) + 2**20
@@ -172,7 +173,7 @@ def save_checkpoint(model, optimizer, checkpoints_dir, step, trainer_state, keep
             shutil.rmtree(tmp_dir, ignore_errors=True)  # a leftover of a save that was killed
             os.makedirs(tmp_dir)
     with faults.agreed_writes(what, checkpoints_dir, remove_tmp):
-        with fsdp_utils.quiet_checkpoint_warnings():
+        with sharding.quiet_checkpoint_warnings():
             # (all ranks participate): each writes the tensors (or shards) it is assigned;
             # safetensors files, so loading them back runs no pickle. A failed write raises on
             # every rank.
@@ -182,7 +183,7 @@ def save_checkpoint(model, optimizer, checkpoints_dir, step, trainer_state, keep
                     tmp_dir, save_distributed=True, enable_consolidation=False
                 ),
             )
-        save_file(fsdp_utils.rng_states(), os.path.join(tmp_dir, f"rng-rank-{rank}.safetensors"))
+        save_file(sharding.rng_states(), os.path.join(tmp_dir, f"rng-rank-{rank}.safetensors"))
         if rank == 0:
             with open(os.path.join(tmp_dir, "trainer_state.json"), "w") as f:
                 json.dump({**trainer_state, "step": step, "optimizer_hyperparameters": hyper}, f, indent=1)
@@ -232,7 +233,7 @@ def load_checkpoint(model, optimizer, checkpoint_dir):
     rank = dist.get_rank() if dist.is_initialized() else 0
     with open(os.path.join(checkpoint_dir, "trainer_state.json")) as f:
         trainer_state = json.load(f)
-    with fsdp_utils.quiet_checkpoint_warnings():
+    with sharding.quiet_checkpoint_warnings():
         tensors, _ = _tensor_state(model, optimizer)  # the shards to fill
         # (all ranks participate): each rank reads the shards it holds
         dcp.load(tensors, storage_reader=dcp.HuggingFaceStorageReader(checkpoint_dir))
@@ -246,7 +247,7 @@ def load_checkpoint(model, optimizer, checkpoint_dir):
             optim_state_dict=optim_state,
             options=StateDictOptions(**CHECKPOINT_OPTIONS),
         )
-    fsdp_utils.set_rng_states(rng_for_rank(checkpoint_dir, rank))
+    sharding.set_rng_states(rng_for_rank(checkpoint_dir, rank))
     return trainer_state
 
 
@@ -282,7 +283,7 @@ def restore_checkpoint(resume_dir, model, optimizer, scheduler, scaler, total_st
 def schedule_for_groups(schedule, groups):
     """A saved learning-rate schedule's state for an optimizer with `groups` parameter groups.
     A checkpoint written before FSDP2's shard_grad_op gave the embedding tables a group of their
-    own (fsdp_utils.wrap_fsdp2) has one group fewer, and one resumed at a world size or strategy
+    own (sharding.wrap_fsdp2) has one group fewer, and one resumed at a world size or strategy
     without that group one more; every group follows the same schedule (train.py), so each
     per-group list holds one value, now given to every group. The schedule's function is a pure
     function of the step: its saved state (`lr_lambdas`) holds nothing, and is given per group too."""

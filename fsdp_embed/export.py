@@ -37,12 +37,13 @@ import torch
 import torch.distributed as dist
 from safetensors.torch import save_file
 
-import collectives
-import faults
+from fsdp_embed import collectives
+from fsdp_embed import faults
 import fsdp_utils
-import lora
-import model_card
-import st_folder
+from fsdp_embed import sharding
+from fsdp_embed import lora
+from fsdp_embed import model_card
+from fsdp_embed import st_folder
 
 
 def export_model(model, loaded, out_dir, plan, record, is_rank0):
@@ -58,7 +59,7 @@ def export_model(model, loaded, out_dir, plan, record, is_rank0):
     (run_plan.record) and its summary, saved in the export with the flags and read by its card."""
     # A leftover of a killed run goes at the next start, as the other *.tmp-*.
     staging = f"{out_dir}.tmp-staged"
-    sharded = fsdp_utils.is_fsdp1(model) or fsdp_utils.is_fsdp2(model)
+    sharded = sharding.is_fsdp1(model) or sharding.is_fsdp2(model)
     folder, what = os.path.dirname(os.path.abspath(out_dir)), f"the export {out_dir}"
     faults.check_space(folder, size_estimate(loaded, plan.export_dtype, sharded), what)
 
@@ -240,7 +241,7 @@ def stage_state_dict(model, folder, sees_output_dir=(True,)):
     import torch.distributed.checkpoint as dcp  # (imported here: see the top of checkpoints.py)
     from torch.distributed.checkpoint.state_dict import get_model_state_dict
 
-    with fsdp_utils.quiet_checkpoint_warnings():
+    with sharding.quiet_checkpoint_warnings():
         state = get_model_state_dict(model)  # sharded under FSDP, no gathering (all ranks participate)
         state = first_of_tied(state)  # safetensors refuses two names for one tensor
         # (all ranks participate): each rank writes its own shards
@@ -259,7 +260,7 @@ def stage_state_dict(model, folder, sees_output_dir=(True,)):
     collectives.send_files_to_rank0(
         folder, [] if on_rank0_disk else rank_files, [not s for s in sees_output_dir]
     )
-    fsdp_utils.barrier()  # every file is sent before any host clears its copy
+    sharding.barrier()  # every file is sent before any host clears its copy
     if not on_rank0_disk:
         shutil.rmtree(folder, ignore_errors=True)
 
@@ -298,7 +299,7 @@ def read_staged(folder, names):
 
     shapes = staged_tensors(folder)
     tensors = {name: torch.empty(shapes[name][0], dtype=shapes[name][1]) for name in names}
-    with fsdp_utils.quiet_checkpoint_warnings():
+    with sharding.quiet_checkpoint_warnings():
         dcp.load(tensors, storage_reader=dcp.HuggingFaceStorageReader(folder), no_dist=True)
     return tensors
 

@@ -23,7 +23,7 @@ Needs torch, and fsdp_utils.py (`rng_states`, `set_rng_states`), which needs col
 
 import torch
 
-import fsdp_utils
+from fsdp_embed import sharding
 
 
 def cached_backward(
@@ -62,7 +62,7 @@ def cached_backward(
     that reaches the Softmax head, which got its gradient in step 2, added to the last backward
     (DDP reduces a parameter only when the synchronised backward reaches it); None: no head."""
     # 1. embeddings without a graph, in pool order, one leaf per column
-    rng = fsdp_utils.rng_states()
+    rng = sharding.rng_states()
     with torch.no_grad(), autocast():
         embs = [e.requires_grad_() for e in embed_chunks(chunks).float().chunk(num_columns)]
 
@@ -73,7 +73,7 @@ def cached_backward(
 
     # 3. re-embed each chunk with a graph and push its cached gradient through the encoder
     grad_PD = torch.cat([e.grad for e in embs])
-    fsdp_utils.set_rng_states(rng)
+    sharding.set_rng_states(rng)
     for i, (rows, positions) in enumerate(chunks):
         is_last = i == len(chunks) - 1
         with gradient_sync(sync and is_last):

@@ -19,7 +19,7 @@ import math
 import os
 from dataclasses import dataclass
 
-REPO_DIR = os.path.dirname(os.path.abspath(__file__))
+REPO_DIR = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # the folder above the package
 # The token pooling modes (embedding_model.pool computes them, st_folder.POOLING_KEYS names them in a folder).
 POOLING_MODES = ("mean", "cls", "max", "lasttoken")
 

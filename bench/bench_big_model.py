@@ -1,5 +1,5 @@
 """Benchmark: what each rank holds when the model is big ("Models that don't fit"): peak RSS per
-rank in each phase of a train.py run (load, training, export), and what activation
+rank in each phase of a run of the full trainer (load, training, export), and what activation
 checkpointing saves.
 
 Models, built here at random (no download) with a byte-level BPE tokenizer trained on the
@@ -11,7 +11,7 @@ training texts (EOS token, no special tokens added to a text, as decoder tokeniz
 both saved with save_pretrained (safetensors, fp32) in the work folder, beside a JSON Lines file
 of synthetic (anchor, positive) pairs.
 
-1. Peak RSS per rank. train.py runs through torchrun, MNRL, --pooling lasttoken --append-eos,
+1. Peak RSS per rank. The full trainer runs through torchrun, MNRL, --pooling lasttoken --append-eos,
    --max-steps 2, batch 2 per rank, --max-seq-length 64 (the synthetic texts are ~15 tokens, so
    batches are padded to ~20), FSDP2 full_shard at each --worlds size and DDP at world 2, for
    the big model and the baseline. Every run ends with its export (part of the run). From
@@ -36,7 +36,7 @@ of synthetic (anchor, positive) pairs.
 
 2. Activation checkpointing: a 12-layer model of the same family (hidden 512, intermediate
    1408, 8 heads / 2 KV heads: head size 64 as in the big model; smaller for time), built by
-   embedding_model.load_model exactly as train.py builds it, with and without --activation-checkpointing,
+   embedding_model.load_model exactly as the trainer builds it, with and without --activation-checkpointing,
    one forward of a batch of 8 x 512 random tokens, each in a fresh process. Activation
    memory, the number the target (>= 3x lower with it) is judged on: the bytes of the distinct
    storages saved for backward during that forward (torch.autograd.graph.saved_tensors_hooks;
@@ -60,7 +60,7 @@ Run (CPU, gloo; about 8 minutes on 2 cores with the defaults, half of it the big
         --out bench/results/big_model_after.json
 Results: a table printed at the end, and --out (default bench/results/big_model.json). The
 work folder (models, data, run outputs) is --work-dir, a new folder under /tmp by default.
-Left out: GPU memory, bf16 training, timing of the torchrun runs beyond train.py's own summary.
+Left out: GPU memory, bf16 training, timing of the torchrun runs beyond the trainer's own summary.
 """
 
 import argparse
@@ -256,7 +256,7 @@ def prepare_work_dir(work_dir, which):
 
 
 # ----------------------------------------------------------------------------------------------
-# One train.py run under torchrun, its ranks' RSS sampled from outside
+# One run of the full trainer under torchrun, its ranks' RSS sampled from outside
 
 
 def free_port():
@@ -306,7 +306,9 @@ def rank_of(pid):
         with open(f"/proc/{pid}/environ", "rb") as f:
             env = dict(item.split(b"=", 1) for item in f.read().split(b"\0") if b"=" in item)
         with open(f"/proc/{pid}/cmdline", "rb") as f:
-            is_worker = b"train.py" in f.read()
+            command = f.read().split(b"\0")
+        # A worker runs `python -u -m fsdp_embed ...`; the agent `python -m torch.distributed.run ...`
+        is_worker = b"-m" in command and command[command.index(b"-m") + 1] == b"fsdp_embed"
     except (FileNotFoundError, ProcessLookupError, PermissionError):
         return None
     return int(env[b"RANK"]) if is_worker and b"RANK" in env else None
@@ -374,7 +376,7 @@ def phase_marks(stdout_lines):
 
 
 def run_measured(model_dir, data_path, out_dir, world, strategy, args):
-    """train.py under torchrun at `world`, sampled; returns the run's record."""
+    """The full trainer under torchrun at `world`, sampled; returns the run's record."""
     cmd = [
         sys.executable,
         "-m",
@@ -382,7 +384,8 @@ def run_measured(model_dir, data_path, out_dir, world, strategy, args):
         f"--nproc_per_node={world}",
         "--master_addr=127.0.0.1",
         f"--master_port={free_port()}",
-        os.path.join(REPO_DIR, "train.py"),
+        "-m",
+        "fsdp_embed",
         "--model",
         model_dir,
         "--train-data",
@@ -538,7 +541,7 @@ def ac_worker(args):
     cfg = config.parse_config(flags)
     torch.manual_seed(0)
     plan = run_plan.resolve_flags(cfg, 1, torch.device("cpu"))
-    model = embedding_model.load_model(plan.model).model  # train mode, checkpointing enabled as train.py does
+    model = embedding_model.load_model(plan.model).model  # train mode, checkpointing on, as the trainer
     encoder = model.encoder
     generator = torch.Generator().manual_seed(0)
     input_ids = torch.randint(
@@ -880,7 +883,7 @@ def main():
     parser.add_argument(
         "--extra-args",
         default="",
-        help='passed to every train.py run, e.g. "--export-max-shard-size 300MB --export-dtype bf16" '
+        help='passed to every run of the trainer, e.g. "--export-max-shard-size 300MB --export-dtype bf16" '
         "(one flag alone: --extra-args=--flag)",
     )
     parser.add_argument("--out", default=os.path.join(REPO_DIR, "bench", "results", "big_model.json"))
@@ -890,7 +893,7 @@ def main():
     parser.add_argument(
         "--keep-work-dir", action="store_true", help="do not remove the work folder at the end"
     )
-    parser.add_argument("--steps", type=int, default=2, help="optimizer steps per train.py run")
+    parser.add_argument("--steps", type=int, default=2, help="optimizer steps per run of the trainer")
     parser.add_argument("--per-device-batch-size", type=int, default=2)
     parser.add_argument("--max-seq-length", type=int, default=64)
     parser.add_argument(

@@ -4,10 +4,11 @@ once` run) and one cold (the Arrow conversion done, no token file).
 
 Two hosts are made on this machine (tests/two_hosts.py: network + UTS namespaces joined by a veth
 pair; one `torchrun --nnodes 2` per host, one process per host), each with its own
-HF_DATASETS_CACHE. train.py trains all-MiniLM-L6-v2 on --rows synthetic pairs
-(bench_data_scale.write_pairs, Parquet), batch 32 per rank, max length 128, 2 steps. Reported for
-the warm host's rank 0, from train.py's summary: start-up seconds, and start-up plus the 2 steps'
-seconds (the second step cannot end before the cold host has reached its first). Three launches:
+HF_DATASETS_CACHE. The full trainer (`-m fsdp_embed`) trains all-MiniLM-L6-v2 on --rows synthetic
+pairs (bench_data_scale.write_pairs, Parquet), batch 32 per rank, max length 128, 2 steps.
+Reported for the warm host's rank 0, from the trainer's summary: start-up seconds, and start-up
+plus the 2 steps' seconds (the second step cannot end before the cold host has reached its first).
+Three launches:
   - defaults (tokenized on the fly), the second host cold;
   - defaults, both hosts warm (the reference);
   - --tokenize once, the second host cold: it writes its token file before its first step, and
@@ -36,7 +37,7 @@ from bench_data_scale import write_pairs  # noqa: E402
 
 def train_args(parquet, out, flags, steps=2):
     return [
-        str(REPO_DIR / "train.py"), "--train-data", str(parquet), "--max-steps", str(steps),
+        "-m", "fsdp_embed", "--train-data", str(parquet), "--max-steps", str(steps),
         "--per-device-batch-size", "32", "--max-seq-length", "128", "--log-steps", "1",
         "--output-dir", str(out), "--dist-timeout-minutes", "30", *flags,
     ]  # fmt: skip

@@ -1,4 +1,4 @@
-"""Benchmark: our train.py against the sentence-transformers Trainer: speed at equal quality.
+"""Benchmark: our full trainer against the sentence-transformers Trainer: speed at equal quality.
 
 Two tasks, both from all-MiniLM-L6-v2, the same settings for both trainers (batch 32 in all,
 lr 2e-5, 10% warm-up, weight decay 0.01, max length 128, seed 12):
@@ -14,7 +14,7 @@ by the *same* sentence-transformers evaluators. One extra run of ours under FSDP
 and precision (2 processes) checks that its quality is the same.
 
 samples/s is each trainer's own count: rows trained / wall time of its training loop (ours:
-train.py's summary, which excludes evaluation and saving (there are none here); the
+the trainer's summary, which excludes evaluation and saving (there are none here); the
 Trainer's: its train_samples_per_second). Model loading is outside both.
 
 The floor: a bare loop (one process, pre-tokenized, no optimizer) of forward + loss + backward
@@ -70,7 +70,7 @@ def launcher(nproc):
 
 
 def device():
-    """Where sentence-transformers runs: the GPU where there is one, as train.py does."""
+    """Where sentence-transformers runs: the GPU where there is one, as the trainer does."""
     import torch
 
     return "cuda" if torch.cuda.is_available() else "cpu"
@@ -91,7 +91,8 @@ def task_data(task, work_dir):
 def run_ours(task, nproc, precision, max_steps, out_dir, strategy="auto"):
     train_file, loss = task_data(task, os.path.dirname(out_dir))
     cmd = launcher(nproc) + [
-        os.path.join(REPO_DIR, "train.py"),
+        "-m",
+        "fsdp_embed",
         "--loss",
         loss,
         "--train-data",
@@ -124,7 +125,7 @@ def run_ours(task, nproc, precision, max_steps, out_dir, strategy="auto"):
     ]
     if strategy == "fsdp":
         cmd += ["--fsdp-version", "2"]
-    subprocess.run(cmd, check=True, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    subprocess.run(cmd, cwd=REPO_DIR, check=True, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     with open(os.path.join(out_dir, "final", "training_config.json")) as f:
         return json.load(f)["samples_per_s"]
 
@@ -220,10 +221,10 @@ def quality(task, model_dir):
 
 
 def floor(task, precision, max_steps, work_dir, repeats=3, timed_batches=20):
-    """Forward + loss + backward (no optimizer, no tokenizing) over the sub-batches train.py runs
+    """Forward + loss + backward (no optimizer, no tokenizing) over the sub-batches the full trainer runs
     on its first `timed_batches` batches at world 1, in real tokens/s; also one padded batch (all
     columns' rows in one forward); the seconds to tokenize a batch, and the real tokens per row of
-    the max_steps batches train.py trains on."""
+    the max_steps batches the full trainer trains on."""
     import torch
 
     sys.path.insert(0, REPO_DIR)

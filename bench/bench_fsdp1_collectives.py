@@ -5,7 +5,7 @@ one all-gather and one reduce-scatter per FSDP unit. FSDP1's units (transformer_
 are the 6 BertLayers and the root, which holds the embedding tables (11.9M of MiniLM's 22.7M
 weights), and it calls gloo's own `all_gather_into_tensor` and `reduce_scatter_tensor` (gloo has
 no reduce-scatter of one tensor: it all-reduces the whole input). FSDP2 here calls the rings of
-collectives.py for the blocks and keeps the tables out of FSDP (their used rows averaged after
+sharding.py for the blocks and keeps the tables out of FSDP (their used rows averaged after
 backward, as under DDP: not timed here, a few hundred rows a step). This times both kinds of
 collective at the sizes of those units, fp32, at 2 gloo processes, and sums them for one step.
 The sum is an upper bound of what a step loses: in the step, gloo runs in its own thread beside
@@ -26,7 +26,7 @@ import torch.distributed as dist
 import transformers
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from fsdp_embed import collectives  # noqa: E402
+from fsdp_embed import sharding  # noqa: E402
 
 
 def unit_sizes():
@@ -71,14 +71,14 @@ def main():
         ms = {
             "gloo all-gather": timed_ms(lambda: dist.all_gather_into_tensor(gathered, shard), args.repeats),
             "ring all-gather": timed_ms(
-                lambda: collectives.RingAllGather()(gathered, shard, group), args.repeats
+                lambda: sharding.RingAllGather()(gathered, shard, group), args.repeats
             ),
             "gloo reduce-scatter": timed_ms(
                 lambda: dist.reduce_scatter_tensor(shard, gathered.clone(), op=dist.ReduceOp.SUM),
                 args.repeats,
             ),
             "ring reduce-scatter": timed_ms(
-                lambda: collectives.RingReduceScatter()(shard, gathered.clone(), group, dist.ReduceOp.SUM),
+                lambda: sharding.RingReduceScatter()(shard, gathered.clone(), group, dist.ReduceOp.SUM),
                 args.repeats,
             ),
         }

@@ -1,7 +1,7 @@
 """Benchmark: what each rank holds under DDP and each FSDP sharding strategy, for a randomly
 initialised bert-base-sized encoder (`BertConfig()` defaults, 109M parameters), at 2 and 4 ranks.
 
-For every configuration it runs a few MNRL training steps through the same code as train.py
+For every configuration it runs a few MNRL training steps through the same code as the trainer
 (sharding.wrap_model, full_train.build_optimizer, full_train.embed_columns, full_train.embeddings_loss) on
 random token batches and reports, per rank:
   - state MB: bytes of parameters + gradients + optimizer state, summed over the distinct
@@ -27,7 +27,7 @@ import sys
 import time
 
 REPO_DIR = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-CONFIGS = [  # (label, extra train.py-style arguments)
+CONFIGS = [  # (label, extra trainer-style arguments)
     ("ddp", dict(strategy="ddp")),
     ("fsdp1 no_shard", dict(strategy="fsdp", fsdp_version=1, sharding="no_shard")),
     ("fsdp1 shard_grad_op", dict(strategy="fsdp", fsdp_version=1, sharding="shard_grad_op")),

@@ -1,12 +1,12 @@
 """Benchmark: FSDP (as launched, FSDP1, FSDP2) against DDP, in throughput and quality, at 2 processes.
 
-train.py alone, all-MiniLM-L6-v2, the settings of bench_cosent_vs_st.py (global batch 32, lr
+The full trainer alone, all-MiniLM-L6-v2, the settings of bench_cosent_vs_st.py (global batch 32, lr
 2e-5, 10% warm-up, weight decay 0.01, max length 128, seed 12), packed rows (the default):
   cosent: CoSENT on stsb-train.jsonl;
   mnrl:   MultipleNegativesRanking on sick-pairs-train.jsonl;
---steps steps each, then STS-B dev Spearman (x100, train.py's own sharded evaluation, after
+--steps steps each, then STS-B dev Spearman (x100, the trainer's own sharded evaluation, after
 the last step: not counted in samples/s). Each strategy runs --rounds times, the order turned
-round each round (this machine's speed drifts by ~10% over minutes). samples/s is train.py's
+round each round (this machine's speed drifts by ~10% over minutes). samples/s is the full trainer's
 own summary (the training loop only), the mean of the rounds; the ratio to DDP is that of the
 means, then each round's (a round's runs follow each other, so drift shows less there). "others'
 CPU" is how many cores processes other than the run's own kept busy while it ran (from
@@ -64,7 +64,7 @@ def busy_cpu_seconds():
 
 
 def run_timed(command):
-    """(the finished train.py run, the cores other processes kept busy meanwhile or None)."""
+    """(the finished run of the trainer, the cores other processes kept busy meanwhile or None)."""
     busy, own, start = busy_cpu_seconds(), own_cpu_seconds(), time.perf_counter()
     done = subprocess.run(command, cwd=REPO_DIR, capture_output=True, text=True)
     others = None
@@ -84,7 +84,7 @@ def train(task, precision, strategy, args, out):
     cores kept busy by other processes during the run or None)."""
     data = Path(args.data_dir)
     command = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2"]
-    command += ["--master_addr=127.0.0.1", f"--master_port={free_port()}", str(REPO_DIR / "train.py")]
+    command += ["--master_addr=127.0.0.1", f"--master_port={free_port()}", "-m", "fsdp_embed"]
     command += ["--loss", task, "--train-data", str(data / FILES[task])]
     command += ["--eval-data", str(data / "stsb-dev.jsonl")]
     command += ["--max-steps", str(args.steps), "--per-device-batch-size", "16", "--max-seq-length", "128"]
@@ -92,14 +92,14 @@ def train(task, precision, strategy, args, out):
     command += ["--precision", precision, *STRATEGIES[strategy], "--output-dir", str(out), "--overwrite"]
     done, others = run_timed(command)
     if done.returncode != 0:
-        sys.exit(f"error: train.py exited {done.returncode}:\n{done.stderr[-3000:]}")
+        sys.exit(f"error: fsdp_embed exited {done.returncode}:\n{done.stderr[-3000:]}")
     lines = [json.loads(line) for line in Path(out, "metrics.jsonl").read_text().splitlines()]
     spearman = [v for line in lines for k, v in line.get("eval", {}).items() if k.endswith("spearman")][-1]
     sharding = next((line for line in done.stdout.splitlines() if line.startswith("sharding:")), "")
     if sharding:  # the version this run trained with (the default one, for "fsdp")
         version = json.loads(Path(out, "final", "training_config.json").read_text())["fsdp_version"]
         sharding = f"FSDP{version} {sharding}"
-    return lines[-1]["samples_per_s"], spearman, sharding, others  # train.py logs it x 100
+    return lines[-1]["samples_per_s"], spearman, sharding, others  # the trainer logs it x 100
 
 
 def main():

@@ -1,8 +1,8 @@
 """Benchmark: peak memory and throughput of plain vs GradCache (--cache-chunk-size) MNRL batches.
 
 all-MiniLM-L6-v2, MNRL on data/sick-pairs-train.jsonl (rows repeated to fill the large
-batches), one process, fp32, through train.py itself: every configuration is a fresh
-`python train.py ...` process, whose peak RSS (ru_maxrss, the whole run: imports, model,
+batches), one process, fp32, through the full trainer itself: every configuration is a fresh
+`python -m fsdp_embed ...` process, whose peak RSS (ru_maxrss, the whole run: imports, model,
 optimizer, training and the final export) and training samples/s (metrics.jsonl summary) are
 reported. Plain batches 32, 128, 512; cached (chunk 32) batches 32, 128, 512, 2048, 8192.
 
@@ -31,11 +31,12 @@ CACHED = [32, 128, 512, 2048, 8192]
 
 
 def child(train_args):
-    """Run train.py in this process, then report this process's peak RSS."""
-    sys.argv = [os.path.join(REPO_DIR, "train.py"), *train_args]
+    """Run the full trainer in this process (as `python -m fsdp_embed` does), then report this
+    process's peak RSS."""
+    sys.argv = [os.path.join(REPO_DIR, "fsdp_embed", "__main__.py"), *train_args]
     sys.path.insert(0, REPO_DIR)
     try:
-        runpy.run_path(sys.argv[0], run_name="__main__")
+        runpy.run_module("fsdp_embed", run_name="__main__", alter_sys=True)
     finally:
         print("PEAK_RSS_KB", resource.getrusage(resource.RUSAGE_SELF).ru_maxrss, flush=True)
 

@@ -6,7 +6,7 @@ Gemma3TextModel (2 layers, 64 wide, a sliding window wider than any text) with a
 tokenizer trained on STS-B's sentences (an EOS token, left padding, as tests/conftest.py's
 tiny_decoder), then Transformer(max_seq_length=64) -> Pooling(mean) -> Dense(64 -> 256, no bias,
 Identity) -> Dense(256 -> 64, no bias, Identity) -> Normalize (EmbeddingGemma-300m: 768 -> 3072 ->
-768), and the same folder without the Dense modules. train.py trains it with MNRL on
+768), and the same folder without the Dense modules. The full trainer trains it with MNRL on
 sick-pairs-train.jsonl for --steps steps, dropout 0, no checkpoints, no evaluation:
   a  causal, no Dense, no prompts (one process)
   b  + the Dense layers
@@ -16,7 +16,7 @@ sick-pairs-train.jsonl for --steps steps, dropout 0, no checkpoints, no evaluati
   f  + --lora-rank 8 (adapters on the decoder; the Dense layers trained in full)
   g  the whole recipe (f) at 2 processes: --strategy fsdp (FSDP2), --gather-negatives, 8 rows a
      rank (the same global batch of 16)
-samples/s is train.py's own summary (the training loop only, start-up and export left out).
+samples/s is the trainer's own summary (the training loop only, start-up and export left out).
 Each configuration runs --rounds times, the order turned round each round (this machine's
 speed drifts over minutes); the table gives the mean, each round's value, the ratio of the means
 to (a) and to the row above, and "others' CPU": how many cores processes other than the run's own
@@ -119,21 +119,21 @@ def build_models(work, data_dir):
 def train(name, folders, args, out):
     """(samples/s, cores kept busy by other processes during the run or None, the log's lines
     that say how it embeds: "forwards: ...", "sharding: ...") of configuration `name`; exits with
-    train.py's error where a run fails."""
+    the trainer's error where a run fails."""
     _, model, flags = CONFIGS[name]
     num_processes = NUM_PROCESSES.get(name, 1)
     command = [sys.executable]
     if num_processes > 1:
         command += ["-m", "torch.distributed.run", f"--nproc_per_node={num_processes}"]
         command += ["--master_addr=127.0.0.1", f"--master_port={free_port()}"]
-    command += [str(REPO_DIR / "train.py"), "--model", folders[model], "--loss", "mnrl"]
+    command += ["-m", "fsdp_embed", "--model", folders[model], "--loss", "mnrl"]
     command += ["--train-data", str(Path(args.data_dir) / "sick-pairs-train.jsonl")]
     command += ["--max-steps", str(args.steps), "--per-device-batch-size", str(args.batch // num_processes)]
     command += ["--dropout", "0", "--save-steps", "0", "--eval-steps", "0", "--seed", "12"]
     command += ["--lr", "2e-5", *flags, "--output-dir", str(out), "--overwrite"]
     done, others = run_timed(command)
     if done.returncode != 0:
-        sys.exit(f"error: configuration {name}: train.py exited {done.returncode}:\n{done.stderr[-3000:]}")
+        sys.exit(f"error: configuration {name}: fsdp_embed exited {done.returncode}:\n{done.stderr[-3000:]}")
     last = json.loads(Path(out, "metrics.jsonl").read_text().splitlines()[-1])
     paths = [line for line in done.stdout.splitlines() if line.startswith(("forwards:", "sharding:"))]
     return last["samples_per_s"], others, paths

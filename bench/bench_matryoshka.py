@@ -1,8 +1,9 @@
 """Benchmark: what Matryoshka training buys. all-MiniLM-L6-v2 (384 dimensions) fine-tuned with
-CoSENT on STS-B train, once plainly and once with --matryoshka-dims 384,128,64,32 (the same
-seed, data, steps and hyper-parameters), and the base model untouched; each scored on the held-out
-STS-B dev set (Spearman x 100 of cosine similarity) at 384, 128, 64 and 32 dimensions (the first
-d dimensions of each embedding), through train.py itself (--eval-only for the base model).
+CoSENT on STS-B train, once plainly and once with --matryoshka-dims 384,128,64,32 (the same seed,
+data, steps and hyper-parameters), and the base model untouched; each scored on the held-out STS-B
+dev set (Spearman x 100 of cosine similarity) at 384, 128, 64 and 32 dimensions (the first d
+dimensions of each embedding), through the full trainer itself (`python -m fsdp_embed`;
+--eval-only for the base model).
 
 Run (CPU, one process; about 22 minutes on 2 cores):
     python bench/bench_matryoshka.py
@@ -25,7 +26,8 @@ DIMS = [384, 128, 64, 32]
 
 def run(args, out):
     subprocess.run(
-        [sys.executable, os.path.join(REPO_DIR, "train.py"), *map(str, args), "--output-dir", out],
+        [sys.executable, "-m", "fsdp_embed", *map(str, args), "--output-dir", out],
+        cwd=REPO_DIR,
         check=True,
         stdout=subprocess.DEVNULL,
     )

@@ -2,7 +2,7 @@
 `mine_hard_negatives` at the same settings, on growing corpora. Peak memory (RSS) of each process
 and wall time; mine.py's memory should stay flat beside the corpus embeddings, while
 sentence-transformers holds a min(faiss_batch_size, queries) x corpus score matrix (at its
-default faiss_batch_size of 16384, with 10k queries and 200k texts: 8 GB). Runs mine.py (as
+default faiss_batch_size of 16384, with 10k queries and 200k texts: 8 GB). Runs python -m fsdp_embed.mine (as
 each rank's script, through this file's --rank-worker, which records the rank's peak RSS).
 
     python bench/bench_mine.py                                   # docs/mining.md's table (~8 min)
@@ -128,7 +128,7 @@ def write_inputs(folder, queries, positives, extra):
 
 
 def run_ours(folder, model, world_size, out):
-    """mine.py under this file's --rank-worker (which records each rank's peak RSS)."""
+    """python -m fsdp_embed.mine under this file's --rank-worker (which records each rank's peak RSS)."""
     flags = ["--data", folder / "pairs.jsonl", "--corpus", folder / "corpus.jsonl", "--model", model]
     flags += ["--output", out / "mined.jsonl", "--chunk-size", "1024", "--batch-size", "64"]
     flags += ["--num-negatives", "5", "--range-min", "10", "--range-max", "50", "--output-format", "n-tuple"]

@@ -55,7 +55,7 @@ def one_run(config, steps, rate, work, args):
     """(bytes over the link, training seconds) of one two-host run."""
     out = Path(work) / f"{config.replace(' ', '-')}-{rate}-{steps}"
     train_args = [
-        *(str(REPO_DIR / "train.py"), "--model", args.model, "--loss", "mnrl"),
+        *("-m", "fsdp_embed", "--model", args.model, "--loss", "mnrl"),
         *("--train-data", str(REPO_DIR / "data" / "example-pairs.jsonl")),
         *("--max-steps", steps, "--per-device-batch-size", args.batch, "--max-seq-length", 64),
         *("--log-steps", 1, "--output-dir", out, "--dist-timeout-minutes", 5),

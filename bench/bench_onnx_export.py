@@ -1,10 +1,10 @@
 """The export in ONNX: the whole embedding model (encoder, pooling, normalisation) as one ONNX
 graph, run with onnxruntime, against sentence-transformers on the same folder.
 
-It rebuilds the module train.py trains (`embedding_model.EmbeddingModel`, the pooling and normalisation the
-folder declares), exports it with `torch.onnx.export` (dynamic batch and sequence axes), runs it
-with onnxruntime on texts of different lengths in one padded batch, and prints the largest
-difference to `SentenceTransformer(FOLDER).encode`.
+It rebuilds the module the full trainer trains (`embedding_model.EmbeddingModel`, the pooling and
+normalisation the folder declares), exports it with `torch.onnx.export` (dynamic batch and sequence
+axes), runs it with onnxruntime on texts of different lengths in one padded batch, and prints the
+largest difference to `SentenceTransformer(FOLDER).encode`.
 
 Needs, beside the trainer's requirements: `pip install onnx onnxruntime onnxscript` (onnxscript
 is what torch's ONNX exporter uses since torch 2.5).
@@ -42,7 +42,7 @@ def main():
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
-    parser.add_argument("folder", help="a folder train.py exported (OUTPUT_DIR/final)")
+    parser.add_argument("folder", help="a folder the full trainer exported (OUTPUT_DIR/final)")
     parser.add_argument(
         "--out", default="", help="where to write the .onnx file (default: FOLDER/onnx/model.onnx)"
     )

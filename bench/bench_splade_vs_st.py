@@ -1,5 +1,6 @@
-"""Benchmark: SPLADE training with our train.py against sentence-transformers' SparseEncoderTrainer,
-and how far sentence-transformers' per-device FLOPS regulariser moves the sparsity under DDP.
+"""Benchmark: SPLADE training with our full trainer against sentence-transformers'
+SparseEncoderTrainer, and how far sentence-transformers' per-device FLOPS regulariser moves the
+sparsity under DDP.
 
 Run (a quiet machine; about 20 minutes on 2 CPU cores with the defaults, far longer beside
 another CPU-heavy process):
@@ -19,29 +20,29 @@ runs show the FLOPS regulariser making them sparse, not the quality of a real SP
 Data: training on data/sick-pairs-train.jsonl (SICK's TRAIN+TRIAL entailment pairs); held out:
 data/sick-pairs-test.jsonl (SICK's TEST split, built the same way: data/README.md).
 
-trainers: the same steps through train.py (`python train.py --model START --pooling splade ...`,
+trainers: the same steps through the full trainer (`python -m fsdp_embed --model START --pooling splade ...`,
 one process) and through SparseEncoderTrainer (SparseEncoder(START) builds Transformer(fill-mask)
 + SpladePooling itself; SpladeLoss(SparseMultipleNegativesRankingLoss) with the same regulariser
 weights, whose warm-up callback the trainer inserts by itself: quadratic over 1/3 of the steps, as
-train.py's defaults). The regulariser weights (query 5e-3, document 3e-3 by default) are 100x
-train.py's defaults, so that the sparsity changes within these few steps. Same batch, lr,
+the trainer's defaults). The regulariser weights (query 5e-3, document 3e-3 by default) are 100x
+the trainer's defaults, so that the sparsity changes within these few steps. Same batch, lr,
 warm-up, weight decay, clipping, seed, max length, fp32 on the CPU, no evaluation during
 training. Each trainer's batches come from its own sampler (random rows from the seed; full
-batches only: dataloader_drop_last for the Trainer, as train.py drops a last batch it cannot
+batches only: dataloader_drop_last for the Trainer, as the trainer drops a last batch it cannot
 fill), so the two see different batch orders and dropout masks. samples/s is each trainer's own
-count over its training loop alone: train.py's summary, the Trainer's train_samples_per_second
+count over its training loop alone: the trainer's summary, the Trainer's train_samples_per_second
 (model loading, evaluation and the export are outside both); the 1-minute load average before
 and after each run is kept beside it (another process on the machine shows there). --rounds
 alternates the two (and who goes first), as bench_cosent_vs_st.py does.
 
-same_order: whether the two trainers train the same model, step for step: both on train.py's
+same_order: whether the two trainers train the same model, step for step: both on the full trainer's
 batches (the Trainer through a batch sampler that yields batches.epoch_order's batches) and
 without dropout (the start model saved again with its config's dropout at 0), --same-order-steps
 steps logged at every step: the relative differences of each step's loss and gradient norm
 (before clipping), and the held-out scores of the two models.
 
-worlds: train.py at world 1 and under `torchrun --nproc_per_node=W ... --gather-negatives` at each
-other --worlds size, the global batch fixed (per-device batch = global / W), once as train.py is
+worlds: the full trainer at world 1 and under `torchrun --nproc_per_node=W ... --gather-negatives` at each
+other --worlds size, the global batch fixed (per-device batch = global / W), once as the trainer is
 (the FLOPS terms over every rank's rows) and once with the FLOPS terms per device, as
 sentence-transformers computes them under DDP: this script run by torchrun as the worker
 (--worker per_device), which replaces splade.loss_arguments with one returning the same
@@ -105,7 +106,7 @@ def build_start_model(folder, seed, dropout=None):
 
 
 def train_flags(settings, start_dir, out_dir, batch, steps, log_steps=LOG_STEPS):
-    """train.py's flags of a run on SICK's training pairs."""
+    """The full trainer's flags of a run on SICK's training pairs."""
     return [
         "--model", start_dir,
         "--pooling", "splade",
@@ -126,7 +127,7 @@ def train_flags(settings, start_dir, out_dir, batch, steps, log_steps=LOG_STEPS)
 
 
 def ours_result(out_dir):
-    """(samples/s, the logged [(step, loss, grad_norm)]) of a train.py run, from its own files."""
+    """(samples/s, the logged [(step, loss, grad_norm)]) of a run of the full trainer, from its own files."""
     with open(os.path.join(out_dir, "final", "training_config.json")) as f:
         samples_per_s = json.load(f)["samples_per_s"]
     with open(os.path.join(out_dir, "metrics.jsonl")) as f:
@@ -137,7 +138,7 @@ def ours_result(out_dir):
 
 def run_ours(settings, start_dir, out_dir, same_order=False):
     steps, log_steps = (settings["same_order_steps"], 1) if same_order else (settings["steps"], LOG_STEPS)
-    cmd = [sys.executable, os.path.join(REPO_DIR, "train.py")]
+    cmd = [sys.executable, "-m", "fsdp_embed"]
     cmd += train_flags(settings, start_dir, out_dir, settings["batch"], steps, log_steps)
     subprocess.run(cmd, check=True, cwd=REPO_DIR, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     return ours_result(out_dir)
@@ -153,7 +154,7 @@ def run_peer(settings, start_dir, out_dir, same_order=False):
 
 
 def train_py_order(seed, epochs_seen):
-    """A batch sampler class for the Trainer that yields train.py's batches of one data set (its
+    """A batch sampler class for the Trainer that yields the full trainer's batches of one data set (its
     default sampler): each epoch's permutation batches.epoch_order(rows, seed, epoch), cut into full
     batches. The Trainer calls set_epoch at each epoch's start; `epochs_seen` notes them."""
     from sentence_transformers.base.sampler import DefaultBatchSampler
@@ -176,7 +177,7 @@ def train_py_order(seed, epochs_seen):
 
 def peer_worker(settings, start_dir, out_dir, same_order):
     """SparseEncoderTrainer, one process on the CPU; writes out_dir/final and train_metrics.json.
-    same_order: train.py's batches (train_py_order), logged at every step."""
+    same_order: the full trainer's batches (train_py_order), logged at every step."""
     import datasets
     from sentence_transformers import SparseEncoder, SparseEncoderTrainer, SparseEncoderTrainingArguments
     from sentence_transformers.sparse_encoder.losses import SparseMultipleNegativesRankingLoss, SpladeLoss
@@ -192,12 +193,12 @@ def peer_worker(settings, start_dir, out_dir, same_order):
         max_steps=settings["same_order_steps" if same_order else "steps"],
         per_device_train_batch_size=settings["batch"],
         learning_rate=settings["lr"],
-        warmup_steps=settings["warmup_ratio"],  # below 1: a ratio of the steps, rounded up as train.py
+        warmup_steps=settings["warmup_ratio"],  # below 1: a ratio of the steps, rounded up as the trainer
         weight_decay=settings["weight_decay"],
         max_grad_norm=1.0,
         seed=settings["seed"],
         use_cpu=True,
-        dataloader_drop_last=True,  # full batches only, as train.py
+        dataloader_drop_last=True,  # full batches only, as the trainer
         save_strategy="no",
         eval_strategy="no",
         report_to="none",
@@ -220,7 +221,7 @@ def peer_worker(settings, start_dir, out_dir, same_order):
 
 
 def run_world(settings, start_dir, out_dir, world, per_device_flops):
-    """train.py at world `world` with --gather-negatives and --dropout 0, the global batch
+    """The full trainer at world `world` with --gather-negatives and --dropout 0, the global batch
     settings["dist_batch"]; per_device_flops: through this script's worker (the module docstring)."""
     flags = train_flags(
         settings, start_dir, out_dir, settings["dist_batch"] // world, settings["dist_steps"]
@@ -228,13 +229,13 @@ def run_world(settings, start_dir, out_dir, world, per_device_flops):
     if per_device_flops:
         cmd = launcher(world) + [os.path.abspath(__file__), "--worker", "per_device", "--", *flags]
     else:
-        cmd = launcher(world) + [os.path.join(REPO_DIR, "train.py"), *flags]
+        cmd = launcher(world) + ["-m", "fsdp_embed", *flags]
     subprocess.run(cmd, check=True, cwd=REPO_DIR, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     return ours_result(out_dir)
 
 
 def per_device_worker(train_args):
-    """One rank of train.py with sentence-transformers' per-device FLOPS: the regularisers over this
+    """One rank of the full trainer with sentence-transformers' per-device FLOPS: the regularisers over this
     rank's rows only (gather_regularizers=False), the negatives still gathered."""
     sys.path.insert(0, REPO_DIR)
     from fsdp_embed import config
@@ -247,7 +248,7 @@ def per_device_worker(train_args):
     def per_device(flags, step=None, total_steps=None):
         return {**over_all_ranks(flags, step, total_steps), "gather_regularizers": False}
 
-    splade.loss_arguments = per_device  # train.py looks it up on the module at every step
+    splade.loss_arguments = per_device  # the trainer looks it up on the module at every step
     try:
         full_train.main(config.parse_config(train_args))
     finally:
@@ -341,7 +342,7 @@ def trainers_part(settings, start_dir, work, rounds):
 
 
 def same_order_part(settings, work):
-    """Both trainers on train.py's batches (the Trainer through train_py_order) and without dropout
+    """Both trainers on the full trainer's batches (the Trainer through train_py_order) and without dropout
     (the start model saved again, its config's dropout at 0): every step's loss and gradient norm
     (before clipping), and the held-out scores."""
     start_dir = build_start_model(os.path.join(work, "start-no-dropout"), settings["seed"], dropout=0.0)
@@ -358,7 +359,7 @@ def same_order_part(settings, work):
     length = settings["max_seq_length"]
     return {
         "steps": settings["same_order_steps"],
-        "trainer_sampler_epochs": epochs_seen,  # the epochs whose train.py order the Trainer drew
+        "trainer_sampler_epochs": epochs_seen,  # the epochs whose order (ours) the Trainer drew
         "logged": {"ours": ours, "st": st},  # (step, loss, grad_norm)
         "loss_relative_diff": relative(1),
         "grad_norm_relative_diff": relative(2),
@@ -412,7 +413,7 @@ def main():
     parser.add_argument("--start", help=argparse.SUPPRESS)
     parser.add_argument("--settings", help=argparse.SUPPRESS)
     parser.add_argument("--same-order", action="store_true", help=argparse.SUPPRESS)
-    parser.add_argument("--worker", help=argparse.SUPPRESS)  # per_device: a torchrun rank of train.py
+    parser.add_argument("--worker", help=argparse.SUPPRESS)  # per_device: a torchrun rank of the trainer
     parser.add_argument("train_args", nargs="*", help=argparse.SUPPRESS)  # the worker's, after --
     args = parser.parse_args()
     if args.peer_worker:
@@ -477,7 +478,7 @@ def print_tables(results):
         print("| trainer | samples/s | last logged loss " + header)
         print("|---|---|---|---|---|---|---|---|")
         print("| start model | - | - " + cells(results["start"]))
-        for who, name in (("ours", "train.py"), ("st", "SparseEncoderTrainer")):
+        for who, name in (("ours", "fsdp_embed"), ("st", "SparseEncoderTrainer")):
             rates, last_loss = t["samples_per_s"][who], t["losses"][who][-1][1]
             print(f"| {name} | {sum(rates) / len(rates):.1f} | {last_loss:.2f} " + cells(t[who]))
         for who in ("ours", "st"):
@@ -491,7 +492,7 @@ def print_tables(results):
         print(f"{loss_diff:.2g} (relative), the gradient norm by {norm_diff:.2g}")
         print("| trainer | final loss " + header)
         print("|---|---|---|---|---|---|---|")
-        for who, name in (("ours", "train.py"), ("st", "SparseEncoderTrainer")):
+        for who, name in (("ours", "fsdp_embed"), ("st", "SparseEncoderTrainer")):
             print(f"| {name} | {o['logged'][who][-1][1]:.3f} " + cells(o[who]))
     if "worlds" in results:
         print("\n| world | FLOPS over | per-device batch | last logged loss " + header)

@@ -7,10 +7,10 @@ micro-batch as it is read (--tokenize on_the_fly).
    (RssAnon, sampled every 0.02 s) before, at its peak while writing and after, at each size (flat
    in rows: the same growth at every size). Then one micro-batch's features, random rows: padded
    from the file (token_cache.features) against tokenized from the rows (batches.collate).
-2. Training samples/s: train.py, one process, all-MiniLM-L6-v2, CoSENT on data/stsb-train.jsonl,
+2. Training samples/s: the full trainer, one process, all-MiniLM-L6-v2, CoSENT on data/stsb-train.jsonl,
    global batch 32, max length 128, --steps steps; the two modes alternate, --rounds times, the
    order turned round each round (the machine's other work falls on both alike). samples/s is
-   train.py's own summary (the training loop only); the first `once` run writes stsb-train's
+   the trainer's own summary (the training loop only); the first `once` run writes stsb-train's
    token file if no earlier run did (its log line says which).
 
 Run (a quiet machine; ~10 minutes on 2 CPU cores at the defaults, 1 GB of disk in a temporary
@@ -114,7 +114,7 @@ def write_once(num_rows, folder):
 
 def train(mode, steps, out):
     """(samples/s, wall seconds, the log's token-file line or "")."""
-    command = [sys.executable, str(REPO_DIR / "train.py"), "--loss", "cosent"]
+    command = [sys.executable, "-m", "fsdp_embed", "--loss", "cosent"]
     command += ["--train-data", str(REPO_DIR / "data" / "stsb-train.jsonl")]
     command += ["--max-steps", str(steps), "--per-device-batch-size", "32", "--max-seq-length", "128"]
     command += ["--tokenize", mode, "--output-dir", str(out), "--overwrite", "--log-steps", str(steps)]

@@ -8,10 +8,10 @@ rows costs at each --tokenize setting.
    single-threaded tokenizer (TOKENIZERS_PARALLELISM=false, set here for all three). Counted
    from the 20th micro-batch on, so the workers' start (spawn, about 2 s) is left out; the median
    of --repeats readings of each.
-2. What a step consumes, and a first run at each setting: train.py, one process, MNRL on the same
+2. What a step consumes, and a first run at each setting: the full trainer, one process, MNRL on the same
    pairs, global batch 32, max length 128, --steps steps, each run with a fresh output folder:
    the default (on the fly, the reader thread), --tokenize-workers 1, and --tokenize once with no
-   token file yet (a cold cache: it writes the file before step 1). From train.py's summary:
+   token file yet (a cold cache: it writes the file before step 1). From the trainer's summary:
    start-up seconds (to the first step: the token file's writing included), samples/s of the
    steps alone, and the texts/s they consume (2 a pair).
 
@@ -74,8 +74,8 @@ def supply(parquet, workers, micro_batches_to_read):
 
 
 def train(parquet, flags, steps, out):
-    """train.py's summary line of one run, and its token-file line ("" if none)."""
-    command = [sys.executable, str(REPO_DIR / "train.py"), "--train-data", str(parquet)]
+    """The trainer's summary line of one run, and its token-file line ("" if none)."""
+    command = [sys.executable, "-m", "fsdp_embed", "--train-data", str(parquet)]
     command += ["--max-steps", str(steps), "--per-device-batch-size", "32", "--max-seq-length", "128"]
     command += ["--output-dir", str(out), "--log-steps", str(steps), *flags]
     done = subprocess.run(command, cwd=REPO_DIR, capture_output=True, text=True, check=True)

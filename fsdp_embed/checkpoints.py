@@ -19,10 +19,10 @@ One run per output folder: rank 0 holds OUTPUT_DIR/.lock while it runs (`take_ou
 `checkpoint_to_resume` picks the checkpoint a run continues from at start-up (run_plan.py
 calls it), and `check_same_run` refuses one written by another run.
 
-Needs safetensors, fsdp_utils.py (`print0`, the quiet checkpoint warnings), faults.py (the
-disk's room, writes agreed across ranks) and config.py (the settings a resume may change).
-Its whole copy set (what it needs, directly or through another): collectives.py, config.py,
-faults.py, fsdp_utils.py.
+Needs safetensors, fsdp_utils.py (`print0`), fsdp_embed/checkpoint_warnings.py,
+fsdp_embed/random_state.py (each rank's generator states), fsdp_embed/faults.py (the disk's room,
+writes agreed across ranks) and fsdp_embed/config.py (the settings a resume may change): its whole
+copy set, none of them importing another project file.
 """
 
 import atexit
@@ -45,10 +45,11 @@ import torch
 import torch.distributed as dist
 from safetensors.torch import load_file, save_file
 
+import fsdp_utils
+from fsdp_embed import checkpoint_warnings
 from fsdp_embed import config
 from fsdp_embed import faults
-import fsdp_utils
-from fsdp_embed import sharding
+from fsdp_embed import random_state
 
 # torch.distributed.checkpoint is imported by the functions that use it: start-up time that
 # runs without FSDP or checkpoints never need (docs/speed.md).
@@ -156,7 +157,7 @@ def save_checkpoint(model, optimizer, checkpoints_dir, step, trainer_state, keep
     rank = dist.get_rank() if dist.is_initialized() else 0
     final_dir = os.path.join(checkpoints_dir, f"step-{step}")
     tmp_dir = os.path.join(checkpoints_dir, f".incomplete-step-{step}")
-    with sharding.quiet_checkpoint_warnings():  # (FSDP1's ShardedTensor warns at each use)
+    with checkpoint_warnings.quiet_checkpoint_warnings():  # (FSDP1's ShardedTensor warns at each use)
         tensors, hyper = _tensor_state(model, optimizer)
         # RNG states, JSON and safetensors headers: a few kB a rank, within the 1% + 1 MiB.
         need = int(1.01 * faults.global_bytes(tensors.values())) + 2**20
@@ -173,7 +174,7 @@ def save_checkpoint(model, optimizer, checkpoints_dir, step, trainer_state, keep
             shutil.rmtree(tmp_dir, ignore_errors=True)  # a leftover of a save that was killed
             os.makedirs(tmp_dir)
     with faults.agreed_writes(what, checkpoints_dir, remove_tmp):
-        with sharding.quiet_checkpoint_warnings():
+        with checkpoint_warnings.quiet_checkpoint_warnings():
             # (all ranks participate): each writes the tensors (or shards) it is assigned;
             # safetensors files, so loading them back runs no pickle. A failed write raises on
             # every rank.
@@ -183,7 +184,7 @@ def save_checkpoint(model, optimizer, checkpoints_dir, step, trainer_state, keep
                     tmp_dir, save_distributed=True, enable_consolidation=False
                 ),
             )
-        save_file(sharding.rng_states(), os.path.join(tmp_dir, f"rng-rank-{rank}.safetensors"))
+        save_file(random_state.rng_states(), os.path.join(tmp_dir, f"rng-rank-{rank}.safetensors"))
         if rank == 0:
             with open(os.path.join(tmp_dir, "trainer_state.json"), "w") as f:
                 json.dump({**trainer_state, "step": step, "optimizer_hyperparameters": hyper}, f, indent=1)
@@ -233,7 +234,7 @@ def load_checkpoint(model, optimizer, checkpoint_dir):
     rank = dist.get_rank() if dist.is_initialized() else 0
     with open(os.path.join(checkpoint_dir, "trainer_state.json")) as f:
         trainer_state = json.load(f)
-    with sharding.quiet_checkpoint_warnings():
+    with checkpoint_warnings.quiet_checkpoint_warnings():
         tensors, _ = _tensor_state(model, optimizer)  # the shards to fill
         # (all ranks participate): each rank reads the shards it holds
         dcp.load(tensors, storage_reader=dcp.HuggingFaceStorageReader(checkpoint_dir))
@@ -247,7 +248,7 @@ def load_checkpoint(model, optimizer, checkpoint_dir):
             optim_state_dict=optim_state,
             options=StateDictOptions(**CHECKPOINT_OPTIONS),
         )
-    sharding.set_rng_states(rng_for_rank(checkpoint_dir, rank))
+    random_state.set_rng_states(rng_for_rank(checkpoint_dir, rank))
     return trainer_state
 
 
@@ -284,7 +285,7 @@ def schedule_for_groups(schedule, groups):
     """A saved learning-rate schedule's state for an optimizer with `groups` parameter groups.
     A checkpoint written before FSDP2's shard_grad_op gave the embedding tables a group of their
     own (sharding.wrap_fsdp2) has one group fewer, and one resumed at a world size or strategy
-    without that group one more; every group follows the same schedule (train.py), so each
+    without that group one more; every group follows the same schedule (__main__.py), so each
     per-group list holds one value, now given to every group. The schedule's function is a pure
     function of the step: its saved state (`lr_lambdas`) holds nothing, and is given per group too."""
     if len(schedule["base_lrs"]) == groups or len(set(schedule["base_lrs"])) != 1:

@@ -3,7 +3,7 @@
 Each field carries its --help line and its own rules: the bounds its value must keep (checked at
 start-up, on every rank: `check_field_rules`) and whether a resumed run may change it (any other
 field must equal the checkpoint's). `parse_config()` builds argparse from the fields, grouped
-into the sections of --help; `python train.py --help` prints them. The few values read from a
+into the sections of --help; `python -m fsdp_embed --help` prints them. The few values read from a
 field's text (--matryoshka-dims, --prompts, --max-seq-length, --dataset-settings, --report-to,
 --lora-*) are parsed here, in one place, and called from one place: run_plan.resolve_flags, which
 resolves them once into the run's plan.
@@ -564,9 +564,11 @@ HELP_SECTIONS = {
 
 def parse_config(argv=None, description=None):
     """The Config from the command line (`argv`: sys.argv[1:] when None). `description` heads
-    --help: train.py passes its own docstring, with the launch commands."""
+    --help: __main__.py passes its own docstring, with the launch commands."""
     formatter = argparse.RawDescriptionHelpFormatter
-    parser = argparse.ArgumentParser(description=description or __doc__, formatter_class=formatter)
+    parser = argparse.ArgumentParser(
+        prog="python -m fsdp_embed", description=description or __doc__, formatter_class=formatter
+    )
     group = parser
     for field in dataclasses.fields(Config):
         if field.name in HELP_SECTIONS:

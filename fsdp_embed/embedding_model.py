@@ -6,13 +6,14 @@ every parameter used. `load_model` builds it from a local folder, a SentenceTran
 (its pooling, normalisation, max length, casing and prompts kept) or a hub id, with the
 --dropout, --append-eos, LoRA and activation-checkpointing settings applied before wrapping.
 Under FSDP it builds the model on the meta device when the weights can be read slice by slice,
-so no rank ever holds the whole model (sharding.load_pretrained_sharded fills the shards).
+so no rank ever holds the whole model (shard_loading.load_pretrained_sharded fills the shards).
 `LoadedModel.tokenize` is the one place texts become token ids, in training and evaluation;
 `pack` lays its texts end to end in
 packed rows (`EmbeddingModel.embed_packed` runs them).
 
-Needs transformers, safetensors, and config.py, fsdp_utils.py (which needs collectives.py), lora.py,
-splade.py (SPLADE's head) and st_folder.py (`read_sentence_transformer_config`).
+Needs transformers, safetensors, and fsdp_utils.py, fsdp_embed/config.py, fsdp_embed/lora.py,
+fsdp_embed/shard_loading.py (which needs fsdp_embed/checkpoint_warnings.py), fsdp_embed/splade.py
+(SPLADE's head) and fsdp_embed/st_folder.py (`read_sentence_transformer_config`).
 """
 
 import copy
@@ -27,12 +28,12 @@ import torch
 import torch.nn.functional as F
 import transformers
 
-from fsdp_embed import config
-from fsdp_embed import st_folder
 import fsdp_utils
-from fsdp_embed import sharding
+from fsdp_embed import config
 from fsdp_embed import lora
+from fsdp_embed import shard_loading
 from fsdp_embed import splade
+from fsdp_embed import st_folder
 
 
 def pool(token_states_BTD, mask_BT, mode):
@@ -47,7 +48,10 @@ def pool(token_states_BTD, mask_BT, mode):
     if mode == "cls":  # the first position kept: [CLS], or the text's first token after its prompt
         return token_states_BTD[rows_B, mask_BT.int().argmax(1)]
     if mode == "max":
-        return token_states_BTD.masked_fill(mask_BT.unsqueeze(-1) == 0, -1e9).max(1).values
+        # sentence-transformers' fill, -1e9, overflows fp16 (+-65504: "value cannot be converted to
+        # type c10::Half without overflow", under --precision fp16): there the dtype's lowest value.
+        fill = max(-1e9, torch.finfo(token_states_BTD.dtype).min)
+        return token_states_BTD.masked_fill(mask_BT.unsqueeze(-1) == 0, fill).max(1).values
     if mode == "lasttoken":  # the last position kept, whichever side the padding is on
         last_B = mask_BT.shape[1] - 1 - mask_BT.int().flip(1).argmax(1)
         return token_states_BTD[rows_B, last_B] * mask_BT[rows_B, last_B].unsqueeze(-1)
@@ -317,7 +321,7 @@ def packing_choice(model, flags_refuse):
 
 def to_device(tensors, device):
     """`tensors` (map_tensors') on `device`, copied without waiting where they are in pinned memory
-    (train.prepare_micro_batch): the copy is queued on the GPU's stream, before the forward."""
+    (__main__.prepare_micro_batch): the copy is queued on the GPU's stream, before the forward."""
     return map_tensors(tensors, lambda t: t.to(device, non_blocking=True))
 
 
@@ -660,7 +664,7 @@ def prepare_encoder(encoder, spec):
 def to_meta(loaded, file_names, lora_names, folder):
     """A model whose encoder was built on the meta device: keep the values of the tensors the
     checkpoint does not hold, send the whole model to meta, and note where in `folder` each
-    pretrained tensor is read from after wrapping (sharding.load_pretrained_sharded)."""
+    pretrained tensor is read from after wrapping (shard_loading.load_pretrained_sharded)."""
     # What the checkpoint does not hold (the Softmax head, adapters) was just drawn from the
     # seeded RNG, exactly as without sharding: keep those values, then send it all to meta.
     state = loaded.model.state_dict()
@@ -709,7 +713,7 @@ def build_on_meta(path, subfolder, train_config, remote):
     """build_encoder on the meta device: ((encoder, missing keys, {tensor name: name in the
     safetensors files}), "") when the files can fill it slice by slice, else (None, why not)."""
     folder = os.path.join(path, subfolder) if subfolder else path
-    file_keys = sharding.safetensors_keys(folder) if os.path.isdir(folder) else None
+    file_keys = shard_loading.safetensors_keys(folder) if os.path.isdir(folder) else None
     if not file_keys:
         return None, f"{path} is not a local folder whose safetensors files each hold different tensors"
     with torch.device("meta"):
@@ -733,7 +737,7 @@ def read_tensors(folder, file_names):
     """{name: tensor} read whole from the safetensors files of `folder` ({name: name in the files})."""
     from safetensors import safe_open
 
-    files = sharding.safetensors_keys(folder)
+    files = shard_loading.safetensors_keys(folder)
     tensors = {}
     for name, file_name in file_names.items():
         with safe_open(os.path.join(folder, files[file_name]), framework="pt") as f:
@@ -747,7 +751,7 @@ def fill_sharded_weights(model, loaded):
     buffers no checkpoint holds are computed. (all ranks participate) Nothing to do otherwise."""
     if loaded.pretrained_dir:
         init_non_persistent_buffers(loaded.model.encoder)
-        sharding.load_pretrained_sharded(
+        shard_loading.load_pretrained_sharded(
             model, loaded.pretrained_dir, loaded.pretrained_names, loaded.fresh_tensors
         )
         loaded.fresh_tensors = {}

@@ -2,8 +2,9 @@
 
   - `export_model` (all ranks participate): under FSDP every rank stages the part of the
     weights it holds (`stage_state_dict`, DCP; nothing is gathered) and rank 0 reads them back a
-    file's worth at a time (`read_staged`); LoRA adapters are merged into their layers; rank 0
-    alone writes;
+    file's worth at a time (`read_staged`); a rank on a host without rank 0's disk sends its
+    staged file over the process group (`send_files_to_rank0`); LoRA adapters are merged into
+    their layers; rank 0 alone writes;
   - `export_sentence_transformer` (one writer, no collective): a folder that
     `SentenceTransformer(path)` (sentence-transformers 2.x to 6.x) and
     `AutoModel.from_pretrained(path)` both load, its weights in files of a bounded size, its
@@ -20,8 +21,9 @@ Usage (stage_state_dict: all ranks participate; the writer alone the rest):
         export.export_sentence_transformer(out_dir, [lambda: export.read_staged(staging, names)],
                                            hf_config, tokenizer, st_files, max_seq_length=256)
 
-Needs torch, transformers and safetensors, and st_folder.py (the pooling keys); for `export_model`
-also fsdp_utils.py, collectives.py, lora.py, faults.py and model_card.py.
+Needs torch, transformers and safetensors, and fsdp_embed/st_folder.py (the pooling keys); for
+`export_model` also fsdp_utils.py, fsdp_embed/sharding.py (which FSDP), fsdp_embed/checkpoint_warnings.py,
+fsdp_embed/lora.py, fsdp_embed/faults.py and fsdp_embed/model_card.py: its whole copy set.
 """
 
 import copy
@@ -37,12 +39,12 @@ import torch
 import torch.distributed as dist
 from safetensors.torch import save_file
 
-from fsdp_embed import collectives
-from fsdp_embed import faults
 import fsdp_utils
-from fsdp_embed import sharding
+from fsdp_embed import checkpoint_warnings
+from fsdp_embed import faults
 from fsdp_embed import lora
 from fsdp_embed import model_card
+from fsdp_embed import sharding
 from fsdp_embed import st_folder
 
 
@@ -241,7 +243,7 @@ def stage_state_dict(model, folder, sees_output_dir=(True,)):
     import torch.distributed.checkpoint as dcp  # (imported here: see the top of checkpoints.py)
     from torch.distributed.checkpoint.state_dict import get_model_state_dict
 
-    with sharding.quiet_checkpoint_warnings():
+    with checkpoint_warnings.quiet_checkpoint_warnings():
         state = get_model_state_dict(model)  # sharded under FSDP, no gathering (all ranks participate)
         state = first_of_tied(state)  # safetensors refuses two names for one tensor
         # (all ranks participate): each rank writes its own shards
@@ -257,12 +259,44 @@ def stage_state_dict(model, folder, sees_output_dir=(True,)):
     rank_files = glob.glob(os.path.join(glob.escape(folder), f"shard-{rank + 1:05d}-*.safetensors"))
     # rank 0 and the ranks on other hosts exchange the files over the
     # process group; the others return at once.
-    collectives.send_files_to_rank0(
-        folder, [] if on_rank0_disk else rank_files, [not s for s in sees_output_dir]
-    )
-    sharding.barrier()  # every file is sent before any host clears its copy
+    send_files_to_rank0(folder, [] if on_rank0_disk else rank_files, [not s for s in sees_output_dir])
+    dist.barrier()  # (all ranks participate): every file is sent before any host clears its copy
     if not on_rank0_disk:
         shutil.rmtree(folder, ignore_errors=True)
+
+
+def send_files_to_rank0(folder, paths, senders, chunk_bytes=64 * 2**20):
+    """Rank 0 receives into `folder` the files `paths` of every rank r with senders[r] (ranks on
+    another host, whose disk rank 0 cannot read), over the process group, `chunk_bytes` at a
+    time: no rank holds more than one chunk. Every rank calls it with the same `senders`
+    (all ranks participate): rank 0 and the senders exchange messages, the others return at once.
+    Each sender passes its own `paths`."""
+    rank = dist.get_rank()
+    device = torch.device("cuda", torch.cuda.current_device()) if dist.get_backend() == "nccl" else None
+    device = device or torch.device("cpu")
+    for source in [r for r, sends in enumerate(senders) if sends and r != 0]:  # the same order on all
+        # below: each send of the source meets one recv of rank 0, in order
+        if rank == source:
+            header = json.dumps({os.path.basename(p): os.path.getsize(p) for p in paths}).encode()
+            dist.send(torch.tensor([len(header)], device=device), dst=0)  # (all ranks participate)
+            # (all ranks participate)
+            dist.send(torch.frombuffer(bytearray(header), dtype=torch.uint8).to(device), dst=0)
+            for path in paths:
+                with open(path, "rb") as f:
+                    while chunk := f.read(chunk_bytes):
+                        # (all ranks participate)
+                        dist.send(torch.frombuffer(bytearray(chunk), dtype=torch.uint8).to(device), dst=0)
+        elif rank == 0:
+            length = torch.zeros(1, dtype=torch.int64, device=device)
+            dist.recv(length, src=source)  # (all ranks participate)
+            header = torch.empty(int(length), dtype=torch.uint8, device=device)
+            dist.recv(header, src=source)  # (all ranks participate)
+            for name, size in json.loads(bytes(header.cpu().numpy())).items():
+                with open(os.path.join(folder, name), "wb") as f:
+                    for start in range(0, size, chunk_bytes):
+                        chunk = torch.empty(min(chunk_bytes, size - start), dtype=torch.uint8, device=device)
+                        dist.recv(chunk, src=source)  # (all ranks participate)
+                        f.write(chunk.cpu().numpy().tobytes())
 
 
 def first_of_tied(state):
@@ -299,7 +333,7 @@ def read_staged(folder, names):
 
     shapes = staged_tensors(folder)
     tensors = {name: torch.empty(shapes[name][0], dtype=shapes[name][1]) for name in names}
-    with sharding.quiet_checkpoint_warnings():
+    with checkpoint_warnings.quiet_checkpoint_warnings():
         dcp.load(tensors, storage_reader=dcp.HuggingFaceStorageReader(folder), no_dist=True)
     return tensors
 

@@ -23,7 +23,7 @@ TORCHELASTIC_ERROR_FILE=PATH copies the worker's exit code to "errorCode" in PAT
     `watch_sigterm` (a rank that torchrun stops after a peer was killed says so first),
     `end_job`, `kill_once_reaped`, `stop_launcher_if_stuck`.
 
-Needs torch only (the newest checkpoint comes from the caller: checkpoints.py in train.py).
+Needs torch only (the newest checkpoint comes from the caller: checkpoints.py in __main__.py).
 """
 
 import atexit
@@ -293,7 +293,7 @@ class Heartbeat:
         return self.silent_ranks
 
 
-HEARTBEAT = Heartbeat()  # this process's: train.py starts it before its loop, which sets its step
+HEARTBEAT = Heartbeat()  # this process's: __main__.py starts it before its loop, which sets its step
 
 
 def lost_peer_message(lost, silent, step, newest_checkpoint, dist_timeout_minutes, ended=()):
@@ -544,7 +544,7 @@ def end_run(error, timeout_minutes, newest_checkpoint):
     rank0 = not dist.is_initialized() or dist.get_rank() == 0
     if isinstance(error, (ValueError, FloatingPointError, DiskFull)):
         # Bad input (startup_checks.StartUpError and the like), a non-finite loss (its message
-        # names the checkpoint: train.py), the disk: every rank raised it, rank 0 says it.
+        # names the checkpoint: __main__.py), the disk: every rank raised it, rank 0 says it.
         code = BAD_INPUT if isinstance(error, ValueError) else DIVERGED
         message = str(error)
         if isinstance(error, DiskFull):

@@ -9,7 +9,7 @@ Limited Setup"): a contrastive batch of any size in the memory of one chunk of r
 other) through the wrapped model in one call, an encoder pass per chunk, in pool order;
 `embed(rows, positions)` embeds one chunk's rows at its token positions; `chunks` are (rows,
 positions) pairs (batches.sub_batches) whose rows hold every row once;
-`loss_of(embs)` is the micro-batch's loss from its column embeddings (train.embeddings_loss), so
+`loss_of(embs)` is the micro-batch's loss from its column embeddings (__main__.embeddings_loss), so
 every loss, --gather-negatives and Matryoshka work unchanged; the gradients equal those of one
 backward through the whole batch (tests/test_gradcache_gather.py). Dropout draws the same masks
 in both passes: the RNG state is noted before the first pass and restored before the second,
@@ -18,12 +18,12 @@ which runs the chunks in the same order (nothing else draws between them).
 Left out on purpose: caching across optimizer steps (the embeddings change with the weights),
 and chunks of unequal sizes across ranks (every forward is a collective under FSDP).
 
-Needs torch, and fsdp_utils.py (`rng_states`, `set_rng_states`), which needs collectives.py.
+Needs torch, and fsdp_embed/random_state.py (`rng_states`, `set_rng_states`), which needs torch only.
 """
 
 import torch
 
-from fsdp_embed import sharding
+from fsdp_embed import random_state
 
 
 def cached_backward(
@@ -57,12 +57,12 @@ def cached_backward(
 
     (all ranks participate) Every rank runs the same number of chunks (equal batch sizes, equal
     groups): each forward is a collective under FSDP (a buffer broadcast under DDP).
-    `gradient_sync(enabled)`: the context of a backward (train.gradient_sync), so that DDP
+    `gradient_sync(enabled)`: the context of a backward (__main__.gradient_sync), so that DDP
     all-reduces the gradients only in the step's last backward (`sync`). `touch_head(emb)`: a zero
     that reaches the Softmax head, which got its gradient in step 2, added to the last backward
     (DDP reduces a parameter only when the synchronised backward reaches it); None: no head."""
     # 1. embeddings without a graph, in pool order, one leaf per column
-    rng = sharding.rng_states()
+    rng = random_state.rng_states()
     with torch.no_grad(), autocast():
         embs = [e.requires_grad_() for e in embed_chunks(chunks).float().chunk(num_columns)]
 
@@ -73,7 +73,7 @@ def cached_backward(
 
     # 3. re-embed each chunk with a graph and push its cached gradient through the encoder
     grad_PD = torch.cat([e.grad for e in embs])
-    sharding.set_rng_states(rng)
+    random_state.set_rng_states(rng)
     for i, (rows, positions) in enumerate(chunks):
         is_last = i == len(chunks) - 1
         with gradient_sync(sync and is_last):

@@ -24,19 +24,21 @@ to wrap one).
 Left out on purpose: a guide or teacher that trains, and a projection between a teacher and a
 student of other widths (the embeddings must be the same size: a start-up check).
 
-Needs torch, and embedding_model.py (`load_model`, `fill_sharded_weights`), batches.py
-(`with_prompt`) and fsdp_utils.py (`wrap_model`, `print0`).
-Its whole copy set (what it needs, directly or through another): batches.py, collectives.py,
-config.py, embedding_model.py, fsdp_utils.py, lora.py, splade.py, st_folder.py, token_cache.py.
+Needs torch, and fsdp_embed/embedding_model.py (`load_model`, `fill_sharded_weights`),
+fsdp_embed/batches.py (`with_prompt`), fsdp_embed/sharding.py (`wrap_model`) and fsdp_utils.py
+(`print0`). Its whole copy set (what it needs, directly or through another): fsdp_utils.py,
+fsdp_embed/batches.py, fsdp_embed/checkpoint_warnings.py, fsdp_embed/config.py,
+fsdp_embed/embedding_model.py, fsdp_embed/lora.py, fsdp_embed/shard_loading.py,
+fsdp_embed/sharding.py, fsdp_embed/splade.py, fsdp_embed/st_folder.py, fsdp_embed/token_cache.py.
 """
 
 from dataclasses import dataclass
 
 import torch
 
+import fsdp_utils
 from fsdp_embed import batches
 from fsdp_embed import embedding_model
-import fsdp_utils
 from fsdp_embed import sharding
 
 
@@ -105,7 +107,7 @@ def load_frozen_models(plan):
 
 def prepare_rows(opts, rows, train_set):
     """What the frozen models read of one micro-batch of `train_set`, prepared by the reader thread
-    (train.prepare_micro_batch): {"guide": its tokens and groups (`tokens_of`), for an mnrl set
+    (__main__.prepare_micro_batch): {"guide": its tokens and groups (`tokens_of`), for an mnrl set
     that ranks against other rows; "teacher": of the first column, for an mse set}. The reader
     alone tokenizes with the frozen models' tokenizers, so no other thread shares them."""
     frozen = {}
@@ -120,7 +122,7 @@ def embed_rows(opts, frozen, train_set, labels):
     """What the frozen models give one micro-batch of `train_set` from its `frozen` tokens
     (prepare_rows, on the device): (the guide's embeddings of each column, or None; the labels:
     for an mse set with a teacher, the teacher's embedding of the first column, every column's
-    target; else `labels`). `opts`: train.py's StepOptions (its guide, teacher and autocast).
+    target; else `labels`). `opts`: __main__.py's StepOptions (its guide, teacher and autocast).
     Under FSDP (all ranks participate) every rank's micro-batch is of the same set: the same
     forwards."""
     guide = embed(opts.guide, *frozen["guide"], opts.autocast) if "guide" in frozen else None
@@ -138,7 +140,7 @@ def local_numel(param):
 def tokens_of(frozen, rows, train_set, device, num_columns=None):
     """(tokens, groups, number of columns) of the text columns of `rows` as `train_set` reads
     them (its text_columns with its prompts; the first `num_columns`), for the frozen model: all
-    columns' texts pooled as the student's are (train.prepare_micro_batch), in one forward over
+    columns' texts pooled as the student's are (__main__.prepare_micro_batch), in one forward over
     packed rows, or length-sorted sub-batches (as many as suit `device`), at most
     --cache-chunk-size rows each. On the CPU."""
     columns = train_set.text_columns[:num_columns]

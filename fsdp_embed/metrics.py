@@ -7,7 +7,7 @@ another number of processes says so in its lines), {"step", "eval": {...}} at
 every evaluation, and the run's summary (final_loss, train_seconds, ...) at the end. NaN and inf
 are written as null. A resumed run keeps the rows up to its checkpoint's step.
 
-Needs tracking.py (and the packages of the trackers asked for); otherwise the standard library.
+Needs fsdp_embed/tracking.py (and the packages of the trackers asked for); otherwise the standard library.
 """
 
 import collections

@@ -1,10 +1,10 @@
 """Mine hard negatives for (anchor, positive) pairs with an embedding model, the corpus sharded
 across ranks: sentence-transformers' `mine_hard_negatives`, by processes.
 
-    python mine.py --data pairs.jsonl --output mined.jsonl                # one process
-    torchrun --nproc_per_node=4 mine.py --data pairs.jsonl --output mined.jsonl \\
+    python -m fsdp_embed.mine --data pairs.jsonl --output mined.jsonl          # one process
+    torchrun --nproc_per_node=4 -m fsdp_embed.mine --data pairs.jsonl --output mined.jsonl \\
         --corpus corpus.jsonl --num-negatives 5 --relative-margin 0.05 --output-format grouped
-    python mine.py --help                                                 # every flag
+    python -m fsdp_embed.mine --help                                           # every flag
 
 What it does (every rank runs the same code, all ranks participate; gloo on CPU, NCCL on CUDA):
   1. Every rank reads the same rows and checks them, then loads the same whole model
@@ -31,12 +31,14 @@ Left out on purpose: models that do not fit on one device (every rank holds the 
 inference needs no FSDP), cross-encoder rescoring, the labeled-pair and labeled-list formats,
 FAISS, embedding caches, a BEIR corpus's titles (only its `text` column is read).
 
-Needs torch, transformers, datasets, and config.py, training_data.py, embedding_model.py (`ModelSpec`,
-`load_model`: the model as train.py loads it), eval_dist.py, fsdp_utils.py and startup_checks.py
-(`agree_on_error`).
-Its whole copy set (what it needs, directly or through another): checkpoints.py, collectives.py,
-config.py, embedding_model.py, eval_dist.py, faults.py, fsdp_utils.py, lora.py, splade.py,
-st_folder.py, startup_checks.py, training_data.py.
+Needs torch, transformers, datasets, and fsdp_embed/config.py, fsdp_embed/training_data.py,
+fsdp_embed/embedding_model.py (`ModelSpec`, `load_model`: the model as the trainer loads it),
+eval_dist.py, fsdp_utils.py and fsdp_embed/startup_checks.py (`agree_on_error`).
+Its whole copy set (what it needs, directly or through another): eval_dist.py, fsdp_utils.py,
+fsdp_embed/checkpoint_warnings.py, fsdp_embed/checkpoints.py, fsdp_embed/config.py,
+fsdp_embed/embedding_model.py, fsdp_embed/faults.py, fsdp_embed/lora.py, fsdp_embed/random_state.py,
+fsdp_embed/shard_loading.py, fsdp_embed/splade.py, fsdp_embed/st_folder.py,
+fsdp_embed/startup_checks.py, fsdp_embed/training_data.py.
 """
 
 import argparse
@@ -54,13 +56,12 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from fsdp_embed import config
-from fsdp_embed import training_data
-from fsdp_embed import embedding_model
 import eval_dist
 import fsdp_utils
-from fsdp_embed import sharding
+from fsdp_embed import config
+from fsdp_embed import embedding_model
 from fsdp_embed import startup_checks
+from fsdp_embed import training_data
 
 OUTPUT_FORMATS = ("triplet", "n-tuple", "grouped")
 
@@ -86,7 +87,8 @@ def main(argv=None):
             fsdp_utils.print0(f"error: {e}", file=sys.stderr)
             # all agreed on the error; rank 0 has printed before any
             # exits, as torchrun stops the other ranks as soon as one leaves with an error.
-            sharding.barrier()
+            if dist.is_initialized():
+                dist.barrier()  # (all ranks participate)
             return 2
         started = time.perf_counter()
         describe(plan, args, world_size)
@@ -158,8 +160,8 @@ FLAGS = [
             choices=OUTPUT_FORMATS,
             help="triplet: (anchor, positive, negative), a row per negative found; n-tuple: (anchor, "
             "positive, negative_1..negative_n), only rows with all n found; grouped: a row per query "
-            "{query, pos: [...], neg: [...]}, queries with at least one negative (train.py reads it, "
-            "with --group-size)",
+            "{query, pos: [...], neg: [...]}, queries with at least one negative (python -m fsdp_embed "
+            "reads it, with --group-size)",
         ),
     ),
     (
@@ -292,11 +294,11 @@ class HelpFormatter(argparse.RawDescriptionHelpFormatter, argparse.ArgumentDefau
 class Parser(argparse.ArgumentParser):
     def error(self, message):
         # Not argparse's exit from every rank: bad flags go the way of any bad input (main).
-        raise BadFlags(f"{message}; see python mine.py --help")
+        raise BadFlags(f"{message}; see python -m fsdp_embed.mine --help")
 
 
 def parse_args(argv):
-    parser = Parser(description=__doc__, formatter_class=HelpFormatter)
+    parser = Parser(prog="python -m fsdp_embed.mine", description=__doc__, formatter_class=HelpFormatter)
     groups = {}
     for section, flag, kwargs in FLAGS:
         if section not in groups:
@@ -367,7 +369,8 @@ def make_plan(args, rank, bad_flags=None):
 
 
 def load_model(args, device):
-    """The model as train.py loads it (embedding_model.load_model), for inference on `device`."""
+    """The model as the trainer (__main__.py) loads it (embedding_model.load_model), for inference
+    on `device`."""
     spec = embedding_model.ModelSpec(
         path=args.model,
         max_seq_length=args.max_seq_length,

@@ -17,12 +17,15 @@ checkpointing and the LoRA target modules. It returns the FSDP block class names
 Left out on purpose: loading the weights (embedding_model.py does, once every check passed),
 and checking the values in them (the loss and the weights are checked while training).
 
-Needs transformers, and config.py, training_data.py (`root_cause`), embedding_model.py, st_folder.py
-(`read_sentence_transformer_config`), fsdp_utils.py (`resolve_layer_classes`), lora.py, splade.py
-(`head_of`) and guide_model.py (`frozen_spec`).
-Its whole copy set (what it needs, directly or through another): batches.py, collectives.py,
-config.py, embedding_model.py, eval_dist.py, fsdp_utils.py, guide_model.py, lora.py, splade.py,
-st_folder.py, token_cache.py, training_data.py.
+Needs transformers, and fsdp_embed/config.py, fsdp_embed/training_data.py (`root_cause`),
+fsdp_embed/embedding_model.py, fsdp_embed/st_folder.py (`read_sentence_transformer_config`),
+fsdp_utils.py (`resolve_layer_classes`), fsdp_embed/lora.py, fsdp_embed/splade.py (`head_of`) and
+fsdp_embed/guide_model.py (`frozen_spec`).
+Its whole copy set (what it needs, directly or through another): eval_dist.py, fsdp_utils.py,
+fsdp_embed/batches.py, fsdp_embed/checkpoint_warnings.py, fsdp_embed/config.py,
+fsdp_embed/embedding_model.py, fsdp_embed/guide_model.py, fsdp_embed/lora.py,
+fsdp_embed/shard_loading.py, fsdp_embed/sharding.py, fsdp_embed/splade.py, fsdp_embed/st_folder.py,
+fsdp_embed/token_cache.py, fsdp_embed/training_data.py.
 """
 
 import dataclasses
@@ -33,14 +36,14 @@ import os
 import torch
 import transformers
 
-from fsdp_embed import config
-from fsdp_embed import training_data
-from fsdp_embed import embedding_model
-from fsdp_embed import splade
-from fsdp_embed import st_folder
 import fsdp_utils
+from fsdp_embed import config
+from fsdp_embed import embedding_model
 from fsdp_embed import guide_model
 from fsdp_embed import lora
+from fsdp_embed import splade
+from fsdp_embed import st_folder
+from fsdp_embed import training_data
 
 
 def check_model(spec, plan):

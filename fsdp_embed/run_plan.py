@@ -19,12 +19,16 @@ main() prints `record(plan, loaded)`; every checkpoint and export saves it. benc
 fails when one of config.py's parsers is called anywhere but here, and when a function outside
 config.py, run_plan.py and main() is handed the Config.
 
-Needs config.py, training_data.py, batches.py, checkpoints.py, embedding_model.py (`ModelSpec`), export.py
-(`max_shard_bytes`) and model_checks.py: it is where the flags meet the files, not a file to copy alone.
-Its whole copy set (what it needs, directly or through another): batches.py, checkpoints.py,
-collectives.py, config.py, embedding_model.py, eval_dist.py, export.py, faults.py, fsdp_utils.py,
-guide_model.py, lora.py, model_card.py, model_checks.py, splade.py, st_folder.py, token_cache.py,
-training_data.py.
+Needs fsdp_embed/config.py, fsdp_embed/training_data.py, fsdp_embed/batches.py,
+fsdp_embed/checkpoints.py, fsdp_embed/embedding_model.py (`ModelSpec`), fsdp_embed/export.py
+(`max_shard_bytes`) and fsdp_embed/model_checks.py: it is where the flags meet the files, not a
+file to copy alone. Its whole copy set (what it needs, directly or through another): eval_dist.py,
+fsdp_utils.py, fsdp_embed/batches.py, fsdp_embed/checkpoint_warnings.py, fsdp_embed/checkpoints.py,
+fsdp_embed/config.py, fsdp_embed/embedding_model.py, fsdp_embed/export.py, fsdp_embed/faults.py,
+fsdp_embed/guide_model.py, fsdp_embed/lora.py, fsdp_embed/model_card.py, fsdp_embed/model_checks.py,
+fsdp_embed/random_state.py, fsdp_embed/shard_loading.py, fsdp_embed/sharding.py,
+fsdp_embed/splade.py, fsdp_embed/st_folder.py, fsdp_embed/token_cache.py,
+fsdp_embed/training_data.py.
 """
 
 import dataclasses
@@ -37,15 +41,15 @@ import torch
 from fsdp_embed import batches
 from fsdp_embed import checkpoints
 from fsdp_embed import config
-from fsdp_embed import training_data
 from fsdp_embed import embedding_model
 from fsdp_embed import export
 from fsdp_embed import model_checks
+from fsdp_embed import training_data
 
 
 @dataclass(frozen=True)
 class LossPlan:
-    """How one micro-batch's loss is computed from its column embeddings (train.embeddings_loss)."""
+    """How one micro-batch's loss is computed from its column embeddings (__main__.embeddings_loss)."""
 
     name: str = "mnrl"  # config.LOSS_NAMES
     scale: float = 20.0  # MNRL's and CoSENT's inverse temperature
@@ -89,7 +93,7 @@ class Plan:
     guide_model: str  # a frozen model's folder ("" : none): MNRL's false negatives
     teacher_model: str  # a frozen model's folder: --loss mse's targets
     precision: str  # fp32, bf16 or fp16
-    tf32: str  # on: CUDA's fp32 matmuls may use TensorFloat-32 (sharding.set_tf32)
+    tf32: str  # on: CUDA's fp32 matmuls may use TensorFloat-32 (process_settings.set_tf32)
     fsdp_version: int
     seed: int  # the data order, grouped rows' draws and new heads' initialisation
     tokenize: str  # on_the_fly, or once (a token file per set)
@@ -719,7 +723,7 @@ def add_schedule(plan, cfg, schedule, steps_per_epoch, eval_sets, fingerprint):
 
 def loss_plan(plan, cfg, name, own_negatives, num_labels, gather, guided=True):
     """The LossPlan of a set that trains (or is scored) with loss `name`; `guided`: with the
-    --guide-model's rule (its embeddings come with each micro-batch: train.forward_backward)."""
+    --guide-model's rule (its embeddings come with each micro-batch: __main__.forward_backward)."""
     false_negatives, scale, directions = None, plan.scale, plan.mnrl["directions"]
     if plan.model.sparse and cfg.scale is None:
         scale = 1.0  # SparseMultipleNegativesRankingLoss's: dot products of sparse vectors, unscaled

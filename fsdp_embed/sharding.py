@@ -1,42 +1,40 @@
-"""Processes, wrapping and collectives: what sits between a plain `nn.Module` and the ranks.
+"""Sharding: what stands between a plain `nn.Module` and the ranks of a DDP or FSDP run, beyond
+the FSDP1 wrapping of the root's fsdp_utils.py (which the one-file loop uses alone):
 
-  - `setup_dist` / `cleanup_dist`: the process group under torchrun (gloo on CPU, NCCL on CUDA),
-    one process without it; `print0` prints once; `set_cpu_allocator`: glibc's malloc setting,
-    for the sharding that `resolve_sharding` gives;
-  - `detect_layer_classes` / `resolve_layer_classes`: the repeated transformer block that
-    FSDP wraps, found in the model itself (or named, and checked, by the user);
-  - `wrap_model`: nothing (one process), DDP, FSDP1 (`FullyShardedDataParallel` with
-    `transformer_auto_wrap_policy`) or FSDP2 (`fully_shard` per block, then the root), with
-    bf16/fp16 mixed precision, `resolve_sharding` for --sharding auto, and over gloo FSDP2's
-    collectives as rings (collectives.py); under DDP the hook `all_reduce_embedding_rows`
-    (collectives.py) sends only the rows of the embedding tables that some rank used (and so
-    does `all_reduce_replicated` for the tables FSDP2 leaves whole under shard_grad_op);
-    `clip_grad_norm`, `grad_scaler` for the loop; `rng_states` / `set_rng_states` for checkpoints
-    and GradCache;
-  - `load_pretrained_sharded`: a model built on the meta device and sharded gets its weights
-    from the safetensors files, each rank reading only the slices its shards hold.
+  - `resolve_sharding`: --sharding auto by the free memory of the ranks (`auto_sharding`);
+  - `wrap_model`: nothing (one process), DDP (`wrap_ddp`), FSDP1 (`wrap_fsdp1`:
+    fsdp_utils.wrap_fsdp1 with the sharding strategy, hybrid_shard's two-level mesh and a model
+    on the meta device) or FSDP2 (`wrap_fsdp2`: `fully_shard` per block, then the root), with
+    bf16/fp16 mixed precision; `is_fsdp1`, `is_fsdp2`, `is_sharded` tell them apart;
+  - for the loop: `all_reduce_replicated` (the embedding tables FSDP2 leaves whole under
+    shard_grad_op), `clip_grad_norm` (sharded gradients too), `grad_scaler` (fp16);
+  - the communication this project writes itself, where torch's own sends more than it needs:
+    over gloo, FSDP2's all-gather and reduce-scatter as rings of point-to-point messages
+    (`RingAllGather`, `RingReduceScatter`: wrap_fsdp2 sets them); on CPU, the mean over ranks of
+    the gradients, sending of an embedding table only the rows some rank used (the DDP
+    communication hook `all_reduce_embedding_rows`, its state an `EmbeddingRows`, and
+    `mean_over_ranks`), bit for bit what the dense all-reduce gives.
 
-Needs torch, safetensors and collectives.py (standard library and torch only): copy the two.
-Usage (all ranks participate: every rank calls each of these):
+Needs torch, and fsdp_utils.py (at the repository's root: the repeated block, FSDP1 with mixed
+precision, `print0`, `PRECISIONS`; it needs torch only): copy the two.
+Usage (all ranks participate: every rank calls each of these, in the same order):
     rank, world_size, device = fsdp_utils.setup_dist(timeout_minutes=30)
     raw_model = AutoModel.from_config(config)  # under `with torch.device("meta")`: shapes only
-    sharding, why = sharding.resolve_sharding(raw_model, "fsdp", device, "auto", "fp32")
-    sharding.set_cpu_allocator(device, "fsdp", sharding)       # glibc's malloc, on CPU
-    model = sharding.wrap_model(raw_model, "fsdp", device, sharding=sharding, fsdp_version=2)
-    sharding.load_pretrained_sharded(model, folder, {name: name for name in raw_model.state_dict()}, {})
+    chosen, why = sharding.resolve_sharding(raw_model, "fsdp", device, "auto", "fp32")
+    model = sharding.wrap_model(raw_model, "fsdp", device, sharding=chosen, fsdp_version=2)
+    shard_loading.load_pretrained_sharded(model, folder, {name: name for name in raw_model.state_dict()}, {})
     sharding.all_reduce_replicated(model)   # each step, after its last backward: whole tables (FSDP2)
     sharding.clip_grad_norm(model, 1.0)
     fsdp_utils.cleanup_dist()
 
 FSDP1 -> FSDP2: `wrap_fsdp1` and `wrap_fsdp2` side by side; docs/fsdp.md has the table. Left out
-on purpose: CPU offload, resuming at another world size (refused at start-up). Activation
-checkpointing is the model's own (transformers' gradient checkpointing).
+on purpose: CPU offload, resuming at another world size (refused at start-up), rings under NCCL
+(NCCL's own collectives serve there). Activation checkpointing is the model's own (transformers'
+gradient checkpointing). The rings and the rows' mean are tested against gloo's own collectives
+and DDP's dense all-reduce: tests/test_ring_collectives.py, tests/test_embedding_rows.py.
 """
 
-import contextlib
-import datetime
 import os
-import signal
 import sys
 import warnings
 
@@ -44,82 +42,10 @@ import torch
 import torch.distributed as dist
 
 import fsdp_utils
-from fsdp_embed import collectives
 
 
 # ----------------------------------------------------------------------------------------------
-# Processes: set-up and teardown under torchrun, printing once, the CPU allocator
-
-
-
-
-
-
-def barrier():
-    """Wait for every rank (all ranks participate); nothing to wait for in one process."""
-    if dist.is_initialized():
-        dist.barrier()  # (all ranks participate)
-
-
-
-
-def set_tf32(device, precision, tf32):
-    """Let fp32 matmuls and convolutions on an NVIDIA GPU use TensorFloat-32 (`tf32` "on", the
-    --tf32 default) under --precision fp32, for the whole process; returns the log line saying
-    so, or None on CPU. Under bf16 and fp16 the encoder computes in 16 bits anyway, and TF32 stays
-    off so that the loss, computed in fp32 (train.forward_backward), is fp32. Without TF32
-    (before Ampere) the setting changes nothing."""
-    if device.type != "cuda":
-        return None
-    on = tf32 == "on" and precision == "fp32"
-    torch.backends.cuda.matmul.allow_tf32 = on
-    torch.backends.cudnn.allow_tf32 = on
-    if not on:
-        return f"tf32: off (--precision {precision}, --tf32 {tf32}): fp32 matmuls in full fp32"
-    if torch.cuda.get_device_capability(device)[0] < 8:
-        return "tf32: on, but this GPU has no TensorFloat-32 (it needs Ampere or newer): full fp32"
-    return "tf32: on: fp32 matmuls use TensorFloat-32; --tf32 off keeps them in full fp32"
-
-
-def set_cpu_allocator(device, strategy, sharding):
-    """Set how glibc's malloc treats large freed blocks on CPU, for the whole process: kept for
-    reuse (speed first), or given back to the system at once (memory first, under full_shard and
-    hybrid_shard: `sharding` as `resolve_sharding` gives it). Call it once, before wrapping.
-    Returns the log line saying which, or None where it does nothing: on a GPU (PyTorch's
-    caching allocator keeps blocks), off glibc, or when the user set MALLOC_* variables (theirs
-    win). The numbers behind both: docs/fsdp.md and docs/big-models.md.
-
-    Speed first: glibc gives each block above 32 MB its own mapping and unmaps it when freed, so a
-    tensor made and freed every step, such as the dense gradient of the word embeddings
-    (vocabulary x width), is mapped again and each of its pages faulted in again, every step;
-    FSDP makes and frees a gathered block and its gradient for every block, every step. The
-    cost: up to 1 GiB freed is kept, not given back.
-
-    Memory first: with glibc's defaults, freed blocks stay in the heaps of several arenas, and a
-    large model under FSDP holds a multiple of its weights more than it needs on each rank; every
-    block above 64 KiB mapped apart (and unmapped when freed), with 2 arenas, bounds it
-    (bench/bench_big_model.py). The price is speed: every such block is faulted in again each
-    time."""
-    if device.type != "cpu" or not sys.platform.startswith("linux"):
-        return None
-    if any(k.startswith("MALLOC_") for k in os.environ):
-        return "cpu allocator: as the MALLOC_* variables in the environment set it"
-    import ctypes
-
-    libc = ctypes.CDLL(None)
-    if not hasattr(libc, "mallopt"):  # not glibc: its own policy
-        return None
-    M_TRIM_THRESHOLD, M_MMAP_THRESHOLD, M_ARENA_MAX = -1, -3, -8
-    if strategy == "fsdp" and sharding in ("full_shard", "hybrid_shard"):
-        libc.mallopt(M_MMAP_THRESHOLD, 64 * 1024)
-        libc.mallopt(M_ARENA_MAX, 2)
-        return (
-            f"cpu allocator: memory first ({sharding}): blocks above 64 KiB are given back to the "
-            "system when freed, 2 malloc arenas"
-        )
-    libc.mallopt(M_MMAP_THRESHOLD, 1 << 30)  # blocks up to 1 GiB come from the heap...
-    libc.mallopt(M_TRIM_THRESHOLD, 1 << 30)  # ...which keeps up to 1 GiB free at its top
-    return "cpu allocator: speed first: freed blocks up to 1 GiB are kept for reuse"
+# Choosing the sharding: --sharding auto, by the free memory
 
 
 def free_memory_per_process(device):
@@ -172,17 +98,7 @@ def resolve_sharding(model, strategy, device, sharding, precision):
 
 
 # ----------------------------------------------------------------------------------------------
-# Which blocks to shard: the repeated transformer layer, found in the model itself
-
-
-
-
-
-
-# ----------------------------------------------------------------------------------------------
 # Wrapping: single, DDP, FSDP1 (FullyShardedDataParallel) or FSDP2 (fully_shard)
-
-
 
 
 FSDP1_SHARDING = {
@@ -265,7 +181,7 @@ def wrap_ddp(model, device):
     )
     if device.type == "cpu":
         embeddings = [m.weight for m in embedding_tables(model)]
-        ddp.register_comm_hook(collectives.EmbeddingRows(embeddings), collectives.all_reduce_embedding_rows)
+        ddp.register_comm_hook(EmbeddingRows(embeddings), all_reduce_embedding_rows)
     return ddp
 
 
@@ -353,8 +269,8 @@ def wrap_fsdp2(model, device, layer_classes, sharding, low, on_meta):
     if dist.get_backend() == "gloo":
         for module in model.modules():
             if isinstance(module, FSDPModule):
-                module.set_custom_all_gather(collectives.RingAllGather())
-                module.set_custom_reduce_scatter(collectives.RingReduceScatter())
+                module.set_custom_all_gather(RingAllGather())
+                module.set_custom_reduce_scatter(RingReduceScatter())
     if on_meta:
         model.to_empty(device=device)  # each rank's shards only, uninitialised
     return model
@@ -376,7 +292,7 @@ def all_reduce_replicated(model):
         for p in tables:  # the same tables on every rank
             dist.all_reduce(p.grad.div_(dist.get_world_size()))  # (all ranks participate)
     elif tables:  # the same tables on every rank
-        collectives.mean_over_ranks([(p.grad, True) for p in tables])
+        mean_over_ranks([(p.grad, True) for p in tables])
 
 
 def is_sharded(tensor):
@@ -396,19 +312,8 @@ def is_fsdp2(model):
     return fsdp is not None and isinstance(model, fsdp.FSDPModule)
 
 
-def rng_states():
-    """This process's random-number generator states (CPU, and the current CUDA device's where
-    present): what a checkpoint keeps, and what GradCache restores before re-running a chunk."""
-    states = {"cpu": torch.get_rng_state()}
-    if torch.cuda.is_available():
-        states["cuda"] = torch.cuda.get_rng_state()
-    return states
-
-
-def set_rng_states(states):
-    torch.set_rng_state(states["cpu"])
-    if "cuda" in states:
-        torch.cuda.set_rng_state(states["cuda"])
+# ----------------------------------------------------------------------------------------------
+# For the loop: the gradient norm, fp16's loss scaling
 
 
 def clip_grad_norm(model, max_norm):
@@ -472,79 +377,147 @@ def grad_scaler(model, precision, device):
 
 
 # ----------------------------------------------------------------------------------------------
-# Loading pretrained weights straight into the shards: no rank holds the whole model
-#
-# The model is built on the meta device (shapes, no storage), sharded by `wrap_model`, and then
-# every rank reads, from the safetensors files, the slices its own shards cover, through
-# torch.distributed.checkpoint's reader of the Hugging Face layout (it reads a slice with
-# safetensors' `get_slice`). Under FSDP2 no rank ever materialises a whole parameter; FSDP1
-# all-gathers each wrapped unit once while loading (its sharded state dict is by parameter, its
-# storage by flattened unit), the same memory its forward needs.
+# The communication this project writes itself, where torch's own sends more than it needs
 
 
-def safetensors_keys(folder):
-    """{tensor name: file} over the *.safetensors files directly in `folder`, or None when a name
-    is in two files: the checkpoint reader reads every such file, so the folder is ambiguous."""
-    from safetensors import safe_open
+class RingAllGather:
+    """FSDP2's all-gather over gloo as a ring of point-to-point messages, straight into the
+    gathered buffer: gloo's own `all_gather_into_tensor` is slower on CPU (docs/fsdp.md has the
+    numbers). The values are the ones sent: the same result.
 
-    keys = {}
-    for file in sorted(os.listdir(folder)):
-        if file.endswith(".safetensors") and os.path.isfile(os.path.join(folder, file)):
-            with safe_open(os.path.join(folder, file), framework="pt") as f:
-                for key in f.keys():
-                    if key in keys:
-                        return None
-                    keys[key] = file
-    return keys
+    FSDP2 calls it on every rank of `group` in the same order (one per block, forward and
+    backward), as it calls its own collectives (all ranks participate). `input_tensor` is this rank's slot of
+    `output_tensor` (FSDP2 copies the shards in there); the ring fills the other slots."""
+
+    def allocate(self, size, *, dtype, device):
+        return torch.empty(*size, dtype=dtype, device=device)
+
+    def __call__(self, output_tensor, input_tensor, group, async_op=False):
+        """The ring (all ranks participate)."""
+        world_size, rank = group.size(), group.rank()
+        slots = output_tensor.view(world_size, -1)
+        if input_tensor.data_ptr() != slots[rank].data_ptr():
+            slots[rank].copy_(input_tensor.view(-1))
+        after, before = (rank + 1) % world_size, (rank - 1) % world_size
+        # Step k: pass on the slot received in step k - 1 (this rank's own in step 0).
+        for k in range(world_size - 1):
+            # (all ranks participate): each sends to the next rank, and receives from the one before
+            sent = dist.isend(slots[(rank - k) % world_size], group=group, group_dst=after)
+            # (all ranks participate)
+            dist.irecv(slots[(rank - k - 1) % world_size], group=group, group_src=before).wait()
+            sent.wait()
+        return None  # done: FSDP2 waits only on a returned Work
 
 
-def load_pretrained_sharded(model, folder, file_names, fresh_tensors):
-    """Fill a model that `wrap_model` sharded while it was on the meta device. The checkpoint
-    reader and FSDP's loading are collectives (all ranks participate).
+class RingReduceScatter:
+    """FSDP2's reduce-scatter over gloo as a ring of point-to-point messages. gloo has no
+    reduce-scatter of one tensor: `reduce_scatter_tensor` all-reduces the whole input, which
+    sends every rank's gradient to every rank, and then copies its part out. A ring sends each
+    rank's part once (faster: docs/fsdp.md). Sum (or mean) of the same values: at world size 2
+    bit for bit what the all-reduce gives (a + b); at more ranks the order of the additions
+    differs, so the last bit may.
 
-    `file_names` maps state-dict names to the tensor names in the safetensors files of `folder`
-    (read slice by slice: each rank reads what its shards hold). `fresh_tensors` holds the whole
-    value of every other entry (a new head, adapters: small, drawn from the seeded RNG, the same
-    on every rank), of which each rank keeps its own part. Non-persistent buffers are not in a
-    state dict; the caller initialises them."""
-    import torch.distributed.checkpoint as dcp  # (imported here: see the top of checkpoints.py)
-    from torch.distributed.checkpoint.state_dict import (
-        StateDictOptions,
-        get_model_state_dict,
-        set_model_state_dict,
-    )
+    Every rank of `group` calls it in the same order (all ranks participate): FSDP2 reduces block
+    by block as backward reaches them. The input, FSDP2's own scratch copy of the gradients, is
+    summed into in place."""
 
-    with quiet_checkpoint_warnings():
-        state = get_model_state_dict(model)  # this rank's shards, uninitialised (all ranks participate)
-        unknown = set(state) - set(file_names) - set(fresh_tensors)
-        if unknown:
-            raise ValueError(f"no value for {sorted(unknown)[:3]}: neither in {folder} nor new")
-        # Loaded in place, into the shards' own storage, read under the files' names: each rank
-        # reads the slices its shards hold (all ranks participate).
-        dcp.load(
-            {file_names[name]: state[name] for name in file_names},
-            storage_reader=dcp.HuggingFaceStorageReader(folder),
-        )
-        set_model_state_dict(  # (all ranks participate)
-            model, {name: state[name] for name in file_names}, options=StateDictOptions(strict=False)
-        )
-        if fresh_tensors:  # the same on every rank
-            set_model_state_dict(  # (all ranks participate): each rank keeps its part
-                model, fresh_tensors, options=StateDictOptions(full_state_dict=True, strict=False)
+    def allocate(self, size, *, dtype, device):
+        return torch.empty(*size, dtype=dtype, device=device)
+
+    def __call__(self, output_tensor, input_tensor, group, op, async_op=False):
+        """The ring, or gloo's own for another op (all ranks participate)."""
+        if op not in (dist.ReduceOp.SUM, dist.ReduceOp.AVG):  # a pre-multiplied sum: gloo's own
+            return dist.reduce_scatter_tensor(  # (all ranks participate)
+                output_tensor, input_tensor, op=op, group=group, async_op=async_op
             )
+        world_size, rank = group.size(), group.rank()
+        parts = input_tensor.view(world_size, -1)
+        received = torch.empty_like(parts[0])
+        after, before = (rank + 1) % world_size, (rank - 1) % world_size
+        # Step k: send part (rank - k - 1), summed over the k ranks before this one; receive
+        # part (rank - k - 2) summed likewise, and add this rank's own. After world_size - 1
+        # steps this rank holds part `rank` summed over all.
+        for k in range(world_size - 1):
+            # (all ranks participate): each sends to the next rank, and receives from the one before
+            sent = dist.isend(parts[(rank - k - 1) % world_size], group=group, group_dst=after)
+            dist.irecv(received, group=group, group_src=before).wait()  # (all ranks participate)
+            sent.wait()
+            mine = parts[(rank - k - 2) % world_size]
+            if k == world_size - 2:
+                torch.add(mine, received, out=output_tensor.view(-1))
+            else:
+                mine.add_(received)
+        if op == dist.ReduceOp.AVG:
+            output_tensor.div_(world_size)
+        return None
 
 
-@contextlib.contextmanager
-def quiet_checkpoint_warnings():
-    """torch's own checkpoint code warns about its own internals: FSDP1's sharded state is
-    ShardedTensor, which torch deprecates (dozens of lines per save), and one process is told
-    it is one process. Nothing a user can act on, so they are silenced here, and only here."""
-    with warnings.catch_warnings():
-        for message in (
-            "Please use DTensor instead and we are deprecating ShardedTensor",
-            "`_get_pg_default_device` will be deprecated",
-            "Multiple backends are registered with this ProcessGroup",
-            "torch.distributed is disabled",
-        ):
-            warnings.filterwarnings("ignore", message=message)
-        yield
+class EmbeddingRows:
+    """The state of `all_reduce_embedding_rows`: which parameters are embedding tables."""
+
+    def __init__(self, weights):
+        self.ids = {id(weight) for weight in weights}
+
+
+def all_reduce_embedding_rows(state, bucket):
+    """DDP communication hook: the mean over ranks of a bucket of gradients, as DDP's own
+    all-reduce computes it, but sending only the rows of an embedding table that some rank used.
+
+    An embedding's gradient is non-zero only in the rows its batch looked up: a few hundred of
+    a vocabulary's 30k (BERT) to 250k (XLM-R) rows, which are most of the model's weights. So
+    the ranks first agree on the rows any of them touched (a max over a byte per row), then
+    all-reduce those rows and the bucket's other gradients in one message. A row no rank
+    touched is zero everywhere, and zero is its mean: the result is exactly the dense mean.
+    Every rank calls the same collectives (all ranks participate): DDP hands the buckets over in
+    the same order on all of them, and the number of rows sent is agreed before it is sent."""
+    flat = bucket.buffer()
+    parameters = bucket.parameters()
+    if not any(id(p) in state.ids for p in parameters):
+        flat.div_(dist.get_world_size())  # DDP's own order: divide, then sum
+        # (all ranks participate): a bucket without tables, as DDP's own hook
+        return dist.all_reduce(flat, async_op=True).get_future().then(lambda fut: fut.value()[0])
+    pieces, offset = [], 0  # (gradient, is an embedding), in the bucket's own order
+    for p in parameters:
+        grad = flat[offset : offset + p.numel()]
+        offset += p.numel()
+        pieces.append((grad.view(p.shape[0], -1), True) if id(p) in state.ids else (grad, False))
+    mean_over_ranks(pieces)
+    done = torch.futures.Future()
+    done.set_result(bucket.buffer())
+    return done
+
+
+def mean_over_ranks(pieces):
+    """In place, the mean over ranks of each gradient in `pieces`, a list of (gradient, is an
+    embedding table), sending of a table only the rows some rank used, in one message. Two
+    all_reduces (all ranks participate), each rank passing the same shapes in the same order."""
+    world_size = dist.get_world_size()
+    # A row is used when any of its entries is non-zero (or NaN): when its largest or its
+    # smallest entry is. Two min/max passes read the table at memory speed; `ne(0).any(1)`
+    # writes a boolean per entry first, several times slower (docs/fsdp.md).
+    used = torch.cat([grad.amax(1).ne(0) | grad.amin(1).ne(0) for grad, is_table in pieces if is_table]).to(
+        torch.uint8
+    )
+    # (all ranks participate): a row any rank touched is sent by every rank
+    dist.all_reduce(used, op=dist.ReduceOp.MAX)
+    rows, start = [], 0
+    for grad, is_table in pieces:
+        if is_table:
+            rows.append(used[start : start + grad.shape[0]].nonzero().squeeze(1))
+            start += grad.shape[0]
+        else:
+            rows.append(None)
+    message = torch.cat(
+        [grad if r is None else grad.index_select(0, r).view(-1) for (grad, _), r in zip(pieces, rows)]
+    )
+    # Divided before the sum, as DDP does (the same numbers, bit for bit), but only what is sent:
+    # the rows no rank used are zero, and stay so (all ranks participate).
+    dist.all_reduce(message.div_(world_size))
+    start = 0
+    for (grad, _), r in zip(pieces, rows):
+        if r is None:
+            grad.copy_(message[start : start + grad.numel()])
+            start += grad.numel()
+        else:
+            grad.index_copy_(0, r, message[start : start + r.numel() * grad.shape[1]].view(-1, grad.shape[1]))
+            start += r.numel() * grad.shape[1]

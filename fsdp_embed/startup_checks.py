@@ -13,9 +13,10 @@ them see its disk.
 
 Every function here is a collective (all ranks participate) but the two messages.
 
-Needs torch, and checkpoints.py (the output folder's lock).
-Its whole copy set (what it needs, directly or through another): checkpoints.py, collectives.py,
-config.py, faults.py, fsdp_utils.py.
+Needs torch, and fsdp_embed/checkpoints.py (the output folder's lock).
+Its whole copy set (what it needs, directly or through another): fsdp_utils.py,
+fsdp_embed/checkpoint_warnings.py, fsdp_embed/checkpoints.py, fsdp_embed/config.py,
+fsdp_embed/faults.py, fsdp_embed/random_state.py.
 """
 
 import dataclasses

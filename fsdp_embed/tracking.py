@@ -27,7 +27,7 @@ tool's run id (written at start); resuming from step S:
   W&B without a run to continue (not reported to before) likewise gets metrics.jsonl's rows up to S.
 
 Failures: a tracker that cannot start (a server not reachable, no W&B login, ...) stops the run
-before its first step (TrackerError, a ValueError; train.py's clear_output_and_open_log makes
+before its first step (TrackerError, a ValueError; __main__.py's clear_output_and_open_log makes
 every rank stop with it: one `error:` line, exit 2); one that fails later costs one `warning:`
 line and reports nothing more, never the run (MetricsLog).
 

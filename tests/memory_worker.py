@@ -1,13 +1,13 @@
-"""train.py under torchrun, watched from outside. On each rank:
+"""The full trainer under torchrun, watched from outside. On each rank:
 - the largest storage any torch operation allocated (its local part, for a DTensor), in bytes,
   while the model was loaded and wrapped, and while it was exported;
-- for each optimizer step after the first, how far the process's resident memory rose above
-  where the step began, until its backward ended (until train.py clips the gradients), in bytes:
-  VmHWM, reset at the step's start through /proc/self/clear_refs (run it with
-  MALLOC_MMAP_THRESHOLD_=65536, so that freed blocks leave RSS at once);
+- for each optimizer step after the first, how far the process's resident memory rose above where
+  the step began, until its backward ended (until the trainer clips the gradients), in bytes: VmHWM,
+  reset at the step's start through /proc/self/clear_refs (run it with MALLOC_MMAP_THRESHOLD_=65536,
+  so that freed blocks leave RSS at once);
 - the encoder's forwards with a graph (training forwards).
-train.py itself is unchanged; its phases are wrapped here. Writes OUTPUT_DIR/memory-rank-R.json;
-the arguments are train.py's.
+The trainer itself is unchanged; its phases are wrapped here. Writes OUTPUT_DIR/memory-rank-R.json;
+the arguments are the trainer's.
 
 Run by tests/test_big_models.py:  torchrun --nproc_per_node=2 tests/memory_worker.py ARGS...
 """
@@ -32,6 +32,7 @@ from fsdp_embed import embedding_model  # noqa: E402
 
 from fsdp_embed import export  # noqa: E402
 
+from fsdp_embed import shard_loading  # noqa: E402
 from fsdp_embed import sharding  # noqa: E402
 from fsdp_embed import __main__ as full_train  # noqa: E402
 
@@ -126,7 +127,7 @@ embedding_model.load_model = during("load", count_forwards(embedding_model.load_
 batches.micro_batches = watch_steps(batches.micro_batches)
 sharding.wrap_model = during("load", sharding.wrap_model)
 embedding_model.init_non_persistent_buffers = during("load", embedding_model.init_non_persistent_buffers)
-sharding.load_pretrained_sharded = during("load", sharding.load_pretrained_sharded)
+shard_loading.load_pretrained_sharded = during("load", shard_loading.load_pretrained_sharded)
 export.export_model = during("export", export.export_model)
 clip_grad_norm = sharding.clip_grad_norm
 sharding.clip_grad_norm = lambda *args, **kwargs: (step_ends(), clip_grad_norm(*args, **kwargs))[

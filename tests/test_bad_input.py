@@ -5,7 +5,7 @@ naming the problem (the file and its line or row) and the fix, leaves no rank ru
 nothing (an existing output folder is left exactly as it was; a pickle that holds code is never
 run). A resume names exactly the settings that differ, and refuses changed training data.
 
-The cases run a few at a time (each is a real `torchrun --nproc_per_node=2 train.py ...`).
+The cases run a few at a time (each is a real `torchrun --nproc_per_node=2 -m fsdp_embed ...`).
 
 Run: python -m pytest tests/test_bad_input.py
 """
@@ -934,8 +934,8 @@ def test_an_output_dir_that_is_a_file_is_refused(tmp_path):
 
 
 def test_resume_auto_on_a_finished_run_checks_its_settings(tmp_path, tiny_model):
-    """A real finished run (2 steps of the tiny BERT, its export's training_config.json as
-    train.py writes it), then --resume auto: nothing to do for the same run; another run (here
+    """A real finished run (2 steps of the tiny BERT, its export's training_config.json as the full
+    trainer writes it), then --resume auto: nothing to do for the same run; another run (here
     another seed) is refused, not silently "finished"."""
 
     from fsdp_embed import __main__ as full_train

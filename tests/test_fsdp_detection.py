@@ -128,8 +128,8 @@ def test_auto_sharding_keeps_gathered_weights_only_for_a_model_small_against_fre
         (5 * fp32 - 10, torch.bfloat16, "full_shard"),
         (None, None, "full_shard"),
     ]:
-        monkeypatch.setattr(fsdp_utils, "free_memory_per_process", lambda device, free=free: free)
-        sharding, why = sharding.auto_sharding(model, cpu, low)
-        assert sharding == expected and why.startswith(f"sharding: auto -> {expected}"), (free, low, why)
+        monkeypatch.setattr(sharding, "free_memory_per_process", lambda device, free=free: free)
+        chosen, why = sharding.auto_sharding(model, cpu, low)
+        assert chosen == expected and why.startswith(f"sharding: auto -> {expected}"), (free, low, why)
     monkeypatch.undo()  # this machine's own free memory: a tiny model is small against it
     assert sharding.auto_sharding(model, cpu, None)[0] == "shard_grad_op"

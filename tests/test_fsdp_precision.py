@@ -21,7 +21,7 @@ from safetensors.torch import load_file
 from sentence_transformers import SentenceTransformer
 
 from fsdp_embed import config
-from fsdp_embed import sharding
+from fsdp_embed import process_settings
 
 
 TEXTS = ["A woman is slicing an onion.", "Nobody is riding the bike", "A dog runs after a ball in the park."]
@@ -157,22 +157,22 @@ def test_the_loss_runs_in_fp32_under_mixed_precision(tmp_path, tiny_model, strat
 
 @pytest.mark.quick
 def test_tf32_is_on_for_fp32_on_cuda_only():
-    """sharding.set_tf32: TF32 for fp32 on a CUDA device unless --tf32 off; off under bf16 and
+    """process_settings.set_tf32: TF32 for fp32 on a CUDA device unless --tf32 off; off under bf16 and
     fp16 (their loss is fp32); nothing changed on CPU. torch's switches exist without a GPU."""
     cuda = torch.device("cuda", 0)
     switches = lambda: (torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32)  # noqa: E731
     before = switches()
     try:
         with mock.patch("torch.cuda.get_device_capability", return_value=(9, 0)):
-            assert sharding.set_tf32(cuda, "fp32", "on").startswith("tf32: on")
+            assert process_settings.set_tf32(cuda, "fp32", "on").startswith("tf32: on")
             assert switches() == (True, True)
             for precision, tf32 in [("bf16", "on"), ("fp16", "on"), ("fp32", "off")]:
-                assert sharding.set_tf32(cuda, precision, tf32).startswith("tf32: off")
+                assert process_settings.set_tf32(cuda, precision, tf32).startswith("tf32: off")
                 assert switches() == (False, False)
         with mock.patch("torch.cuda.get_device_capability", return_value=(7, 0)):
-            assert "no TensorFloat-32" in sharding.set_tf32(cuda, "fp32", "on")
+            assert "no TensorFloat-32" in process_settings.set_tf32(cuda, "fp32", "on")
         torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = True
-        assert sharding.set_tf32(torch.device("cpu"), "fp32", "off") is None
+        assert process_settings.set_tf32(torch.device("cpu"), "fp32", "off") is None
         assert switches() == (True, True)  # unchanged on CPU
     finally:
         torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32 = before
@@ -181,7 +181,7 @@ def test_tf32_is_on_for_fp32_on_cuda_only():
 @pytest.mark.quick
 def test_the_gpu_check_says_there_is_no_gpu_here_and_its_runs_parse():
     """bench/gpu_check.py on this machine (no GPU): it measures nothing, says so, and exits 0 once
-    every train.py command it would run has parsed (a flag train.py lacks would exit 2)."""
+    every run of the full trainer it would make has parsed (a flag the trainer lacks exits 2)."""
     import subprocess
     import sys
 

@@ -2,18 +2,17 @@
 
 - GradCache (`gradcache.cached_backward`) gives the gradient of the plain loss, for every loss and
   chunk sizes 1, 3 and B, its chunks cut from the batch order or from length-sorted sub-batches:
-  with dropout 0 against `conftest.micro_batch_loss` (train.py's embed_columns + embeddings_loss);
-  with dropout 0.1 against a naive reference that embeds the same chunks with a graph (the same
-  random numbers), and with chunks of all the columns' rows against `micro_batch_loss` itself
-  (they are its very forwards);
-- through train.py at world 2 and 4 (started by conftest.warm_run: torchrun's environment and
-  train.py as __main__, without re-importing; a tiny random BERT, conftest.tiny_model):
-  world 2 x batch B with --gather-negatives == one process with batch 2B (FSDP1 full_shard,
-  FSDP2), and at world 4 x B/2 under DDP (with --symmetric); GradCache + gather at world 2
-  (FSDP2) == plain at world 1 x 2B; GradCache under DDP (Softmax) and FSDP1 (CoSENT) == one
-  process without it;
+  with dropout 0 against `conftest.micro_batch_loss` (the full trainer's embed_columns +
+  embeddings_loss); with dropout 0.1 against a naive reference that embeds the same chunks with a
+  graph (the same random numbers), and with chunks of all the columns' rows against
+  `micro_batch_loss` itself (they are its very forwards);
+- through the full trainer at world 2 and 4 (started by conftest.warm_run: torchrun's environment
+  and the package as `__main__`, without re-importing; a tiny random BERT, conftest.tiny_model):
+  world 2 x batch B with --gather-negatives == one process with batch 2B (FSDP1 full_shard, FSDP2),
+  and at world 4 x B/2 under DDP (with --symmetric); GradCache + gather at world 2 (FSDP2) == plain
+  at world 1 x 2B; GradCache under DDP (Softmax) and FSDP1 (CoSENT) == one process without it;
 - the gradient's scale is checked, not assumed: AdamW (and clipping) would hide a gradient off
-  by the world size, so every step's gradient norm (train.py logs it, before clipping) must
+  by the world size, so every step's gradient norm (the full trainer logs it, before clipping) must
   equal the one-process run's too (conftest.assert_same_training).
 
 Run: python -m pytest tests/test_gradcache_gather.py
@@ -93,7 +92,7 @@ def cached(model, features, labels, loss, chunk_size, groups=None, **options):
 
 
 def sorted_groups(features, count=2):
-    """Length-sorted sub-batches as train.py forms them under GradCache (--length-buckets 2)."""
+    """Length-sorted sub-batches as the trainer forms them under GradCache (--length-buckets 2)."""
     mask = pool_mask(features)
     groups = [rows for rows, _ in batches.sub_batches(mask, count, "cpu", chunk_size=len(mask))]
     assert not torch.equal(torch.cat(groups), torch.arange(B * len(features)))  # really reordered
@@ -162,8 +161,8 @@ def test_cached_gradient_equals_plain_with_matryoshka(loss):
 
 
 def test_cached_gradient_equals_plain_with_mnrl_directions():
-    """--mnrl-directions (all four, as train.py passes them from the flags) is a function of the
-    embeddings too: GradCache gives the plain gradient, and the directions change the loss."""
+    """--mnrl-directions (all four, as the full trainer passes them from the flags) is a function of
+    the embeddings too: GradCache gives the plain gradient, and the directions change the loss."""
     model, features, labels = model_for("mnrl", dropout=0.0)
     cfg = config.parse_config(["--mnrl-directions", "doc_to_doc,query_to_query,doc_to_query"])
     options = plan_for(cfg).mnrl  # directions and partition
@@ -243,7 +242,7 @@ def test_symmetric_mnrl_matches_sentence_transformers():
     )  # the second direction counts
 
 
-# ---- through train.py, at world 2 and 4 (conftest.warm_run)
+# ---- through the full trainer, at world 2 and 4 (conftest.warm_run)
 
 
 NUM_STEPS, LR = 4, 1e-4

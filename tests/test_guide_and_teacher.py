@@ -1,5 +1,5 @@
-"""--guide-model and --loss mse (with --teacher-model, or an 'embedding' column) through train.py;
-the losses alone are test_false_negatives.py's.
+"""--guide-model and --loss mse (with --teacher-model, or an 'embedding' column) through the full
+trainer; the losses alone are test_false_negatives.py's.
 
 - one micro-batch through full_train.step_options and full_train.forward_backward (the guide loaded, frozen,
   embedding the rows itself) equals sentence-transformers' GISTEmbedLoss on the same student and
@@ -8,8 +8,8 @@ the losses alone are test_false_negatives.py's.
   to 1e-5 of the largest; the guide's masks change the loss, and the guide gets no gradient;
 - one micro-batch with --teacher-model equals sentence-transformers' MSELoss with the teacher's
   embeddings of the first column as labels (its documented multilingual-distillation setup);
-- train.py with an 'embedding' column (the teacher's vectors, written by sentence-transformers)
-  trains as train.py with --teacher-model computing them;
+- the full trainer with an 'embedding' column (the teacher's vectors, written by
+  sentence-transformers) trains as the full trainer with --teacher-model computing them;
 - world 2 trains as world 1: with a guide and gathered negatives (the guide's embeddings gathered
   the same way), also under GradCache with a relative margin, under DDP and FSDP2; --loss mse with
   a teacher under FSDP2; under FSDP each rank holds half of the guide's and the teacher's weights;
@@ -77,9 +77,9 @@ def teacher(tmp_path_factory):
 
 
 def our_step(cfg, rows, columns, loss_name="mnrl", dtype=torch.float32):
-    """One micro-batch of `rows` as train.py runs it: --guide-model or --teacher-model loaded
-    (guide_model.load_frozen_models), step_options, then forward_backward, the student in `dtype`.
-    Returns (the loss, the student, the StepOptions)."""
+    """One micro-batch of `rows` as the full trainer runs it: --guide-model or --teacher-model
+    loaded (guide_model.load_frozen_models), step_options, then forward_backward, the student in
+    `dtype`. Returns (the loss, the student, the StepOptions)."""
     plan = plan_for(cfg)
     loaded = load_model(cfg)
     loaded.model.to(dtype)
@@ -92,7 +92,9 @@ def our_step(cfg, rows, columns, loss_name="mnrl", dtype=torch.float32):
         loss_plan=run_plan.loss_plan(plan, cfg, loss_name, False, 0, gather=False),
     )
     features, labels = batches.collate(rows, columns, None, loss_name, loaded.tokenize, "cpu", {})
-    batch = full_train.prepare_micro_batch(opts, train_set, rows, features, labels, (0, 1))  # the reader's part
+    batch = full_train.prepare_micro_batch(
+        opts, train_set, rows, features, labels, (0, 1)
+    )  # the reader's part
     loss = full_train.forward_backward(loaded.model, batch, opts, sync=True)
     return loss.item(), loaded.model, opts
 

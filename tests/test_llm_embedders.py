@@ -35,7 +35,7 @@ def write_jsonl(path, rows):
 
 
 def run(args):
-    """train.py in-process (one process): the trained model, still in memory."""
+    """The full trainer in-process (one process): the trained model, still in memory."""
     return full_train.main(config.parse_config([str(a) for a in args]))
 
 

@@ -1,4 +1,4 @@
-"""LoRA (--lora-rank), against peft itself and against full runs of train.py:
+"""LoRA (--lora-rank), against peft itself and against full runs of `python -m fsdp_embed`:
 
 - our layer's forward and gradients equal peft's LoRA layer with the same A and B, and a fresh
   adapter (B = 0) leaves the model's outputs bitwise unchanged;

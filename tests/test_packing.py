@@ -1,4 +1,4 @@
-"""Packed rows (train.py's default, --packing auto) compute no padding and change nothing else:
+"""Packed rows (the full trainer's default, --packing auto) compute no padding, change nothing else:
 
 - every architecture we support (tiny random BERT, XLM-R, RoBERTa, MPNet, DistilBERT, Qwen2,
   Llama; ModernBERT's local attention windows are refused), with sdpa and eager attention, right

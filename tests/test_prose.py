@@ -1,7 +1,9 @@
-"""Prose names what exists: every `module.name` that the product's docstrings and comments, the
-README and docs/ name, where `module` is a project file, is defined there (a function, a class, a
-method or attribute of one, a module-level name). File names (`metrics.jsonl`, `config.json`,
-`train.py`) are not such references.
+"""Prose names what exists: every `module.name` that the product's docstrings and comments (the
+root's files and the package's), the README and docs/ name, where `module` is a project file (a
+root file, `train.forward`, or a module of the package, `config.parse_config`, also written
+`fsdp_embed.config.parse_config`), is defined there (a function, a class, a method or attribute
+of one, a module-level name). File names (`metrics.jsonl`, `config.json`, `train.py`) are not
+such references.
 
     python -m pytest tests/test_prose.py
 """
@@ -17,7 +19,11 @@ from conftest import REPO_DIR
 
 pytestmark = pytest.mark.quick  # the quick tier: python -m pytest tests -m quick
 
-MODULES = sorted(p.stem for p in REPO_DIR.glob("*.py"))
+# {module: its file}: the root's files and the package's modules, as `from fsdp_embed import x`
+# names them (no module of the package shares a root file's name: test_layout.py).
+FILES = {p.stem: p for p in [*REPO_DIR.glob("*.py"), *(REPO_DIR / "fsdp_embed").glob("*.py")]}
+FILES.pop("__init__")
+MODULES = sorted(FILES)
 # What follows a module's name and a dot in a file name, not an attribute.
 EXTENSIONS = {
     "py",
@@ -33,12 +39,14 @@ EXTENSIONS = {
     "bin",
     "onnx",
 }
-REFERENCE = re.compile(r"(?<![\w./-])(" + "|".join(MODULES) + r")\.([A-Za-z_]\w*(?:\.[A-Za-z_]\w*)*)")
+REFERENCE = re.compile(
+    r"(?<![\w./-])(?:fsdp_embed\.)?(" + "|".join(MODULES) + r")\.([A-Za-z_]\w*(?:\.[A-Za-z_]\w*)*)"
+)
 
 
 def defined_names(module):
     """Every name `module.X` or `module.Class.Y` can resolve to, from the file's syntax."""
-    tree = ast.parse((REPO_DIR / f"{module}.py").read_text())
+    tree = ast.parse(FILES[module].read_text())
     names = set()
     for node in tree.body:
         if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
@@ -101,7 +109,7 @@ def missing_references(places):
 
 
 def test_every_module_name_the_prose_names_exists():
-    places = {p.name: python_prose(p) for p in sorted(REPO_DIR.glob("*.py"))}
+    places = {str(p.relative_to(REPO_DIR)): python_prose(p) for p in sorted(FILES.values())}
     for path in [REPO_DIR / "README.md", *sorted((REPO_DIR / "docs").glob("*.md"))]:
         places[str(path.relative_to(REPO_DIR))] = markdown_prose(path)
     assert missing_references(places) == []
@@ -114,9 +122,17 @@ def test_a_name_that_does_not_exist_is_named():
         "a.py": [(3, "Built by run_plan.add_data, see batches.Schedule and metrics.jsonl.")],
         "b.py": [(7, "# the check is model_checks.bidirectional_problem's")],
         "docs/x.md": [(2, "run_plan.record(plan)"), (3, "train.no_such_helper"), (4, "config.json")],
+        "docs/y.md": [
+            (5, "fsdp_embed.config.no_such_parser"),
+            (6, "__main__.no_such_phase"),
+            (7, "train.main"),
+        ],
+        "docs/z.md": [(8, "fsdp_embed/config.py, python -m fsdp_embed.mine, fsdp_embed.__main__.main")],
     }
     assert missing_references(places) == [
         "a.py:3 run_plan.add_data",
         "b.py:7 model_checks.bidirectional_problem",
         "docs/x.md:3 train.no_such_helper",
+        "docs/y.md:5 config.no_such_parser",
+        "docs/y.md:6 __main__.no_such_phase",
     ]

@@ -1,6 +1,6 @@
 """The reader thread prepares every micro-batch before its step: the training thread neither
-tokenizes nor packs nor cuts sub-batches while it trains, with or without a guide model (whose
-texts are tokenized with its own tokenizer). train.py runs in this process, its helpers watched
+tokenizes nor packs nor cuts sub-batches while it trains, with or without a guide model (whose texts
+are tokenized with its own tokenizer). The full trainer runs in this process, its helpers watched
 from outside: a call of any of them on the main thread inside full_train.forward_backward fails the
 test (before the reader did this, packing and the guide's tokenizing ran there).
 
@@ -78,7 +78,7 @@ def test_the_training_thread_neither_tokenizes_nor_packs(tmp_path, tiny_model, m
         finally:
             stepping.on = False
 
-    monkeypatch.setattr(train, "forward_backward", step)
+    monkeypatch.setattr(full_train, "forward_backward", step)
     args = ["--model", tiny_model, "--train-data", data_file("sick-triplets-train.jsonl"), "--loss", "mnrl"]
     args += ["--max-steps", 3, "--per-device-batch-size", 8, "--output-dir", tmp_path / "out", *flags]
     full_train.main(config.parse_config([str(a) for a in args]))
@@ -139,7 +139,7 @@ def test_a_micro_batch_reads_nothing_back_from_the_device(tmp_path, tiny_model, 
         with watch:  # this thread's ops only: the reader thread's are its own
             return forward_backward(*args, **kwargs)
 
-    monkeypatch.setattr(train, "forward_backward", step)
+    monkeypatch.setattr(full_train, "forward_backward", step)
     args = ["--model", tiny_model, "--train-data", data_file("sick-triplets-train.jsonl"), "--loss", "mnrl"]
     args += ["--max-steps", 3, "--per-device-batch-size", 8, "--output-dir", tmp_path / "out", *flags]
     full_train.main(config.parse_config([str(a) for a in args]))

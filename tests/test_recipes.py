@@ -1,5 +1,5 @@
-"""The loss recipes through train.py (the tiny BERT, conftest.tiny_model), beside the loss-level
-proofs in test_losses.py and the distributed ones in test_gradcache_gather.py:
+"""The loss recipes through the full trainer (the tiny BERT, conftest.tiny_model), beside the
+loss-level proofs in test_losses.py and the distributed ones in test_gradcache_gather.py:
 
 - Matryoshka: evaluation reports every metric at every trained size, equal to what
   sentence-transformers' own evaluator gives for the export loaded with `truncate_dim`; the

@@ -1,4 +1,4 @@
-"""Faults a cluster produces, through train.py itself (the tiny BERT, conftest.tiny_model):
+"""Faults a cluster produces, through the full trainer itself (the tiny BERT, conftest.tiny_model):
 
 - one run per output folder: while a run trains (torchrun, 2 ranks), a second launch into the same
   --output-dir is refused at start-up (exit 2, one `error:` line naming the holder's host and
@@ -254,7 +254,7 @@ def test_resumed_at_the_last_step_the_final_loss_survives(tmp_path, tiny_model):
 def test_a_crash_in_native_code_prints_where_the_crashed_rank_was(tmp_path, tiny_model):
     """Rank 1 of 2 dies of a segmentation fault (sent from outside: kill_launcher) right after
     step 2's checkpoint. Its stderr holds Python's fatal-error report with the stack that was
-    running, down to train.py's loop, not only torchrun's "Signal 11 (SIGSEGV) received"."""
+    running, down to the full trainer's loop, not only torchrun's "Signal 11 (SIGSEGV) received"."""
     args = [
         "--model",
         tiny_model,
@@ -271,7 +271,7 @@ def test_a_crash_in_native_code_prints_where_the_crashed_rank_was(tmp_path, tiny
         "--output-dir",
         tmp_path / "out",
     ]
-    # PYTHONFAULTHANDLER empty: the report must come from train.py, not from the environment.
+    # PYTHONFAULTHANDLER empty: the report must come from the trainer, not from the environment.
     crashed = run_train(
         args, nproc=2, kill="after-save:2:1:SEGV", check=False, env={"PYTHONFAULTHANDLER": ""}
     )
@@ -279,7 +279,8 @@ def test_a_crash_in_native_code_prints_where_the_crashed_rank_was(tmp_path, tiny
     at = crashed.stderr.find("Fatal Python error: Segmentation fault")
     assert at >= 0, crashed.stderr[-3000:]
     report = crashed.stderr[at:]
-    assert "in save_then_die" in report and f'{REPO_DIR / "train.py"}", line' in report, report[:3000]
+    entry = REPO_DIR / "fsdp_embed" / "__main__.py"  # the full trainer's loop
+    assert "in save_then_die" in report and f'{entry}", line' in report, report[:3000]
 
 
 def test_a_non_finite_loss_prints_its_error_on_a_line_of_its_own(tmp_path, tiny_model):

@@ -1,4 +1,4 @@
-"""Resumable checkpoints and self-healing restarts, through train.py (a tiny random BERT,
+"""Resumable checkpoints and self-healing restarts, through the full trainer (a tiny random BERT,
 conftest.tiny_model, fp32, dropout ON (0.1): the RNG state is part of what must be restored).
 
 Every case trains 6 steps with a checkpoint every 2, once straight and once broken, and the two
@@ -10,9 +10,9 @@ must give bitwise identical per-step losses, gradient norms and final weights:
   before the checkpoint is made visible): the half-written checkpoint is never resumed from,
   the step-2 one is, and the next save replaces the leftover;
 - FSDP2, 2 ranks: self-healing as for DDP, killed after the step-2 checkpoint.
-The kills come from outside the product: tests/kill_launcher.py runs train.py unchanged after
-wrapping checkpoints.save_checkpoint (after-save) or the file writer inside it (in-save), and the
-chosen rank SIGKILLs itself there, on the first torchrun attempt only.
+The kills come from outside the product: tests/kill_launcher.py runs the full trainer unchanged
+after wrapping checkpoints.save_checkpoint (after-save) or the file writer inside it (in-save), and
+the chosen rank SIGKILLs itself there, on the first torchrun attempt only.
 The FSDP1 and FSDP2 broken runs also evaluate every 2 steps (STS and retrieval, keeping the best
 export) and the straight runs do not: equality also proves that evaluation under FSDP, mid-training,
 leaves the training untouched.

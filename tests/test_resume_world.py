@@ -27,7 +27,7 @@ import torch
 from conftest import assert_same_training, data_file, export_weights, read_metrics, start_up, warm_run
 
 from fsdp_embed import checkpoints
-from fsdp_embed import sharding
+from fsdp_embed import random_state
 from fsdp_embed import config
 
 NUM_STEPS = 6
@@ -207,7 +207,7 @@ def test_a_new_rank_draws_its_own_random_numbers(tmp_path):
     draws = []
     for rank in (0, 1, 2):
         torch.manual_seed(0)
-        sharding.set_rng_states(checkpoints.rng_for_rank(folder, rank))
+        random_state.set_rng_states(checkpoints.rng_for_rank(folder, rank))
         draws.append(torch.rand(3))
     torch.manual_seed(5)
     assert torch.equal(draws[0], torch.rand(3))  # rank 0: its own saved state

@@ -1,5 +1,5 @@
 """FSDP2's all-gather and reduce-scatter over gloo run as rings of point-to-point messages
-(collectives.RingAllGather / RingReduceScatter), and give what gloo's own collectives give.
+(sharding.RingAllGather / RingReduceScatter), and give what gloo's own collectives give.
 
 The reference is gloo's `all_gather_into_tensor` and `reduce_scatter_tensor`, and a float64
 sum by hand. At world size 2 a ring's sum is a + b, the all-reduce's too: equal bit for bit. At
@@ -21,7 +21,6 @@ import torch.distributed as dist
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from fsdp_embed import collectives  # noqa: E402
 from fsdp_embed import sharding  # noqa: E402
 from conftest import exit_without_teardown, warm_run  # noqa: E402
 
@@ -37,14 +36,14 @@ def check_group(group, rank, seed, numel, dtype):
     mine = parts[me]
     out = torch.empty(size * numel, dtype=dtype)
     out.view(size, -1)[me].copy_(mine[:numel])  # FSDP2 copies the shard into its slot first
-    collectives.RingAllGather()(out, out.view(size, -1)[me], group)
+    sharding.RingAllGather()(out, out.view(size, -1)[me], group)
     expected = torch.empty_like(out)
     dist.all_gather_into_tensor(expected, mine[:numel].clone(), group=group)
     gathered = torch.equal(out, expected)
     worst_gloo, worst_exact = 0.0, 0.0
     for op in (dist.ReduceOp.SUM, dist.ReduceOp.AVG):
         got = torch.empty(numel, dtype=dtype)
-        collectives.RingReduceScatter()(got, mine.clone(), group, op)
+        sharding.RingReduceScatter()(got, mine.clone(), group, op)
         gloo = torch.empty(numel, dtype=dtype)
         dist.reduce_scatter_tensor(gloo, mine.clone(), op=dist.ReduceOp.SUM, group=group)
         exact = torch.stack([p.view(size, -1)[me].double() for p in parts]).sum(0)
@@ -100,7 +99,7 @@ def fsdp2_against_ddp(rank):
         for model in wrapped.values():
             model(ids).backward()
         # --sharding auto picks shard_grad_op for this tiny model: FSDP2 leaves `embed` whole,
-        # and its gradient is averaged here, as train.py does after each step's last backward.
+        # and its gradient is averaged here, as the full trainer does after each step's last backward.
         sharding.all_reduce_replicated(wrapped["fsdp"])
         ddp_grads = dict(wrapped["ddp"].module.named_parameters())
         for name, p in wrapped["fsdp"].named_parameters():

@@ -1,8 +1,9 @@
-"""SPLADE trained by train.py, against sentence-transformers' SparseEncoder itself: one micro-batch's
-loss and gradients equal SpladeLoss(SparseMultipleNegativesRankingLoss) on the same batch, world 2
-with gathered negatives trains as world 1 on the whole batch (DDP and FSDP2), the export loads in
-SparseEncoder and plain transformers and embeds as the trained model, a SparseEncoder folder trains
-with no other flag, and bad input ends with one error: line before any weights load.
+"""SPLADE trained by the full trainer, against sentence-transformers' SparseEncoder itself: one
+micro-batch's loss and gradients equal SpladeLoss(SparseMultipleNegativesRankingLoss) on the same
+batch, world 2 with gathered negatives trains as world 1 on the whole batch (DDP and FSDP2), the
+export loads in SparseEncoder and plain transformers and embeds as the trained model, a
+SparseEncoder folder trains with no other flag, and bad input ends with one error: line before any
+weights load.
 
     python -m pytest tests/test_splade_training.py -q
 """
@@ -61,12 +62,12 @@ def test_one_micro_batch_equals_sentence_transformers_splade_loss(masked_lm, dty
     (anchor, positive, negative) rows, with the regularisers at their warm-up value of step 1 of 9,
     equals SpladeLoss(SparseMNRL) with those weights on the same texts: the loss, and every
     parameter's gradient to `tolerance` of the largest (the tied word embeddings and the head too).
-    In float64 on both sides the two agree to 1e-9: the same computation. In float32, as train.py
-    runs (full_train.embed_columns), they differ by rounding alone, which the sums over the vocabulary
-    (30,522 entries per dot product and FLOPS term) grow to about 3e-5 of the largest gradient.
-    Catches a wrong pooling, head, similarity or scale, a FLOPS term over the wrong columns, a
-    weight not warmed up as SpladeRegularizerWeightSchedulerCallback does, or the head's gradient
-    lost on its way back to the word embeddings."""
+    In float64 on both sides the two agree to 1e-9: the same computation. In float32, as the full
+    trainer runs (full_train.embed_columns), they differ by rounding alone, which the sums over the
+    vocabulary (30,522 entries per dot product and FLOPS term) grow to about 3e-5 of the largest
+    gradient. Catches a wrong pooling, head, similarity or scale, a FLOPS term over the wrong
+    columns, a weight not warmed up as SpladeRegularizerWeightSchedulerCallback does, or the head's
+    gradient lost on its way back to the word embeddings."""
     from sentence_transformers import SparseEncoder
     from sentence_transformers.sparse_encoder.losses import SparseMultipleNegativesRankingLoss, SpladeLoss
 

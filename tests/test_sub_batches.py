@@ -1,4 +1,4 @@
-"""Length-sorted sub-batches (train.py's path where packed rows are off or unsupported,
+"""Length-sorted sub-batches (the full trainer's path where packed rows are off or unsupported,
 --length-buckets 0; packed rows: tests/test_packing.py) change what is computed, never what is
 learned:
 
@@ -165,7 +165,7 @@ def test_ranks_with_short_and_long_texts_cut_their_own_sub_batches(tmp_path, tin
     into fewer groups than rank 1, and under GradCache (chunks of 6 rows) into fewer chunks. DDP
     needs no agreement on either: the wrapped model is called once per micro-batch, or once per
     chunk, and a chunk less adds no collective (a forward per group of the wrapped model, as
-    train.py once ran, broadcast buffers in each and here waited for the missing one until a
+    the trainer once ran, broadcast buffers in each and here waited for the missing one until a
     1-minute timeout). The run equals one process with 2 accumulation steps and no sub-batches.
     (Under FSDP the count is fixed, 1 unless set: tests/test_big_models.py.)"""
     per_device, world, steps, seed = 32, 2, 3, 12

@@ -2,7 +2,7 @@
 (2.x-5.x stripped them; a byte-level BPE tokenizer gives a leading, trailing or doubled space a
 token of its own), lowercased by the tokenizer itself where a folder says do_lower_case.
 
-- a decoder with a byte-level BPE tokenizer, trained by train.py on pairs whose texts have
+- a decoder with a byte-level BPE tokenizer, trained by the full trainer on pairs whose texts have
   leading, trailing and doubled spaces, then exported: our model embeds such texts as
   `SentenceTransformer(export).encode` does, to 1e-6, without a prompt, with each column's prompt
   (`prompt_name`), with --no-include-prompt, and from a do_lower_case folder; the export's model
@@ -11,8 +11,8 @@ token of its own), lowercased by the tokenizer itself where a folder says do_low
 - the token file and tokenizing on the fly give the same ids for such texts, and a token file
   written under the old rule (its key without "texts") is not read;
 - a lowercasing folder lowercases inside its tokenizer, as sentence-transformers 6 does (not
-  Python's str.lower, which differs on a final sigma): the same ids as its tokenize, in train.py's
-  model and in train.py's;
+  Python's str.lower, which differs on a final sigma): the same ids as its tokenize, in the full
+  trainer's model and in the one-file loop's (train.py);
 - --batch-sampler no_duplicates and --mask-duplicates tell texts apart as sentence-transformers'
   NoDuplicatesBatchSampler does: as written, a space or a capital more is another text.
 
@@ -161,8 +161,8 @@ def test_the_token_file_holds_the_ids_of_texts_as_written_and_an_old_file_is_not
 def test_a_lowercasing_folder_lowercases_in_its_tokenizer_as_sentence_transformers_6(tmp_path, decoder):
     """do_lower_case: texts and prompts are lowercased by the tokenizer itself (a Lowercase
     normaliser, as sentence-transformers 6 adds), not in Python before it: the same ids as
-    sentence-transformers 6 gives the folder's texts, spaces kept, in train.py's model and in
-    train.py's."""
+    sentence-transformers 6 gives the folder's texts, spaces kept, in the full trainer's model and
+    in the one-file loop's (train.py)."""
     from sentence_transformers import SentenceTransformer
 
     folder = lowercasing(decoder, tmp_path / "lowercasing")
@@ -172,8 +172,8 @@ def test_a_lowercasing_folder_lowercases_in_its_tokenizer_as_sentence_transforme
     st = SentenceTransformer(folder, device="cpu")
     theirs = st.preprocess(texts)["input_ids"]
     assert torch.equal(loaded.tokenize(texts)["input_ids"], theirs)
-    _, minimal_tokenize, _ = train.load_model(train.parse_args(["--model", folder]), 0)
-    assert torch.equal(minimal_tokenize(texts)["input_ids"], theirs)
+    _, loop_tokenize, _ = train.load_model(train.parse_args(["--model", folder]), 0)
+    assert torch.equal(loop_tokenize(texts)["input_ids"], theirs)
     assert theirs[0].tolist() != theirs[1].tolist()  # the spaces stay
     # The final sigma tells the tokenizer's Lowercase from Python's str.lower.
     lowered = st.preprocess([FINAL_SIGMA.lower()])["input_ids"]

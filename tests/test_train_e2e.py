@@ -1,7 +1,7 @@
-"""train.py end to end: the README's default command as a user runs it (`torchrun
---nproc_per_node=2 train.py`, MNRL on the example pairs with all-MiniLM-L6-v2), and CoSENT on the
-real STS-B data in data/ at world 2 (started by the warm launcher, conftest.warm_run, whose
-runs test_equivalence.py shows are torchrun's). (One process runs end to end in test_export.py,
+"""The full trainer end to end: the README's default command as a user runs it (`torchrun
+--nproc_per_node=2 -m fsdp_embed`, MNRL on the example pairs with all-MiniLM-L6-v2), and CoSENT on
+the real STS-B data in data/ at world 2 (started by the warm launcher, conftest.warm_run, whose runs
+test_equivalence.py shows are torchrun's). (One process runs end to end in test_export.py,
 test_resume.py and as the reference of the equivalence tests; bad input: test_bad_input.py.)
 
 Run: python -m pytest tests/test_train_e2e.py
@@ -75,8 +75,8 @@ def test_training_lowers_the_loss_and_exports(loss, tmp_path):
 
 
 def test_default_command_trains_the_example_data(tmp_path):
-    """The README's first command, `torchrun --nproc_per_node=2 train.py`, with no argument: MNRL
-    on the example pairs with all-MiniLM-L6-v2 lowers the loss on fixed rows and exports."""
+    """The README's first command, `torchrun --nproc_per_node=2 -m fsdp_embed`, with no argument:
+    MNRL on the example pairs with all-MiniLM-L6-v2 lowers the loss on fixed rows and exports."""
     proc = run_train([], nproc=2, cwd=tmp_path)
     output = tmp_path / "output" / "example"
     metrics = read_metrics(output)

@@ -2,7 +2,7 @@
 namespace with its own hostname and its own address, the two joined by a veth pair (a cable).
 
     with two_hosts.TwoHosts() as hosts:          # needs root and iproute2's `ip` (see `why_not`)
-        procs = hosts.torchrun(["train.py", ...], nproc=2, output_dirs=...)
+        procs = hosts.torchrun(["-m", "fsdp_embed", ...], nproc=2)
         hosts.wire_bytes()                       # bytes that crossed the cable so far
 
 Each host resolves both names through /etc/netns/NAME/hosts (what `ip netns exec` shows as its

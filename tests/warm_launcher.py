@@ -1,19 +1,19 @@
-"""A launcher for the tests' numerical comparisons: what `torchrun --nproc_per_node=N train.py
-ARGS` (or, for one process, `python train.py ARGS`) runs, without paying for the imports again
-in every process.
+"""A launcher for the tests' numerical comparisons: what `torchrun --nproc_per_node=N -m
+fsdp_embed ARGS` (or, for one process, `python -m fsdp_embed ARGS`) runs, without paying for the
+imports again in every process.
 
-Why: on a 2-core machine a launch of train.py spends ~10 s per process importing torch,
+Why: on a 2-core machine a launch of the full trainer spends ~10 s per process importing torch,
 transformers and datasets, and the run a comparison needs takes about a second (a tiny model, a
-few steps). This process does train.py's imports once, then for each request forks the workers
+few steps). This process does the trainer's imports once, then for each request forks the workers
 from itself. With more than one, each gets the environment torchrun gives its workers (RANK,
 LOCAL_RANK, WORLD_SIZE, LOCAL_WORLD_SIZE, GROUP_RANK, ROLE_RANK, MASTER_ADDR, MASTER_PORT;
 OMP_NUM_THREADS=1 at N > 1, as torchrun sets it; none of torchrun's TORCHELASTIC_* variables, so
-train.py never takes the launcher for torchrun's agent); each runs train.py as `__main__`
-(runpy), so its flag parsing, error handling and exit codes are the script's own. As torchrun
-does, when one worker fails the others are stopped.
+the trainer never takes the launcher for torchrun's agent); each runs the package as `__main__`
+(runpy.run_module), so its flag parsing, error handling and exit codes are the trainer's own. As
+torchrun does, when one worker fails the others are stopped.
 
 What this does not prove, and the tests that launch torchrun itself do: the launcher (its
-rendezvous, restarts, exit codes and messages), what train.py prints while importing, a worker
+rendezvous, restarts, exit codes and messages), what the trainer prints while importing, a worker
 whose launcher dies, and a user's MALLOC_* variables (glibc reads them when a process starts).
 Forking after the imports is what a DataLoader's fork workers do; this process runs no tensor
 operation, so torch's thread pools are not started yet when it forks.
@@ -21,7 +21,7 @@ operation, so torch's thread pools are not started yet when it forks.
 Protocol, one JSON object a line: a request on stdin {args, nproc, nnodes, script, port, env,
 cwd, stdout, stderr, timeout}; the reply on stdout {"codes": [exit code of each rank]}. Workers
 write to the request's stdout and stderr files. `nnodes` > 1 stands for that many torchruns on
-this host (`--nnodes`, `--node_rank`), `script` for a test's worker that wraps train.py.
+this host (`--nnodes`, `--node_rank`), `script` for a test's worker that wraps the trainer.
 
 Run by tests/conftest.py (warm_run), one per test session; it ends when pytest closes its stdin.
 """
@@ -46,20 +46,20 @@ from transformers.models.bert import modeling_bert  # noqa: E402, F401  (the tin
 from transformers.models.llama import modeling_llama  # noqa: E402, F401
 from transformers.models.qwen2 import modeling_qwen2  # noqa: E402, F401
 
-import fsdp_embed.__main__  # noqa: E402  (everything the full trainer imports)
+import fsdp_embed.__main__  # noqa: E402, F401  (everything the full trainer imports)
 
 # runpy runs the entry afresh in each worker; left in sys.modules, it would warn there
 del sys.modules["fsdp_embed.__main__"]
 
 
 def worker(request, rank, reply_fd):
-    """Never returns: runs train.py as rank `rank` and exits with its code."""
+    """Never returns: runs the full trainer as rank `rank` and exits with its code."""
     code = 1
     try:
         if sys.platform.startswith("linux"):  # a worker does not outlive this launcher
             import ctypes
 
-            ctypes.CDLL(None).prctl(1, signal.SIGTERM)  # 1 = PR_SET_PDEATHSIG, as train.py's own
+            ctypes.CDLL(None).prctl(1, signal.SIGTERM)  # 1 = PR_SET_PDEATHSIG, as the trainer's own
         os.close(reply_fd)  # the reply pipe is the launcher's alone
         stdin = os.open(os.devnull, os.O_RDONLY)
         os.dup2(stdin, 0)
@@ -67,7 +67,7 @@ def worker(request, rank, reply_fd):
             os.dup2(os.open(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644), fd)
         nproc, nnodes = request["nproc"], request["nnodes"]
         os.environ.update(request["env"])
-        if nproc * nnodes > 1:  # torchrun's workers; one process is `python train.py`, with none
+        if nproc * nnodes > 1:  # torchrun's workers; one process is `python -m fsdp_embed`, with none
             os.environ.update(
                 RANK=str(rank),
                 LOCAL_RANK=str(rank % nproc),
@@ -83,12 +83,13 @@ def worker(request, rank, reply_fd):
             os.environ["OMP_NUM_THREADS"] = "1"
             torch.set_num_threads(1)
         os.chdir(request["cwd"])
-        script = request["script"]
-        sys.argv = [script or str(FULL_TRAIN), *request["args"]]
-        if script:
+        script = request["script"] or "fsdp_embed"
+        if script.startswith("fsdp_embed"):  # python -m fsdp_embed, python -m fsdp_embed.mine
+            sys.argv = [str(FULL_TRAIN) if script == "fsdp_embed" else script, *request["args"]]
+            runpy.run_module(script, run_name="__main__", alter_sys=True)
+        else:
+            sys.argv = [script, *request["args"]]
             runpy.run_path(script, run_name="__main__")
-        else:  # python -m fsdp_embed
-            runpy.run_module("fsdp_embed", run_name="__main__", alter_sys=True)
         code = 0
     except SystemExit as e:
         if e.code is None or isinstance(e.code, int):
@@ -99,7 +100,7 @@ def worker(request, rank, reply_fd):
         traceback.print_exc()
     finally:
         try:
-            atexit._run_exitfuncs()  # what a normal exit runs (train.py releases its lock there)
+            atexit._run_exitfuncs()  # what a normal exit runs (the trainer releases its lock there)
             sys.stdout.flush()
             sys.stderr.flush()
         finally:

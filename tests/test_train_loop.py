@@ -139,7 +139,7 @@ def assert_same_run(loop, full, key_bias_tol=1e-5):
 
 
 # The quick tier (python -m pytest tests -m quick) runs the one-process cases, and the tests below
-# that use them, and the copy and bad input: the world-2 cases take another minute.
+# that use them, and bad input: the world-2 cases and the copy (a cold torchrun) take another minute.
 QUICK = [pytest.param("single", marks=pytest.mark.quick), "ddp", "fsdp"]
 
 
@@ -274,7 +274,6 @@ def test_its_defaults_are_all_minilm_l6_v2_from_the_package_and_the_example_pair
     assert os.path.samefile(args.train_data, REPO_DIR / "data" / "example-pairs.jsonl")
 
 
-@pytest.mark.quick
 def test_copied_into_an_empty_folder_it_runs_alone(tmp_path, tiny_model):
     """The four root files copied into an empty folder with one training and one evaluation file
     (no other project file, nothing of the repository on the path) run under `torchrun

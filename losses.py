@@ -422,8 +422,10 @@ def mse_loss(student_embs, teacher_embs):
         loss = mean_c  mean_{i, d} (s_cid - t_cid)^2
 
     `student_embs`: C columns of (B, D). `teacher_embs` (labels, no gradient): (B, D), one target
-    for every column (multilingual distillation: a sentence and its translations), or (B, C, D)."""
-    teacher = teacher_embs.detach()
+    for every column (multilingual distillation: a sentence and its translations), or (B, C, D).
+    Under Matryoshka the student's columns are cut to a size d < D, and the teacher's vectors are
+    cut to it too, as sentence-transformers' MatryoshkaLoss cuts the labels."""
+    teacher = teacher_embs.detach()[..., : student_embs[0].shape[-1]]
     teacher_columns = [teacher] * len(student_embs) if teacher.dim() == 2 else list(teacher.unbind(1))
     assert len(teacher_columns) == len(student_embs), (teacher.shape, len(student_embs))
     per_column = [F.mse_loss(s, t.to(s.dtype)) for s, t in zip(student_embs, teacher_columns)]

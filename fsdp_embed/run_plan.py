@@ -479,16 +479,12 @@ def check_false_negative_flags(cfg, losses_used):
 
 def check_distillation(cfg, plan, train_sets):
     """--loss mse's targets: each mse file's 'embedding' (or 'label') column or --teacher-model, not
-    both; every row's vector finite and as wide as the model's embeddings; no Matryoshka sizes."""
+    both; every row's vector finite and as wide as the model's embeddings."""
     mse_sets = [ts for ts in train_sets if ts.loss == "mse"]
     if cfg.teacher_model and not mse_sets:
         raise ValueError(
             "--teacher-model computes --loss mse's targets, and no --train-data file trains with mse "
             f"(losses: {', '.join(sorted({ts.loss for ts in train_sets}))}); pass --loss mse"
-        )
-    if mse_sets and cfg.matryoshka_dims:
-        raise ValueError(
-            "--matryoshka-dims: --loss mse compares whole embeddings with the teacher's; drop one"
         )
     for ts in mse_sets:
         where = f"--train-data {ts.name}"

@@ -264,6 +264,7 @@ def warm_run(
     shutil.rmtree(logs)
     code = next((c for c in codes if c != 0), 0)
     proc = subprocess.CompletedProcess(["warm_launcher.py", *args], code, read["stdout"], read["stderr"])
+    proc.codes = codes  # every rank's
     if check and code != 0:
         raise AssertionError(
             f"{script or 'fsdp_embed'} failed ({codes}):\n{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}"

@@ -17,8 +17,9 @@ once on its own. Each run takes 2 steps and exports, and must end in one of two 
            or SparseEncoder for SPLADE) with vectors for two texts equal (1e-5 of the largest) to the
            trained weights' in the trainer's own model, built with the run's flags (a pooling the
            export names wrongly fails this, not only a NaN);
-  refused: every rank exits non-zero, with one `error:` line naming the conflicting flags, no
-           traceback, and no final/ folder.
+  refused: before the weights load (the run's record, printed once they have, is not), every
+           rank exits non-zero, with one `error:` line naming the conflicting flags, no traceback,
+           and no final/ folder.
 `--fixed` runs the suite's fixed part instead (tests/test_flag_matrix.py): pooling x precision x
 strategy, and the losses of each precision against the fp32 run on the same rows.
 
@@ -41,14 +42,9 @@ from pathlib import Path
 REPO_DIR = Path(__file__).resolve().parents[1]
 sys.path[:0] = [str(REPO_DIR), str(REPO_DIR / "tests")]
 
-import conftest  # noqa: E402  (the tests' warm launcher, tiny decoder and model loader)
-import torch  # noqa: E402
-import transformers  # noqa: E402
-
-from fsdp_embed import config  # noqa: E402
+from fsdp_embed import config  # noqa: E402  (the standard library alone: --help stays quick)
 
 TEXTS = ["A man is playing a guitar on a stage.", "Two dogs run through a field."]
-TAG = {"bf16": torch.bfloat16, "fp16": torch.float16}
 
 
 def field(name):
@@ -99,7 +95,7 @@ REFUSALS = [
     # word embeddings, as sentence-transformers' SparseEncoder makes it); a decoder has none
     (
         lambda c: c.get("pooling") == "splade" and c.get("model") == "decoder",
-        "masked",
+        "--pooling splade",
         {"model": "decoder", "pooling": "splade"},
     ),
     # FSDP2 has no unsharded mode (DDP is that)
@@ -144,9 +140,14 @@ def refused(case):
     return next((words for test, words, _ in REFUSALS if test(case)), None)
 
 
-def refusal_runs(base):
-    """One run for each refusal: `base` with the refusal's change, and the error's words."""
-    return [({**base, **change}, words) for _, words, change in REFUSALS]
+def defaults():
+    """The run of every factor's first value (the flag's default): one that trains."""
+    return {name: values[0] for name, values in factors().items()}
+
+
+def refusal_runs():
+    """One run for each refusal: the defaults with the refusal's change, and the error's words."""
+    return [({**defaults(), **change}, words) for _, words, change in REFUSALS]
 
 
 def all_pairs(factors, allowed=lambda case: True):
@@ -189,6 +190,8 @@ def all_pairs(factors, allowed=lambda case: True):
 
 def write_data(folder, num_rows=32):
     """{loss: file} with `num_rows` rows of each loss's columns, from the public sets in data/."""
+    import conftest  # the tests' helpers: the warm launcher, the tiny decoder, the model loader
+    import torch
 
     def read(name):
         with open(conftest.data_file(name)) as f:
@@ -233,6 +236,10 @@ def write_models(folder):
     """{model: folder}: a tiny random BERT encoder, Qwen2 decoder and BERT masked LM (2 layers, 64
     dims). The BERTs share a WordPiece tokenizer trained here on real sentences (1,000 entries:
     a SPLADE head over all-MiniLM-L6-v2's 30,522 would take most of each run's time)."""
+    import conftest
+    import torch
+    import transformers
+
     from tokenizers import BertWordPieceTokenizer
 
     folder = Path(folder)
@@ -290,6 +297,9 @@ def trained_failure(case, out):
     """Why the trained run `case` in `out` does not meet its claim, or None: its export loads in
     sentence-transformers and embeds TEXTS as the trainer's own model on the exported weights,
     built with the run's flags."""
+    import conftest
+    import torch
+
     from sentence_transformers import SentenceTransformer, SparseEncoder
 
     final = Path(out) / "final"
@@ -319,6 +329,8 @@ def trained_failure(case, out):
 
 def refusal_failure(proc, codes, words, out):
     """Why a refused run does not end as a refusal must, or None."""
+    import conftest
+
     if any(code == 0 for code in codes):
         return f"exit codes {codes}: a rank did not fail"
     text = proc.stdout + proc.stderr
@@ -329,6 +341,8 @@ def refusal_failure(proc, codes, words, out):
         return "a traceback"
     if (Path(out) / "final").exists():
         return "a final/ export was written"
+    if '"world_size"' in proc.stdout:  # the run's record, printed once the weights have loaded
+        return "refused after the weights loaded"
     if words and words not in errors[0]:
         return f"the error line does not name {words!r}: {errors[0]}"
     return None
@@ -337,6 +351,8 @@ def refusal_failure(proc, codes, words, out):
 def run_case(case, models, data, work, expect=None):
     """Launch `case` and judge it: (outcome, why), outcome 'trained' or 'refused' (as it should
     end) or 'FAILED'. `expect`: the words of a refusal it must end in; None: it must train."""
+    import conftest
+
     out = Path(tempfile.mkdtemp(dir=work))
     args, nproc = launch(case, models, data, out)
     proc = conftest.warm_run(args, nproc=nproc, check=False, timeout=300)
@@ -375,7 +391,7 @@ def main():
         runs = [(case, None) for case in fixed_runs()]
     else:
         matrix = all_pairs(factors(), lambda case: refused(case) is None)
-        runs = [(case, None) for case in matrix] + refusal_runs(matrix[0])
+        runs = [(case, None) for case in matrix] + refusal_runs()
     print(f"{len(runs)} runs ({sum(e is None for _, e in runs)} must train, the rest be refused)")
     if args.list:
         for case, expect in runs:
@@ -411,7 +427,7 @@ def fixed_runs():
     with gathered negatives on the pairs of the matrix's runs."""
     # MNRL over every rank's candidates (--gather-negatives): the same loss at any world size, so
     # each low-precision run's losses compare with the fp32 run's at one process
-    base = {**{name: values[0] for name, values in factors().items()}, "gather_negatives": True}
+    base = {**defaults(), "gather_negatives": True}
     runs = []
     for i, pooling in enumerate(values_of("pooling")):
         model = {"splade": "masked_lm", "lasttoken": "decoder"}.get(pooling, "encoder")

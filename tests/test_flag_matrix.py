@@ -109,9 +109,9 @@ def test_each_precisions_losses_are_within_the_stated_tolerance_of_fp32(fixed, p
             assert abs(g - w) <= TOLERANCE[precision] * abs(w), (matrix.short(case), step, g, w)
 
 
-@pytest.mark.parametrize("refusal", matrix.REFUSALS, ids=lambda r: r[1] + ":" + ",".join(r[2]))
+@pytest.mark.parametrize("refusal", matrix.refusal_runs(), ids=lambda r: matrix.short(r[0]))
 def test_what_cannot_work_is_refused_in_one_line(fixed, refusal):
-    _, words, change = refusal
-    case = {**FIXED[0], **change}
+    case, words = refusal
+    assert matrix.refused(case) == words and matrix.refused(matrix.defaults()) is None
     outcome, why, _ = fixed(case, expect=words)
     assert outcome == "refused", why

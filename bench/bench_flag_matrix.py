@@ -87,8 +87,8 @@ def factors():
 
 
 # What cannot work: (a test of a run's values, the words its `error:` line must hold, the
-# smallest change of a working run that meets it). The matrix leaves these out; each is run once,
-# changed from the matrix's first run, and must be refused.
+# smallest change of the defaults that meets it). The matrix leaves these out; each is run once,
+# the defaults so changed, and must be refused.
 MNRL_ONLY = "works on MNRL's candidates"  # --gather-negatives, --mask-duplicates: MNRL's options
 REFUSALS = [
     # SPLADE's vocabulary-sized vectors come from a masked LM's head (an encoder's is made from its
@@ -152,8 +152,9 @@ def refusal_runs():
 
 def all_pairs(factors, allowed=lambda case: True):
     """Runs (dicts) in which every pair of values of two factors that some allowed run can hold
-    meets at least once: greedy, each new run the one that covers most uncovered pairs, values
-    tried in order (the default first), so the design is the same every time."""
+    meets at least once. Greedy: each new run starts from the first pair not met yet and takes,
+    factor by factor, the allowed value that meets most pairs not met yet (ties: the earlier value,
+    the default first), so the design is the same every time."""
     names = list(factors)
     uncovered = {
         ((a, va), (b, vb))

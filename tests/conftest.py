@@ -101,6 +101,21 @@ def micro_batch_loss(model, features, labels, loss="mnrl", groups=None, text_ids
     return full_train.embeddings_loss(model, embs, labels, run_plan.LossPlan(loss, **settings), text_ids)
 
 
+def float64_stays_float64(tensor, *args, _cast=torch.Tensor.float, **kwargs):
+    """Tensor.float, except that a float64 tensor is left float64 (the keep_float64 fixture's)."""
+    return tensor if tensor.dtype == torch.float64 else _cast(tensor, *args, **kwargs)
+
+
+@pytest.fixture
+def keep_float64(monkeypatch):
+    """`.float()` leaves float64 tensors float64 for the test: the full trainer's and GradCache's
+    casts of the embeddings to fp32 for the loss, and a model's own (Gemma's RMSNorm normalises in
+    fp32), so that models run in float64 compute the whole step in float64, and a comparison with
+    a reference measures the formulas, not the CPU's fp32 summation order (which differs between
+    CPUs by ~1e-5 of the largest gradient)."""
+    monkeypatch.setattr(torch.Tensor, "float", float64_stays_float64)
+
+
 def data_file(name):
     path = DATA_DIR / name
     if not path.exists():

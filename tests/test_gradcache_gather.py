@@ -55,12 +55,16 @@ def batch(loss, num_rows=B):
     return ds[list(range(7, 7 + num_rows))], text_columns, target, num_labels
 
 
-def model_for(loss, dropout):
+def model_for(folder, loss, dropout):
+    """The model at `folder` (conftest.tiny_model: float64 on all-MiniLM-L6-v2 would take twice its
+    fp32 time) in float64, a Softmax head for softmax, and one batch of the loss's data."""
     rows, text_columns, target, num_labels = batch(loss)
     torch.manual_seed(0)
-    loaded = load_model(config.Config(loss=loss, dropout=dropout, max_seq_length=32), num_labels)
+    loaded = load_model(
+        config.Config(model=str(folder), loss=loss, dropout=dropout, max_seq_length=32), num_labels
+    )
     features, labels = batches.collate(rows, text_columns, target, loss, loaded.tokenize, "cpu")
-    return loaded.model, features, labels
+    return loaded.model.to(torch.float64), features, labels
 
 
 def grads_after(model, backward):
@@ -114,23 +118,24 @@ def naive_chunked(model, features, labels, loss, chunk_size, groups=None):
     return value
 
 
-def assert_same_grads(got, want, tol=3e-5):
-    """~1e-5 relative to each tensor's largest entry: chunks sum a gradient in another order in
-    fp32 (measured worst: 1.03e-5, the embedding LayerNorm under CoSENT); an error in the
-    method (a wrong mask, a missed chunk, a doubled head gradient) is orders larger."""
+def assert_same_grads(got, want, tol=1e-10):
+    """1e-10 relative to each tensor's largest entry, in float64 (`keep_float64`): chunks sum a
+    gradient in another order (measured worst: 6e-14); an error in the method (a wrong mask, a
+    missed chunk, a doubled head gradient) is orders larger."""
     assert abs(got[0] - want[0]) <= tol * max(1.0, abs(want[0])), (got[0], want[0])
     assert got[1].keys() == want[1].keys()
     for name, g in want[1].items():
+        assert g.dtype == torch.float64, name
         # Relative to the tensor's scale; the attention key biases have a true gradient of 0
-        # (softmax is shift-invariant), so theirs is compared absolutely, to 1e-7.
+        # (softmax is shift-invariant), so theirs is compared absolutely, to 1e-2 * tol.
         assert (got[1][name] - g).abs().max().item() <= tol * max(1e-2, g.abs().max().item()), name
 
 
 @pytest.mark.parametrize("loss", list(DATA))
-def test_cached_gradient_equals_plain(loss):
+def test_cached_gradient_equals_plain(loss, tiny_model, keep_float64):
     """Also with length-sorted sub-batches (chunks cut from them), against the plain loss of one
     padded forward."""
-    model, features, labels = model_for(loss, dropout=0.0)
+    model, features, labels = model_for(tiny_model, loss, dropout=0.0)
     want = grads_after(model, lambda: plain(model, features, labels, loss))
     assert len(want[1]) == len(list(model.parameters()))  # every parameter, the head included
     for chunk_size in (1, 3, B):
@@ -147,10 +152,10 @@ def test_cached_gradient_equals_plain(loss):
 
 
 @pytest.mark.parametrize("loss", ["mnrl", "cosent"])
-def test_cached_gradient_equals_plain_with_matryoshka(loss):
+def test_cached_gradient_equals_plain_with_matryoshka(loss, tiny_model, keep_float64):
     """Matryoshka is a function of the embeddings, so GradCache serves it unchanged."""
-    model, features, labels = model_for(loss, dropout=0.0)
-    options = {"matryoshka": ([384, 64, 16], [1.0, 0.5, 2.0]), "scale": 7.0}
+    model, features, labels = model_for(tiny_model, loss, dropout=0.0)
+    options = {"matryoshka": ([64, 16, 4], [1.0, 0.5, 2.0]), "scale": 7.0}  # the tiny model: 64 wide
     want = grads_after(model, lambda: plain(model, features, labels, loss, **options))
     for chunk_size in (1, 3, B):
         assert_same_grads(
@@ -160,10 +165,10 @@ def test_cached_gradient_equals_plain_with_matryoshka(loss):
     assert abs(want[0] - plain_loss[0] * 3.5) > 1e-3  # the truncated sizes count
 
 
-def test_cached_gradient_equals_plain_with_mnrl_directions():
+def test_cached_gradient_equals_plain_with_mnrl_directions(tiny_model, keep_float64):
     """--mnrl-directions (all four, as the full trainer passes them from the flags) is a function of
     the embeddings too: GradCache gives the plain gradient, and the directions change the loss."""
-    model, features, labels = model_for("mnrl", dropout=0.0)
+    model, features, labels = model_for(tiny_model, "mnrl", dropout=0.0)
     cfg = config.parse_config(["--mnrl-directions", "doc_to_doc,query_to_query,doc_to_query"])
     options = plan_for(cfg).mnrl  # directions and partition
     assert options["directions"] == ("query_to_doc", "query_to_query", "doc_to_query", "doc_to_doc")
@@ -175,7 +180,7 @@ def test_cached_gradient_equals_plain_with_mnrl_directions():
     assert abs(want[0] - grads_after(model, lambda: plain(model, features, labels, "mnrl"))[0]) > 1e-3
 
 
-def test_cached_gradient_equals_plain_with_distill_kl_on_groups(tmp_path):
+def test_cached_gradient_equals_plain_with_distill_kl_on_groups(tmp_path, tiny_model, keep_float64):
     """Listwise distillation over grouped rows (a positive and 3 negatives drawn per query, the
     teacher's scores with them) is a function of the embeddings too: GradCache serves it."""
     ds = training_data.load_data(str(grouped_file(tmp_path / "groups.jsonl")), "train")
@@ -183,9 +188,9 @@ def test_cached_gradient_equals_plain_with_distill_kl_on_groups(tmp_path):
     indices = list(range(7, 7 + B))
     rows = batches.grouped_rows(ds[indices], indices, 4, seed=12, step=0)
     torch.manual_seed(0)
-    loaded = load_model(config.Config(dropout=0.0, max_seq_length=32), 0)
+    loaded = load_model(config.Config(model=str(tiny_model), dropout=0.0, max_seq_length=32), 0)
     features, labels = batches.collate(rows, text_columns, target, "distill_kl", loaded.tokenize, "cpu")
-    model, options = loaded.model, {"temperatures": (0.5, 2.0)}
+    model, options = loaded.model.to(torch.float64), {"temperatures": (0.5, 2.0)}
     want = grads_after(model, lambda: plain(model, features, labels, "distill_kl", **options))
     assert want[0] > 1e-3 and labels.shape == (B, 4)
     for chunk_size in (1, 3, B):
@@ -194,8 +199,8 @@ def test_cached_gradient_equals_plain_with_distill_kl_on_groups(tmp_path):
 
 
 @pytest.mark.parametrize("loss", list(DATA))
-def test_cached_gradient_with_dropout_replays_the_same_masks(loss):
-    model, features, labels = model_for(loss, dropout=0.1)
+def test_cached_gradient_with_dropout_replays_the_same_masks(loss, tiny_model, keep_float64):
+    model, features, labels = model_for(tiny_model, loss, dropout=0.1)
     assert model.training
     # Chunks of all the columns' rows (the pool) are micro_batch_loss's own forwards: the same random
     # numbers, the same gradient; so are chunks cut from the same length-sorted sub-batches.

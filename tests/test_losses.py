@@ -276,22 +276,27 @@ class ColumnEmbeddings(torch.nn.Module):
         return {"sentence_embedding": self.columns[features["column"]]}
 
 
-@pytest.mark.parametrize("loss_name", ["mnrl", "cosent", "margin_mse"])
+@pytest.mark.parametrize("loss_name", ["mnrl", "cosent", "margin_mse", "mse", "distill_kl"])
 def test_matryoshka_matches_sentence_transformers(st_model, loss_name):
     """Our pure function of embeddings against sentence-transformers' MatryoshkaLoss, which
-    patches the model's forward to truncate what it returns: the same values and gradients."""
+    patches the model's forward to truncate what it returns: the same values and gradients (mse:
+    the teacher's vectors cut to each size too)."""
     dims, weights = [16, 8, 4, 2], [1.0, 0.5, 2.0, 1.0]
     columns = embeddings(*[(B, D)] * 3, seed=6)
     labels = {
         "mnrl": None,
         "cosent": torch.tensor([0.2, 0.8, 0.8, 0.4, 1.0, 0.0, 0.6, 0.4], dtype=torch.float64),
         "margin_mse": torch.linspace(-1, 1, B, dtype=torch.float64),
+        "mse": embeddings((B, D), seed=9)[0],
+        "distill_kl": torch.linspace(-2, 3, B * 2, dtype=torch.float64).reshape(B, 2),
     }[loss_name]
-    used = columns[:2] if loss_name == "cosent" else columns
+    used = columns[:2] if loss_name in ("cosent", "mse") else columns
     inner = {
         "mnrl": lambda e: losses.mnrl_loss(e[0], e[1:]),
         "cosent": lambda e: losses.cosent_loss(e[0], e[1], labels),
         "margin_mse": lambda e: losses.margin_mse_loss(e[0], e[1], e[2], labels),
+        "mse": lambda e: losses.mse_loss(e, labels),
+        "distill_kl": lambda e: losses.distill_kl_loss(e[0], e[1:], labels),
     }[loss_name]
     ours = value_and_grads(lambda: losses.matryoshka_loss(inner, used, dims, weights), used)
 
@@ -300,6 +305,8 @@ def test_matryoshka_matches_sentence_transformers(st_model, loss_name):
         "mnrl": st_losses.MultipleNegativesRankingLoss,
         "cosent": st_losses.CoSENTLoss,
         "margin_mse": st_losses.MarginMSELoss,
+        "mse": st_losses.MSELoss,
+        "distill_kl": st_losses.DistillKLDivLoss,
     }[loss_name](model)
     reference = st_losses.MatryoshkaLoss(model, st_inner, matryoshka_dims=dims, matryoshka_weights=weights)
     features = [{"column": i} for i in range(len(used))]

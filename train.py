@@ -34,8 +34,7 @@ python -m fsdp_embed flags for the same path: --tokenize on_the_fly --length-buc
     (FSDP: --fsdp-version 1)
 
 Left out on purpose (python -m fsdp_embed has them): checkpoints and resume, packing, GradCache,
-LoRA, prompts, trackers, FSDP2, multi-node specifics, start-up checks beyond the files' own.
-"""
+LoRA, prompts, trackers, FSDP2, multi-node specifics, start-up checks beyond the files' own."""
 
 import argparse
 import contextlib
@@ -57,6 +56,7 @@ from safetensors.torch import save_file
 from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
 from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler
 from torch.nn.parallel import DistributedDataParallel as DDP
+from torch.optim.lr_scheduler import LambdaLR  # transformers' schedule's import imports peft (seconds)
 
 import eval_dist
 import fsdp_utils
@@ -389,8 +389,8 @@ def build_optimizer(model, no_decay_names, lr, warmup_ratio, total_steps, precis
     fused = not (precision == "fp16" and isinstance(model, FSDP))
     groups = [{"params": decay, "weight_decay": WEIGHT_DECAY}, {"params": no_decay, "weight_decay": 0.0}]
     optimizer = torch.optim.AdamW(groups, lr=lr, fused=fused)
-    warmup_steps = math.ceil(warmup_ratio * total_steps)
-    scheduler = transformers.get_linear_schedule_with_warmup(optimizer, warmup_steps, total_steps)
+    w, t = math.ceil(warmup_ratio * total_steps), total_steps  # warm-up steps, all steps
+    scheduler = LambdaLR(optimizer, lambda s: s / w if s < w else max(0.0, (t - s) / max(1, t - w)))
     scaler_class = ShardedGradScaler if isinstance(model, FSDP) else torch.amp.GradScaler
     scaler = scaler_class(next(model.parameters()).device.type) if precision == "fp16" else None
     return optimizer, scheduler, scaler

@@ -32,8 +32,7 @@ Every step's rows (and groups) follow from the seed alone (batches.py): 2 ranks 
 on the rows of 1 process x batch B x 2 accumulation steps; a resumed run continues with them.
 
 Needs every module of fsdp_embed/ but mine.py, and the root's losses.py, eval_dist.py and
-fsdp_utils.py (never train.py, the one-file loop). Left out on purpose: CPU offload.
-"""
+fsdp_utils.py (never train.py, the one-file loop). Left out on purpose: CPU offload."""
 
 import contextlib
 import dataclasses
@@ -48,8 +47,8 @@ from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
+from torch.optim.lr_scheduler import LambdaLR  # transformers' schedule's import imports peft (seconds)
 from tqdm import tqdm
-from transformers import get_linear_schedule_with_warmup
 
 import eval_dist
 import fsdp_utils
@@ -190,7 +189,8 @@ def build_training(model, no_decay_names, plan, lr, weight_decay):
     fused = not (plan.precision == "fp16" and plan.strategy == "fsdp")
     optimizer = build_optimizer(model, no_decay_names, lr, weight_decay, fused=fused)
     # 0 -> lr over the warm-up, then linearly down to 0 at the last step (as the HF Trainer)
-    scheduler = get_linear_schedule_with_warmup(optimizer, plan.warmup_steps, plan.total_steps)
+    w, t = plan.warmup_steps, plan.total_steps
+    scheduler = LambdaLR(optimizer, lambda s: s / w if s < w else max(0.0, (t - s) / max(1, t - w)))
     return optimizer, scheduler, sharding.grad_scaler(model, plan.precision, plan.device)
 
 

@@ -171,7 +171,8 @@ def test_a_schedule_saved_with_one_parameter_group_fewer_resumes_on_the_same_rat
     group of their own holds the schedule of one group fewer; torch's LambdaLR then fails at the
     first step ("zip() argument 2 is shorter than argument 1"). checkpoints.schedule_for_groups
     gives it to every group: the rates equal those of a schedule run with the three groups from
-    the start (transformers' get_linear_schedule_with_warmup, as full_train.build_training builds it)."""
+    the start (transformers' get_linear_schedule_with_warmup: the formula full_train.build_training
+    writes out, a LambdaLR too)."""
     from fsdp_embed import checkpoints
     import transformers
 

@@ -456,3 +456,43 @@ def test_max_pooling_leaves_padding_out_in_every_dtype(dtype):
     assert torch.equal(got[0], states_BTD[0].max(0).values) and torch.equal(
         got[1], states_BTD[1, :2].max(0).values
     )
+
+
+@pytest.mark.quick
+@pytest.mark.parametrize("warmup_ratio,total_steps", [(0.1, 10), (0.0, 7), (1.0, 5), (0.5, 1)])
+def test_both_schedules_are_transformers_linear_schedule(warmup_ratio, total_steps):
+    """The learning rate before every step and after the last, of the loop's schedule
+    (train.build_optimizer) and the full trainer's (full_train.build_training), equals
+    transformers' get_linear_schedule_with_warmup, which neither imports (its module imports
+    transformers' Trainer utilities, and they peft where it is installed: seconds a process)."""
+    import math
+    from types import SimpleNamespace
+
+    import transformers
+
+    from fsdp_embed import __main__ as full_train
+
+    def rates(optimizer, scheduler):
+        seen = []
+        for _ in range(total_steps + 1):
+            seen.append(scheduler.get_last_lr()[0])
+            optimizer.step()
+            scheduler.step()
+        return seen
+
+    warmup_steps = math.ceil(warmup_ratio * total_steps)
+    reference = torch.optim.AdamW(torch.nn.Linear(2, 2).parameters(), lr=2e-5)
+    want = rates(
+        reference, transformers.get_linear_schedule_with_warmup(reference, warmup_steps, total_steps)
+    )
+    loop = train.build_optimizer(torch.nn.Linear(2, 2), set(), 2e-5, warmup_ratio, total_steps, "fp32")[:2]
+    plan = SimpleNamespace(
+        precision="fp32",
+        strategy="single",
+        device=torch.device("cpu"),
+        warmup_steps=warmup_steps,
+        total_steps=total_steps,
+    )
+    full = full_train.build_training(torch.nn.Linear(2, 2), set(), plan, 2e-5, 0.01)[:2]
+    assert rates(*loop) == want and rates(*full) == want, want
+    assert want[-1] == 0.0 and (max(want) == 2e-5 or warmup_steps == total_steps)  # the schedule moves

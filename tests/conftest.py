@@ -240,7 +240,7 @@ def warm_run(
     """`torchrun --nproc_per_node=N -m fsdp_embed ARGS` on this host (N = 1: `python -m fsdp_embed
     ARGS`; nnodes > 1: one torchrun per "node", all here; `script`: a test's worker instead),
     started by tests/warm_launcher.py: the environment and the code the workers get, without the
-    ~10 s of imports each. For the numerical comparisons; what concerns the launch itself (exit
+    ~5 s of imports each. For the numerical comparisons; what concerns the launch itself (exit
     codes through torchrun, restarts, a killed rank, what start-up prints) is tested with
     run_train. `train_flags=False`: a script with flags of its own, which gets no
     --dist-timeout-minutes. Returns a CompletedProcess (stdout, stderr: every rank's;

@@ -2,7 +2,7 @@
 fsdp_embed ARGS` (or, for one process, `python -m fsdp_embed ARGS`) runs, without paying for the
 imports again in every process.
 
-Why: on a 2-core machine a launch of the full trainer spends ~10 s per process importing torch,
+Why: on a 2-core machine a launch of the full trainer spends ~5 s per process importing torch,
 transformers and datasets, and the run a comparison needs takes about a second (a tiny model, a
 few steps). This process does the trainer's imports once, then for each request forks the workers
 from itself. With more than one, each gets the environment torchrun gives its workers (RANK,

@@ -62,6 +62,7 @@ from fsdp_embed import faults
 from fsdp_embed import gradcache
 from fsdp_embed import guide_model
 from fsdp_embed import metrics
+from fsdp_embed import multivector
 from fsdp_embed import process_settings
 from fsdp_embed import run_plan
 from fsdp_embed import sharding
@@ -245,6 +246,7 @@ class StepOptions:
     autocast: object  # () -> the autocast context (single, DDP; FSDP casts per block itself)
     scale_loss: object  # loss -> the loss to backward (fp16: scaled by the GradScaler)
     device: object
+    multi_vector: tuple = ()  # ColBERT: (skiplist's token ids, the tasks it drops them from)
     guide: object = None  # --guide-model, frozen (guide_model.FrozenModel): MNRL's false negatives
     teacher: object = None  # --teacher-model, frozen: --loss mse's targets
 
@@ -267,6 +269,7 @@ def step_options(plan, loaded, scaler, guide, teacher):
         autocast=functools.partial(embedding_model.autocast, plan.strategy, plan.device, plan.precision),
         scale_loss=scaler.scale if scaler else lambda loss: loss,
         device=plan.device,
+        multi_vector=multivector.mask_settings(loaded),
         guide=guide,
         teacher=teacher,
     )
@@ -284,6 +287,7 @@ class MicroBatch:
     text_ids: list | None  # each column's text ids: MNRL's duplicate-safe negatives
     frozen: dict  # the guide's and the teacher's tokens (guide_model.prepare_rows)
     num_columns: int  # text columns, pooled one after the other
+    masks: list | None  # ColBERT: each column's scoring mask (multivector.scoring_masks)
     progress: tuple  # (steps before this one, total steps): SPLADE's regularisers warm up with it
 
 
@@ -305,7 +309,11 @@ def prepare_micro_batch(opts, train_set, rows, features, labels, progress):
     if opts.device.type == "cuda":  # a GPU's copies from pinned memory need not wait
         pin = functools.partial(embedding_model.map_tensors, f=torch.Tensor.pin_memory)
     frozen = guide_model.prepare_rows(opts, rows, train_set)
-    return MicroBatch(train_set, *map(pin, (pool, groups, labels, ids, frozen)), len(features), progress)
+    masks = multivector.scoring_masks(pool, len(features), *opts.multi_vector) if opts.multi_vector else None
+    if opts.multi_vector and groups is not None and not opts.packed:  # token matrices: at the pool's width
+        groups = [(rows, torch.arange(mask_NT.shape[1])) for rows, _ in groups]
+    pinned = map(pin, (pool, groups, labels, ids, frozen))
+    return MicroBatch(train_set, *pinned, len(features), masks and pin(masks), progress)
 
 
 def forward_backward(model, batch, opts, sync):
@@ -321,7 +329,8 @@ def forward_backward(model, batch, opts, sync):
 
     def micro_batch_loss(embs):
         """From its column embeddings (GradCache: cached ones)."""
-        loss = embeddings_loss(model, embs, labels, train_set.loss_plan, ids, guide, batch.progress)
+        masks = to_device(batch.masks)
+        loss = embeddings_loss(model, embs, labels, train_set.loss_plan, ids, guide, batch.progress, masks)
         return loss / opts.grad_accum_steps
 
     if opts.cache_chunk_size:  # GradCache: one chunk's activations at a time (the reader cut the chunks)
@@ -408,7 +417,7 @@ def embed_columns(model, pool, num_columns, groups=None):
     return list(embs.chunk(num_columns))
 
 
-def embeddings_loss(model, embs, labels, loss, text_ids=None, guide=None, progress=(None, None)):
+def embeddings_loss(model, embs, labels, loss, text_ids=None, guide=None, progress=(None, None), masks=None):
     """The loss of one micro-batch from its column embeddings (each (B, D), fp32), as its LossPlan
     `loss` says (run_plan.py). `model` is only used for the Softmax head, which runs through the
     wrapped root (FSDP gathers it). `text_ids`: one id tensor per column, for MNRL's duplicate-safe
@@ -417,7 +426,9 @@ def embeddings_loss(model, embs, labels, loss, text_ids=None, guide=None, progre
     MNRL all-gathers every rank's candidates (and the guide's); SPLADE's FLOPS, every rank's rows.
     loss.idle_head: the model has a Softmax head that this loss does not use (another set's, in a
     mix): it is touched with a zero, so its gradient is 0 on every rank and in every strategy (DDP
-    reduces only what the backward reaches, and would wait for it)."""
+    reduces only what the backward reaches, and would wait for it). `masks`: ColBERT's scoring masks."""
+    if loss.multi_vector:  # token matrices, scored by MaxSim (all ranks participate: with loss.gather)
+        return multivector.loss_of(loss, embs, masks, labels)
     touch = None
     if loss.idle_head:
         touch = 0.0 * model(head_input=embs[0].detach()[:1].repeat(1, 3)).float().sum()
@@ -531,9 +542,11 @@ def eval_batch_loss(model, es, loaded, plan, indices):
     ids = None
     if plan.mask_duplicates and es.loss == "mnrl":
         ids = [batches.text_ids(rows[c]).to(plan.device) for c in es.text_columns]
+    pool, settings = batches.pool_columns(features), multivector.mask_settings(loaded)
     with embedding_model.autocast(plan.strategy, plan.device, plan.precision):
-        embs = embed_columns(model, batches.pool_columns(features), len(features))
-    return embeddings_loss(model, embs, labels, es.loss_plan, ids)
+        embs = embed_columns(model, pool, len(features))
+    masks = multivector.scoring_masks(pool, len(features), *settings) if settings else None
+    return embeddings_loss(model, embs, labels, es.loss_plan, ids, masks=masks)
 
 
 def evaluate_only(model, loaded, plan):

@@ -115,8 +115,9 @@ class Config:
     pooling: str = arg(
         "",
         "token pooling; empty: the SentenceTransformer folder's mode (a SparseEncoder folder's: splade), "
-        "else mean. splade: sparse vocabulary-sized embeddings from a masked-LM model's head (SPLADE)",
-        choices=("", *POOLING_MODES, "splade"),
+        "else mean. splade: sparse vocabulary-sized embeddings from a masked-LM model's head (SPLADE). "
+        "multivector: a vector per token (ColBERT: hidden -> 128, MaxSim; a MultiVectorEncoder folder's)",
+        choices=("", *POOLING_MODES, "splade", "multivector"),
     )
     splade_pooling_strategy: str = arg(
         "", "splade: max or sum over tokens; empty: as saved, else max", choices=("", "max", "sum")

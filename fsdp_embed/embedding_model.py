@@ -13,7 +13,8 @@ packed rows (`EmbeddingModel.embed_packed` runs them).
 
 Needs transformers, safetensors, and fsdp_utils.py, fsdp_embed/config.py, fsdp_embed/lora.py,
 fsdp_embed/shard_loading.py (which needs fsdp_embed/checkpoint_warnings.py), fsdp_embed/splade.py
-(SPLADE's head) and fsdp_embed/st_folder.py (`read_sentence_transformer_config`).
+(SPLADE's head), fsdp_embed/multivector.py (ColBERT's settings; it needs the root's losses.py) and
+fsdp_embed/st_folder.py (`read_sentence_transformer_config`).
 """
 
 import copy
@@ -31,6 +32,7 @@ import transformers
 import fsdp_utils
 from fsdp_embed import config
 from fsdp_embed import lora
+from fsdp_embed import multivector
 from fsdp_embed import shard_loading
 from fsdp_embed import splade
 from fsdp_embed import st_folder
@@ -91,10 +93,13 @@ class DenseLayer(torch.nn.Module):
 
 
 class EmbeddingModel(torch.nn.Module):
-    def __init__(self, encoder, pooling, normalize, num_labels=0, dense=(), sparse=None):
+    def __init__(self, encoder, pooling, normalize, num_labels=0, dense=(), sparse=None, multivector=None):
         super().__init__()
         self.encoder = encoder
         self.pooling = pooling
+        # --pooling multivector (ColBERT): every token's vector, through the Dense layers, normalised;
+        # the mask's and lengths' settings (multivector.DEFAULT_SETTINGS' keys) for the loss and export
+        self.multivector = multivector
         # --pooling splade: the masked LM's head and SpladePooling (splade.SpladeHead), in place of pooling
         self.sparse = sparse
         # A SentenceTransformer folder's Dense layers, after pooling and before normalising (
@@ -193,6 +198,10 @@ class EmbeddingModel(torch.nn.Module):
         """Pooling, then the Dense layers, then normalising: sentence-transformers' module order."""
         if self.sparse is not None:  # SPLADE: (B, V), no Dense layers, not normalised
             return self.sparse(token_states_BTD, mask_BT)
+        if self.multivector is not None:  # ColBERT: (B, T, dim), every token; the loss reads its mask
+            for layer in self.dense:
+                token_states_BTD = layer(token_states_BTD)
+            return F.normalize(token_states_BTD, p=2, dim=-1)
         emb_BD = pool(token_states_BTD, mask_BT, self.pooling)
         for layer in self.dense:
             emb_BD = layer(emb_BD)
@@ -496,6 +505,10 @@ class ModelSpec:
     def sparse(self):  # SPLADE: --pooling splade, or a SparseEncoder folder's (read at start-up)
         return (self.pooling or (self.folder or {}).get("pooling")) == "splade"
 
+    @property
+    def multi_vector(self):  # ColBERT: --pooling multivector, or a MultiVectorEncoder folder's
+        return (self.pooling or (self.folder or {}).get("pooling")) == "multivector"
+
     # What its SentenceTransformer folder says (st_folder.read_sentence_transformer_config), read
     # once at start-up by the model checks; None: load_model reads it.
     folder: dict | None = None
@@ -536,7 +549,12 @@ def load_model(spec, num_labels=0, on_meta=False):
     )
     lora_names = prepare_encoder(encoder, spec)  # LoRA adapters drawn from the RNG, before the head
     dense = [dense_layer(path, settings) for settings in st_config["dense"]]
-    model = EmbeddingModel(encoder, pooling, normalize, num_labels, dense, sparse)
+    multi = None
+    if pooling == "multivector":  # a new token projection (hidden -> 128, no bias) where none is read
+        multi = st_config["multivector"] or dict(multivector.DEFAULT_SETTINGS)
+        identity = "torch.nn.modules.linear.Identity"
+        dense = dense or [DenseLayer(train_config.hidden_size, multivector.DIM, False, identity, False)]
+    model = EmbeddingModel(encoder, pooling, normalize or bool(multi), num_labels, dense, sparse, multi)
     model.train()  # from_pretrained returns eval mode: dropout would silently stay off
     loaded = LoadedModel(
         model,

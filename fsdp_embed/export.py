@@ -115,6 +115,8 @@ def write_export(loaded, out_dir, plan, record, staging):
     st_files = (
         sparse_encoder_files(loaded, sparse)
         if sparse
+        else multi_vector_files(loaded, [settings for settings, _ in dense])
+        if loaded.model.multivector
         else sentence_transformer_files(
             loaded.export_config.hidden_size,
             pooling_mode=loaded.model.pooling,
@@ -494,6 +496,59 @@ def sparse_encoder_files(loaded, sparse):
     }
 
 
+def multi_vector_files(loaded, dense):
+    """{path: JSON content} of a MultiVectorEncoder folder's sentence-transformers files (6.x), for
+    the multi-vector LoadedModel `loaded` with its token-level Dense layers (`dense`: each one's
+    config.json), the folder's settings kept (multivector.DEFAULT_SETTINGS' keys):
+        modules.json                      Transformer (path "") -> Dense ... -> MultiVectorMask -> Normalize
+        sentence_bert_config.json         the Transformer's settings: output, lengths, casing
+        1_Dense/config.json, ...          each Dense layer's, on the token embeddings
+        N_MultiVectorMask/config.json     skiplist_words, skiplist_tasks
+        N_Normalize/config.json           on the token embeddings
+        config_sentence_transformers.json versions, model_type MultiVectorEncoder, maxsim or meanmaxsim,
+                                          the prompts (query and document markers)"""
+    settings, base = loaded.model.multivector, "sentence_transformers.base.modules"
+    kinds = [("", f"{base}.transformer.Transformer")]
+    kinds += [(f"{i + 1}_Dense", f"{base}.dense.Dense") for i in range(len(dense))]
+    mask_class = "sentence_transformers.multi_vector_encoder.modules.multi_vector_mask.MultiVectorMask"
+    kinds += [(f"{len(dense) + 1}_MultiVectorMask", mask_class)]
+    kinds += [(f"{len(dense) + 2}_Normalize", f"{base}.normalize.Normalize")]
+    tokens = {"module_input_name": "token_embeddings", "module_output_name": "token_embeddings"}
+    versions = {
+        "sentence_transformers": "6.0.0",
+        "transformers": importlib.metadata.version("transformers"),
+        "pytorch": torch.__version__,
+    }
+    return {
+        "modules.json": [
+            {"idx": i, "name": str(i), "path": path, "type": kind} for i, (path, kind) in enumerate(kinds)
+        ],
+        "sentence_bert_config.json": {
+            "transformer_task": "feature-extraction",
+            "modality_config": {"text": {"method": "forward", "method_output_name": "last_hidden_state"}},
+            "module_output_name": "token_embeddings",
+            "max_seq_length": loaded.max_seq_length,
+            "do_lower_case": loaded.lowercase,
+            "query_length": settings["query_length"],
+            "document_length": settings["document_length"],
+        },
+        **{f"{i + 1}_Dense/config.json": {**config, **tokens} for i, config in enumerate(dense)},
+        f"{len(dense) + 1}_MultiVectorMask/config.json": {
+            "skiplist_words": settings["skiplist_words"],
+            "skiplist_tasks": settings["skiplist_tasks"],
+            "keep_only_token_ids": None,
+        },
+        f"{len(dense) + 2}_Normalize/config.json": tokens,
+        "config_sentence_transformers.json": {
+            "__version__": versions,
+            "model_type": "MultiVectorEncoder",
+            "prompts": {"query": "", "document": "", **(loaded.named_prompts or {})},
+            "default_prompt_name": None,
+            "similarity_fn_name": settings["similarity"],
+        },
+    }
+
+
 def export_sentence_transformer(
     out_dir,
     weight_files,
@@ -540,8 +595,9 @@ def export_sentence_transformer(
             json.dump(content, f, indent=2)
     with open(os.path.join(tmp_dir, "README.md"), "w", encoding="utf8") as f:
         f.write(readme)
-    for i, tensors in enumerate(dense_tensors):
-        write_weight_files(os.path.join(tmp_dir, f"{i + 2}_Dense"), [lambda t=tensors: dict(t)], dtype)
+    dense_folders = [m["path"] for m in st_files["modules.json"] if m["type"].endswith("Dense")]
+    for folder, tensors in zip(dense_folders, dense_tensors):
+        write_weight_files(os.path.join(tmp_dir, folder), [lambda t=tensors: dict(t)], dtype)
     swap_into_place(tmp_dir, out_dir)
 
 

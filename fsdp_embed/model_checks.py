@@ -94,6 +94,39 @@ NOT_SPARSE_YET = (
 )  # fmt: skip
 
 
+# MNRL's options that the multi-vector loss does not take yet.
+NOT_MULTI_VECTOR_YET = NOT_SPARSE_YET + ("mnrl_partition", "matryoshka_dims")
+
+
+def check_multi_vector(spec, plan):
+    """A multi-vector (ColBERT) model, before any weights load: a layout this trainer reads (not a
+    Stanford ColBERT or *ForRetrieval checkpoint), a MultiVectorEncoder folder only with its own
+    pooling, no Matryoshka sizes, none of MNRL's options the MaxSim loss does not take yet, and
+    the folder's per-task lengths (which --max-seq-length gives per column instead)."""
+    given = flags_given(plan, NOT_MULTI_VECTOR_YET)
+    if given:
+        raise ValueError(f"{given[0]} does not train a multi-vector (ColBERT) model yet; drop it")
+    _, st_config, model_config = model_config_of(spec)
+    architectures = getattr(model_config, "architectures", None) or []
+    if any(a == "HF_ColBERT" or a.endswith("ForRetrieval") for a in architectures):
+        raise ValueError(
+            f"--model {spec.path}: a {architectures[0]} checkpoint is not read here yet; load it once with "
+            "sentence_transformers.MultiVectorEncoder and save it, then train that folder"
+        )
+    if st_config["pooling"] == "multivector" and spec.pooling not in ("", "multivector"):
+        raise ValueError(
+            f"--pooling {spec.pooling}: {spec.path} is a MultiVectorEncoder (a vector per token); "
+            "drop --pooling, or start from its base model"
+        )
+    settings = st_config["multivector"] or {}
+    for key in ("query_length", "document_length"):
+        if settings.get(key) is not None:
+            raise ValueError(
+                f"--model {spec.path}: its {key} ({settings[key]}) is not applied here yet; set it to null "
+                "in sentence_bert_config.json and pass --max-seq-length '{\"COLUMN\": N}' instead"
+            )
+
+
 def flags_given(plan, names):
     """The flags among `names` (Config fields) that the run sets to other than their defaults."""
     defaults = {f.name: f.default for f in dataclasses.fields(config.Config)}

@@ -43,6 +43,10 @@ from fsdp_embed import model_checks
 from fsdp_embed import training_data
 
 
+# The losses a multi-vector model trains with: those sentence-transformers 6 has a MultiVector form of.
+MULTI_VECTOR_LOSSES = ("mnrl", "margin_mse", "distill_kl")
+
+
 @dataclass(frozen=True)
 class LossPlan:
     """How one micro-batch's loss is computed from its column embeddings (__main__.embeddings_loss)."""
@@ -61,6 +65,7 @@ class LossPlan:
     hardness: tuple | None = None  # MNRL's (mode, strength): harder negatives weighted more
     idle_head: bool = False  # the model has a Softmax head that this loss leaves unused
     splade: dict | None = None  # a sparse model's MNRL: SpladeLoss's flags (splade.loss_arguments)
+    multi_vector: str = ""  # ColBERT: token matrices scored by "maxsim" or "meanmaxsim" (multivector.py)
 
 
 @dataclass(frozen=True)
@@ -155,9 +160,11 @@ def flags_plan(cfg, world_size, device):
     model = dataclasses.replace(plan.model, folder=folder)
     if model.sparse:  # SPLADE: a masked-LM head, and no option SpladeLoss does not take here
         model_checks.check_sparse(model, plan)
-    elif splade_flags := model_checks.flags_given(plan, model_checks.SPLADE_FLAGS):
+    elif model.multi_vector:  # ColBERT: a layout read here, and no option the MaxSim losses lack
+        model_checks.check_multi_vector(model, plan)
+    if not model.sparse and (splade_flags := model_checks.flags_given(plan, model_checks.SPLADE_FLAGS)):
         raise ValueError(
-            f"{splade_flags[0]} is a SPLADE setting, and --model {model.path} trains dense embeddings; "
+            f"{splade_flags[0]} is a SPLADE setting, and --model {model.path} does not train SPLADE; "
             "drop it, or pass --pooling splade with a masked-LM model"
         )
     return dataclasses.replace(plan, model=model, layer_classes=layer_classes)
@@ -363,6 +370,12 @@ def check_losses(cfg, plan, train_sets):
     losses_used = sorted({ts.loss for ts in train_sets})
     if plan.model.sparse and losses_used != ["mnrl"]:  # SPLADE: sentence-transformers' SpladeLoss
         raise ValueError(f"--loss {','.join(losses_used)}: a sparse (SPLADE) model trains with mnrl alone")
+    if plan.model.multi_vector and set(losses_used) - set(MULTI_VECTOR_LOSSES):  # MaxSim's forms alone
+        raise ValueError(
+            f"--loss {','.join(losses_used)}: a multi-vector (ColBERT) model trains with "
+            f"{', '.join(MULTI_VECTOR_LOSSES)} (sentence-transformers' MultiVector losses); CoSENT, Softmax "
+            "and MSE compare one vector a text"
+        )
     if (cfg.gather_negatives or cfg.symmetric or cfg.mask_duplicates) and "mnrl" not in losses_used:
         flag = (
             "--gather-negatives"
@@ -717,8 +730,10 @@ def loss_plan(plan, cfg, name, own_negatives, num_labels, gather, guided=True):
     """The LossPlan of a set that trains (or is scored) with loss `name`; `guided`: with the
     --guide-model's rule (its embeddings come with each micro-batch: __main__.forward_backward)."""
     false_negatives, scale, directions = None, plan.scale, plan.mnrl["directions"]
-    if plan.model.sparse and cfg.scale is None:
-        scale = 1.0  # SparseMultipleNegativesRankingLoss's: dot products of sparse vectors, unscaled
+    if (plan.model.sparse or plan.model.multi_vector) and cfg.scale is None:
+        # SparseMultipleNegativesRankingLoss's and MultiVectorMultipleNegativesRankingLoss's: their
+        # scores (dot products of sparse vectors, MaxSim sums over query tokens) are not bounded by 1
+        scale = 1.0
     if cfg.guide_model and guided and name == "mnrl":  # GISTEmbedLoss's scale and blocks
         false_negatives = (cfg.guide_margin_strategy, cfg.guide_margin)
         scale, directions = plan.gist[0], config.gist_directions(directions, plan.gist)
@@ -742,6 +757,9 @@ def loss_plan(plan, cfg, name, own_negatives, num_labels, gather, guided=True):
         splade={f: getattr(cfg, f) for f in model_checks.SPLADE_FLAGS} | {"over_ranks": guided}
         if plan.model.sparse
         else None,
+        multi_vector=((plan.model.folder or {}).get("multivector") or {}).get("similarity", "maxsim")
+        if plan.model.multi_vector
+        else "",
     )
 
 

@@ -1,7 +1,8 @@
 """What a SentenceTransformer folder says about how it embeds, read from its files: the
 transformer's subfolder, the pooling mode and include_prompt, the Dense layers after pooling,
 normalisation, max_seq_length, do_lower_case and the prompts; of a SparseEncoder folder (SPLADE),
-its SpladePooling settings (`sparse_encoder_config`); the base's slow-tokenizer files the export
+its SpladePooling settings (`sparse_encoder_config`); of a MultiVectorEncoder folder (ColBERT), its
+mask, lengths and similarity (`multi_vector_config`); the base's slow-tokenizer files the export
 copies (`base_tokenizer_files`). The student's folder is read once at start-up
 (model_checks.model_config_of, for run_plan.flags_plan), and the plan carries it to
 embedding_model.load_model; the export writes what `read_sentence_transformer_config` reads back.
@@ -47,12 +48,16 @@ def read_sentence_transformer_config(path):
     st_config = {"subfolder": "", "pooling": "mean", "include_prompt": True, "dense": [], "normalize": False}
     st_config.update(max_seq_length=None, do_lower_case=False, prompts={}, default_prompt_name=None)
     st_config.update(similarity_fn_name="cosine", splade={})  # splade: SpladePooling's settings
+    st_config.update(multivector=None)  # a MultiVectorEncoder's settings (multi_vector_config)
     modules = read_json("modules.json")
     if modules is None:
         return st_config
     kinds = [module["type"].rsplit(".", 1)[-1] for module in modules]
     if kinds in (["Transformer", "SpladePooling"], ["MLMTransformer", "SpladePooling"]):
         return sparse_encoder_config(modules, read_json, st_config)
+    saved = read_json("config_sentence_transformers.json") or {}
+    if saved.get("model_type") == "ColBERT" or "MultiVectorMask" in kinds:
+        return multi_vector_config(path, modules, kinds, read_json, st_config)
     expected = (
         ["Transformer", "Pooling"] + ["Dense"] * kinds.count("Dense") + ["Normalize"] * ("Normalize" in kinds)
     )
@@ -76,7 +81,6 @@ def read_sentence_transformer_config(path):
             st_config["dense"].append(dense_config_of(path, module["path"], read_json))
         else:
             st_config["normalize"] = True
-    saved = read_json("config_sentence_transformers.json") or {}
     for key in ("prompts", "default_prompt_name", "similarity_fn_name"):
         if saved.get(key) is not None:
             st_config[key] = saved[key]
@@ -105,7 +109,62 @@ def sparse_encoder_config(modules, read_json, st_config):
     }
 
 
-def dense_config_of(path, folder, read_json):
+MULTI_VECTOR_MODULES = ["Transformer", "Dense", "MultiVectorMask", "Normalize"]
+
+
+def multi_vector_config(path, modules, kinds, read_json, st_config):
+    """read_sentence_transformer_config of a MultiVectorEncoder folder (sentence-transformers 6):
+    Transformer -> Dense (token level) -> MultiVectorMask -> Normalize (token level), pooling
+    "multivector". `st_config["multivector"]`: the mask's skiplist_words and skiplist_tasks, the
+    Transformer's query_length and document_length, the similarity (maxsim or meanmaxsim); the
+    Dense layer is `st_config["dense"]`'s one. Raises ValueError for every setting this trainer
+    does not train as sentence-transformers computes it, naming it: query expansion, an allowlist
+    of token ids, token pooling, other modules, a PyLate v3 folder (model_type ColBERT)."""
+    saved = read_json("config_sentence_transformers.json") or {}
+    if saved.get("model_type") == "ColBERT":
+        raise ValueError(
+            f"{path}: a PyLate v3 ColBERT folder is not read here yet; load it once with "
+            "sentence_transformers.MultiVectorEncoder and save it, then train that folder"
+        )
+    if kinds != MULTI_VECTOR_MODULES:
+        raise ValueError(
+            f"{path}: multi-vector modules {' -> '.join(kinds)} are not supported; "
+            f"only {' -> '.join(MULTI_VECTOR_MODULES)} is"
+        )
+    bert_config = read_json(os.path.join(modules[0]["path"], "sentence_bert_config.json")) or {}
+    if bert_config.get("query_expansion") is not None:
+        raise ValueError(
+            f"{path}: query expansion ({bert_config['query_expansion']}) is not trained here yet; "
+            "set query_expansion to null in sentence_bert_config.json, or train with sentence-transformers"
+        )
+    mask = read_json(os.path.join(modules[2]["path"], "config.json")) or {}
+    if mask.get("keep_only_token_ids") is not None:
+        raise ValueError(f"{path}: MultiVectorMask's keep_only_token_ids (image patches) is not supported")
+    similarity = saved.get("similarity_fn_name") or "maxsim"
+    if similarity not in ("maxsim", "meanmaxsim"):
+        raise ValueError(f"{path}: similarity {similarity!r} is not supported; maxsim or meanmaxsim is")
+    tasks = mask.get("skiplist_tasks", ["document"])
+    return {
+        **st_config,
+        "subfolder": modules[0]["path"],
+        "pooling": "multivector",
+        "dense": [dense_config_of(path, modules[1]["path"], read_json, level="token_embeddings")],
+        "normalize": True,
+        "max_seq_length": bert_config.get("max_seq_length"),
+        "do_lower_case": bool(bert_config.get("do_lower_case", False)),
+        "prompts": saved.get("prompts") or {},
+        "similarity_fn_name": similarity,
+        "multivector": {
+            "skiplist_words": list(mask.get("skiplist_words") or []),
+            "skiplist_tasks": [tasks] if isinstance(tasks, str) else list(tasks),
+            "query_length": bert_config.get("query_length"),
+            "document_length": bert_config.get("document_length"),
+            "similarity": similarity,
+        },
+    }
+
+
+def dense_config_of(path, folder, read_json, level="sentence_embedding"):
     """A Dense module's settings, from `folder`/config.json of the SentenceTransformer folder
     `path`, as sentence-transformers writes them: in_features, out_features, bias, the activation's
     class (a torch.nn module, built with no arguments) and use_residual. Raises ValueError for
@@ -119,11 +178,11 @@ def dense_config_of(path, folder, read_json):
             f"{path}: the Dense module in {folder} uses the activation {activation}; "
             "only torch.nn modules are supported (no remote code)"
         )
-    for key in ("module_input_name", "module_output_name"):
-        if dense.get(key, "sentence_embedding") not in (None, "sentence_embedding"):
+    for key in ("module_input_name", "module_output_name"):  # `level`: on the sentence or each token
+        if dense.get(key, level) not in (None, level):
             raise ValueError(
                 f"{path}: the Dense module in {folder} reads or writes {dense[key]!r}; "
-                "only Dense layers on the sentence embedding are supported"
+                f"only Dense layers on the {level} are supported here"
             )
     return {
         "folder": folder,

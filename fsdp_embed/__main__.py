@@ -63,6 +63,7 @@ from fsdp_embed import gradcache
 from fsdp_embed import guide_model
 from fsdp_embed import metrics
 from fsdp_embed import multivector
+from fsdp_embed import multivector_eval
 from fsdp_embed import process_settings
 from fsdp_embed import run_plan
 from fsdp_embed import sharding
@@ -518,7 +519,9 @@ def evaluate(model, loaded, plan):
         elif es.kind in ("retrieval", "beir"):  # pairs, or a BEIR folder with graded relevance
             retrieval = es.retrieval_set(texts)  # (queries, corpus, relevant)
             options.update(dims=dims, metrics=es.metric_names, similarity=similarity)
-            scores = eval_dist.evaluate_retrieval(model, loaded.tokenize, *retrieval, **options)
+            multi = loaded.model.multivector is not None  # ColBERT: by MaxSim (multivector_eval.py)
+            evaluate_set = multivector_eval.evaluate_retrieval if multi else eval_dist.evaluate_retrieval
+            scores = evaluate_set(model, loaded if multi else loaded.tokenize, *retrieval, **options)
         elif es.kind == "nli":
             # The head runs through the wrapped root, like in training (FSDP gathers it there).
             classify = lambda u, v: model(head_input=losses.softmax_features(u, v)).float()  # noqa: E731

@@ -81,7 +81,7 @@ tags: [sentence-transformers, feature-extraction, sentence-similarity, fsdp-embe
 """
 
 
-# How to use the model, for a dense model (the fields: `card`'s) and for a sparse (SPLADE) one.
+# How to use the model, for a dense model (the fields: `card`'s), a sparse (SPLADE) and a multi-vector one.
 DENSE_USE = """## Use with sentence-transformers
 ```python
 from sentence_transformers import SentenceTransformer
@@ -127,6 +127,17 @@ embeddings = weights.{reduce}(1)  # SpladePooling: {strategy} over the tokens
 ```
 
 """
+MULTI_VECTOR_USE = """## Use with sentence-transformers (6.0 or later)
+A multi-vector (ColBERT) model: one vector per token, queries and documents scored by {similarity}.
+```python
+from sentence_transformers import MultiVectorEncoder
+model = MultiVectorEncoder("path/to/this/folder")
+queries = model.encode_query(["What plays music?"])  # a (tokens, {dim}) tensor per text
+documents = model.encode_document(["A man plays a guitar.", "A cat sleeps."])
+scores = model.similarity(queries, documents)  # (1, 2): the sum over query tokens of the best match
+```
+
+"""
 
 
 def card(plan, loaded, record):
@@ -139,6 +150,9 @@ def card(plan, loaded, record):
     sizes = plan.matryoshka
     multiple_sets = len(record["train_sets"]) > 1
     usage = DENSE_USE if loaded.model.sparse is None else sparse_use(loaded)  # the latter filled in already
+    if loaded.model.multivector:
+        dim = loaded.model.dense[-1].linear.out_features
+        usage = MULTI_VECTOR_USE.format(similarity=loaded.model.multivector["similarity"], dim=dim)
     return MODEL_CARD.replace("{usage}", usage).format(
         base_model=f"base_model: {base}" if base_is_hub else "",
         base=base,

@@ -75,13 +75,13 @@ def scoring_masks(pool, num_columns, skip_ids_K, skip_tasks):
 
 
 def _maxsim_block(q_QTD, q_mask_QT, d_NSD, d_mask_NS):
-    """MaxSim of every query with every document of one block: (Q, N), in float32."""
+    """MaxSim of every query with every document of one block: (Q, N), in the inputs' dtype (the
+    trainer's losses get fp32 embeddings: embed_columns)."""
     sims_QNTS = torch.einsum("qtd,nsd->qnts", q_QTD, d_NSD)
     # Masked document tokens are sent to the lowest value, never to 0: a padding token must not win
     # the max over a real, negative similarity. Query tokens are summed: masked ones count 0.
     sims_QNTS = sims_QNTS.masked_fill(~d_mask_NS[None, :, None, :], torch.finfo(sims_QNTS.dtype).min)
-    best_QNT = sims_QNTS.max(-1).values.float()
-    return (best_QNT * q_mask_QT[:, None, :]).sum(-1)
+    return (sims_QNTS.max(-1).values * q_mask_QT[:, None, :]).sum(-1)
 
 
 def maxsim(q_QTD, q_mask_QT, d_NSD, d_mask_NS, length_normalize=False, chunk_elements=CHUNK_ELEMENTS):
@@ -122,7 +122,7 @@ def pairwise_maxsim(q_BTD, q_mask_BT, d_BSD, d_mask_BS, length_normalize=False):
     """scores (B,): MaxSim of query i with document i alone."""
     sims_BTS = torch.einsum("btd,bsd->bts", q_BTD, d_BSD)
     sims_BTS = sims_BTS.masked_fill(~d_mask_BS.bool()[:, None, :], torch.finfo(sims_BTS.dtype).min)
-    scores_B = (sims_BTS.max(-1).values.float() * q_mask_BT).sum(-1)
+    scores_B = (sims_BTS.max(-1).values * q_mask_BT).sum(-1)
     return scores_B / q_mask_BT.sum(1).clamp(min=1) if length_normalize else scores_B
 
 

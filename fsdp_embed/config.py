@@ -114,9 +114,9 @@ class Config:
     )
     pooling: str = arg(
         "",
-        "token pooling; empty: the SentenceTransformer folder's mode (a SparseEncoder folder's: splade), "
-        "else mean. splade: sparse vocabulary-sized embeddings from a masked-LM model's head (SPLADE). "
-        "multivector: a vector per token (ColBERT: hidden -> 128, MaxSim; a MultiVectorEncoder folder's)",
+        "token pooling; empty: the folder's (SparseEncoder's: splade, MultiVectorEncoder's: multivector), "
+        "else mean. splade: sparse vocabulary-sized embeddings from a masked-LM model's head (SPLADE); "
+        "multivector: a vector per token (ColBERT: hidden -> 128, MaxSim)",
         choices=("", *POOLING_MODES, "splade", "multivector"),
     )
     splade_pooling_strategy: str = arg(
@@ -190,9 +190,8 @@ class Config:
     # optimisation
     epochs: int = arg(3, "passes over the training data (ignored when --max-steps > 0)")
     max_steps: int = arg(0, "optimizer steps to run; 0: as many as --epochs give", at_least=0)
-    # A resume may change the two, and the number of processes, as long as each set's global
-    # batch stays the checkpoint's (run_plan.resumed_batches; the same command at another world
-    # size is adjusted by its rule)
+    # A resume may change the two, and the number of processes, as long as each set's global batch
+    # stays the checkpoint's (run_plan.resumed_batches; the same command at another world size: its rule)
     per_device_batch_size: int = arg(
         16, "rows per micro-batch on each rank", at_least=1, resume_may_change=True
     )

@@ -13,8 +13,7 @@ packed rows (`EmbeddingModel.embed_packed` runs them).
 
 Needs transformers, safetensors, and fsdp_utils.py, fsdp_embed/config.py, fsdp_embed/lora.py,
 fsdp_embed/shard_loading.py (which needs fsdp_embed/checkpoint_warnings.py), fsdp_embed/splade.py
-(SPLADE's head), fsdp_embed/multivector.py (ColBERT's settings; it needs the root's losses.py) and
-fsdp_embed/st_folder.py (`read_sentence_transformer_config`).
+(SPLADE's head) and fsdp_embed/st_folder.py (`read_sentence_transformer_config`).
 """
 
 import copy
@@ -32,7 +31,6 @@ import transformers
 import fsdp_utils
 from fsdp_embed import config
 from fsdp_embed import lora
-from fsdp_embed import multivector
 from fsdp_embed import shard_loading
 from fsdp_embed import splade
 from fsdp_embed import st_folder
@@ -68,6 +66,9 @@ def pool_mask(mask_BT, prompt_lengths_B):
     first_B = mask_BT.int().argmax(1)  # 0 under right padding
     positions_T = torch.arange(mask_BT.shape[1], device=mask_BT.device)
     return mask_BT * (positions_T[None, :] >= (first_B + lengths_B)[:, None]).to(mask_BT.dtype)
+
+
+IDENTITY = "torch.nn.modules.linear.Identity"  # a Dense layer without activation, as its config names it
 
 
 class DenseLayer(torch.nn.Module):
@@ -506,8 +507,10 @@ class ModelSpec:
         return (self.pooling or (self.folder or {}).get("pooling")) == "splade"
 
     @property
-    def multi_vector(self):  # ColBERT: --pooling multivector, or a MultiVectorEncoder folder's
-        return (self.pooling or (self.folder or {}).get("pooling")) == "multivector"
+    def multi_vector(self):  # ColBERT (--pooling multivector, or the folder's): its similarity; else ""
+        if (self.pooling or (self.folder or {}).get("pooling")) != "multivector":
+            return ""
+        return ((self.folder or {}).get("multivector") or {}).get("similarity", "maxsim")
 
     # What its SentenceTransformer folder says (st_folder.read_sentence_transformer_config), read
     # once at start-up by the model checks; None: load_model reads it.
@@ -550,10 +553,8 @@ def load_model(spec, num_labels=0, on_meta=False):
     lora_names = prepare_encoder(encoder, spec)  # LoRA adapters drawn from the RNG, before the head
     dense = [dense_layer(path, settings) for settings in st_config["dense"]]
     multi = None
-    if pooling == "multivector":  # a new token projection (hidden -> 128, no bias) where none is read
-        multi = st_config["multivector"] or dict(multivector.DEFAULT_SETTINGS)
-        identity = "torch.nn.modules.linear.Identity"
-        dense = dense or [DenseLayer(train_config.hidden_size, multivector.DIM, False, identity, False)]
+    if pooling == "multivector":  # ColBERT: the folder's settings, or MultiVectorEncoder's new ones
+        dense, multi = multi_vector_head(st_config, dense, train_config.hidden_size)
     model = EmbeddingModel(encoder, pooling, normalize or bool(multi), num_labels, dense, sparse, multi)
     model.train()  # from_pretrained returns eval mode: dropout would silently stay off
     loaded = LoadedModel(
@@ -578,12 +579,23 @@ def load_model(spec, num_labels=0, on_meta=False):
     return loaded
 
 
+def multi_vector_head(st_config, dense, hidden_size):
+    """(the Dense layers on the tokens, the mask's and similarity's settings) of a multi-vector
+    model, as MultiVectorEncoder builds them from the folder `st_config` describes: its own, or for
+    a plain or dense folder (whose Pooling is dropped) its Dense layers moved to the tokens, or a
+    new projection hidden -> 128 without bias where it has none, and the default settings."""
+    multi = st_config["multivector"] or dict(st_folder.MULTI_VECTOR_DEFAULTS)
+    if not dense:  # drawn from the seeded RNG, the same on every rank
+        dense = [DenseLayer(hidden_size, st_folder.MULTI_VECTOR_DIM, False, IDENTITY, False)]
+    return dense, multi
+
+
 def load_tokenizer(path, subfolder, remote, eos, lowercase):
     """The model's tokenizer as training reads texts: an EOS token appended to each (`eos`:
     --append-eos), everything lowercased inside the tokenizer where the folder says do_lower_case."""
     tokenizer = transformers.AutoTokenizer.from_pretrained(path, subfolder=subfolder, **remote)
     if eos:
-        append_eos(tokenizer)
+        st_folder.append_eos(tokenizer)
     if lowercase:
         st_folder.lowercase_inside(tokenizer)
     return tokenizer
@@ -783,34 +795,3 @@ def init_non_persistent_buffers(encoder):
         for module in encoder.modules():
             if module._non_persistent_buffers_set:
                 encoder._init_weights(module)
-
-
-def append_eos(tokenizer):
-    """Make the tokenizer itself end every text with its EOS token: a post-processor, which runs
-    after truncation (truncation leaves it room, so it is never cut off) and is saved in
-    tokenizer.json, so the export appends it wherever it is loaded. A tokenizer class with its
-    own switch (Llama's add_eos_token, saved in tokenizer_config.json) uses that instead: it
-    rebuilds its post-processor from it when loaded. check_model (model_checks.py) has checked that
-    there is an EOS token and a fast tokenizer."""
-    eos, eos_id = tokenizer.eos_token, tokenizer.eos_token_id
-    if tokenizer("a")["input_ids"][-1] == eos_id:
-        return  # it appends one already
-    if hasattr(tokenizer, "add_eos_token"):
-        tokenizer.add_eos_token = True
-    else:
-        from tokenizers import processors
-
-        backend = tokenizer.backend_tokenizer
-        template = processors.TemplateProcessing(
-            single=f"$A {eos}", pair=f"$A {eos} $B {eos}", special_tokens=[(eos, eos_id)]
-        )
-        backend.post_processor = (
-            template
-            if backend.post_processor is None
-            else processors.Sequence([backend.post_processor, template])
-        )
-    if tokenizer("a")["input_ids"][-1] != eos_id:
-        raise ValueError(
-            f"--append-eos: the {type(tokenizer).__name__} did not take the EOS post-processor; "
-            "drop --append-eos"
-        )

@@ -57,7 +57,7 @@ def cached_backward(
 
     (all ranks participate) Every rank runs the same number of chunks (equal batch sizes, equal
     groups): each forward is a collective under FSDP (a buffer broadcast under DDP).
-    `gradient_sync(enabled)`: the context of a backward (__main__.gradient_sync), so that DDP
+    `gradient_sync(enabled)`: the context of a backward (sharding.gradient_sync), so that DDP
     all-reduces the gradients only in the step's last backward (`sync`). `touch_head(emb)`: a zero
     that reaches the Softmax head, which got its gradient in step 2, added to the last backward
     (DDP reduces a parameter only when the synchronised backward reaches it); None: no head."""

@@ -196,3 +196,15 @@ class StepMeter:
             "eval_seconds": self.paused["eval"],
             "checkpoint_seconds": self.paused["save"],
         }
+
+
+def log_step(meter, log, progress, step, epoch, grad_norm, lr):
+    """The log line of the steps since the last one; returns its mean loss. No collective: every
+    rank holds the same mean step losses and the global grad norm; rank 0 (with a `log`) writes."""
+    record = meter.record(step, epoch, grad_norm.item(), lr)
+    if log is not None:
+        log.write(record)
+        progress.set_postfix(
+            loss=f"{record['loss']:.4f}", lr=f"{lr:.2e}", samples_s=f"{record['samples_per_s']:.1f}"
+        )
+    return record["loss"]

@@ -150,9 +150,7 @@ def card(plan, loaded, record):
     sizes = plan.matryoshka
     multiple_sets = len(record["train_sets"]) > 1
     usage = DENSE_USE if loaded.model.sparse is None else sparse_use(loaded)  # the latter filled in already
-    if loaded.model.multivector:
-        dim = loaded.model.dense[-1].linear.out_features
-        usage = MULTI_VECTOR_USE.format(similarity=loaded.model.multivector["similarity"], dim=dim)
+    usage = multi_vector_use(loaded) if loaded.model.multivector else usage  # filled in too
     return MODEL_CARD.replace("{usage}", usage).format(
         base_model=f"base_model: {base}" if base_is_hub else "",
         base=base,
@@ -214,6 +212,12 @@ def sparse_use(loaded):
         reduce="amax" if strategy == "max" else "sum",
         strategy=strategy,
     )
+
+
+def multi_vector_use(loaded):
+    """MULTI_VECTOR_USE filled in for the multi-vector model of `loaded`: its similarity and width."""
+    dim = loaded.model.dense[-1].linear.out_features
+    return MULTI_VECTOR_USE.format(similarity=loaded.model.multivector["similarity"], dim=dim)
 
 
 def card_settings(flags):

@@ -127,6 +127,22 @@ def check_multi_vector(spec, plan):
             )
 
 
+# The losses a multi-vector model trains with: those sentence-transformers 6 has a MultiVector form of.
+MULTI_VECTOR_LOSSES = ("mnrl", "margin_mse", "distill_kl")
+
+
+def check_model_losses(spec, losses_used):
+    """The losses the training files use (`losses_used`), against a SPLADE or multi-vector model."""
+    if spec.sparse and losses_used != ["mnrl"]:  # SPLADE: sentence-transformers' SpladeLoss
+        raise ValueError(f"--loss {','.join(losses_used)}: a sparse (SPLADE) model trains with mnrl alone")
+    if spec.multi_vector and set(losses_used) - set(MULTI_VECTOR_LOSSES):  # MaxSim's forms alone
+        raise ValueError(
+            f"--loss {','.join(losses_used)}: a multi-vector (ColBERT) model trains with "
+            f"{', '.join(MULTI_VECTOR_LOSSES)} (sentence-transformers' MultiVector losses); CoSENT, Softmax "
+            "and MSE compare one vector a text"
+        )
+
+
 def flags_given(plan, names):
     """The flags among `names` (Config fields) that the run sets to other than their defaults."""
     defaults = {f.name: f.default for f in dataclasses.fields(config.Config)}

@@ -34,18 +34,8 @@ from torch.utils.checkpoint import checkpoint
 
 import losses
 
-# sentence-transformers' MultiVectorEncoder projects a plain encoder's states to 128 numbers a token.
-DIM = 128
 # Similarities held at once by maxsim, in forward and in backward: 2^24 float32 numbers, 64 MiB.
 CHUNK_ELEMENTS = 2**24
-# What MultiVectorEncoder(plain folder) writes in its mask's config.
-DEFAULT_SETTINGS = {
-    "skiplist_words": [],
-    "skiplist_tasks": ["document"],
-    "query_length": None,
-    "document_length": None,
-    "similarity": "maxsim",
-}
 
 
 def skip_ids(tokenizer, words):

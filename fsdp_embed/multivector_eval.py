@@ -64,7 +64,7 @@ class TokenRows(torch.nn.Module):
         self.model, self.width, self.task = model, width, task
         self.skip_ids_K, self.skip_tasks = skip_ids_K, skip_tasks
         # Not self.train(...): that would set every submodule's mode, not just read the model's.
-        self.training = model.training
+        self.training = False
 
     def forward(self, **tokens):
         emb_BTD = self.model(**tokens).float()
@@ -78,7 +78,7 @@ def scoring_mask(tokens, task, skip_ids_K, skip_tasks):
     multivector.scoring_masks' rule. Its column 0 is the query side: a single column whose task is
     listed is handed the skiplist as a listed query column."""
     pool = {"input_ids": tokens["input_ids"], "attention_mask": tokens["attention_mask"]}
-    return multivector.scoring_masks(pool, 1, skip_ids_K, ("query",))[0]
+    return multivector.scoring_masks(pool, 1, skip_ids_K, ("query",) if task in skip_tasks else ())[0]
 
 
 def unflatten(rows_BX, width):

@@ -43,10 +43,6 @@ from fsdp_embed import model_checks
 from fsdp_embed import training_data
 
 
-# The losses a multi-vector model trains with: those sentence-transformers 6 has a MultiVector form of.
-MULTI_VECTOR_LOSSES = ("mnrl", "margin_mse", "distill_kl")
-
-
 @dataclass(frozen=True)
 class LossPlan:
     """How one micro-batch's loss is computed from its column embeddings (__main__.embeddings_loss)."""
@@ -160,8 +156,7 @@ def flags_plan(cfg, world_size, device):
     model = dataclasses.replace(plan.model, folder=folder)
     if model.sparse:  # SPLADE: a masked-LM head, and no option SpladeLoss does not take here
         model_checks.check_sparse(model, plan)
-    elif model.multi_vector or folder["pooling"] == "multivector":  # ColBERT: a layout read here, and
-        # no option the MaxSim losses lack
+    elif model.multi_vector or folder["pooling"] == "multivector":  # ColBERT: a layout read here
         model_checks.check_multi_vector(model, plan)
     if not model.sparse and (splade_flags := model_checks.flags_given(plan, model_checks.SPLADE_FLAGS)):
         raise ValueError(
@@ -369,14 +364,7 @@ def checked_eval_sets(cfg, plan, train_sets):
 def check_losses(cfg, plan, train_sets):
     """The flags that need a loss, against the losses the files train with."""
     losses_used = sorted({ts.loss for ts in train_sets})
-    if plan.model.sparse and losses_used != ["mnrl"]:  # SPLADE: sentence-transformers' SpladeLoss
-        raise ValueError(f"--loss {','.join(losses_used)}: a sparse (SPLADE) model trains with mnrl alone")
-    if plan.model.multi_vector and set(losses_used) - set(MULTI_VECTOR_LOSSES):  # MaxSim's forms alone
-        raise ValueError(
-            f"--loss {','.join(losses_used)}: a multi-vector (ColBERT) model trains with "
-            f"{', '.join(MULTI_VECTOR_LOSSES)} (sentence-transformers' MultiVector losses); CoSENT, Softmax "
-            "and MSE compare one vector a text"
-        )
+    model_checks.check_model_losses(plan.model, losses_used)  # SPLADE's and ColBERT's
     if (cfg.gather_negatives or cfg.symmetric or cfg.mask_duplicates) and "mnrl" not in losses_used:
         flag = (
             "--gather-negatives"
@@ -732,9 +720,8 @@ def loss_plan(plan, cfg, name, own_negatives, num_labels, gather, guided=True):
     --guide-model's rule (its embeddings come with each micro-batch: __main__.forward_backward)."""
     false_negatives, scale, directions = None, plan.scale, plan.mnrl["directions"]
     if (plan.model.sparse or plan.model.multi_vector) and cfg.scale is None:
-        # SparseMultipleNegativesRankingLoss's and MultiVectorMultipleNegativesRankingLoss's: their
-        # scores (dot products of sparse vectors, MaxSim sums over query tokens) are not bounded by 1
-        scale = 1.0
+        # sentence-transformers' Sparse and MultiVector MNRL's: scores (dot products of sparse vectors,
+        scale = 1.0  # MaxSim's sums over query tokens) that are not bounded by 1
     if cfg.guide_model and guided and name == "mnrl":  # GISTEmbedLoss's scale and blocks
         false_negatives = (cfg.guide_margin_strategy, cfg.guide_margin)
         scale, directions = plan.gist[0], config.gist_directions(directions, plan.gist)
@@ -758,9 +745,7 @@ def loss_plan(plan, cfg, name, own_negatives, num_labels, gather, guided=True):
         splade={f: getattr(cfg, f) for f in model_checks.SPLADE_FLAGS} | {"over_ranks": guided}
         if plan.model.sparse
         else None,
-        multi_vector=((plan.model.folder or {}).get("multivector") or {}).get("similarity", "maxsim")
-        if plan.model.multi_vector
-        else "",
+        multi_vector=plan.model.multi_vector,
     )
 
 

@@ -34,6 +34,7 @@ gradient checkpointing). The rings and the rows' mean are tested against gloo's 
 and DDP's dense all-reduce: tests/test_ring_collectives.py, tests/test_embedding_rows.py.
 """
 
+import contextlib
 import os
 import sys
 import warnings
@@ -521,3 +522,17 @@ def mean_over_ranks(pieces):
         else:
             grad.index_copy_(0, r, message[start : start + r.numel() * grad.shape[1]].view(-1, grad.shape[1]))
             start += r.numel() * grad.shape[1]
+
+
+def gradient_sync(model, enabled):
+    """Context for one micro-step's backward. DDP with `enabled=False`: the gradients accumulate
+    locally and are all-reduced in the next synchronised backward (accumulation without
+    communication). FSDP reduce-scatters in every backward, whatever `enabled` says, and
+    accumulates the gradients in their shards: skipping it (FSDP1's no_sync, FSDP2's
+    set_requires_gradient_sync(False)) keeps every parameter's unsharded gradient until the
+    last micro-step, a whole model's gradients on every rank, which is what FSDP is there to
+    avoid. The price: one reduce-scatter per micro-step (per GradCache chunk), not per step."""
+    # Only DDP defers: one process needs nothing, also under torchrun (a process group of one).
+    if enabled or not isinstance(model, torch.nn.parallel.DistributedDataParallel):
+        return contextlib.nullcontext()
+    return model.no_sync()

@@ -3,7 +3,8 @@ transformer's subfolder, the pooling mode and include_prompt, the Dense layers a
 normalisation, max_seq_length, do_lower_case and the prompts; of a SparseEncoder folder (SPLADE),
 its SpladePooling settings (`sparse_encoder_config`); of a MultiVectorEncoder folder (ColBERT), its
 mask, lengths and similarity (`multi_vector_config`); the base's slow-tokenizer files the export
-copies (`base_tokenizer_files`). The student's folder is read once at start-up
+copies (`base_tokenizer_files`); and the two changes to a tokenizer that travel with it, so an export
+reads texts as training did (`lowercase_inside`, `append_eos`). The student's folder is read once at start-up
 (model_checks.model_config_of, for run_plan.flags_plan), and the plan carries it to
 embedding_model.load_model; the export writes what `read_sentence_transformer_config` reads back.
 
@@ -110,6 +111,16 @@ def sparse_encoder_config(modules, read_json, st_config):
 
 
 MULTI_VECTOR_MODULES = ["Transformer", "Dense", "MultiVectorMask", "Normalize"]
+# What MultiVectorEncoder(a plain or dense folder) builds: a new Dense projection to 128 numbers a
+# token, without bias, where the folder has no Dense layer, and this mask and similarity.
+MULTI_VECTOR_DIM = 128
+MULTI_VECTOR_DEFAULTS = {
+    "skiplist_words": [],
+    "skiplist_tasks": ["document"],
+    "query_length": None,
+    "document_length": None,
+    "similarity": "maxsim",
+}
 
 
 def multi_vector_config(path, modules, kinds, read_json, st_config):
@@ -265,3 +276,34 @@ def base_tokenizer_files(path, subfolder):
         if file:
             found[name] = file
     return found
+
+
+def append_eos(tokenizer):
+    """Make the tokenizer itself end every text with its EOS token: a post-processor, which runs
+    after truncation (truncation leaves it room, so it is never cut off) and is saved in
+    tokenizer.json, so the export appends it wherever it is loaded. A tokenizer class with its
+    own switch (Llama's add_eos_token, saved in tokenizer_config.json) uses that instead: it
+    rebuilds its post-processor from it when loaded. check_model (model_checks.py) has checked that
+    there is an EOS token and a fast tokenizer."""
+    eos, eos_id = tokenizer.eos_token, tokenizer.eos_token_id
+    if tokenizer("a")["input_ids"][-1] == eos_id:
+        return  # it appends one already
+    if hasattr(tokenizer, "add_eos_token"):
+        tokenizer.add_eos_token = True
+    else:
+        from tokenizers import processors
+
+        backend = tokenizer.backend_tokenizer
+        template = processors.TemplateProcessing(
+            single=f"$A {eos}", pair=f"$A {eos} $B {eos}", special_tokens=[(eos, eos_id)]
+        )
+        backend.post_processor = (
+            template
+            if backend.post_processor is None
+            else processors.Sequence([backend.post_processor, template])
+        )
+    if tokenizer("a")["input_ids"][-1] != eos_id:
+        raise ValueError(
+            f"--append-eos: the {type(tokenizer).__name__} did not take the EOS post-processor; "
+            "drop --append-eos"
+        )

@@ -151,7 +151,7 @@ def test_fsdp2_training_never_holds_a_whole_gradient(tmp_path):
     model, set to None after each step) and a few blocks, far less than a whole gradient more;
     so it does with 2 accumulation steps, where every backward reduce-scatters (FSDP's no-sync
     would keep the unsharded gradients; GradCache's chunks go through the same
-    full_train.gradient_sync).
+    sharding.gradient_sync).
     The control: with --length-buckets 2 (two forwards before one backward) the same watch sees
     most of a whole gradient more (autograd keeps each block's gradient from the second forward
     until backward reaches the first forward's block)."""

@@ -14,9 +14,9 @@ so a choice added to a flag joins the matrix without anyone adding it here:
 (pairwise design, greedy), leaving out what REFUSALS says cannot work; each refusal is then run
 once on its own. Each run takes 2 steps and exports, and must end in one of two ways:
   trained: exit 0 on every rank, and the export loads in sentence-transformers (SentenceTransformer,
-           or SparseEncoder for SPLADE) with vectors for two texts equal (1e-5 of the largest) to the
-           trained weights' in the trainer's own model, built with the run's flags (a pooling the
-           export names wrongly fails this, not only a NaN);
+           SparseEncoder for SPLADE, MultiVectorEncoder for multivector) with vectors for two texts
+           equal (1e-5 of the largest) to the trained weights' in the trainer's own model, built with
+           the run's flags (a pooling the export names wrongly fails this, not only a NaN);
   refused: before the weights load (the run's record, printed once they have, is not), every
            rank exits non-zero, with one `error:` line naming the conflicting flags, no traceback,
            and no final/ folder.
@@ -133,7 +133,26 @@ REFUSALS = [
         "--mask-duplicates",
         {"model": "masked_lm", "pooling": "splade", "mask_duplicates": True},
     ),
+    # a multi-vector (ColBERT) model: the losses sentence-transformers has a MultiVector form of
+    # (MNRL, MarginMSE, DistillKL); one vector a text is what CoSENT, Softmax and MSE compare
+    (
+        lambda c: c.get("pooling") == "multivector" and c.get("loss", "mnrl") not in MULTI_VECTOR_LOSSES,
+        "multi-vector",
+        {"pooling": "multivector", "loss": "cosent"},
+    ),
+    # docs/multivector.md "Not yet": Matryoshka token vectors, MNRL's options with MaxSim
+    (
+        lambda c: c.get("pooling") == "multivector" and c.get("matryoshka_dims"),
+        "--matryoshka-dims",
+        {"pooling": "multivector", "matryoshka_dims": "32,16"},
+    ),
+    (
+        lambda c: c.get("pooling") == "multivector" and c.get("mask_duplicates"),
+        "--mask-duplicates",
+        {"pooling": "multivector", "mask_duplicates": True},
+    ),
 ]
+MULTI_VECTOR_LOSSES = ("mnrl", "margin_mse", "distill_kl")
 
 
 def refused(case):
@@ -306,6 +325,8 @@ def trained_failure(case, out):
     final = Path(out) / "final"
     if not final.is_dir():
         return "no final/ export"
+    if case["pooling"] == "multivector":
+        return multi_vector_failure(case, final)
     sparse = "SparseEncoder" in (final / "config_sentence_transformers.json").read_text()
     if sparse != (case["pooling"] == "splade"):
         return f"the export is {'a SparseEncoder' if sparse else 'a SentenceTransformer'}"
@@ -325,6 +346,31 @@ def trained_failure(case, out):
     largest = ours.abs().max().item()
     if diff > 1e-5 * max(1.0, largest):
         return f"vectors differ from sentence-transformers' by {diff:.2e} (largest {largest:.2e})"
+    return None
+
+
+def multi_vector_failure(case, final):
+    """trained_failure of a multi-vector run: the export loads in MultiVectorEncoder, and each
+    text's token vectors equal the trainer's own model's on the exported weights (its real tokens:
+    no skiplist here)."""
+    import conftest
+    import torch
+
+    from sentence_transformers import MultiVectorEncoder
+
+    theirs = MultiVectorEncoder(str(final), device="cpu").encode_document(TEXTS)
+    cfg = config.Config(model=str(final), append_eos=case["model"] == "decoder")
+    loaded = conftest.load_model(cfg)
+    loaded.model.eval()
+    tokens = loaded.tokenize(TEXTS)
+    with torch.no_grad():
+        ours_BTD = loaded.model(**tokens).float()
+    for i, their in enumerate(theirs):
+        ours = ours_BTD[i][tokens["attention_mask"][i].bool()]
+        if ours.shape != their.shape:
+            return f"sentence-transformers' token vectors are {tuple(their.shape)}, ours {tuple(ours.shape)}"
+        if not torch.isfinite(ours).all() or (ours - their.float()).abs().max().item() > 1e-5:
+            return f"text {i}'s token vectors differ from sentence-transformers'"
     return None
 
 

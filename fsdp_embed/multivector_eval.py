@@ -64,7 +64,7 @@ class TokenRows(torch.nn.Module):
         self.model, self.width, self.task = model, width, task
         self.skip_ids_K, self.skip_tasks = skip_ids_K, skip_tasks
         # Not self.train(...): that would set every submodule's mode, not just read the model's.
-        self.training = False
+        self.training = model.training
 
     def forward(self, **tokens):
         emb_BTD = self.model(**tokens).float()

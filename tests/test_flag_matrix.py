@@ -45,7 +45,7 @@ def test_the_pairwise_design_meets_every_pair_and_reads_the_parser():
         parsed = field.metadata["argparse"].get("choices") or (False, True)
         assert set(factors[name]) == set(parsed) - {""}, name
     assert {f"fsdp{v}:{s}" for v in (1, 2) for s in ("full_shard", "no_shard")} <= set(factors["strategy"])
-    assert set(factors["pooling"]) == {*config.POOLING_MODES, "splade"}
+    assert set(factors["pooling"]) == {*config.POOLING_MODES, "splade", "multivector"}
     assert set(factors["loss"]) == set(config.LOSS_NAMES)
     allowed = lambda case: matrix.refused(case) is None  # noqa: E731
     runs = matrix.all_pairs(factors, allowed)

@@ -143,6 +143,16 @@ def check_model_losses(spec, losses_used):
         )
 
 
+def check_model_evaluation(spec, eval_sets):
+    """The evaluation sets' kinds against a multi-vector model, which has no one vector a text."""
+    bad = next((es for es in eval_sets if es.kind in ("sts", "nli")), None)
+    if spec.multi_vector and bad:
+        raise ValueError(
+            f"--eval-data {bad.name} ({bad.kind}): a multi-vector (ColBERT) model has no single vector per "
+            "text to compare; evaluate it with --eval-type retrieval (MaxSim) or loss"
+        )
+
+
 def flags_given(plan, names):
     """The flags among `names` (Config fields) that the run sets to other than their defaults."""
     defaults = {f.name: f.default for f in dataclasses.fields(config.Config)}

@@ -201,6 +201,9 @@ def loss_of(loss, embs, masks, labels):
     participate) with loss.gather (MNRL)."""
     meanmaxsim = loss.multi_vector == "meanmaxsim"
     q, q_mask, docs, doc_masks = embs[0], masks[0], embs[1:], masks[1:]
+    if loss.name == "mnrl" and loss.own_negatives:  # each query against its own row's documents alone
+        scores_BC = listwise_scores(q, q_mask, docs, doc_masks, meanmaxsim)
+        return F.cross_entropy(scores_BC * loss.scale, torch.zeros(len(q), dtype=torch.long, device=q.device))
     if loss.name == "mnrl":
         return mnrl_loss(q, q_mask, docs, doc_masks, loss.scale, loss.gather, meanmaxsim)
     if loss.name == "margin_mse":

@@ -167,8 +167,7 @@ def flags_plan(cfg, world_size, device):
 
 
 def resolve_flags(cfg, world_size, device):
-    """The Plan of the flags and the launch, each flag's text read once. Raises ValueError for a
-    flag's bad text."""
+    """The Plan of the flags and the launch, each flag's text read once. ValueError: a flag's bad text."""
     strategy = cfg.strategy if cfg.strategy != "auto" else "ddp"
     if world_size == 1:
         strategy = "single"  # one process: nothing to synchronise or shard
@@ -356,6 +355,7 @@ def checked_eval_sets(cfg, plan, train_sets):
         )
         training_data.check_eval_names(eval_sets, plan.matryoshka, cfg.metric_for_best)
         check_target_vectors(plan.model, eval_sets, "--eval-data")
+        model_checks.check_model_evaluation(plan.model, eval_sets)  # ColBERT's
     if plan.model.prompts or plan.model.column_lengths or plan.dataset_settings:
         check_prompt_columns(plan, train_sets, eval_sets)
     return eval_sets

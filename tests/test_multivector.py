@@ -273,7 +273,8 @@ def edited_folder(source, tmp_path, name, change):
 @pytest.mark.parametrize(
     "case",
     [
-        "cosent", "softmax", "splade flag", "matryoshka", "symmetric", "pooling mean", "query expansion",
+        "cosent", "softmax", "splade flag", "matryoshka", "symmetric", "pooling mean", "sts evaluation",
+        "query expansion",
         "pylate v3", "stanford colbert", "token pooling",
     ],
 )  # fmt: skip
@@ -281,9 +282,9 @@ def test_bad_input_ends_with_one_error_line_before_weights_load(colbert, tmp_pat
     """Each refusal: one error: line naming the culprit, a non-zero exit, before the run's record
     (printed once the weights have loaded), no export. A loss with no multi-vector form (CoSENT,
     Softmax), SPLADE or Matryoshka flags, an MNRL option the MaxSim loss does not take yet, another
-    pooling on a MultiVectorEncoder folder, and folders whose layout is not read here: query
-    expansion, a PyLate v3 folder (model_type ColBERT), a Stanford ColBERT checkpoint (HF_ColBERT),
-    a token-pooling module."""
+    pooling on a MultiVectorEncoder folder, an STS evaluation set (no one vector a text), and
+    folders whose layout is not read here: query expansion, a PyLate v3 folder (model_type ColBERT),
+    a Stanford ColBERT checkpoint (HF_ColBERT), a token-pooling module."""
     model = ["--model", colbert]
     args, culprit = {
         "cosent": ([*model, "--train-data", data_file("stsb-train.jsonl"), "--loss", "cosent"], "cosent"),
@@ -295,6 +296,10 @@ def test_bad_input_ends_with_one_error_line_before_weights_load(colbert, tmp_pat
         "matryoshka": ([*model, "--matryoshka-dims", "64,32"], "--matryoshka-dims"),
         "symmetric": ([*model, "--symmetric"], "--symmetric"),
         "pooling mean": ([*model, "--pooling", "mean"], "--pooling mean"),
+        "sts evaluation": (
+            [*model, "--eval-data", data_file("stsb-dev.jsonl"), "--eval-type", "sts"],
+            "(sts)",
+        ),
     }.get(case, (None, None))
     if args is None:
         change, culprit = {
@@ -320,3 +325,29 @@ def test_bad_input_ends_with_one_error_line_before_weights_load(colbert, tmp_pat
         }[case]
         args = ["--model", edited_folder(colbert, tmp_path, "edited", change)]
     assert culprit in refusal(args, tmp_path)
+
+
+def test_own_negatives_rank_each_query_against_its_own_row_alone(colbert):
+    """A set with own_negatives (--dataset-settings): each query is ranked against its own positive
+    and hard negatives only, which is MNRL on a batch of that one row; the mean over the rows of
+    those one-row losses is the loss (float64, 1e-12)."""
+    cfg = config.parse_config(["--model", str(colbert)])
+    loaded = load_model(cfg)
+    model = loaded.model.double()
+    features = [loaded.tokenize(texts, [column] * len(texts)) for column, texts in TEXTS.items()]
+    pool = full_train.batches.pool_columns(features)
+    with torch.no_grad():
+        embs = [e.double() for e in model(**pool).chunk(3)]
+    masks = multivector.scoring_masks(pool, 3, *multivector.mask_settings(loaded))
+    plan = run_plan.LossPlan("mnrl", scale=1.0, multi_vector="maxsim", own_negatives=True)
+    loss = multivector.loss_of(plan, embs, masks, None)
+    one_row = [
+        multivector.mnrl_loss(embs[0][i : i + 1], masks[0][i : i + 1], [e[i : i + 1] for e in embs[1:]],
+                              [m[i : i + 1] for m in masks[1:]])
+        for i in range(4)
+    ]  # fmt: skip
+    assert abs(loss.item() - torch.stack(one_row).mean().item()) <= 1e-12
+    in_batch = multivector.loss_of(
+        run_plan.LossPlan("mnrl", scale=1.0, multi_vector="maxsim"), embs, masks, None
+    )
+    assert abs(in_batch.item() - loss.item()) > 1e-3  # the other rows' documents count there

@@ -99,7 +99,7 @@ class EmbeddingModel(torch.nn.Module):
         self.encoder = encoder
         self.pooling = pooling
         # --pooling multivector (ColBERT): every token's vector, through the Dense layers, normalised;
-        # the mask's and lengths' settings (multivector.DEFAULT_SETTINGS' keys) for the loss and export
+        # the mask's and lengths' settings (st_folder.MULTI_VECTOR_DEFAULTS' keys) for the loss and export
         self.multivector = multivector
         # --pooling splade: the masked LM's head and SpladePooling (splade.SpladeHead), in place of pooling
         self.sparse = sparse

@@ -499,7 +499,7 @@ def sparse_encoder_files(loaded, sparse):
 def multi_vector_files(loaded, dense):
     """{path: JSON content} of a MultiVectorEncoder folder's sentence-transformers files (6.x), for
     the multi-vector LoadedModel `loaded` with its token-level Dense layers (`dense`: each one's
-    config.json), the folder's settings kept (multivector.DEFAULT_SETTINGS' keys):
+    config.json), the folder's settings kept (st_folder.MULTI_VECTOR_DEFAULTS' keys):
         modules.json                      Transformer (path "") -> Dense ... -> MultiVectorMask -> Normalize
         sentence_bert_config.json         the Transformer's settings: output, lengths, casing
         1_Dense/config.json, ...          each Dense layer's, on the token embeddings

@@ -316,12 +316,14 @@ def collate(rows, text_columns, target, loss_name, tokenize, device, prompts=Non
 def flat_texts(rows, text_columns, keys, prompts):
     """What one tokenize call takes for the text columns, column after column: each text with its
     prompt prepended, its column's key (--max-seq-length may cut columns at lengths of their own),
-    and its prompt (pooling leaves the prompt's tokens out under --no-include-prompt)."""
+    its prompt (pooling leaves the prompt's tokens out under --no-include-prompt), and its task:
+    "query" in column 0, "document" in the others (a ColBERT model's lengths and query expansion)."""
     texts = [with_prompt(rows[column], prompts, key) for column, key in zip(text_columns, keys)]
     return (
         [text for column in texts for text in column],
         [key for key, column in zip(keys, texts) for _ in column],
         [prompts.get(key, "") for key, column in zip(keys, texts) for _ in column],
+        [("query" if i == 0 else "document") for i, column in enumerate(texts) for _ in column],
     )
 
 

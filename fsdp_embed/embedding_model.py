@@ -184,8 +184,7 @@ class EmbeddingModel(torch.nn.Module):
 
     def ready_mask(self, allowed_B1LL, dtype):
         """Which keys each query attends to, as the 4D mask that transformers' mask builders pass
-        through unchanged (packing_support): sdpa takes the booleans, eager adds the mask to the
-        scores."""
+        through unchanged (packing_support): sdpa takes the booleans, eager adds it to the scores."""
         if self.causal:  # earlier keys only (a padding row left with none: zeros in sdpa since torch 2.5)
             L = allowed_B1LL.shape[-1]
             earlier_LL = torch.ones(L, L, dtype=torch.bool, device=allowed_B1LL.device).tril()
@@ -362,8 +361,7 @@ def autocast(strategy, device, precision):
 
 def select_rows(tokens, rows, positions):
     """Rows `rows` of a tokenized batch at token `positions` (index tensors; batches.with_positions:
-    those that are not padding in every one of the rows): the same as tokenizing those rows
-    alone, and faster."""
+    those that are not padding in every one of the rows): as tokenizing those rows alone, faster."""
     # pads_left (not a tensor) is kept
     return {k: v[rows][:, positions] if torch.is_tensor(v) else v for k, v in tokens.items()}
 
@@ -396,12 +394,15 @@ class LoadedModel:
     # --include-prompt: pooling keeps the prompt's tokens; False: tokenize adds a pool_mask
     include_prompt: bool = True
     prompt_lengths: dict = dataclasses.field(default_factory=dict)  # {prompt: tokens}, as counted
+    # ColBERT (multivector.py), where tokenize is told each text's task: {task: its length} (the
+    # folder's query_length and document_length), and the query expansion (its token as an id)
+    task_lengths: dict = dataclasses.field(default_factory=dict)
+    expansion: dict | None = None
 
     def prompt_length(self, prompt):
         """The tokens of `prompt` that pooling leaves out, as sentence-transformers counts them:
         the prompt tokenized alone (lowercased by the tokenizer where the model is), less a special
-        token it ends with (an EOS or [SEP] the tokenizer appends); a [CLS] or BOS it starts with
-        counts."""
+        token it ends with (an EOS or [SEP] the tokenizer appends); a [CLS] or BOS it starts with counts."""
         if prompt not in self.prompt_lengths:
             self.prompt_lengths[prompt] = prompt_token_count(self.tokenizer, prompt)
         return self.prompt_lengths[prompt]
@@ -414,7 +415,7 @@ class LoadedModel:
         lengths = [self.prompt_length(p) if p else 0 for p in prompts]
         return {**tokens, "pool_mask": pool_mask(tokens["attention_mask"], lengths)}
 
-    def tokenize(self, texts, columns=None, prompts=None):
+    def tokenize(self, texts, columns=None, prompts=None, tasks=None):
         """The one place texts become token ids, for training and evaluation alike, so the two
         never disagree: each text as written, as sentence-transformers 6 reads it (not stripped;
         lowercased by the tokenizer itself where the model is: st_folder.lowercase_inside), truncated,
@@ -422,29 +423,56 @@ class LoadedModel:
         the column each text comes from, where --max-seq-length gives columns their own lengths:
         each text is cut at its column's, and all are padded together, as one call would.
         `prompts` (one per text): the prefix each text begins with (None: its column's --prompts
-        entry), whose tokens the pool mask leaves out under --no-include-prompt."""
+        entry), whose tokens the pool mask leaves out under --no-include-prompt. `tasks` (one per
+        text, "query" or "document"): a ColBERT model's task lengths and query expansion apply."""
         columns = columns or [None] * len(texts)
         if prompts is None:
             prompts = [self.prompts.get(c, "") if c is not None else "" for c in columns]
-        return self.with_pool_mask(self.padded_ids(texts, columns), prompts)
+        return self.with_pool_mask(self.padded_ids(texts, columns, tasks), prompts)
 
-    def padded_ids(self, texts, columns):
-        lengths = [self.column_lengths.get(c, self.max_seq_length) for c in columns]
+    def padded_ids(self, texts, columns, tasks=None):
+        tasks = tasks or [None] * len(texts)  # --max-seq-length's columns, then the task's, then the model's
+        lengths = [
+            self.column_lengths.get(c, self.task_lengths.get(t) or self.max_seq_length)
+            for c, t in zip(columns, tasks)
+        ]
+        if self.expansion and "query" in tasks:  # ColBERT's queries: cut at the expansion's length (fixed)
+            L = self.expansion["length"]
+            lengths = [
+                (L if self.expansion["strategy"] == "fixed" else max(n, L)) if t == "query" else n
+                for t, n in zip(tasks, lengths)
+            ]
+            return self.expand(self.padded_ids_of_lengths(texts, lengths, L), tasks)
         if len(set(lengths)) <= 1:
             return self.tokenizer(
                 texts, padding=True, truncation=True, max_length=lengths[0], return_tensors="pt"
             )
         return self.padded_ids_of_lengths(texts, lengths)
 
-    def padded_ids_of_lengths(self, texts, lengths):
-        """padded_ids for columns of their own --max-seq-length: each text cut at its own, all padded."""
+    def expand(self, tokens, tasks):
+        """ColBERT's query expansion, as sentence-transformers' Transformer applies it: each query's
+        padding up to the expansion length becomes the expansion token (the tokenizer's [MASK]
+        unless the folder names one), which MaxSim scores (multivector.scoring_masks) and the
+        encoder attends to only with `attend`. Right padding (model_checks.check_multi_vector), the
+        batch at least that wide (padded_ids)."""
+        L, width = self.expansion["length"], tokens["input_ids"].shape[1]
+        query_B = torch.tensor([t == "query" for t in tasks])
+        expand_BT = query_B[:, None] & (tokens["attention_mask"] == 0) & (torch.arange(width) < L)
+        tokens["input_ids"] = tokens["input_ids"].masked_fill(expand_BT, self.expansion["token_id"])
+        if self.expansion["attend"]:
+            tokens["attention_mask"] = tokens["attention_mask"].masked_fill(expand_BT, 1)
+        return tokens
+
+    def padded_ids_of_lengths(self, texts, lengths, width=0):
+        """padded_ids for texts of their own lengths: each text cut at its own, all padded to the
+        longest (and to at least `width`)."""
         encoded = [None] * len(texts)
         for length in set(lengths):
             rows = [i for i, row_length in enumerate(lengths) if row_length == length]
             tokens = self.tokenizer([texts[i] for i in rows], truncation=True, max_length=length)
             for j, i in enumerate(rows):
                 encoded[i] = {k: v[j] for k, v in tokens.items()}
-        longest = max(len(e["input_ids"]) for e in encoded)
+        longest = max(width, *(len(e["input_ids"]) for e in encoded))
         batch = {}
         for key in encoded[0]:
             pad = self.tokenizer.pad_token_id if key == "input_ids" else 0
@@ -552,9 +580,7 @@ def load_model(spec, num_labels=0, on_meta=False):
     )
     lora_names = prepare_encoder(encoder, spec)  # LoRA adapters drawn from the RNG, before the head
     dense = [dense_layer(path, settings) for settings in st_config["dense"]]
-    multi = None
-    if pooling == "multivector":  # ColBERT: the folder's settings, or MultiVectorEncoder's new ones
-        dense, multi = multi_vector_head(st_config, dense, train_config.hidden_size)
+    dense, multi = multi_vector_head(pooling, st_config, dense, train_config.hidden_size)  # ColBERT's
     model = EmbeddingModel(encoder, pooling, normalize or bool(multi), num_labels, dense, sparse, multi)
     model.train()  # from_pretrained returns eval mode: dropout would silently stay off
     loaded = LoadedModel(
@@ -574,20 +600,41 @@ def load_model(spec, num_labels=0, on_meta=False):
         ),
         include_prompt=st_config["include_prompt"] if spec.include_prompt is None else spec.include_prompt,
     )
+    multi_vector_tokens(loaded, multi)  # ColBERT's lengths and query expansion, which tokenize applies
     if file_names is not None:
         to_meta(loaded, file_names, lora_names, folder)
     return loaded
 
 
-def multi_vector_head(st_config, dense, hidden_size):
+def multi_vector_head(pooling, st_config, dense, hidden_size):
     """(the Dense layers on the tokens, the mask's and similarity's settings) of a multi-vector
     model, as MultiVectorEncoder builds them from the folder `st_config` describes: its own, or for
     a plain or dense folder (whose Pooling is dropped) its Dense layers moved to the tokens, or a
-    new projection hidden -> 128 without bias where it has none, and the default settings."""
-    multi = st_config["multivector"] or dict(st_folder.MULTI_VECTOR_DEFAULTS)
-    if not dense:  # drawn from the seeded RNG, the same on every rank
+    new projection hidden -> 128 without bias where it has none, and the default settings. Another
+    `pooling`: (`dense`, None)."""
+    multi = (
+        (st_config["multivector"] or dict(st_folder.MULTI_VECTOR_DEFAULTS))
+        if pooling == "multivector"
+        else None
+    )
+    if multi and not dense:  # drawn from the seeded RNG, the same on every rank
         dense = [DenseLayer(hidden_size, st_folder.MULTI_VECTOR_DIM, False, IDENTITY, False)]
     return dense, multi
+
+
+def multi_vector_tokens(loaded, settings):
+    """Set a ColBERT LoadedModel's task lengths and query expansion (st_folder.multi_vector_config's
+    `settings`), the expansion's token as an id: the folder's, else [MASK], else EOS
+    (sentence-transformers' order). Expansion tokens that are not attended to are still computed:
+    packed rows, which compute the attended tokens alone, cannot hold them. None: nothing to set."""
+    lengths = {task: (settings or {}).get(f"{task}_length") for task in ("query", "document")}
+    loaded.task_lengths = {task: n for task, n in lengths.items() if n}
+    if expansion := (settings or {}).get("query_expansion"):
+        token, tokenizer = expansion["token"], loaded.tokenizer
+        token_id = tokenizer.convert_tokens_to_ids(token) if token else tokenizer.mask_token_id
+        loaded.expansion = {**expansion, "token_id": tokenizer.eos_token_id if token_id is None else token_id}
+        if not expansion["attend"]:
+            loaded.model.cannot_pack = "query expansion computes tokens it does not attend to"
 
 
 def load_tokenizer(path, subfolder, remote, eos, lowercase):
@@ -665,7 +712,9 @@ def drop_pooler(encoder, missing_keys, file_names, folder):
                     if key in pooler_keys
                 }
                 if file_names is not None:  # on meta: read from the files (small)
-                    untrained_state = read_tensors(folder, {key: file_names[key] for key in pooler_keys})
+                    untrained_state = shard_loading.read_tensors(
+                        folder, {key: file_names[key] for key in pooler_keys}
+                    )
             encoder.pooler = None
     return untrained_state
 
@@ -715,7 +764,7 @@ def build_encoder(path, subfolder, train_config, remote, on_meta, splade_setting
     `splade_settings` (SPLADE: splade.head_of's flags and saved settings): the masked LM is loaded whole
     (never on meta), and its head is split off the encoder, into a splade.SpladeHead."""
     if on_meta and not splade_settings:
-        built, reason = build_on_meta(path, subfolder, train_config, remote)
+        built, reason = shard_loading.build_on_meta(path, subfolder, train_config, remote)
         if built:
             return built[0], None, *built[1:]
         fsdp_utils.print0(f"note: every rank loads the whole model before FSDP shards it: {reason}")
@@ -739,59 +788,13 @@ def build_encoder(path, subfolder, train_config, remote, on_meta, splade_setting
     return encoder.float(), None, loading["missing_keys"], None
 
 
-def build_on_meta(path, subfolder, train_config, remote):
-    """build_encoder on the meta device: ((encoder, missing keys, {tensor name: name in the
-    safetensors files}), "") when the files can fill it slice by slice, else (None, why not)."""
-    folder = os.path.join(path, subfolder) if subfolder else path
-    file_keys = shard_loading.safetensors_keys(folder) if os.path.isdir(folder) else None
-    if not file_keys:
-        return None, f"{path} is not a local folder whose safetensors files each hold different tensors"
-    with torch.device("meta"):
-        encoder = transformers.AutoModel.from_config(train_config, **remote).float()
-    # A task model's checkpoint (Qwen2ForCausalLM: model.layers...) holds the base model
-    # under its prefix.
-    file_names = {}
-    for key in encoder.state_dict():
-        file_names[key] = next(
-            (name for name in (key, f"{encoder.base_model_prefix}.{key}") if name in file_keys), None
-        )
-    missing = [key for key, name in file_names.items() if name is None]
-    poolerless = "add_pooling_layer" in inspect.signature(type(encoder).__init__).parameters
-    # a missing pooler is dropped anyway
-    if all(key.startswith("pooler.") and poolerless for key in missing):
-        return (encoder, missing, file_names), ""
-    return None, f"its safetensors files lack {missing[0]}"
-
-
-def read_tensors(folder, file_names):
-    """{name: tensor} read whole from the safetensors files of `folder` ({name: name in the files})."""
-    from safetensors import safe_open
-
-    files = shard_loading.safetensors_keys(folder)
-    tensors = {}
-    for name, file_name in file_names.items():
-        with safe_open(os.path.join(folder, files[file_name]), framework="pt") as f:
-            tensors[name] = f.get_tensor(file_name)
-    return tensors
-
-
 def fill_sharded_weights(model, loaded):
     """After a model that load_model built on the meta device (`loaded.pretrained_dir` set) is
     wrapped in FSDP (`model`): each rank reads the slices of the weights its shards hold, and the
     buffers no checkpoint holds are computed. (all ranks participate) Nothing to do otherwise."""
     if loaded.pretrained_dir:
-        init_non_persistent_buffers(loaded.model.encoder)
+        shard_loading.init_non_persistent_buffers(loaded.model.encoder)
         shard_loading.load_pretrained_sharded(
             model, loaded.pretrained_dir, loaded.pretrained_names, loaded.fresh_tensors
         )
         loaded.fresh_tensors = {}
-
-
-def init_non_persistent_buffers(encoder):
-    """Rotary frequencies, position ids: buffers no checkpoint holds, which a model built on the
-    meta device lacks. transformers' own `_init_weights` computes them (its from_pretrained does
-    the same); the RNG is set back after, so dropout masks stay those of a full load."""
-    with torch.random.fork_rng(devices=[]):
-        for module in encoder.modules():
-            if module._non_persistent_buffers_set:
-                encoder._init_weights(module)

@@ -531,6 +531,7 @@ def multi_vector_files(loaded, dense):
             "do_lower_case": loaded.lowercase,
             "query_length": settings["query_length"],
             "document_length": settings["document_length"],
+            "query_expansion": settings["query_expansion"],
         },
         **{f"{i + 1}_Dense/config.json": {**config, **tokens} for i, config in enumerate(dense)},
         f"{len(dense) + 1}_MultiVectorMask/config.json": {

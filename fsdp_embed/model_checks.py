@@ -102,11 +102,12 @@ def check_multi_vector(spec, plan):
     """A multi-vector (ColBERT) model, before any weights load: a layout this trainer reads (not a
     Stanford ColBERT or *ForRetrieval checkpoint), a MultiVectorEncoder folder only with its own
     pooling, no Matryoshka sizes, none of MNRL's options the MaxSim loss does not take yet, and
-    the folder's per-task lengths (which --max-seq-length gives per column instead)."""
+    for query expansion, a tokenizer that pads on the right and an expansion token that is not its
+    padding, and tokenizing on the fly (queries and documents are tokenized apart)."""
     given = flags_given(plan, NOT_MULTI_VECTOR_YET)
     if given:
         raise ValueError(f"{given[0]} does not train a multi-vector (ColBERT) model yet; drop it")
-    _, st_config, model_config = model_config_of(spec)
+    path, st_config, model_config = model_config_of(spec)
     architectures = getattr(model_config, "architectures", None) or []
     if any(a == "HF_ColBERT" or a.endswith("ForRetrieval") for a in architectures):
         raise ValueError(
@@ -119,11 +120,23 @@ def check_multi_vector(spec, plan):
             "drop --pooling, or start from its base model"
         )
     settings = st_config["multivector"] or {}
-    for key in ("query_length", "document_length"):
-        if settings.get(key) is not None:
+    per_task = (
+        settings.get("query_expansion") or settings.get("query_length") or settings.get("document_length")
+    )
+    if per_task and plan.flags["tokenize"] == "once":  # a token file's ids know no task
+        raise ValueError(
+            f"--tokenize once: {spec.path} tokenizes queries and documents apart (its query expansion or "
+            "per-task lengths); drop --tokenize once"
+        )
+    if settings.get("query_expansion"):
+        tokenizer = transformers.AutoTokenizer.from_pretrained(
+            path, subfolder=st_config["subfolder"], trust_remote_code=spec.trust_remote_code
+        )
+        token = settings["query_expansion"]["token"] or tokenizer.mask_token or tokenizer.eos_token
+        if tokenizer.padding_side != "right" or token in (None, tokenizer.pad_token):
             raise ValueError(
-                f"--model {spec.path}: its {key} ({settings[key]}) is not applied here yet; set it to null "
-                "in sentence_bert_config.json and pass --max-seq-length '{\"COLUMN\": N}' instead"
+                f"--model {spec.path}: query expansion needs a tokenizer that pads on the right and an "
+                f"expansion token other than its padding ({token!r}); name one in query_expansion's token"
             )
 
 

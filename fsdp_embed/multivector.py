@@ -49,15 +49,18 @@ def skip_ids(tokenizer, words):
     return torch.tensor(ids, dtype=torch.long)
 
 
-def scoring_masks(pool, num_columns, skip_ids_K, skip_tasks):
+def scoring_masks(pool, num_columns, skip_ids_K, skip_tasks, expansion_id=None):
     """Each column's scoring mask (B, T) from the pooled columns' tokens (batches.pool_columns): the
-    attention mask, less the skiplist's tokens in the columns whose task is in `skip_tasks`
-    (column 0 is "query", the others "document")."""
+    attention mask, with the query expansion's tokens (`expansion_id`, LoadedModel.expand) in
+    column 0 (the queries) whether attended to or not, less the skiplist's tokens in the columns
+    whose task is in `skip_tasks` (column 0 is "query", the others "document")."""
     masks = []
     for column, (ids_BT, mask_BT) in enumerate(
         zip(pool["input_ids"].chunk(num_columns), pool["attention_mask"].chunk(num_columns))
     ):
         keep_BT = mask_BT.bool()
+        if column == 0 and expansion_id is not None:
+            keep_BT = keep_BT | (ids_BT == expansion_id)
         if ("query" if column == 0 else "document") in skip_tasks and len(skip_ids_K):
             keep_BT = keep_BT & ~torch.isin(ids_BT, skip_ids_K.to(ids_BT.device))
         masks.append(keep_BT)
@@ -187,12 +190,17 @@ def margin_mse_loss(q_BTD, q_mask_BT, docs, doc_masks, labels, length_normalize=
 
 
 def mask_settings(loaded):
-    """(the skiplist's token ids, the tasks it drops them from) of a multi-vector LoadedModel
-    (embedding_model.py), for scoring_masks; () for any other model."""
+    """(the skiplist's token ids, the tasks it drops them from, the query expansion's token id or
+    None) of a multi-vector LoadedModel (embedding_model.py), for scoring_masks; () for any other."""
     settings = loaded.model.multivector
     if settings is None:
         return ()
-    return skip_ids(loaded.tokenizer, settings["skiplist_words"]), tuple(settings["skiplist_tasks"])
+    expansion_id = loaded.expansion["token_id"] if loaded.expansion else None
+    return (
+        skip_ids(loaded.tokenizer, settings["skiplist_words"]),
+        tuple(settings["skiplist_tasks"]),
+        expansion_id,
+    )
 
 
 def loss_of(loss, embs, masks, labels):

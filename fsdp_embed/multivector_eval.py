@@ -59,26 +59,27 @@ class TokenRows(torch.nn.Module):
     buffer of rows (and sum the ranks' buffers); the mask in the row travels with the vectors
     through the same all_reduce. The train/eval mode is the model's: eval_dist switches both."""
 
-    def __init__(self, model, width, task, skip_ids_K, skip_tasks):
+    def __init__(self, model, width, task, skip_ids_K, skip_tasks, expansion_id=None):
         super().__init__()
         self.model, self.width, self.task = model, width, task
-        self.skip_ids_K, self.skip_tasks = skip_ids_K, skip_tasks
+        self.skip_ids_K, self.skip_tasks, self.expansion_id = skip_ids_K, skip_tasks, expansion_id
         # Not self.train(...): that would set every submodule's mode, not just read the model's.
         self.training = model.training
 
     def forward(self, **tokens):
         emb_BTD = self.model(**tokens).float()
-        mask_BT = scoring_mask(tokens, self.task, self.skip_ids_K, self.skip_tasks)
+        mask_BT = scoring_mask(tokens, self.task, self.skip_ids_K, self.skip_tasks, self.expansion_id)
         rows_BTX = torch.cat([emb_BTD, mask_BT[..., None].to(emb_BTD.dtype)], dim=-1)
         return F.pad(rows_BTX, (0, 0, 0, self.width - rows_BTX.shape[1])).flatten(1)
 
 
-def scoring_mask(tokens, task, skip_ids_K, skip_tasks):
+def scoring_mask(tokens, task, skip_ids_K, skip_tasks, expansion_id=None):
     """(B, T) bool: the tokens MaxSim counts in texts of `task` ("query" or "document"), by
     multivector.scoring_masks' rule. Its column 0 is the query side: a single column whose task is
-    listed is handed the skiplist as a listed query column."""
+    listed is handed the skiplist as a listed query column; the expansion's tokens count in queries."""
     pool = {"input_ids": tokens["input_ids"], "attention_mask": tokens["attention_mask"]}
-    return multivector.scoring_masks(pool, 1, skip_ids_K, ("query",) if task in skip_tasks else ())[0]
+    skip = ("query",) if task in skip_tasks else ()
+    return multivector.scoring_masks(pool, 1, skip_ids_K, skip, expansion_id if task == "query" else None)[0]
 
 
 def unflatten(rows_BX, width):
@@ -91,11 +92,13 @@ def token_matrices(encoder, model, loaded, texts, task, names, batch_size, devic
     """`encoder` (eval_dist.encode or encode_local) run on `texts` through TokenRows: what it
     returns, its rows unflattened: (vectors, mask) or (rows, vectors, mask). (all ranks participate)
     Every rank tokenizes all of `texts` once to find their longest, the one width of all rows."""
-    width = loaded.tokenize(texts, names)["input_ids"].shape[1]
+
+    def tokenize(texts, names=None):  # every text of `task` (a ColBERT query's expansion)
+        return loaded.tokenize(texts, names, tasks=[task] * len(texts))
+
+    width = tokenize(texts, names)["input_ids"].shape[1]
     rows = TokenRows(model, width, task, *multivector.mask_settings(loaded))
-    out = encoder(
-        rows, loaded.tokenize, texts, batch_size, device, names, autocast
-    )  # (all ranks participate)
+    out = encoder(rows, tokenize, texts, batch_size, device, names, autocast)  # (all ranks participate)
     return (*out[:-1], *unflatten(out[-1], width)) if isinstance(out, tuple) else unflatten(out, width)
 
 

@@ -8,9 +8,11 @@ all-gathers each wrapped unit once while loading (its sharded state dict is by p
 storage by flattened unit), the same memory its forward needs.
 
   - `safetensors_keys`: which file of a folder holds each tensor;
-  - `load_pretrained_sharded`: fill a sharded meta model from such a folder.
+  - `load_pretrained_sharded`: fill a sharded meta model from such a folder;
+  - `build_on_meta`: a transformers model on the meta device, and where each tensor is read from;
+  - `read_tensors`: tensors read whole; `init_non_persistent_buffers`: what no checkpoint holds.
 
-Needs torch, safetensors, and fsdp_embed/checkpoint_warnings.py (which needs nothing of the
+Needs torch, transformers, safetensors, and fsdp_embed/checkpoint_warnings.py (which needs nothing of the
 project): copy the two.
 Usage (all ranks participate):
     with torch.device("meta"):
@@ -23,7 +25,11 @@ Left out on purpose: .bin (pickle) checkpoints, and a folder with one tensor in 
 (`safetensors_keys` returns None: the caller loads it whole).
 """
 
+import inspect
 import os
+
+import torch
+import transformers
 
 from fsdp_embed import checkpoint_warnings
 
@@ -78,3 +84,49 @@ def load_pretrained_sharded(model, folder, file_names, fresh_tensors):
             set_model_state_dict(  # (all ranks participate): each rank keeps its part
                 model, fresh_tensors, options=StateDictOptions(full_state_dict=True, strict=False)
             )
+
+
+def build_on_meta(path, subfolder, train_config, remote):
+    """build_encoder on the meta device: ((encoder, missing keys, {tensor name: name in the
+    safetensors files}), "") when the files can fill it slice by slice, else (None, why not)."""
+    folder = os.path.join(path, subfolder) if subfolder else path
+    file_keys = safetensors_keys(folder) if os.path.isdir(folder) else None
+    if not file_keys:
+        return None, f"{path} is not a local folder whose safetensors files each hold different tensors"
+    with torch.device("meta"):
+        encoder = transformers.AutoModel.from_config(train_config, **remote).float()
+    # A task model's checkpoint (Qwen2ForCausalLM: model.layers...) holds the base model
+    # under its prefix.
+    file_names = {}
+    for key in encoder.state_dict():
+        file_names[key] = next(
+            (name for name in (key, f"{encoder.base_model_prefix}.{key}") if name in file_keys), None
+        )
+    missing = [key for key, name in file_names.items() if name is None]
+    poolerless = "add_pooling_layer" in inspect.signature(type(encoder).__init__).parameters
+    # a missing pooler is dropped anyway
+    if all(key.startswith("pooler.") and poolerless for key in missing):
+        return (encoder, missing, file_names), ""
+    return None, f"its safetensors files lack {missing[0]}"
+
+
+def read_tensors(folder, file_names):
+    """{name: tensor} read whole from the safetensors files of `folder` ({name: name in the files})."""
+    from safetensors import safe_open
+
+    files = safetensors_keys(folder)
+    tensors = {}
+    for name, file_name in file_names.items():
+        with safe_open(os.path.join(folder, files[file_name]), framework="pt") as f:
+            tensors[name] = f.get_tensor(file_name)
+    return tensors
+
+
+def init_non_persistent_buffers(encoder):
+    """Rotary frequencies, position ids: buffers no checkpoint holds, which a model built on the
+    meta device lacks. transformers' own `_init_weights` computes them (its from_pretrained does
+    the same); the RNG is set back after, so dropout masks stay those of a full load."""
+    with torch.random.fork_rng(devices=[]):
+        for module in encoder.modules():
+            if module._non_persistent_buffers_set:
+                encoder._init_weights(module)

@@ -119,6 +119,7 @@ MULTI_VECTOR_DEFAULTS = {
     "skiplist_tasks": ["document"],
     "query_length": None,
     "document_length": None,
+    "query_expansion": None,
     "similarity": "maxsim",
 }
 
@@ -127,10 +128,11 @@ def multi_vector_config(path, modules, kinds, read_json, st_config):
     """read_sentence_transformer_config of a MultiVectorEncoder folder (sentence-transformers 6):
     Transformer -> Dense (token level) -> MultiVectorMask -> Normalize (token level), pooling
     "multivector". `st_config["multivector"]`: the mask's skiplist_words and skiplist_tasks, the
-    Transformer's query_length and document_length, the similarity (maxsim or meanmaxsim); the
-    Dense layer is `st_config["dense"]`'s one. Raises ValueError for every setting this trainer
-    does not train as sentence-transformers computes it, naming it: query expansion, an allowlist
-    of token ids, token pooling, other modules, a PyLate v3 folder (model_type ColBERT)."""
+    Transformer's query_length, document_length and query expansion (strategy, attend, token,
+    length), the similarity (maxsim or meanmaxsim); the Dense layer is `st_config["dense"]`'s one.
+    Raises ValueError for every setting this trainer does not train as sentence-transformers
+    computes it, naming it: an allowlist of token ids, token pooling, other modules, a PyLate v3
+    folder (model_type ColBERT), an expansion it does not understand."""
     saved = read_json("config_sentence_transformers.json") or {}
     if saved.get("model_type") == "ColBERT":
         raise ValueError(
@@ -143,10 +145,16 @@ def multi_vector_config(path, modules, kinds, read_json, st_config):
             f"only {' -> '.join(MULTI_VECTOR_MODULES)} is"
         )
     bert_config = read_json(os.path.join(modules[0]["path"], "sentence_bert_config.json")) or {}
-    if bert_config.get("query_expansion") is not None:
+    expansion = bert_config.get("query_expansion")
+    if expansion is not None and (
+        set(expansion) - {"strategy", "attend", "token", "length"}
+        or expansion.get("strategy") not in ("fixed", "min")
+        or not isinstance(expansion.get("length"), int)
+        or expansion["length"] < 1
+    ):
         raise ValueError(
-            f"{path}: query expansion ({bert_config['query_expansion']}) is not trained here yet; "
-            "set query_expansion to null in sentence_bert_config.json, or train with sentence-transformers"
+            f"{path}: query expansion {expansion} is not understood; strategy fixed or min, a length of "
+            "at least 1 token, and optionally attend and token are"
         )
     mask = read_json(os.path.join(modules[2]["path"], "config.json")) or {}
     if mask.get("keep_only_token_ids") is not None:
@@ -170,6 +178,7 @@ def multi_vector_config(path, modules, kinds, read_json, st_config):
             "skiplist_tasks": [tasks] if isinstance(tasks, str) else list(tasks),
             "query_length": bert_config.get("query_length"),
             "document_length": bert_config.get("document_length"),
+            "query_expansion": None if expansion is None else {"attend": False, "token": None, **expansion},
             "similarity": similarity,
         },
     }

@@ -126,7 +126,7 @@ def during(phase, function):
 embedding_model.load_model = during("load", count_forwards(embedding_model.load_model))
 batches.micro_batches = watch_steps(batches.micro_batches)
 sharding.wrap_model = during("load", sharding.wrap_model)
-embedding_model.init_non_persistent_buffers = during("load", embedding_model.init_non_persistent_buffers)
+shard_loading.init_non_persistent_buffers = during("load", shard_loading.init_non_persistent_buffers)
 shard_loading.load_pretrained_sharded = during("load", shard_loading.load_pretrained_sharded)
 export.export_model = during("export", export.export_model)
 clip_grad_norm = sharding.clip_grad_norm

@@ -64,6 +64,30 @@ def colbert(tmp_path_factory):
     return folder
 
 
+EXPANSIONS = {  # sentence_bert_config.json's query_expansion: ColBERT's [MASK] padding of queries
+    "no expansion": None,
+    "fixed, not attended": {"strategy": "fixed", "attend": False, "length": 12},
+    "min, attended": {"strategy": "min", "attend": True, "length": 9},
+}
+
+
+@pytest.fixture(scope="module")
+def expanded(colbert, tmp_path_factory):
+    """{name: the tiny ColBERT folder with that query expansion}."""
+    import shutil
+
+    folders = {"no expansion": colbert}
+    for name, expansion in list(EXPANSIONS.items())[1:]:
+        folder = tmp_path_factory.mktemp("expanded")
+        shutil.copytree(colbert, folder, dirs_exist_ok=True)
+        settings = json.loads((folder / "sentence_bert_config.json").read_text())
+        (folder / "sentence_bert_config.json").write_text(
+            json.dumps({**settings, "query_expansion": expansion})
+        )
+        folders[name] = folder
+    return folders
+
+
 def our_loss(folder, dtype, loss, labels=None):
     """The full trainer's loss of one micro-batch of TEXTS (embeddings_loss with the scoring masks,
     as forward_backward computes it) and its gradients by parameter name."""
@@ -71,8 +95,8 @@ def our_loss(folder, dtype, loss, labels=None):
     loaded = load_model(cfg)
     model = loaded.model.to(dtype)
     assert model.multivector["skiplist_words"] == [",", "!", "."]
-    features = [loaded.tokenize(texts, [column] * len(texts)) for column, texts in TEXTS.items()]
-    pool = full_train.batches.pool_columns(features)
+    features, _ = full_train.batches.collate(TEXTS, list(TEXTS), None, loss, loaded.tokenize, "cpu")
+    pool = full_train.batches.pool_columns(features)  # as the reader pools them, queries as "query"
     embs = list(model(**pool).chunk(len(features)))
     masks = multivector.scoring_masks(pool, len(features), *multivector.mask_settings(loaded))
     plan = run_plan.LossPlan(loss, scale=1.0, multi_vector="maxsim")
@@ -112,10 +136,11 @@ def st_losses():
     }
 
 
+@pytest.mark.parametrize("expansion", list(EXPANSIONS))
 @pytest.mark.parametrize("loss", ["mnrl", "margin_mse", "distill_kl"])
 @pytest.mark.parametrize("dtype, tolerance", [(torch.float64, 1e-9), (torch.float32, 1e-5)])
 def test_one_micro_batch_equals_sentence_transformers_multi_vector_losses(
-    colbert, loss, dtype, tolerance, keep_float64
+    expanded, expansion, loss, dtype, tolerance, keep_float64
 ):
     """One micro-batch of (anchor, positive, negative) rows: the full trainer's loss and every
     parameter's gradient (the encoder's and the Dense projection's) equal sentence-transformers'
@@ -124,10 +149,14 @@ def test_one_micro_batch_equals_sentence_transformers_multi_vector_losses(
     far below it). The skiplist drops punctuation from the documents only: a mask applied to the
     queries too, or not at all, changes the loss. Catches a wrong scale (the dense 20 in place of
     MaxSim's 1), MaxSim over padding, a wrong target column, or a margin or KL of other scores.
+    With query expansion, fixed (queries cut or padded to 12 tokens, the padding [MASK] tokens that
+    MaxSim scores and the encoder does not attend to) or min (at least 9, attended to): a query
+    expanded otherwise, or its [MASK] tokens left out of MaxSim, changes the loss.
     (keep_float64: sentence-transformers casts MaxSim's maxima to float32, which float64 skips.)"""
     make_loss, labels = st_losses()[loss]
-    value, ours = our_loss(colbert, dtype, loss, None if labels is None else labels.to(dtype))
-    st_value, theirs = their_loss(colbert, dtype, make_loss, None if labels is None else labels.to(dtype))
+    folder = expanded[expansion]
+    value, ours = our_loss(folder, dtype, loss, None if labels is None else labels.to(dtype))
+    st_value, theirs = their_loss(folder, dtype, make_loss, None if labels is None else labels.to(dtype))
     assert value.item() == pytest.approx(st_value.item(), rel=tolerance, abs=tolerance)
     largest = max(g.abs().max().item() for g in theirs.values())
     assert ours.keys() == theirs.keys()
@@ -283,8 +312,8 @@ def test_bad_input_ends_with_one_error_line_before_weights_load(colbert, tmp_pat
     (printed once the weights have loaded), no export. A loss with no multi-vector form (CoSENT,
     Softmax), SPLADE or Matryoshka flags, an MNRL option the MaxSim loss does not take yet, another
     pooling on a MultiVectorEncoder folder, an STS evaluation set (no one vector a text), and
-    folders whose layout is not read here: query expansion, a PyLate v3 folder (model_type ColBERT),
-    a Stanford ColBERT checkpoint (HF_ColBERT), a token-pooling module."""
+    folders whose layout is not read here: a query expansion it does not know, a PyLate v3 folder
+    (model_type ColBERT), a Stanford ColBERT checkpoint (HF_ColBERT), a token-pooling module."""
     model = ["--model", colbert]
     args, culprit = {
         "cosent": ([*model, "--train-data", data_file("stsb-train.jsonl"), "--loss", "cosent"], "cosent"),
@@ -306,7 +335,7 @@ def test_bad_input_ends_with_one_error_line_before_weights_load(colbert, tmp_pat
             "query expansion": (
                 (
                     "sentence_bert_config.json",
-                    lambda c: {**c, "query_expansion": {"strategy": "fixed", "length": 32}},
+                    lambda c: {**c, "query_expansion": {"strategy": "pad", "length": 8}},
                 ),
                 "query expansion",
             ),
@@ -351,3 +380,39 @@ def test_own_negatives_rank_each_query_against_its_own_row_alone(colbert):
         run_plan.LossPlan("mnrl", scale=1.0, multi_vector="maxsim"), embs, masks, None
     )
     assert abs(in_batch.item() - loss.item()) > 1e-3  # the other rows' documents count there
+
+
+def test_query_expansion_trains_at_any_world_size_and_exports(expanded, tmp_path):
+    """A MultiVectorEncoder folder with query expansion (fixed at 12 tokens, not attended to) trains
+    with no other flag, on length-sorted sub-batches (packed rows compute only the attended tokens,
+    and the log says why they are not used); GradCache and 2 DDP ranks with gathered token matrices
+    train as one process in one pass (assert_same_training). The export keeps the expansion, and
+    MultiVectorEncoder's encode_query of it equals the trained model's query vectors, the [MASK]
+    positions among them (1e-6)."""
+    from sentence_transformers import MultiVectorEncoder
+
+    folder, one = expanded["fixed, not attended"], tmp_path / "one"
+    proc = warm_run(colbert_args(folder, one, "--per-device-batch-size", 8))
+    assert "query expansion computes tokens it does not attend to" in proc.stdout + proc.stderr
+    for name, flags, nproc in (
+        ("cached", ["--per-device-batch-size", 8, "--cache-chunk-size", 2], 1),
+        ("ddp", ["--per-device-batch-size", 4, "--gather-negatives", "--strategy", "ddp"], 2),
+    ):
+        warm_run(colbert_args(folder, tmp_path / name, *flags), nproc=nproc)
+        assert_same_training(tmp_path / name, one, 3)
+        assert_same_dense(tmp_path / name, one)
+    final = one / "final"
+    saved = json.loads((final / "sentence_bert_config.json").read_text())["query_expansion"]
+    assert saved == {**EXPANSIONS["fixed, not attended"], "token": None}
+    queries = ["kids swim", "what does a man with a guitar play on the stage at night?"]
+    theirs = MultiVectorEncoder(str(final), device="cpu").encode_query(queries)
+    loaded = load_model(config.parse_config(["--model", str(final)]))
+    loaded.model.eval()
+    tokens = loaded.tokenize(queries, tasks=["query"] * 2)
+    assert tokens["input_ids"].shape[1] == 12
+    mask = multivector.scoring_masks(tokens, 1, *multivector.mask_settings(loaded))[0]
+    with torch.no_grad():
+        ours = loaded.model(**tokens)
+    for i, their in enumerate(theirs):
+        assert ours[i][mask[i]].shape == their.shape == (12, 128)
+        assert (ours[i][mask[i]] - their).abs().max().item() <= 1e-6

@@ -14,7 +14,7 @@ subprocess (`--case`), so that each one's memory is its own:
   - added MiB = peak - base: what one loss + backward adds on top of its inputs;
   - seconds: the wall time of that forward + backward (after a warm-up call at 4 texts);
   - tokens MiB: the token matrices themselves, (Q*T*D + N*S*D) float32 numbers (in base); their
-    gradients, as many again, are part of "added"; "added - their grads" is the rest: mnrl_loss's one
+    gradients, as many again, are part of "added"; "rest" = added - their gradients: mnrl_loss's one
     copy of the documents' matrix (padded_cat, N*S*D numbers) and the similarities (the chunked loss:
     a 64 MiB block of them, its masked copy, and in backward its gradient; the naive: all of them).
 The naive reference (einsum -> masked_fill -> max -> masked sum -> cross-entropy, what
@@ -39,7 +39,7 @@ machine's, the memory is not affected):
     tolerance 1e-9; loss 4.937945; default chunks: loss 0, query grads 3.7e-18, document grads 0;
     40 queries x 1 document a block: loss 0, grads 5.2e-18)
 
-    | loss | texts (Q + N) | Q x N x T x S | base MiB | peak MiB | added MiB | tokens MiB | added - their grads MiB | seconds |
+    | loss | texts (Q+N) | Q x N x T x S | base MiB | peak MiB | added MiB | tokens MiB | rest MiB | seconds |
     |---|---|---|---|---|---|---|---|---|
     | chunked | 256 (128 + 128) | 128x128x32x256 | 329 | 528 | 200 | 18 | 182 | 12.36 |
     | naive | 256 (128 + 128) | 128x128x32x256 | 254 | 1292 | 1038 | 18 | 1020 | 9.50 |
@@ -54,10 +54,11 @@ machine's, the memory is not affected):
 
 At 256 texts the chunked loss holds 200 MiB more than its inputs where the naive one holds 1038 MiB
 (its 512 MiB similarity tensor and the masked copy, alive together; in backward their gradient and
-its masked copy, as large), for 1.3x the time (each block's forward is computed twice: checkpointing). At 2048 texts the
-same growth gives a chunked peak near 940 MiB, where the naive similarities alone are 32 GiB. The
-seconds are one forward + backward of the loss alone on 2 cores; per block (16M similarities) the
-einsum and the masked_fill take about 0.14 s each and the max 0.05 s here.
+its masked copy, as large), for 1.3x the time (each block's forward is computed twice:
+checkpointing). At 2048 texts the same growth gives a chunked peak near 940 MiB, where the naive
+similarities alone are 32 GiB. The seconds are one forward + backward of the loss alone on 2 cores;
+per block (16M similarities) the einsum and the masked_fill take about 0.14 s each and the max
+0.05 s here.
 """
 
 import argparse
@@ -210,11 +211,17 @@ def in_subprocess(*args):
 
 
 def main():
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     parser.add_argument("--sizes", default="256,1024", help="global batches (texts), comma-separated")
-    parser.add_argument("--naive-limit-gib", type=float, default=16.0, help="skip the naive reference above this")
+    parser.add_argument(
+        "--naive-limit-gib", type=float, default=16.0, help="skip the naive reference above this"
+    )
     parser.add_argument("--no-check", action="store_true", help="skip the float64 chunked-vs-naive check")
-    parser.add_argument("--json", default=os.path.join(REPO_DIR, "bench", "results", "multivector_memory.json"))
+    parser.add_argument(
+        "--json", default=os.path.join(REPO_DIR, "bench", "results", "multivector_memory.json")
+    )
     parser.add_argument("--case", nargs=2, metavar=("KIND", "TEXTS"), help=argparse.SUPPRESS)
     parser.add_argument("--check", type=int, metavar="TEXTS", help=argparse.SUPPRESS)
     args = parser.parse_args()
@@ -235,16 +242,19 @@ def main():
         else:
             diffs = {k: check_result[k] for k in ("default_chunks", "small_chunks")}
             worst = max(v for d in diffs.values() for k, v in d.items() if k != "loss_dtype")
-            check_result["passed"] = passed = worst < 1e-9 and all(d["loss_dtype"] == "torch.float64" for d in diffs.values())
+            check_result["passed"] = passed = worst < 1e-9 and all(
+                d["loss_dtype"] == "torch.float64" for d in diffs.values()
+            )
             print(
                 f"check, {sizes[0]} texts, float64: chunked vs naive loss and gradients differ by at most "
-                f"{worst:.2g} ({'PASS' if passed else 'FAIL'}, tolerance 1e-9; loss {check_result['reference_loss']:.6f}, "
+                f"{worst:.2g} ({'PASS' if passed else 'FAIL'}, tolerance 1e-9; "
+                f"loss {check_result['reference_loss']:.6f}, "
                 f"largest gradient entries {check_result['reference_q_grad_max_abs']:.2g} (queries), "
                 f"{check_result['reference_d_grad_max_abs']:.2g} (documents)) {json.dumps(diffs)}",
                 flush=True,
             )
-    print("\n| loss | texts (Q + N) | Q x N x T x S | base MiB | peak MiB | added MiB | tokens MiB "
-          "| added - their grads MiB | seconds |")  # fmt: skip
+    print("\n| loss | texts (Q+N) | Q x N x T x S | base MiB | peak MiB | added MiB | tokens MiB "
+          "| rest MiB | seconds |")  # fmt: skip
     print("|---|---|---|---|---|---|---|---|---|")
     for texts in sizes:
         q, t, n, s = shapes(texts)
@@ -252,7 +262,9 @@ def main():
             row = {"kind": kind, "texts": texts, "Q": q, "N": n, "T": t, "S": s}
             label = f"| {kind} | {texts} ({q} + {n}) | {q}x{n}x{t}x{s} "
             if kind == "naive" and naive_estimate_bytes(texts) > args.naive_limit_gib * 2**30:
-                row["skipped"] = f"estimate {naive_estimate_bytes(texts) / 2**30:.0f} GiB > {args.naive_limit_gib:g} GiB"
+                row["skipped"] = (
+                    f"estimate {naive_estimate_bytes(texts) / 2**30:.0f} GiB > {args.naive_limit_gib:g} GiB"
+                )
                 print(label + f"| skipped: {row['skipped']} | | | | | |", flush=True)
                 results["runs"].append(row)
                 continue
@@ -284,11 +296,13 @@ def main():
         results["docs_copy_mib_per_1000_texts"] = copy = per_1000_texts(docs_bytes)
         results["rest_mib_per_1000_texts"] = rest = per_1000 - tokens_grads - copy
         print(
-            f"\nchunked: the peak RSS grows by {per_1000:.0f} MiB per 1,000 texts between {small['texts']} and "
+            f"\nchunked: the peak RSS grows by {per_1000:.0f} MiB per 1,000 texts between "
+            f"{small['texts']} and "
             f"{large['texts']} texts; of that, the token matrices and their gradients (2 x (Q*T + N*S) * D "
             f"floats) are {tokens_grads:.0f} MiB, one more copy of the documents' matrix (mnrl_loss's "
             f"padded_cat) {copy:.0f} MiB, the rest {rest:.0f} MiB (the (Q, N) scores, allocator slack). The "
-            f"similarity blocks (CHUNK_ELEMENTS: 64 MiB each, with their masked copy and gradient) do not grow "
+            f"similarity blocks (CHUNK_ELEMENTS: 64 MiB each, with their masked copy and gradient) "
+            f"do not grow "
             f"with the batch. Time grows with Q x N: {large['seconds'] / small['seconds']:.0f}x for "
             f"{(large['texts'] / small['texts']) ** 2:.0f}x the query-document pairs."
         )

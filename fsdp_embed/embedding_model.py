@@ -398,6 +398,7 @@ class LoadedModel:
     # folder's query_length and document_length), and the query expansion (its token as an id)
     task_lengths: dict = dataclasses.field(default_factory=dict)
     expansion: dict | None = None
+    task_prompts: dict = dataclasses.field(default_factory=dict)  # {task: the folder's prompt of it}
 
     def prompt_length(self, prompt):
         """The tokens of `prompt` that pooling leaves out, as sentence-transformers counts them:
@@ -424,10 +425,15 @@ class LoadedModel:
         each text is cut at its column's, and all are padded together, as one call would.
         `prompts` (one per text): the prefix each text begins with (None: its column's --prompts
         entry), whose tokens the pool mask leaves out under --no-include-prompt. `tasks` (one per
-        text, "query" or "document"): a ColBERT model's task lengths and query expansion apply."""
+        text, "query" or "document"): a ColBERT model's task lengths, query expansion and task
+        prompts (to texts without a prompt of their own, as encode_query does) apply."""
         columns = columns or [None] * len(texts)
         if prompts is None:
             prompts = [self.prompts.get(c, "") if c is not None else "" for c in columns]
+        if tasks and self.task_prompts:  # the folder's query / document prompts (PyLate's [Q] / [D])
+            task_prompts = [self.task_prompts.get(t, "") if not p else "" for p, t in zip(prompts, tasks)]
+            texts = [p + text for p, text in zip(task_prompts, texts)]
+            prompts = [p or q for p, q in zip(prompts, task_prompts)]
         return self.with_pool_mask(self.padded_ids(texts, columns, tasks), prompts)
 
     def padded_ids(self, texts, columns, tasks=None):
@@ -558,7 +564,7 @@ def load_model(spec, num_labels=0, on_meta=False):
     st_config = spec.folder or st_folder.read_sentence_transformer_config(path)
     subfolder = st_config["subfolder"]
     remote = {"trust_remote_code": spec.trust_remote_code}  # a hub repository's own code runs only if asked
-    tokenizer = load_tokenizer(path, subfolder, remote, spec.append_eos, st_config["do_lower_case"])
+    tokenizer = st_folder.load_tokenizer(path, subfolder, remote, spec.append_eos, st_config)
     # Two copies of the config: the encoder is built from one whose dropout rates --dropout may
     # rewrite, the export keeps the other as it came, so an exported model keeps its base's rates.
     export_config = transformers.AutoConfig.from_pretrained(path, subfolder=subfolder, **remote)
@@ -623,29 +629,21 @@ def multi_vector_head(pooling, st_config, dense, hidden_size):
 
 
 def multi_vector_tokens(loaded, settings):
-    """Set a ColBERT LoadedModel's task lengths and query expansion (st_folder.multi_vector_config's
+    """Set a ColBERT LoadedModel's task lengths, prompts and query expansion (multi_vector_config's
     `settings`), the expansion's token as an id: the folder's, else [MASK], else EOS
     (sentence-transformers' order). Expansion tokens that are not attended to are still computed:
     packed rows, which compute the attended tokens alone, cannot hold them. None: nothing to set."""
     lengths = {task: (settings or {}).get(f"{task}_length") for task in ("query", "document")}
     loaded.task_lengths = {task: n for task, n in lengths.items() if n}
+    if settings:  # encode_query / encode_document prepend the "query" / "document" prompt
+        prompts = {task: loaded.named_prompts.get(task) for task in ("query", "document")}
+        loaded.task_prompts = {task: p for task, p in prompts.items() if p}
     if expansion := (settings or {}).get("query_expansion"):
         token, tokenizer = expansion["token"], loaded.tokenizer
         token_id = tokenizer.convert_tokens_to_ids(token) if token else tokenizer.mask_token_id
         loaded.expansion = {**expansion, "token_id": tokenizer.eos_token_id if token_id is None else token_id}
         if not expansion["attend"]:
             loaded.model.cannot_pack = "query expansion computes tokens it does not attend to"
-
-
-def load_tokenizer(path, subfolder, remote, eos, lowercase):
-    """The model's tokenizer as training reads texts: an EOS token appended to each (`eos`:
-    --append-eos), everything lowercased inside the tokenizer where the folder says do_lower_case."""
-    tokenizer = transformers.AutoTokenizer.from_pretrained(path, subfolder=subfolder, **remote)
-    if eos:
-        st_folder.append_eos(tokenizer)
-    if lowercase:
-        st_folder.lowercase_inside(tokenizer)
-    return tokenizer
 
 
 def bidirectional_config(model_config):
@@ -676,6 +674,8 @@ def dense_layer(path, settings):
     else:  # sentence-transformers before 2.3 wrote pytorch_model.bin
         file = transformers.utils.cached_file(path, "pytorch_model.bin", subfolder=folder)
         state = torch.load(file, map_location="cpu", weights_only=True)
+    # A Stanford ColBERT keeps its projection (linear.weight) in the encoder's own weights file.
+    state = {k: v for k, v in state.items() if k.split(".")[0] in ("linear", "residual")}
     layer.load_state_dict({k: v.float() for k, v in state.items()})
     return layer
 

@@ -99,17 +99,18 @@ NOT_MULTI_VECTOR_YET = NOT_SPARSE_YET + ("mnrl_partition", "matryoshka_dims")
 
 
 def check_multi_vector(spec, plan):
-    """A multi-vector (ColBERT) model, before any weights load: a layout this trainer reads (not a
-    Stanford ColBERT or *ForRetrieval checkpoint), a MultiVectorEncoder folder only with its own
-    pooling, no Matryoshka sizes, none of MNRL's options the MaxSim loss does not take yet, and
-    for query expansion, a tokenizer that pads on the right and an expansion token that is not its
-    padding, and tokenizing on the fly (queries and documents are tokenized apart)."""
+    """A multi-vector (ColBERT) model, before any weights load: a layout this trainer reads (a
+    Stanford ColBERT or PyLate v3 one too, not a *ForRetrieval checkpoint), a MultiVectorEncoder
+    folder only with its own pooling, no Matryoshka sizes, none of MNRL's options the MaxSim loss
+    does not take yet, and for query expansion, a tokenizer that pads on the right and an
+    expansion token that is not its padding, and tokenizing on the fly (queries and documents are
+    tokenized apart, each with its own length and prompt)."""
     given = flags_given(plan, NOT_MULTI_VECTOR_YET)
     if given:
         raise ValueError(f"{given[0]} does not train a multi-vector (ColBERT) model yet; drop it")
     path, st_config, model_config = model_config_of(spec)
     architectures = getattr(model_config, "architectures", None) or []
-    if any(a == "HF_ColBERT" or a.endswith("ForRetrieval") for a in architectures):
+    if any(a.endswith("ForRetrieval") for a in architectures):
         raise ValueError(
             f"--model {spec.path}: a {architectures[0]} checkpoint is not read here yet; load it once with "
             "sentence_transformers.MultiVectorEncoder and save it, then train that folder"
@@ -121,12 +122,15 @@ def check_multi_vector(spec, plan):
         )
     settings = st_config["multivector"] or {}
     per_task = (
-        settings.get("query_expansion") or settings.get("query_length") or settings.get("document_length")
+        settings.get("query_expansion")
+        or settings.get("query_length")
+        or settings.get("document_length")
+        or any(st_config["prompts"].get(task) for task in ("query", "document"))  # [Q] / [D] markers
     )
     if per_task and plan.flags["tokenize"] == "once":  # a token file's ids know no task
         raise ValueError(
-            f"--tokenize once: {spec.path} tokenizes queries and documents apart (its query expansion or "
-            "per-task lengths); drop --tokenize once"
+            f"--tokenize once: {spec.path} tokenizes queries and documents apart (its query expansion, "
+            "per-task lengths or prompts); drop --tokenize once"
         )
     if settings.get("query_expansion"):
         tokenizer = transformers.AutoTokenizer.from_pretrained(

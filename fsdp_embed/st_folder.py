@@ -2,9 +2,12 @@
 transformer's subfolder, the pooling mode and include_prompt, the Dense layers after pooling,
 normalisation, max_seq_length, do_lower_case and the prompts; of a SparseEncoder folder (SPLADE),
 its SpladePooling settings (`sparse_encoder_config`); of a MultiVectorEncoder folder (ColBERT), its
-mask, lengths and similarity (`multi_vector_config`); the base's slow-tokenizer files the export
-copies (`base_tokenizer_files`); and the two changes to a tokenizer that travel with it, so an export
-reads texts as training did (`lowercase_inside`, `append_eos`). The student's folder is read once at start-up
+mask, lengths and similarity (`multi_vector_config`), as also of the two older layouts
+MultiVectorEncoder reads (a PyLate v3 folder: `pylate_v3_config`; a Stanford ColBERT checkpoint:
+`stanford_colbert_config`); the model's tokenizer as training reads texts (`load_tokenizer`); the
+base's slow-tokenizer files the export copies (`base_tokenizer_files`); and the changes to a
+tokenizer that travel with it, so an export reads texts as training did (`lowercase_inside`,
+`append_eos`, `register_prefix_tokens`). The student's folder is read once at start-up
 (model_checks.model_config_of, for run_plan.flags_plan), and the plan carries it to
 embedding_model.load_model; the export writes what `read_sentence_transformer_config` reads back.
 
@@ -17,6 +20,7 @@ Needs transformers (to find a hub folder's files) and nothing from the project.
 
 import json
 import os
+import string
 
 POOLING_KEYS = {
     "mean": "pooling_mode_mean_tokens",
@@ -50,8 +54,11 @@ def read_sentence_transformer_config(path):
     st_config.update(max_seq_length=None, do_lower_case=False, prompts={}, default_prompt_name=None)
     st_config.update(similarity_fn_name="cosine", splade={})  # splade: SpladePooling's settings
     st_config.update(multivector=None)  # a MultiVectorEncoder's settings (multi_vector_config)
+    st_config.update(prefix_tokens={})  # a legacy ColBERT's [Q]/[D] markers (register_prefix_tokens)
     modules = read_json("modules.json")
     if modules is None:
+        if "HF_ColBERT" in ((read_json("config.json") or {}).get("architectures") or []):
+            return stanford_colbert_config(path, read_json, st_config)
         return st_config
     kinds = [module["type"].rsplit(".", 1)[-1] for module in modules]
     if kinds in (["Transformer", "SpladePooling"], ["MLMTransformer", "SpladePooling"]):
@@ -130,22 +137,46 @@ def multi_vector_config(path, modules, kinds, read_json, st_config):
     "multivector". `st_config["multivector"]`: the mask's skiplist_words and skiplist_tasks, the
     Transformer's query_length, document_length and query expansion (strategy, attend, token,
     length), the similarity (maxsim or meanmaxsim); the Dense layer is `st_config["dense"]`'s one.
+    A PyLate v3 folder (model_type ColBERT) is read by `pylate_v3_config`.
     Raises ValueError for every setting this trainer does not train as sentence-transformers
-    computes it, naming it: an allowlist of token ids, token pooling, other modules, a PyLate v3
-    folder (model_type ColBERT), an expansion it does not understand."""
+    computes it, naming it: an allowlist of token ids, token pooling, other modules, an expansion
+    it does not understand."""
     saved = read_json("config_sentence_transformers.json") or {}
     if saved.get("model_type") == "ColBERT":
-        raise ValueError(
-            f"{path}: a PyLate v3 ColBERT folder is not read here yet; load it once with "
-            "sentence_transformers.MultiVectorEncoder and save it, then train that folder"
-        )
+        return pylate_v3_config(path, modules, kinds, read_json, st_config)
     if kinds != MULTI_VECTOR_MODULES:
         raise ValueError(
             f"{path}: multi-vector modules {' -> '.join(kinds)} are not supported; "
             f"only {' -> '.join(MULTI_VECTOR_MODULES)} is"
         )
     bert_config = read_json(os.path.join(modules[0]["path"], "sentence_bert_config.json")) or {}
-    expansion = bert_config.get("query_expansion")
+    mask = read_json(os.path.join(modules[2]["path"], "config.json")) or {}
+    if mask.get("keep_only_token_ids") is not None:
+        raise ValueError(f"{path}: MultiVectorMask's keep_only_token_ids (image patches) is not supported")
+    similarity = saved.get("similarity_fn_name") or "maxsim"
+    if similarity not in ("maxsim", "meanmaxsim"):
+        raise ValueError(f"{path}: similarity {similarity!r} is not supported; maxsim or meanmaxsim is")
+    tasks = mask.get("skiplist_tasks", ["document"])
+    settings = {
+        "skiplist_words": list(mask.get("skiplist_words") or []),
+        "skiplist_tasks": [tasks] if isinstance(tasks, str) else list(tasks),
+        **{key: bert_config.get(key) for key in TRANSFORMER_KEYS},
+        "similarity": similarity,
+    }
+    dense = dense_config_of(path, modules[1]["path"], read_json, level="token_embeddings")
+    return multi_vector_st_config(path, st_config, modules[0]["path"], bert_config, dense, settings, saved)
+
+
+# The multi-vector settings a MultiVectorEncoder's Transformer module takes (sentence_bert_config.json).
+TRANSFORMER_KEYS = ("query_length", "document_length", "query_expansion")
+
+
+def multi_vector_st_config(path, st_config, subfolder, bert_config, dense, settings, saved):
+    """The read_sentence_transformer_config of a multi-vector folder of any layout, from its
+    Transformer's folder and settings (`bert_config`), its token-level Dense layer's settings, the
+    MultiVectorEncoder settings (`settings`: MULTI_VECTOR_DEFAULTS' keys) and its saved prompts.
+    Raises ValueError for a query expansion this trainer does not understand."""
+    expansion = settings["query_expansion"]
     if expansion is not None and (
         set(expansion) - {"strategy", "attend", "token", "length"}
         or expansion.get("strategy") not in ("fixed", "min")
@@ -156,32 +187,175 @@ def multi_vector_config(path, modules, kinds, read_json, st_config):
             f"{path}: query expansion {expansion} is not understood; strategy fixed or min, a length of "
             "at least 1 token, and optionally attend and token are"
         )
-    mask = read_json(os.path.join(modules[2]["path"], "config.json")) or {}
-    if mask.get("keep_only_token_ids") is not None:
-        raise ValueError(f"{path}: MultiVectorMask's keep_only_token_ids (image patches) is not supported")
-    similarity = saved.get("similarity_fn_name") or "maxsim"
-    if similarity not in ("maxsim", "meanmaxsim"):
-        raise ValueError(f"{path}: similarity {similarity!r} is not supported; maxsim or meanmaxsim is")
-    tasks = mask.get("skiplist_tasks", ["document"])
+    if expansion is not None:
+        settings["query_expansion"] = {"attend": False, "token": None, **expansion}
     return {
         **st_config,
-        "subfolder": modules[0]["path"],
+        "subfolder": subfolder,
         "pooling": "multivector",
-        "dense": [dense_config_of(path, modules[1]["path"], read_json, level="token_embeddings")],
+        "dense": [dense],
         "normalize": True,
         "max_seq_length": bert_config.get("max_seq_length"),
         "do_lower_case": bool(bert_config.get("do_lower_case", False)),
         "prompts": saved.get("prompts") or {},
-        "similarity_fn_name": similarity,
-        "multivector": {
-            "skiplist_words": list(mask.get("skiplist_words") or []),
-            "skiplist_tasks": [tasks] if isinstance(tasks, str) else list(tasks),
-            "query_length": bert_config.get("query_length"),
-            "document_length": bert_config.get("document_length"),
-            "query_expansion": None if expansion is None else {"attend": False, "token": None, **expansion},
-            "similarity": similarity,
-        },
+        "similarity_fn_name": settings["similarity"],
+        "multivector": settings,
     }
+
+
+def pylate_v3_config(path, modules, kinds, read_json, st_config):
+    """read_sentence_transformer_config of a PyLate v3 folder (config_sentence_transformers.json's
+    model_type "ColBERT"; modules Transformer -> pylate Dense), read as MultiVectorEncoder reads it
+    (_parse_model_config, _get_module_init_defaults, _apply_legacy_fixups): the Dense layer on the
+    tokens, then a MultiVectorMask (the saved skiplist_words, else string.punctuation, as PyLate
+    masked by default; on the documents) and a token-level Normalize; query_prefix and
+    document_prefix become the "query" and "document" prompts (prepended to the saved prompt) and
+    prefix tokens (register_prefix_tokens); the flat expansion fields become query_expansion
+    (`legacy_transformer_settings`); a similarity other than maxsim or meanmaxsim (PyLate's
+    "MaxSim") falls back to maxsim. Raises ValueError for other modules."""
+    if kinds != ["Transformer", "Dense"]:
+        raise ValueError(
+            f"{path}: PyLate v3 modules {' -> '.join(kinds)} are not supported; only Transformer -> Dense is"
+        )
+    saved = read_json("config_sentence_transformers.json") or {}
+    prompts, prefixes = dict(saved.get("prompts") or {}), {}
+    for key, task in (("query_prefix", "query"), ("document_prefix", "document")):
+        if key in saved:  # PyLate inserted the prefix ahead of the prompt's text
+            prefixes[task] = saved[key] or ""
+            prompts[task] = prefixes[task] + (prompts.get(task) or "").removeprefix(prefixes[task])
+    bert_config = read_json(os.path.join(modules[0]["path"], "sentence_bert_config.json")) or {}
+    # The folder's own Transformer settings win over the translated ones (setdefault priority).
+    transformer = {**legacy_transformer_settings(saved), **bert_config}
+    skiplist = saved.get("skiplist_words")
+    similarity = saved.get("similarity_fn_name")
+    settings = {
+        "skiplist_words": list(string.punctuation) if skiplist is None else list(skiplist),
+        "skiplist_tasks": ["document"],
+        **{key: transformer.get(key) for key in TRANSFORMER_KEYS},
+        "similarity": similarity if similarity in ("maxsim", "meanmaxsim") else "maxsim",
+    }
+    dense = dense_config_of(path, modules[1]["path"], read_json, level="token_embeddings")
+    st_config = {**st_config, "prefix_tokens": prefixes}
+    saved = {**saved, "prompts": prompts}
+    return multi_vector_st_config(path, st_config, modules[0]["path"], bert_config, dense, settings, saved)
+
+
+# The saved fields that mark a PyLate (or Stanford) configuration (MultiVectorEncoder._parse_model_config).
+PYLATE_MARKERS = TRANSFORMER_KEYS + (
+    "do_query_expansion",
+    "attend_to_expansion_tokens",
+    "attend_to_mask_tokens",
+    "query_prefix",
+    "document_prefix",
+    "skiplist_words",
+)
+
+
+def legacy_transformer_settings(saved):
+    """The Transformer settings MultiVectorEncoder._parse_model_config reads from a PyLate save's
+    config_sentence_transformers.json (`saved`): its query_length, document_length (None: left out)
+    and query_expansion; a save without query_expansion expands queries (fixed, to query_length,
+    else 32, its [MASK]s attended to per attend_to_expansion_tokens) unless do_query_expansion is
+    false; query_length then moves into the expansion, and no longer cuts queries itself."""
+    knobs = {
+        key: saved[key]
+        for key in TRANSFORMER_KEYS
+        if key in saved and (saved[key] is not None or key == "query_expansion")
+    }
+    if "query_expansion" not in knobs and any(key in saved for key in PYLATE_MARKERS):
+        if saved.get("do_query_expansion") is False:
+            knobs["query_expansion"] = None
+        else:
+            attend = saved.get("attend_to_expansion_tokens", saved.get("attend_to_mask_tokens"))
+            length = knobs.pop("query_length", None) or saved.get("query_length") or 32
+            knobs["query_expansion"] = {"strategy": "fixed", "attend": bool(attend), "length": length}
+    return knobs
+
+
+def stanford_colbert_config(path, read_json, st_config):
+    """read_sentence_transformer_config of a Stanford-NLP ColBERT checkpoint (config.json's
+    architectures ["HF_ColBERT"], no modules.json), read as MultiVectorEncoder builds it
+    (_load_default_modules, _maybe_load_stanford_metadata, _build_stanford_projection): the
+    transformer at the root; a token-level Dense without bias from the `linear.weight` beside the
+    encoder's weights; from artifact.metadata (defaults where it is missing) the query and document
+    markers as prompts and prefix tokens ("[unused0] ", "[unused1] "), doc_maxlen as the document
+    length, queries always [MASK]-expanded (fixed, to query_maxlen, else 32, attended to per
+    attend_to_mask_tokens), and a skiplist of string.punctuation on the documents unless
+    mask_punctuation is false; maxsim. Raises ValueError when the projection cannot be found."""
+    metadata = read_json("artifact.metadata") or {}
+    prefixes = {
+        "query": (metadata.get("query_token_id") or "[unused0]") + " ",
+        "document": (metadata.get("doc_token_id") or "[unused1]") + " ",
+    }
+    out_features, in_features = root_projection_shape(path)
+    dense = {"folder": "", "in_features": in_features, "out_features": out_features, "bias": False}
+    dense.update(activation="torch.nn.modules.linear.Identity", use_residual=False)
+    expansion = {
+        "strategy": "fixed",
+        "attend": bool(metadata.get("attend_to_mask_tokens")),
+        "length": metadata.get("query_maxlen") or 32,
+    }
+    settings = {
+        **MULTI_VECTOR_DEFAULTS,
+        "skiplist_words": list(string.punctuation) if metadata.get("mask_punctuation", True) else [],
+        "document_length": metadata.get("doc_maxlen"),
+        "query_expansion": expansion,
+    }
+    st_config = {**st_config, "prefix_tokens": prefixes}
+    saved = {"prompts": dict(prefixes)}
+    return multi_vector_st_config(path, st_config, "", {}, dense, settings, saved)
+
+
+def root_projection_shape(path):
+    """(out_features, in_features) of the `linear.weight` a Stanford ColBERT checkpoint keeps beside
+    its encoder's weights, in model.safetensors or pytorch_model.bin (sentence-transformers' Dense
+    .load_torch_weights reads these two). Raises ValueError when neither holds it."""
+    import torch
+    import transformers
+    from safetensors import safe_open
+
+    for name in ("model.safetensors", "pytorch_model.bin"):
+        file = transformers.utils.cached_file(path, name, _raise_exceptions_for_missing_entries=False)
+        if file is None:
+            continue
+        if name.endswith(".safetensors"):
+            with safe_open(file, "pt") as f:
+                if "linear.weight" in f.keys():
+                    return tuple(f.get_slice("linear.weight").get_shape())
+        else:
+            state = torch.load(file, map_location="cpu", weights_only=True, mmap=True)
+            if "linear.weight" in state:
+                return tuple(state["linear.weight"].shape)
+        break
+    raise ValueError(
+        f"{path}: a Stanford ColBERT (HF_ColBERT) checkpoint without its projection linear.weight in "
+        "model.safetensors or pytorch_model.bin (sharded weights are not read here)"
+    )
+
+
+def register_prefix_tokens(tokenizer, prefixes):
+    """Make the tokenizer read a legacy ColBERT's prefix markers (`prefixes`: {task: "[Q] " or
+    "[unused0] "}) as one special token each, as MultiVectorEncoder._register_prefix_tokens does:
+    a prefix (the whole value, else its first word) the tokenizer knows (an added token or in its
+    vocabulary) but splits (BERT reads [unused0] as [, unused, ##0, ]; a lowercasing tokenizer
+    misses an added "[Q] ") becomes a special, unnormalised token, so prepending it as text gives the
+    ids the model was trained on. Prefixes it does not know stay plain text: no new embeddings."""
+    from transformers import AddedToken
+
+    added = set(getattr(tokenizer, "added_tokens_encoder", None) or {})
+    vocab = tokenizer.get_vocab()
+    to_register = []
+    for value in prefixes.values():
+        if not value or not value.split():
+            continue
+        for prefix in (value, value.split(None, 1)[0]):
+            if prefix not in added and prefix not in vocab:
+                continue
+            if tokenizer.tokenize(prefix) != [prefix]:
+                to_register.append(AddedToken(prefix, normalized=False, special=True))
+            break
+    if to_register:
+        tokenizer.add_special_tokens({"additional_special_tokens": to_register})
 
 
 def dense_config_of(path, folder, read_json, level="sentence_embedding"):
@@ -236,6 +410,23 @@ def pooling_mode_of(path, pooling_file, pooling):
             f"one of {POOLING_MODES} is (or override with --pooling)"
         )
     return modes[0]
+
+
+def load_tokenizer(path, subfolder, remote, eos, st_config):
+    """The model's tokenizer as training reads texts: an EOS token appended to each (`eos`:
+    --append-eos), everything lowercased inside the tokenizer where the folder (`st_config`:
+    read_sentence_transformer_config's) says do_lower_case, a legacy ColBERT's prefix markers read
+    as one token each (register_prefix_tokens)."""
+    import transformers
+
+    tokenizer = transformers.AutoTokenizer.from_pretrained(path, subfolder=subfolder, **remote)
+    if eos:
+        append_eos(tokenizer)
+    if st_config["do_lower_case"]:
+        lowercase_inside(tokenizer)
+    # After lowercasing, as MultiVectorEncoder registers them once its Transformer is built.
+    register_prefix_tokens(tokenizer, st_config.get("prefix_tokens") or {})
+    return tokenizer
 
 
 def lowercase_inside(tokenizer):

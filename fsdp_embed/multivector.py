@@ -22,8 +22,8 @@ sentence-transformers does; anchors stay local and the labels are offset by rank
 then the mean over the local queries, as in sentence-transformers; PyLate multiplies it by the world
 size (docs/multivector.md says how to train with its numbers).
 
-Left out (refused at start-up with one error: line, st_folder.multi_vector_config): query expansion,
-token pooling, keep_only_token_ids, and the PyLate v3, Stanford ColBERT and *ForRetrieval layouts.
+Left out (refused at start-up with one error: line, st_folder.multi_vector_config): token pooling,
+keep_only_token_ids, *ForRetrieval models, XTR scoring.
 
 Needs torch, and the root's losses.py (gather_with_grad, gather_no_grad)."""
 

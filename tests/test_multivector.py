@@ -635,3 +635,48 @@ def stanford_without_projection(legacy, tmp_path):
     weights = load_file(str(folder / "model.safetensors"))
     save_file({k: v for k, v in weights.items() if k != "linear.weight"}, str(folder / "model.safetensors"))
     return folder
+
+
+def test_gradcache_equals_cached_multi_vector_mnrl(expanded, keep_float64):
+    """GradCache as the trainer runs it (gradcache.cached_backward, chunks of 2 rows at the pool's
+    full width, as prepare_micro_batch gives a multi-vector model's chunks) on one micro-batch of
+    TEXTS, with query expansion: the loss and every parameter's gradient equal sentence-transformers'
+    CachedMultiVectorMultipleNegativesRankingLoss with mini_batch_size 2 on the same texts (float64,
+    1e-9 of the largest gradient)."""
+    import contextlib
+
+    from sentence_transformers.multi_vector_encoder.losses import (
+        CachedMultiVectorMultipleNegativesRankingLoss,
+    )
+
+    from fsdp_embed import embedding_model
+    from fsdp_embed import gradcache
+
+    folder = expanded["fixed, not attended"]
+    loaded = load_model(config.parse_config(["--model", str(folder)]))
+    model = loaded.model.double()
+    features, _ = full_train.batches.collate(TEXTS, list(TEXTS), None, "mnrl", loaded.tokenize, "cpu")
+    pool = full_train.batches.pool_columns(features)
+    masks = multivector.scoring_masks(pool, 3, *multivector.mask_settings(loaded))
+    plan = run_plan.LossPlan("mnrl", scale=1.0, multi_vector="maxsim")
+    positions = torch.arange(pool["input_ids"].shape[1])
+    chunks = [(rows, positions) for rows in torch.arange(len(pool["input_ids"])).split(2)]
+    value = gradcache.cached_backward(
+        lambda chunks: model(**pool, groups=chunks),
+        lambda rows, positions: model(**embedding_model.select_rows(pool, rows, positions)),
+        chunks,
+        3,
+        lambda embs: full_train.embeddings_loss(model, embs, None, plan, masks=masks),
+        sync=True,
+        gradient_sync=lambda enabled: contextlib.nullcontext(),
+        autocast=contextlib.nullcontext,
+        scale_loss=lambda loss: loss,
+    )
+    ours = {name: p.grad for name, p in model.named_parameters()}
+    make = lambda st: CachedMultiVectorMultipleNegativesRankingLoss(st, mini_batch_size=2)  # noqa: E731
+    st_value, theirs = their_loss(folder, torch.float64, make)
+    assert abs(value.item() - st_value.item()) <= 1e-9
+    largest = max(g.abs().max().item() for g in theirs.values())
+    assert ours.keys() == theirs.keys()
+    for name, grad in ours.items():
+        assert (grad - theirs[name]).abs().max().item() <= 1e-9 * largest, name

@@ -680,3 +680,46 @@ def test_gradcache_equals_cached_multi_vector_mnrl(expanded, keep_float64):
     assert ours.keys() == theirs.keys()
     for name, grad in ours.items():
         assert (grad - theirs[name]).abs().max().item() <= 1e-9 * largest, name
+
+
+def test_meanmaxsim_folder_trains_with_sentence_transformers_mean_scores(colbert, tmp_path, keep_float64):
+    """A MultiVectorEncoder folder saved with similarity meanmaxsim: the trainer reads it (its loss plan
+    says meanmaxsim) and one micro-batch's MNRL and every gradient equal sentence-transformers'
+    MultiVectorMultipleNegativesRankingLoss with mean_colbert_scores (each score divided by its
+    query's token count) on the same texts, in float64 to 1e-9 of the largest gradient; plain MaxSim
+    on the same batch differs."""
+    import shutil
+
+    from sentence_transformers.multi_vector_encoder.losses import MultiVectorMultipleNegativesRankingLoss
+    from sentence_transformers.multi_vector_encoder.scoring import mean_colbert_scores
+
+    folder = tmp_path / "mean"
+    shutil.copytree(colbert, folder)
+    saved = json.loads((folder / "config_sentence_transformers.json").read_text())
+    (folder / "config_sentence_transformers.json").write_text(
+        json.dumps({**saved, "similarity_fn_name": "meanmaxsim"})
+    )
+    cfg = config.parse_config(["--model", str(folder)])
+    plan = run_plan.flags_plan(cfg, 1, torch.device("cpu"))
+    assert plan.model.multi_vector == "meanmaxsim"
+    loaded = load_model(cfg)
+    model = loaded.model.double()
+    features, _ = full_train.batches.collate(TEXTS, list(TEXTS), None, "mnrl", loaded.tokenize, "cpu")
+    pool = full_train.batches.pool_columns(features)
+    embs = list(model(**pool).chunk(3))
+    masks = multivector.scoring_masks(pool, 3, *multivector.mask_settings(loaded))
+    value = multivector.loss_of(
+        run_plan.LossPlan("mnrl", scale=1.0, multi_vector="meanmaxsim"), embs, masks, None
+    )
+    plain = multivector.loss_of(
+        run_plan.LossPlan("mnrl", scale=1.0, multi_vector="maxsim"), embs, masks, None
+    )
+    value.backward()
+    ours = {name: p.grad for name, p in model.named_parameters()}
+    make = lambda st: MultiVectorMultipleNegativesRankingLoss(st, similarity_fct=mean_colbert_scores)  # noqa: E731
+    st_value, theirs = their_loss(folder, torch.float64, make)
+    assert abs(value.item() - st_value.item()) <= 1e-9 and abs(plain.item() - value.item()) > 1e-3
+    largest = max(g.abs().max().item() for g in theirs.values())
+    assert ours.keys() == theirs.keys()
+    for name, grad in ours.items():
+        assert (grad - theirs[name]).abs().max().item() <= 1e-9 * largest, name

@@ -716,7 +716,10 @@ def test_meanmaxsim_folder_trains_with_sentence_transformers_mean_scores(colbert
     )
     value.backward()
     ours = {name: p.grad for name, p in model.named_parameters()}
-    make = lambda st: MultiVectorMultipleNegativesRankingLoss(st, similarity_fct=mean_colbert_scores)  # noqa: E731
+
+    def make(st):
+        return MultiVectorMultipleNegativesRankingLoss(st, similarity_fct=mean_colbert_scores)
+
     st_value, theirs = their_loss(folder, torch.float64, make)
     assert abs(value.item() - st_value.item()) <= 1e-9 and abs(plain.item() - value.item()) > 1e-3
     largest = max(g.abs().max().item() for g in theirs.values())

@@ -16,7 +16,8 @@ Each function returns a scalar: the mean over the batch (CoSENT: one log-sum-exp
 pairs of the batch), matching sentence-transformers' MultipleNegativesRankingLoss (its hardness
 weighting too), CoSENTLoss, SoftmaxLoss, MarginMSELoss, DistillKLDivLoss, MSELoss and MatryoshkaLoss
 on the same embeddings, values and gradients, GISTEmbedLoss on the same models' embeddings, and for
-sparse (SPLADE) embeddings SpladeLoss around SparseMultipleNegativesRankingLoss, and FlopsLoss.
+sparse (SPLADE) embeddings SpladeLoss around SparseMultipleNegativesRankingLoss, SparseMarginMSELoss or
+SparseDistillKLDivLoss, and FlopsLoss.
 
 Usage (one process, CPU is fine):
     import losses
@@ -514,26 +515,34 @@ def splade_loss_parts(
     gather=False,
     scale=1.0,
     gather_regularizers=None,
+    base_loss=None,
 ):
     """The terms of `splade_loss`, by sentence-transformers' SpladeLoss's names: base_loss,
     document_regularizer_loss and, with a query weight, query_regularizer_loss (weights applied).
     gather_regularizers (None: as `gather`): the FLOPS terms over every rank's rows (all ranks
-    participate), with the negatives gathered or not."""
+    participate), with the negatives gathered or not. base_loss: `splade_loss`'s."""
     if use_document_regularizer_only and query_regularizer_weight is not None:
         # SpladeLoss warns and drops the query weight; a setting dropped without a word is a bug in a run
         raise ValueError(
             "use_document_regularizer_only regularises the queries as documents: "
             "pass query_regularizer_weight=None"
         )
-    num_rows = emb_query_BV.shape[0]
-    offset = dist.get_rank() * num_rows if gather and dist.is_initialized() else 0
+    if gather and base_loss is not None:
+        raise ValueError(
+            "gather: only MNRL's candidates are gathered, and base_loss is another loss; pass gather=False "
+            "(gather_regularizers=True keeps the FLOPS terms over every rank's rows)"
+        )
     over_ranks = gather if gather_regularizers is None else gather_regularizers
     # when gathered: every column, in the same order on every rank
     all_docs = [gather_with_grad(emb) for emb in emb_docs] if gather or over_ranks else list(emb_docs)
-    labels_B = torch.arange(offset, offset + num_rows, device=emb_query_BV.device)
-    candidates = torch.cat(all_docs if gather else list(emb_docs))
+    parts = {"base_loss": base_loss}
+    if base_loss is None:  # SparseMultipleNegativesRankingLoss: every candidate column, gathered or not
+        num_rows = emb_query_BV.shape[0]
+        offset = dist.get_rank() * num_rows if gather and dist.is_initialized() else 0
+        labels_B = torch.arange(offset, offset + num_rows, device=emb_query_BV.device)
+        candidates = torch.cat(all_docs if gather else list(emb_docs))
+        parts["base_loss"] = F.cross_entropy(scale * emb_query_BV @ candidates.T, labels_B)
     regularized_docs = all_docs if over_ranks else list(emb_docs)
-    parts = {"base_loss": F.cross_entropy(scale * emb_query_BV @ candidates.T, labels_B)}
     needs_queries = use_document_regularizer_only or query_regularizer_weight is not None
     # when gathered: the same columns on every rank, so the same gathers
     all_queries = gather_with_grad(emb_query_BV) if over_ranks and needs_queries else emb_query_BV
@@ -559,25 +568,32 @@ def splade_loss(
     gather=False,
     scale=1.0,
     gather_regularizers=None,
+    base_loss=None,
 ):
-    """SPLADE's training loss (Formal et al., 2022), sentence-transformers' SpladeLoss wrapping
-    SparseMultipleNegativesRankingLoss at its defaults (dot product, scale 1): in-batch negatives
-    plus the FLOPS regularisers of the queries and of the documents (every candidate column).
+    """SPLADE's training loss (Formal et al., 2022), sentence-transformers' SpladeLoss: a base loss
+    plus the FLOPS regularisers of the queries and of the documents (every document column).
 
+        loss = base + lambda_d * flops(concat(d_1, d_2, ...)) + lambda_q * flops(q)
+
+    base_loss None: SparseMultipleNegativesRankingLoss at its defaults (dot product, scale 1),
+    in-batch negatives:
         scores_BN = scale * q_i . c_j        with c = concat(positives, negatives...)
-        loss      = mean_i -log softmax(scores_BN[i])[i]
-                    + lambda_d * flops(c) + lambda_q * flops(q)
+        base      = mean_i -log softmax(scores_BN[i])[i]
+    Else the value of another base loss on these same embeddings: SparseMarginMSELoss is
+    `margin_mse_loss(q, d_1, d_2, margins_B)`, SparseDistillKLDivLoss `distill_kl_loss(q, docs,
+    teacher_BG, T, T)` (both score by dot product, as there; SparseDistillKLDivLoss's default T is 2).
 
     query_regularizer_weight None: no query term (inference-free queries). The weights are those of
     this step (splade.regularizer_weight warms them up). use_document_regularizer_only: one document
-    term over the queries and the candidates together (symmetric texts); thresholds: `flops_loss`'s.
+    term over the queries and the documents together (symmetric texts); thresholds: `flops_loss`'s.
 
-    gather=True (all ranks participate): every rank's candidates are negatives for every rank's
-    queries, as in mnrl_loss, and the FLOPS terms are over every rank's rows, the same value on
-    every rank. Unlike sentence-transformers under DDP (each rank's FLOPS over its own rows: the
-    square of a mean is not the mean of squares), world W then trains as world 1 on the W x B rows:
-    the reduce-scatter hands each rank W times its rows' share of the FLOPS gradient, which DDP's
-    average over ranks divides back.
+    gather=True (all ranks participate; MNRL alone): every rank's candidates are negatives for every
+    rank's queries, as in mnrl_loss. gather_regularizers (None: as `gather`; with another base loss,
+    pass True to train under DDP as one process): the FLOPS terms over every rank's rows, the same
+    value on every rank. Unlike sentence-transformers under DDP (each rank's FLOPS over its own rows:
+    the square of a mean is not the mean of squares), world W then trains as world 1 on the W x B
+    rows: the reduce-scatter hands each rank W times its rows' share of the FLOPS gradient, which
+    DDP's average over ranks divides back.
     """
     parts = splade_loss_parts(
         emb_query_BV,
@@ -590,5 +606,6 @@ def splade_loss(
         gather,
         scale,
         gather_regularizers,
+        base_loss,
     )
     return sum(parts.values())

@@ -9,7 +9,8 @@ so a choice added to a flag joins the matrix without anyone adding it here:
   strategy          one process, DDP, and FSDP at each --fsdp-version x each --sharding;
   loss              config.LOSS_NAMES, each on rows of its own columns;
   path options      --gather-negatives, --cache-chunk-size, --packing, --matryoshka-dims,
-                    --lora-rank, --activation-checkpointing, --mask-duplicates.
+                    --lora-rank, --activation-checkpointing, --mask-duplicates,
+                    --inference-free-queries.
 `all_pairs` builds runs in which every pair of values of two factors meets at least once
 (pairwise design, greedy), leaving out what REFUSALS says cannot work; each refusal is then run
 once on its own. Each run takes 2 steps and exports, and must end in one of two ways:
@@ -83,6 +84,7 @@ def factors():
         "lora_rank": values_of("lora_rank", small=4),
         "activation_checkpointing": values_of("activation_checkpointing"),
         "mask_duplicates": values_of("mask_duplicates"),
+        "inference_free_queries": values_of("inference_free_queries"),
     }
 
 
@@ -122,11 +124,12 @@ REFUSALS = [
         "--matryoshka-dims",
         {"model": "masked_lm", "pooling": "splade", "matryoshka_dims": "32,16"},
     ),
-    # docs/sparse.md "Not yet": other sparse losses, MNRL's options with SPLADE
+    # docs/sparse.md "Not yet": sparse losses but SpladeLoss around MNRL, MarginMSE and DistillKL,
+    # MNRL's options with SPLADE
     (
-        lambda c: c.get("pooling") == "splade" and c.get("loss", "mnrl") != "mnrl",
+        lambda c: c.get("pooling") == "splade" and c.get("loss", "mnrl") not in SPARSE_LOSSES,
         "--loss",
-        {"model": "masked_lm", "pooling": "splade", "loss": "distill_kl"},
+        {"model": "masked_lm", "pooling": "splade", "loss": "cosent"},
     ),
     (
         lambda c: c.get("pooling") == "splade" and c.get("mask_duplicates"),
@@ -135,6 +138,18 @@ REFUSALS = [
     ),
     # a multi-vector (ColBERT) model: the losses sentence-transformers has a MultiVector form of
     # (MNRL, MarginMSE, DistillKL); one vector a text is what CoSENT, Softmax and MSE compare
+    # inference-free SPLADE (docs/sparse.md): static queries are a SPLADE model's, and GradCache
+    # does not run their route
+    (
+        lambda c: c.get("inference_free_queries") and c.get("pooling") != "splade",
+        "--inference-free-queries",
+        {"inference_free_queries": True},
+    ),
+    (
+        lambda c: c.get("inference_free_queries") and c.get("cache_chunk_size"),
+        "--cache-chunk-size",
+        {"model": "masked_lm", "pooling": "splade", "inference_free_queries": True, "cache_chunk_size": 2},
+    ),
     (
         lambda c: c.get("pooling") == "multivector" and c.get("loss", "mnrl") not in MULTI_VECTOR_LOSSES,
         "multi-vector",
@@ -153,6 +168,7 @@ REFUSALS = [
     ),
 ]
 MULTI_VECTOR_LOSSES = ("mnrl", "margin_mse", "distill_kl")
+SPARSE_LOSSES = ("mnrl", "margin_mse", "distill_kl")  # SpladeLoss around their Sparse forms
 
 
 def refused(case):
@@ -303,7 +319,7 @@ def launch(case, models, data, out):
         args += ["--strategy", "fsdp", "--fsdp-version", version, "--sharding", sharding]
     if case["model"] == "decoder":
         args += ["--append-eos"]
-    for name in ("gather_negatives", "activation_checkpointing", "mask_duplicates"):
+    for name in ("gather_negatives", "activation_checkpointing", "mask_duplicates", "inference_free_queries"):
         args += ["--" + name.replace("_", "-")] if case.get(name) else []
     for name in ("cache_chunk_size", "matryoshka_dims", "lora_rank"):
         if case.get(name):

@@ -60,11 +60,13 @@ from fsdp_embed import export
 from fsdp_embed import faults
 from fsdp_embed import gradcache
 from fsdp_embed import guide_model
+from fsdp_embed import inference_free
 from fsdp_embed import metrics
 from fsdp_embed import multivector
 from fsdp_embed import multivector_eval
 from fsdp_embed import process_settings
 from fsdp_embed import run_plan
+from fsdp_embed import shard_loading
 from fsdp_embed import sharding
 from fsdp_embed import splade
 from fsdp_embed import startup_checks
@@ -179,7 +181,7 @@ def build_model_and_set_allocator(plan):
     model = sharding.wrap_model(
         raw_model, plan.strategy, plan.device, layer_cls=plan.model.fsdp_layer_cls, **options
     )
-    embedding_model.fill_sharded_weights(model, loaded)  # each rank its slices
+    shard_loading.fill_sharded_weights(model, loaded)  # each rank its slices
     return model, loaded, no_decay_names, dataclasses.replace(plan, sharding=chosen)
 
 
@@ -189,7 +191,7 @@ def build_training(model, no_decay_names, plan, lr, weight_decay):
     # torch 2.13's fused AdamW rejects the ShardedGradScaler's found-inf tensor (shape [1], not
     # []): "output with shape [] doesn't match the broadcast shape [1]". fp16 + FSDP goes unfused.
     fused = not (plan.precision == "fp16" and plan.strategy == "fsdp")
-    optimizer = build_optimizer(model, no_decay_names, lr, weight_decay, fused=fused)
+    optimizer = build_optimizer(model, no_decay_names, lr, weight_decay, fused, plan.flags["static_lr"])
     # 0 -> lr over the warm-up, then linearly down to 0 at the last step (as the HF Trainer)
     w, t = plan.warmup_steps, plan.total_steps
     scheduler = LambdaLR(optimizer, lambda s: s / w if s < w else max(0.0, (t - s) / max(1, t - w)))
@@ -210,11 +212,11 @@ def clear_output_and_open_log(plan, loaded, start_step):
     return startup_checks.agreed_on_rank0(start, plan.device)
 
 
-def build_optimizer(model, no_decay_names, lr, weight_decay, fused=True):
-    """AdamW over the *wrapped* model's parameters (FSDP replaces or reshapes them); the names
-    in `no_decay_names` (biases and LayerNorm weights, taken from the unwrapped model, where
-    they still have their shapes) get no weight decay, as in BERT and the HF Trainer."""
-    decay, no_decay, tables = [], [], []
+def build_optimizer(model, no_decay_names, lr, weight_decay, fused=True, static_lr=None):
+    """AdamW over the *wrapped* model's parameters (FSDP replaces or reshapes them); the names in
+    `no_decay_names` (biases and LayerNorm weights, from the unwrapped model) get no weight decay, as
+    in BERT and the HF Trainer; inference-free SPLADE's query weights train at `static_lr`."""
+    decay, no_decay, tables, static = [], [], [], []
     for name, param in model.named_parameters():
         if not param.requires_grad:
             continue  # frozen (a pooler that cannot be removed): no update, no optimizer state
@@ -223,11 +225,14 @@ def build_optimizer(model, no_decay_names, lr, weight_decay, fused=True):
         # The tables FSDP2 leaves whole (sharding.wrap_fsdp2): a group of their own, as AdamW
         # updates a group's tensors together and cannot mix whole ones with sharded (DTensors).
         whole = sharding.is_fsdp2(model) and not sharding.is_sharded(param)
-        (tables if whole else no_decay if plain_name in no_decay_names else decay).append(param)
+        group = static if plain_name == "static.weight" else tables if whole else decay
+        (no_decay if plain_name in no_decay_names and group is decay else group).append(param)
     # An empty group (LoRA trains no bias or LayerNorm) is left out: torch's flattened optimizer
     # state dict cannot load one back ("list index out of range" on resume).
-    groups = [(decay, weight_decay), (no_decay, 0.0), (tables, weight_decay)]
-    return torch.optim.AdamW([{"params": p, "weight_decay": wd} for p, wd in groups if p], lr=lr, fused=fused)
+    groups = [(decay, weight_decay, lr), (no_decay, 0.0, lr), (tables, weight_decay, lr)]
+    groups.append((static, weight_decay, static_lr))  # the scheduler scales each group's own rate
+    param_groups = [{"params": p, "weight_decay": wd, "lr": rate} for p, wd, rate in groups if p]
+    return torch.optim.AdamW(param_groups, lr=lr, fused=fused)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -248,6 +253,7 @@ class StepOptions:
     scale_loss: object  # loss -> the loss to backward (fp16: scaled by the GradScaler)
     device: object
     multi_vector: tuple = ()  # ColBERT: (skiplist's token ids, the tasks it drops them from)
+    static_queries: bool = False  # inference-free SPLADE: column 0 is looked up (batches.pool_columns)
     guide: object = None  # --guide-model, frozen (guide_model.FrozenModel): MNRL's false negatives
     teacher: object = None  # --teacher-model, frozen: --loss mse's targets
 
@@ -271,6 +277,7 @@ def step_options(plan, loaded, scaler, guide, teacher):
         scale_loss=scaler.scale if scaler else lambda loss: loss,
         device=plan.device,
         multi_vector=multivector.mask_settings(loaded),
+        static_queries=loaded.model.static is not None,
         guide=guide,
         teacher=teacher,
     )
@@ -297,7 +304,7 @@ def prepare_micro_batch(opts, train_set, rows, features, labels, progress):
     so that the step itself only copies and computes: the columns pooled, packed (or cut into
     sub-batches), the text ids hashed, the frozen models' texts tokenized, and on a GPU all of it
     in pinned memory, whose copies need not wait (forward_backward copies with non_blocking)."""
-    pool = batches.pool_columns(features)
+    pool = batches.pool_columns(features, opts.static_queries)
     mask_NT = pool["attention_mask"]
     if opts.packed:
         groups = embedding_model.pack(mask_NT)
@@ -360,10 +367,8 @@ def clip_and_step(model, optimizer, scheduler, scaler, max_grad_norm):
     """Clip the gradients and update the weights; returns (the gradient norm before clipping, the
     learning rate this step used). Collectives under FSDP (all ranks participate): the norm of the
     sharded gradients is all-reduced, and so are the gradients FSDP2 leaves whole. With clipping off
-    (max_grad_norm 0) it only measures the norm, which is logged: the gradient's scale shows, not
-    only its direction."""
-    # the gradients of the tables FSDP2 leaves whole
-    sharding.all_reduce_replicated(model)
+    (max_grad_norm 0) it only measures the norm, which is logged."""
+    sharding.all_reduce_replicated(model)  # the gradients of the tables FSDP2 leaves whole
     if scaler:
         scaler.unscale_(optimizer)  # clip the true gradients, not the scaled ones
     grad_norm = sharding.clip_grad_norm(model, max_grad_norm if max_grad_norm > 0 else math.inf)
@@ -380,14 +385,11 @@ def clip_and_step(model, optimizer, scheduler, scaler, max_grad_norm):
 
 def embed_columns(model, pool, num_columns, groups=None):
     """The embeddings of each text column, in batch order, through the wrapped `model` (DDP/FSDP
-    hook their gradient synchronisation, and FSDP its parameter gathering, into each forward).
-    All `num_columns` columns' rows are embedded as one pool (batches.pool_columns), in one call:
-    `groups` (sub_batches' (rows, positions)) are row sets of that pool, one encoder pass each,
-    each without the positions that are padding in all its rows; a Packing (embedding_model.pack)
-    one pass over packed rows; None: one pass for the whole pool. Fewer passes matter beyond speed:
-    a parameter used by two forwards gets its gradient only when backward has gone through both,
-    so with a forward per column FSDP would hold a whole unsharded copy of the gradients on every
-    rank. The losses run in fp32 even when the encoder computes in bf16/fp16."""
+    hook their gradient synchronisation and parameter gathering into each forward), all
+    `num_columns` columns as one pool (batches.pool_columns) in one call: `groups` (sub_batches')
+    are row sets of it, one encoder pass each; a Packing (embedding_model.pack) one pass over packed
+    rows; None: one pass. With a forward per column, FSDP would hold a whole unsharded copy of the
+    gradients until backward has gone through all. The losses run in fp32."""
     embs = model(**pool, groups=groups).float()  # in pool order
     return list(embs.chunk(num_columns))
 
@@ -410,9 +412,15 @@ def embeddings_loss(model, embs, labels, loss, text_ids=None, guide=None, progre
 
     def at_one_size(embs):
         """The loss of embeddings of one size (Matryoshka: of each). (all ranks participate)"""
-        if loss.splade:  # a sparse model's MNRL: sentence-transformers' SpladeLoss
-            arguments = splade.loss_arguments(loss.splade, *progress)
-            return losses.splade_loss(embs[0], embs[1:], gather=loss.gather, scale=loss.scale, **arguments)
+        if loss.splade:  # sentence-transformers' SpladeLoss around its Sparse MNRL, MarginMSE or DistillKL
+            base = None  # MNRL: splade_loss's own; the others: the dense forms (dot products, as the sparse)
+            if loss.name == "margin_mse":
+                base = losses.margin_mse_loss(embs[0], embs[1], embs[2], labels)
+            elif loss.name == "distill_kl":
+                base = losses.distill_kl_loss(embs[0], embs[1:], labels, *loss.temperatures)
+            gather = loss.gather and base is None  # MarginMSE, DistillKL: each row's own documents alone
+            arguments = splade.loss_arguments(loss.splade, *progress) | {"gather": gather, "base_loss": base}
+            return losses.splade_loss(embs[0], embs[1:], scale=loss.scale, **arguments)
         if loss.name == "mnrl" and loss.own_negatives:
             return losses.own_negatives_loss(embs[0], embs[1:], scale=loss.scale)
         if loss.name == "mnrl":
@@ -495,7 +503,8 @@ def evaluate(model, loaded, plan):
             options.update(dims=dims, metrics=es.metric_names, similarity=similarity)
             multi = loaded.model.multivector is not None  # ColBERT: by MaxSim (multivector_eval.py)
             evaluate_set = multivector_eval.evaluate_retrieval if multi else eval_dist.evaluate_retrieval
-            scores = evaluate_set(model, loaded if multi else loaded.tokenize, *retrieval, **options)
+            tokenize = loaded if multi else inference_free.tokenize_for_evaluation(loaded, es.text_columns[0])
+            scores = evaluate_set(model, tokenize, *retrieval, **options)
         elif es.kind == "nli":
             # The head runs through the wrapped root, like in training (FSDP gathers it there).
             classify = lambda u, v: model(head_input=losses.softmax_features(u, v)).float()  # noqa: E731
@@ -519,7 +528,8 @@ def eval_batch_loss(model, es, loaded, plan, indices):
     ids = None
     if plan.mask_duplicates and es.loss == "mnrl":
         ids = [batches.text_ids(rows[c]).to(plan.device) for c in es.text_columns]
-    pool, settings = batches.pool_columns(features), multivector.mask_settings(loaded)
+    pool = batches.pool_columns(features, loaded.model.static is not None)
+    settings = multivector.mask_settings(loaded)
     with embedding_model.autocast(plan.strategy, plan.device, plan.precision):
         embs = embed_columns(model, pool, len(features))
     masks = multivector.scoring_masks(pool, len(features), *settings) if settings else None

@@ -327,12 +327,16 @@ def flat_texts(rows, text_columns, keys, prompts):
     )
 
 
-def pool_columns(features):
+def pool_columns(features, static_queries=False):
     """The columns' tokens as one batch: column 0's rows, then column 1's, ... collate gives them
     one padded length; columns tokenized apart are padded to the longest, on their tokenizer's
     side (left if any column has a row that starts with padding), with masked zeros; and
     "pads_left", which side that is, seen here on the CPU so that the model need not read it back
-    from the device (EmbeddingModel.embed)."""
+    from the device (EmbeddingModel.embed). `static_queries` (inference-free SPLADE): column 0 as
+    static_ids and static_mask, which the model looks up; the pool holds the other columns."""
+    if static_queries:
+        ids, mask = features[0]["input_ids"], features[0]["attention_mask"]
+        return {**pool_columns(features[1:]), "static_ids": ids, "static_mask": mask}
     T = max(tokens["attention_mask"].shape[1] for tokens in features)
     left = any(not tokens["attention_mask"][:, 0].all() for tokens in features)
 

@@ -79,6 +79,21 @@ def _tensor_state(model, optimizer):
     return tensors, hyper
 
 
+def _untied(tensors):
+    """(`tensors` with each storage once, {left-out name: the name kept}): tied tensors (a SPLADE
+    head's decoder is the word embeddings) share storage, and safetensors refuses to write such a
+    pair. Loading the kept name fills the other, which is the same storage."""
+    kept, tied = {}, {}
+    for name, t in tensors.items():
+        local = getattr(t, "_local_tensor", t)  # a DTensor's shard (FSDP2)
+        key = (local.untyped_storage().data_ptr(), local.storage_offset(), tuple(local.shape))
+        if local.numel() and key in kept:
+            tied[name] = kept[key]
+        else:
+            kept.setdefault(key, name)
+    return {name: t for name, t in tensors.items() if name not in tied}, tied
+
+
 MANIFEST = "manifest.json"
 
 
@@ -179,7 +194,7 @@ def save_checkpoint(model, optimizer, checkpoints_dir, step, trainer_state, keep
             # safetensors files, so loading them back runs no pickle. A failed write raises on
             # every rank.
             dcp.save(
-                tensors,
+                _untied(tensors)[0],
                 storage_writer=dcp.HuggingFaceStorageWriter(
                     tmp_dir, save_distributed=True, enable_consolidation=False
                 ),
@@ -236,8 +251,10 @@ def load_checkpoint(model, optimizer, checkpoint_dir):
         trainer_state = json.load(f)
     with checkpoint_warnings.quiet_checkpoint_warnings():
         tensors, _ = _tensor_state(model, optimizer)  # the shards to fill
-        # (all ranks participate): each rank reads the shards it holds
-        dcp.load(tensors, storage_reader=dcp.HuggingFaceStorageReader(checkpoint_dir))
+        untied, tied = _untied(tensors)
+        reader = dcp.HuggingFaceStorageReader(checkpoint_dir)
+        dcp.load(untied, storage_reader=reader)  # (all ranks participate): each its shards
+        tensors = {name: untied[tied.get(name, name)] for name in tensors}
         model_state = {k.removeprefix("model."): v for k, v in tensors.items() if k.startswith("model.")}
         optim_state = {k.removeprefix("optim."): v for k, v in tensors.items() if k.startswith("optim.")}
         optim_state.update(trainer_state["optimizer_hyperparameters"])

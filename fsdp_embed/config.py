@@ -128,6 +128,11 @@ class Config:
     splade_chunk_size: int = arg(
         8, "splade: rows whose vocabulary-sized logits are computed at once (memory, not results)", at_least=1
     )
+    inference_free_queries: bool = arg(
+        False, "splade: queries as learned token weights, no model forward (SparseStaticEmbedding)", type=bool
+    )
+    static_lr: float = arg(1e-3, "splade, inference-free: the query weights' peak learning rate", above=0)
+    idf_file: str = arg("", "inference-free: the query weights' start, a {token: weight} JSON; empty: ones")
     normalize: bool = arg(
         None, "L2-normalise embeddings; unset: as the SentenceTransformer folder does, else no", type=bool
     )
@@ -209,9 +214,7 @@ class Config:
     warmup_ratio: float = arg(
         0.1, "fraction of the steps with linear warm-up from 0; then linear decay to 0", at_least=0, at_most=1
     )
-    weight_decay: float = arg(
-        0.01, "AdamW weight decay (not applied to biases and LayerNorm weights)", at_least=0
-    )
+    weight_decay: float = arg(0.01, "AdamW weight decay (not on biases and LayerNorm weights)", at_least=0)
     max_grad_norm: float = arg(1.0, "clip the global gradient norm to this; 0 disables clipping", at_least=0)
     seed: int = arg(12, "seeds the data order and the initialisation of new heads")
     # loss recipes
@@ -589,11 +592,8 @@ def parse_config(argv=None, description=None):
 def check_field_rules(cfg):
     """The rules each field carries in its metadata (see `arg`); every float must be finite."""
     for field in dataclasses.fields(Config):
-        value, rules, flag = (
-            getattr(cfg, field.name),
-            field.metadata["rules"],
-            "--" + field.name.replace("_", "-"),
-        )
+        value, rules = getattr(cfg, field.name), field.metadata["rules"]
+        flag = "--" + field.name.replace("_", "-")
         if value is None or isinstance(value, (str, bool)):
             continue
         if isinstance(value, float) and not math.isfinite(value):

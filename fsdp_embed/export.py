@@ -128,6 +128,10 @@ def write_export(loaded, out_dir, plan, record, staging):
             prompts=loaded.named_prompts,
         )
     )
+    extra_tensor_files = {"softmax_head.safetensors": head} if head else {}
+    if loaded.model.static is not None:  # inference-free SPLADE: a Router, the masked LM a route's module
+        static_weight = tensors_of(["static.weight"])["static.weight"]
+        extra_tensor_files[f"{STATIC_FOLDER}/model.safetensors"] = {"weight": static_weight}
     export_sentence_transformer(
         out_dir,
         weight_files,
@@ -140,7 +144,8 @@ def write_export(loaded, out_dir, plan, record, staging):
         tokenizer_files=loaded.tokenizer_files,
         dtype=dtype,
         # The Softmax head is not part of a SentenceTransformer; keep it beside, not lost.
-        extra_tensor_files={"softmax_head.safetensors": head} if head else None,
+        extra_tensor_files=extra_tensor_files,
+        model_folder=DOCUMENT_FOLDER if loaded.model.static is not None else "",
     )
     if plan.export_adapter:  # the adapters alone, for peft, on the base model
         write_adapter(os.path.join(out_dir, "adapter"), tensors_of, staged, plan.model)
@@ -452,6 +457,38 @@ def sentence_transformer_files(
     }
 
 
+# An inference-free SparseEncoder's Router: its routes' module folders, as Router.save names them.
+STATIC_FOLDER, DOCUMENT_FOLDER = "query_0_SparseStaticEmbedding", "document_0_Transformer"
+
+
+def router_files(loaded, strategy, activation):
+    """{path: JSON content} of an inference-free SparseEncoder folder (sentence-transformers 6's
+    layout, `Router.for_query_document`): the Router at the root, the query route's
+    SparseStaticEmbedding (its model.safetensors and tokenizer: write_export), the document route's
+    fill-mask Transformer (the masked LM, its tokenizer) and SpladePooling."""
+    modules = "sentence_transformers.sparse_encoder.modules"
+    types = {
+        STATIC_FOLDER: f"{modules}.sparse_static_embedding.SparseStaticEmbedding",
+        DOCUMENT_FOLDER: "sentence_transformers.base.modules.transformer.Transformer",
+        "document_1_SpladePooling": f"{modules}.splade_pooling.SpladePooling",
+    }
+    router = "sentence_transformers.base.modules.router.Router"
+    structure = {"query": [STATIC_FOLDER], "document": [DOCUMENT_FOLDER, "document_1_SpladePooling"]}
+    parameters = {"default_route": "document", "allow_empty_key": True, "route_mappings": {}}
+    task = {"transformer_task": "fill-mask", "max_seq_length": loaded.max_seq_length}
+    return {
+        "modules.json": [{"idx": 0, "name": "0", "path": "", "type": router}],
+        "router_config.json": {"types": types, "structure": structure, "parameters": parameters},
+        f"{STATIC_FOLDER}/config.json": {"frozen": loaded.model.static.frozen},
+        f"{DOCUMENT_FOLDER}/sentence_bert_config.json": {**task, "do_lower_case": loaded.lowercase},
+        "document_1_SpladePooling/config.json": {
+            "pooling_strategy": strategy,
+            "activation_function": activation,
+            "embedding_dimension": None,
+        },
+    }
+
+
 def sparse_encoder_files(loaded, sparse):
     """{path: JSON content} of a SparseEncoder folder's sentence-transformers files, for the
     LoadedModel `loaded` whose SpladeHead is `sparse`, in the layout of sentence-transformers 5.0-5.3,
@@ -463,11 +500,11 @@ def sparse_encoder_files(loaded, sparse):
     strategy, activation, _ = sparse.settings
     kinds = [("", "MLMTransformer"), ("1_SpladePooling", "SpladePooling")]
     versions = {
-        "sentence_transformers": "5.0.0",
+        "sentence_transformers": "5.0.0" if loaded.model.static is None else "6.0.0",
         "transformers": importlib.metadata.version("transformers"),
         "pytorch": torch.__version__,
     }
-    return {
+    files = {
         "modules.json": [
             {
                 "idx": i,
@@ -486,6 +523,11 @@ def sparse_encoder_files(loaded, sparse):
             "max_seq_length": loaded.max_seq_length,
             "do_lower_case": loaded.lowercase,
         },
+    }
+    if loaded.model.static is not None:  # inference-free: a Router (sentence-transformers 6 loads it)
+        files = router_files(loaded, strategy, activation)
+    return {
+        **files,
         "config_sentence_transformers.json": {
             "__version__": versions,
             "model_type": "SparseEncoder",
@@ -563,6 +605,7 @@ def export_sentence_transformer(
     tokenizer_files=None,
     extra_tensor_files=None,
     dtype=torch.float32,
+    model_folder="",
 ):
     """Write a SentenceTransformer folder at `out_dir` (rank 0 only; no collective inside).
 
@@ -577,20 +620,26 @@ def export_sentence_transformer(
     each Dense layer's tensors (`dense_tensors`, in `dtype`) in its folder; README.md
     (`readme`: the model card); `extra_tensor_files` ({filename: tensors}) beside. Written beside
     `out_dir`, then renamed into place (`swap_into_place`): a crash never leaves a half-written
-    export."""
+    export. `model_folder`: where the transformer and its tokenizer go (a Router's route module),
+    the tokenizer also beside each other tensor file in a folder of its own."""
     out_dir = os.path.abspath(out_dir)
     tmp_dir = f"{out_dir}.tmp-{os.getpid()}"
     shutil.rmtree(tmp_dir, ignore_errors=True)
-    write_weight_files(tmp_dir, weight_files, dtype)  # makes tmp_dir
+    write_weight_files(os.path.join(tmp_dir, model_folder), weight_files, dtype)  # makes tmp_dir
     encoder_config = copy.deepcopy(encoder_config)
     encoder_config.dtype = dtype  # what from_pretrained(dtype="auto") loads it in
-    encoder_config.save_pretrained(tmp_dir)
-    write_tokenizer(tmp_dir, tokenizer, max_seq_length, tokenizer_files)
+    encoder_config.save_pretrained(os.path.join(tmp_dir, model_folder))
+    write_tokenizer(os.path.join(tmp_dir, model_folder), tokenizer, max_seq_length, tokenizer_files)
     for filename, file_tensors in (extra_tensor_files or {}).items():
         file_tensors = {name: t.detach().cpu().contiguous().clone() for name, t in file_tensors.items()}
-        save_file(file_tensors, os.path.join(tmp_dir, filename))
-    for module in st_files["modules.json"][1:]:
-        os.makedirs(os.path.join(tmp_dir, module["path"]))
+        if os.path.dirname(filename):  # SparseStaticEmbedding's folder holds its tokenizer too
+            os.makedirs(os.path.join(tmp_dir, os.path.dirname(filename)))
+            write_tokenizer(
+                os.path.join(tmp_dir, os.path.dirname(filename)), tokenizer, max_seq_length, tokenizer_files
+            )
+        save_file(file_tensors, os.path.join(tmp_dir, filename), metadata={"format": "pt"})
+    for name in st_files:  # the modules' folders
+        os.makedirs(os.path.join(tmp_dir, os.path.dirname(name)), exist_ok=True)
     for name, content in st_files.items():
         with open(os.path.join(tmp_dir, name), "w", encoding="utf8") as f:
             json.dump(content, f, indent=2)

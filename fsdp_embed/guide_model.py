@@ -24,12 +24,13 @@ to wrap one).
 Left out on purpose: a guide or teacher that trains, and a projection between a teacher and a
 student of other widths (the embeddings must be the same size: a start-up check).
 
-Needs torch, and fsdp_embed/embedding_model.py (`load_model`, `fill_sharded_weights`),
+Needs torch, and fsdp_embed/embedding_model.py (`load_model`), shard_loading.py (`fill_sharded_weights`),
 fsdp_embed/batches.py (`with_prompt`), fsdp_embed/sharding.py (`wrap_model`) and fsdp_utils.py
 (`print0`). Its whole copy set (what it needs, directly or through another): fsdp_utils.py,
 fsdp_embed/batches.py, fsdp_embed/checkpoint_warnings.py, fsdp_embed/config.py,
-fsdp_embed/embedding_model.py, fsdp_embed/lora.py, fsdp_embed/shard_loading.py,
-fsdp_embed/sharding.py, fsdp_embed/splade.py, fsdp_embed/st_folder.py, fsdp_embed/token_cache.py.
+fsdp_embed/embedding_model.py, fsdp_embed/inference_free.py, fsdp_embed/lora.py,
+fsdp_embed/shard_loading.py, fsdp_embed/sharding.py, fsdp_embed/splade.py, fsdp_embed/st_folder.py,
+fsdp_embed/token_cache.py.
 """
 
 from dataclasses import dataclass
@@ -39,6 +40,7 @@ import torch
 import fsdp_utils
 from fsdp_embed import batches
 from fsdp_embed import embedding_model
+from fsdp_embed import shard_loading
 from fsdp_embed import sharding
 
 
@@ -82,7 +84,7 @@ def load_frozen(path, flag, spec, plan):
             fsdp_version=plan.fsdp_version,
             precision=plan.precision,
         )
-        embedding_model.fill_sharded_weights(model, loaded)
+        shard_loading.fill_sharded_weights(model, loaded)
     else:
         model = raw.to(plan.device)
     model.eval()  # no dropout: the same embeddings for the same texts, on every rank

@@ -127,6 +127,18 @@ embeddings = weights.{reduce}(1)  # SpladePooling: {strategy} over the tokens
 ```
 
 """
+INFERENCE_FREE_USE = """## Use with sentence-transformers (6.0 or later)
+Inference-free SPLADE: a query is a learned weight per token it holds, looked up with no model
+forward (SparseStaticEmbedding); documents go through the masked LM (document_0_Transformer).
+```python
+from sentence_transformers import SparseEncoder
+model = SparseEncoder("path/to/this/folder")
+queries = model.encode_query(["What plays music?"])
+documents = model.encode_document(["A man plays a guitar.", "A cat sleeps."])
+scores = model.similarity(queries, documents)  # dot product
+```
+
+"""
 MULTI_VECTOR_USE = """## Use with sentence-transformers (6.0 or later)
 A multi-vector (ColBERT) model: one vector per token, queries and documents scored by {similarity}.
 ```python
@@ -203,7 +215,10 @@ def card(plan, loaded, record):
 
 
 def sparse_use(loaded):
-    """SPARSE_USE filled in for the SpladeHead of `loaded` (splade.SpladeHead.settings)."""
+    """SPARSE_USE filled in for the SpladeHead of `loaded` (splade.SpladeHead.settings), or with
+    static queries INFERENCE_FREE_USE."""
+    if loaded.model.static is not None:
+        return INFERENCE_FREE_USE
     strategy, activation, _ = loaded.model.sparse.settings
     return SPARSE_USE.format(
         max_seq_length=loaded.max_seq_length,

@@ -23,7 +23,7 @@ fsdp_utils.py (`resolve_layer_classes`), fsdp_embed/lora.py, fsdp_embed/splade.p
 fsdp_embed/guide_model.py (`frozen_spec`).
 Its whole copy set (what it needs, directly or through another): eval_dist.py, fsdp_utils.py,
 fsdp_embed/batches.py, fsdp_embed/checkpoint_warnings.py, fsdp_embed/config.py,
-fsdp_embed/embedding_model.py, fsdp_embed/guide_model.py, fsdp_embed/lora.py,
+fsdp_embed/embedding_model.py, fsdp_embed/guide_model.py, fsdp_embed/inference_free.py, fsdp_embed/lora.py,
 fsdp_embed/shard_loading.py, fsdp_embed/sharding.py, fsdp_embed/splade.py, fsdp_embed/st_folder.py,
 fsdp_embed/token_cache.py, fsdp_embed/training_data.py.
 """
@@ -87,6 +87,7 @@ SPLADE_FLAGS = (
     "query_regularizer_weight", "document_regularizer_weight", "query_regularizer_threshold",
     "document_regularizer_threshold", "use_document_regularizer_only", "regularizer_scheduler_type",
     "regularizer_warmup_ratio", "splade_pooling_strategy", "splade_activation_function", "splade_chunk_size",
+    "inference_free_queries", "static_lr", "idf_file",
 )  # fmt: skip
 NOT_SPARSE_YET = (
     "symmetric", "mask_duplicates", "mnrl_directions", "guide_model", "false_negative_margin",
@@ -148,10 +149,25 @@ def check_multi_vector(spec, plan):
 MULTI_VECTOR_LOSSES = ("mnrl", "margin_mse", "distill_kl")
 
 
-def check_model_losses(spec, losses_used):
-    """The losses the training files use (`losses_used`), against a SPLADE or multi-vector model."""
-    if spec.sparse and losses_used != ["mnrl"]:  # SPLADE: sentence-transformers' SpladeLoss
-        raise ValueError(f"--loss {','.join(losses_used)}: a sparse (SPLADE) model trains with mnrl alone")
+# The losses a sparse model trains with: SpladeLoss around sentence-transformers' Sparse forms of these.
+SPARSE_LOSSES = ("mnrl", "margin_mse", "distill_kl")
+
+
+def check_model_losses(spec, losses_used, gather_negatives=False):
+    """The losses the training files use (`losses_used`), against a SPLADE or multi-vector model;
+    `gather_negatives`: --gather-negatives, which a sparse model's MarginMSE and DistillKL have no use for
+    (each query is scored against its own row's documents; the FLOPS terms are over every rank's rows)."""
+    if spec.sparse and set(losses_used) - set(SPARSE_LOSSES):  # SPLADE: sentence-transformers' SpladeLoss
+        raise ValueError(
+            f"--loss {','.join(losses_used)}: a sparse (SPLADE) model trains with {', '.join(SPARSE_LOSSES)} "
+            "(sentence-transformers' SpladeLoss around their Sparse forms); CoSENT, Softmax and MSE not yet"
+        )
+    if spec.sparse and gather_negatives and "mnrl" not in losses_used:
+        raise ValueError(
+            f"--gather-negatives works on MNRL's candidates, and --loss {','.join(losses_used)} scores each "
+            "query against its own row's documents alone; drop --gather-negatives (a sparse model's FLOPS "
+            "regularisers are over every rank's rows without it)"
+        )
     if spec.multi_vector and set(losses_used) - set(MULTI_VECTOR_LOSSES):  # MaxSim's forms alone
         raise ValueError(
             f"--loss {','.join(losses_used)}: a multi-vector (ColBERT) model trains with "
@@ -161,8 +177,14 @@ def check_model_losses(spec, losses_used):
 
 
 def check_model_evaluation(spec, eval_sets):
-    """The evaluation sets' kinds against a multi-vector model, which has no one vector a text."""
+    """The evaluation sets' kinds against a multi-vector model, which has no one vector a text, and
+    an inference-free SPLADE model, whose two sides are not one embedding of a text."""
     bad = next((es for es in eval_sets if es.kind in ("sts", "nli")), None)
+    if spec.inference_free and bad:
+        raise ValueError(
+            f"--eval-data {bad.name} ({bad.kind}): an inference-free SPLADE model encodes queries and "
+            "documents apart, and an STS or NLI pair is neither; evaluate it by retrieval or loss"
+        )
     if spec.multi_vector and bad:
         raise ValueError(
             f"--eval-data {bad.name} ({bad.kind}): a multi-vector (ColBERT) model has no single vector per "
@@ -204,6 +226,32 @@ def check_sparse(spec, plan):
             f"--pooling splade: {spec.path} has no masked-LM head to load ({str(e).splitlines()[0]}); "
             "use a masked-LM model (BERT, RoBERTa, DistilBERT, ModernBERT) or another --pooling"
         ) from e
+
+
+def check_inference_free(spec, plan):
+    """An inference-free SPLADE model's flags (its queries a static weight per token: inference_free.py):
+    what the static side cannot take, and the inference-free flags without it."""
+    given = functools.partial(flags_given, plan)
+    if not spec.inference_free and given(["static_lr", "idf_file"]):
+        raise ValueError(
+            f"{given(['static_lr', 'idf_file'])[0]} sets the static query weights of inference-free SPLADE; "
+            "pass --inference-free-queries too (or a Router folder), or drop it"
+        )
+    if not spec.inference_free:
+        return
+    if spec.static_queries[1] and (spec.folder or {}).get("static_queries"):
+        raise ValueError(f"--idf-file: {spec.path} holds its own query weights; drop --idf-file")
+    refused = {
+        "use_document_regularizer_only": "treats queries as documents, and static queries are not",
+        "cache_chunk_size": "(GradCache) does not run the static query route yet",
+    }
+    for name, why in refused.items():
+        if given([name]):
+            raise ValueError(f"{given([name])[0]} with inference-free queries: it {why}; drop it")
+    if plan.flags["tokenize"] == "once":  # a token file's ids know no task
+        raise ValueError(
+            "--tokenize once: inference-free queries are tokenized apart (no special tokens); drop it"
+        )
 
 
 def embedding_width(model_config, st_config):

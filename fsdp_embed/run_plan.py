@@ -23,7 +23,7 @@ Needs config.py, training_data.py, batches.py, checkpoints.py, embedding_model.p
 export.py (`max_shard_bytes`) and model_checks.py, all in fsdp_embed/: it is where the flags meet the
 files, not a file to copy alone. Its whole copy set: eval_dist.py, fsdp_utils.py and, in fsdp_embed/,
 batches.py, checkpoint_warnings.py, checkpoints.py, config.py, embedding_model.py, export.py,
-faults.py, guide_model.py, lora.py, model_card.py, model_checks.py, random_state.py,
+faults.py, guide_model.py, inference_free.py, lora.py, model_card.py, model_checks.py, random_state.py,
 shard_loading.py, sharding.py, splade.py, st_folder.py, token_cache.py, training_data.py.
 """
 
@@ -60,7 +60,7 @@ class LossPlan:
     # by the guide model's scores where the micro-batch brings them, else by the model's own
     hardness: tuple | None = None  # MNRL's (mode, strength): harder negatives weighted more
     idle_head: bool = False  # the model has a Softmax head that this loss leaves unused
-    splade: dict | None = None  # a sparse model's MNRL: SpladeLoss's flags (splade.loss_arguments)
+    splade: dict | None = None  # a sparse model's SpladeLoss: its flags (splade.loss_arguments)
     multi_vector: str = ""  # ColBERT: token matrices scored by "maxsim" or "meanmaxsim" (multivector.py)
 
 
@@ -156,6 +156,7 @@ def flags_plan(cfg, world_size, device):
     model = dataclasses.replace(plan.model, folder=folder)
     if model.sparse:  # SPLADE: a masked-LM head, and no option SpladeLoss does not take here
         model_checks.check_sparse(model, plan)
+        model_checks.check_inference_free(model, plan)  # and its static queries
     elif model.multi_vector or folder["pooling"] == "multivector":  # ColBERT: a layout read here
         model_checks.check_multi_vector(model, plan)
     if not model.sparse and (splade_flags := model_checks.flags_given(plan, model_checks.SPLADE_FLAGS)):
@@ -240,6 +241,7 @@ def model_spec(cfg):
         activation_checkpointing=cfg.activation_checkpointing,
         fsdp_layer_cls=cfg.fsdp_layer_cls,
         splade=(cfg.splade_pooling_strategy, cfg.splade_activation_function, cfg.splade_chunk_size),
+        static_queries=(cfg.inference_free_queries, cfg.idf_file),
     )
 
 
@@ -364,29 +366,17 @@ def checked_eval_sets(cfg, plan, train_sets):
 def check_losses(cfg, plan, train_sets):
     """The flags that need a loss, against the losses the files train with."""
     losses_used = sorted({ts.loss for ts in train_sets})
-    model_checks.check_model_losses(plan.model, losses_used)  # SPLADE's and ColBERT's
+    model_checks.check_model_losses(plan.model, losses_used, cfg.gather_negatives)  # SPLADE's, ColBERT's
     if (cfg.gather_negatives or cfg.symmetric or cfg.mask_duplicates) and "mnrl" not in losses_used:
-        flag = (
-            "--gather-negatives"
-            if cfg.gather_negatives
-            else "--symmetric"
-            if cfg.symmetric
-            else "--mask-duplicates"
-        )
+        names = ("gather_negatives", "symmetric", "mask_duplicates")
+        flag = "--" + next(name for name in names if getattr(cfg, name)).replace("_", "-")
         raise ValueError(
             f"{flag} works on MNRL's candidates, and no --train-data file trains with mnrl "
             f"(losses: {', '.join(losses_used)})"
         )
     given = {f.name for f in dataclasses.fields(cfg) if getattr(cfg, f.name) != f.default}  # not defaults
-    if given & {
-        "false_negative_margin",
-        "guide_model",
-        "guide_margin",
-        "guide_margin_strategy",
-        "hardness_mode",
-        "contrast_anchors",
-        "contrast_positives",
-    }:
+    false_negative_flags = ("false_negative_margin", "guide_model", "guide_margin", "guide_margin_strategy")
+    if given & {*false_negative_flags, "hardness_mode", "contrast_anchors", "contrast_positives"}:
         check_false_negative_flags(cfg, losses_used)
     directions = config.gist_directions(plan.mnrl["directions"], plan.gist)
     if len(directions) > 1:
@@ -728,6 +718,10 @@ def loss_plan(plan, cfg, name, own_negatives, num_labels, gather, guided=True):
     elif cfg.false_negative_margin is not None:
         # the model's own scores, no guide: s_ij > s_i+ + M is strategy "absolute" with margin -M
         false_negatives = ("absolute", -cfg.false_negative_margin)
+    # SpladeLoss's flags by name (splade.loss_arguments), its FLOPS over every rank's rows in training
+    splade_flags = {f: getattr(cfg, f) for f in model_checks.SPLADE_FLAGS} | {"over_ranks": guided}
+    if plan.model.inference_free and not model_checks.flags_given(plan, ["query_regularizer_weight"]):
+        splade_flags["query_regularizer_weight"] = 0  # the recipe's: static queries, no regulariser
     return LossPlan(
         name=name,
         scale=scale,
@@ -741,10 +735,7 @@ def loss_plan(plan, cfg, name, own_negatives, num_labels, gather, guided=True):
         idle_head=num_labels > 0 and name != "softmax",
         false_negatives=false_negatives,
         hardness=(cfg.hardness_mode, cfg.hardness_strength) if cfg.hardness_mode else None,
-        # SpladeLoss's flags by name (splade.loss_arguments), its FLOPS over every rank's rows in training
-        splade={f: getattr(cfg, f) for f in model_checks.SPLADE_FLAGS} | {"over_ranks": guided}
-        if plan.model.sparse
-        else None,
+        splade=splade_flags if plan.model.sparse else None,
         multi_vector=plan.model.multi_vector,
     )
 

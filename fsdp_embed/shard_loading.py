@@ -10,7 +10,8 @@ storage by flattened unit), the same memory its forward needs.
   - `safetensors_keys`: which file of a folder holds each tensor;
   - `load_pretrained_sharded`: fill a sharded meta model from such a folder;
   - `build_on_meta`: a transformers model on the meta device, and where each tensor is read from;
-  - `read_tensors`: tensors read whole; `init_non_persistent_buffers`: what no checkpoint holds.
+  - `read_tensors`: tensors read whole; `init_non_persistent_buffers`: what no checkpoint holds;
+  - `fill_sharded_weights`: the same, for a model embedding_model.load_model built on meta.
 
 Needs torch, transformers, safetensors, and fsdp_embed/checkpoint_warnings.py (which needs nothing of the
 project): copy the two.
@@ -130,3 +131,13 @@ def init_non_persistent_buffers(encoder):
         for module in encoder.modules():
             if module._non_persistent_buffers_set:
                 encoder._init_weights(module)
+
+
+def fill_sharded_weights(model, loaded):
+    """After a model that embedding_model.load_model built on the meta device (`loaded.pretrained_dir`
+    set) is wrapped in FSDP (`model`): each rank reads the slices of the weights its shards hold, and the
+    buffers no checkpoint holds are computed. (all ranks participate) Nothing to do otherwise."""
+    if loaded.pretrained_dir:
+        init_non_persistent_buffers(loaded.model.encoder)
+        load_pretrained_sharded(model, loaded.pretrained_dir, loaded.pretrained_names, loaded.fresh_tensors)
+        loaded.fresh_tensors = {}

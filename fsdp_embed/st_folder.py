@@ -1,15 +1,16 @@
 """What a SentenceTransformer folder says about how it embeds, read from its files: the
 transformer's subfolder, the pooling mode and include_prompt, the Dense layers after pooling,
 normalisation, max_seq_length, do_lower_case and the prompts; of a SparseEncoder folder (SPLADE),
-its SpladePooling settings (`sparse_encoder_config`); of a MultiVectorEncoder folder (ColBERT), its
-mask, lengths and similarity (`multi_vector_config`), as also of the two older layouts
-MultiVectorEncoder reads (a PyLate v3 folder: `pylate_v3_config`; a Stanford ColBERT checkpoint:
-`stanford_colbert_config`); the model's tokenizer as training reads texts (`load_tokenizer`); the
-base's slow-tokenizer files the export copies (`base_tokenizer_files`); and the changes to a
-tokenizer that travel with it, so an export reads texts as training did (`lowercase_inside`,
-`append_eos`, `register_prefix_tokens`). The student's folder is read once at start-up
-(model_checks.model_config_of, for run_plan.flags_plan), and the plan carries it to
-embedding_model.load_model; the export writes what `read_sentence_transformer_config` reads back.
+its SpladePooling settings (`sparse_encoder_config`; with a Router's static queries: `router_config`);
+of a MultiVectorEncoder folder (ColBERT), its mask, lengths and similarity (`multi_vector_config`),
+as also of the two older layouts MultiVectorEncoder reads (a PyLate v3 folder: `pylate_v3_config`;
+a Stanford ColBERT checkpoint: `stanford_colbert_config`); the model's tokenizer as training reads
+texts (`load_tokenizer`); the base's slow-tokenizer files the export copies
+(`base_tokenizer_files`); and the changes to a tokenizer that travel with it, so an export reads
+texts as training did (`lowercase_inside`, `append_eos`, `register_prefix_tokens`). The student's
+folder is read once at start-up (model_checks.model_config_of, for run_plan.flags_plan), and the
+plan carries it to embedding_model.load_model; the export writes what
+`read_sentence_transformer_config` reads back.
 
     settings = st_folder.read_sentence_transformer_config("path/or/hub-id")
     if settings["do_lower_case"]:
@@ -39,8 +40,7 @@ def read_sentence_transformer_config(path):
     each: folder, in_features, out_features, bias, activation, use_residual), normalisation,
     max_seq_length, do_lower_case, prompts, default_prompt_name and similarity_fn_name. A plain HF
     model (no modules.json) gives the defaults: mean pooling, no normalisation, no max length of
-    its own. Raises ValueError for modules other than Transformer, Pooling, Dense and Normalize,
-    or in another order than that."""
+    its own. Raises ValueError for modules it does not know, or in another order."""
     import transformers
 
     def read_json(filename):
@@ -51,18 +51,20 @@ def read_sentence_transformer_config(path):
             return json.load(f)
 
     st_config = {"subfolder": "", "pooling": "mean", "include_prompt": True, "dense": [], "normalize": False}
-    st_config.update(max_seq_length=None, do_lower_case=False, prompts={}, default_prompt_name=None)
-    st_config.update(similarity_fn_name="cosine", splade={})  # splade: SpladePooling's settings
-    st_config.update(multivector=None)  # a MultiVectorEncoder's settings (multi_vector_config)
-    st_config.update(prefix_tokens={})  # a legacy ColBERT's [Q]/[D] markers (register_prefix_tokens)
+    st_config |= {"max_seq_length": None, "do_lower_case": False, "prompts": {}, "default_prompt_name": None}
+    # splade: SpladePooling's settings; multivector: a MultiVectorEncoder's (multi_vector_config);
+    # prefix_tokens: a legacy ColBERT's [Q]/[D] markers (register_prefix_tokens)
+    st_config |= {"similarity_fn_name": "cosine", "splade": {}, "multivector": None, "prefix_tokens": {}}
     modules = read_json("modules.json")
     if modules is None:
         if "HF_ColBERT" in ((read_json("config.json") or {}).get("architectures") or []):
             return stanford_colbert_config(path, read_json, st_config)
         return st_config
     kinds = [module["type"].rsplit(".", 1)[-1] for module in modules]
-    if kinds in (["Transformer", "SpladePooling"], ["MLMTransformer", "SpladePooling"]):
+    if kinds in DOCUMENT_ROUTES:
         return sparse_encoder_config(modules, read_json, st_config)
+    if kinds == ["Router"]:  # inference-free SPLADE
+        return router_config(path, modules, read_json, st_config)
     saved = read_json("config_sentence_transformers.json") or {}
     if saved.get("model_type") == "ColBERT" or "MultiVectorMask" in kinds:
         return multi_vector_config(path, modules, kinds, read_json, st_config)
@@ -81,8 +83,7 @@ def read_sentence_transformer_config(path):
             st_config["max_seq_length"] = bert_config.get("max_seq_length")
             st_config["do_lower_case"] = bool(bert_config.get("do_lower_case", False))
         elif kind == "Pooling":
-            pooling_file = os.path.join(module["path"], "config.json")
-            pooling = read_json(pooling_file)
+            pooling = read_json(pooling_file := os.path.join(module["path"], "config.json"))
             st_config["pooling"] = pooling_mode_of(path, pooling_file, pooling)
             st_config["include_prompt"] = pooling.get("include_prompt", True) is not False
         elif kind == "Dense":
@@ -115,6 +116,44 @@ def sparse_encoder_config(modules, read_json, st_config):
         "prompts": saved.get("prompts") or {},
         "similarity_fn_name": "dot",
     }
+
+
+# The routes of an inference-free SparseEncoder's Router this trainer reads (by class name;
+# sentence-transformers 5.x called the fill-mask Transformer MLMTransformer).
+QUERY_ROUTE = ["SparseStaticEmbedding"]
+DOCUMENT_ROUTES = (["Transformer", "SpladePooling"], ["MLMTransformer", "SpladePooling"])
+
+
+def router_config(path, modules, read_json, st_config):
+    """read_sentence_transformer_config of an inference-free SparseEncoder folder: one Router whose
+    "query" route is a SparseStaticEmbedding and whose "document" route is the fill-mask
+    Transformer (5.x: MLMTransformer) and SpladePooling. The document route's settings are
+    `sparse_encoder_config`'s; `st_config["static_queries"]`: the query module's folder and frozen.
+    Raises ValueError for any other routes, or route mappings (by task and modality)."""
+    router = read_json(os.path.join(modules[0]["path"], "router_config.json")) or {}
+    types, structure = router.get("types", {}), router.get("structure", {})
+    kinds = {route: [types.get(i, "").rsplit(".", 1)[-1] for i in ids] for route, ids in structure.items()}
+    mappings = (router.get("parameters") or {}).get("route_mappings")
+    if set(kinds) != {"query", "document"} or kinds["query"] != QUERY_ROUTE or mappings:
+        raise ValueError(
+            f"{path}: a Router with routes {kinds} (route mappings: {mappings or 'none'}) is not supported; "
+            "only query: SparseStaticEmbedding and document: Transformer (fill-mask) -> SpladePooling are"
+        )
+    if kinds["document"] not in DOCUMENT_ROUTES:
+        raise ValueError(
+            f"{path}: the Router's document route {kinds['document']} is not supported; "
+            "only Transformer (fill-mask) -> SpladePooling is"
+        )
+    query_folder = os.path.join(modules[0]["path"], structure["query"][0])
+    static = read_json(os.path.join(query_folder, "config.json")) or {}
+    if "path" in static:  # SparseStaticEmbedding.load reads an IDF JSON named there instead
+        raise ValueError(
+            f"{path}: {query_folder} takes its weights from {static['path']}; save the "
+            "model with SparseEncoder.save first, which writes them as model.safetensors"
+        )
+    documents = [{"path": os.path.join(modules[0]["path"], i)} for i in structure["document"]]
+    settings = sparse_encoder_config(documents, read_json, st_config)
+    return {**settings, "static_queries": {"folder": query_folder, "frozen": bool(static.get("frozen"))}}
 
 
 MULTI_VECTOR_MODULES = ["Transformer", "Dense", "MultiVectorMask", "Normalize"]

@@ -417,11 +417,11 @@ def assert_same_training(run_dir, reference_dir, num_steps, key_bias_tol=1e-5):
         assert abs(g["loss"] - w["loss"]) <= 1e-5 * max(1.0, abs(w["loss"])), (g, w)
         assert abs(g["grad_norm"] - w["grad_norm"]) <= 1e-5 * w["grad_norm"], (g, w)
         assert g["lr"] == w["lr"], (g, w)
-    for name in ["model.safetensors"] + (
-        ["softmax_head.safetensors"]
-        if (reference_dir / "final" / "softmax_head.safetensors").exists()
-        else []
-    ):
+    extra = [
+        f for f in ("softmax_head.safetensors", ROUTER_FILES[0]) if (reference_dir / "final" / f).exists()
+    ]
+    router = (reference_dir / "final" / ROUTER_FILES[1]).exists()  # inference-free SPLADE's layout
+    for name in [ROUTER_FILES[1] if router else "model.safetensors", *extra]:
         got_weights, want_weights = (
             export_weights(run_dir / "final", name),
             export_weights(reference_dir / "final", name),
@@ -435,8 +435,12 @@ def assert_same_training(run_dir, reference_dir, num_steps, key_bias_tol=1e-5):
     base.update(
         {k.partition(".")[2]: v for k, v in base.items() if k.startswith("model.")}
     )  # a task checkpoint's base model
-    trained = export_weights(reference_dir / "final")
+    trained = export_weights(reference_dir / "final", ROUTER_FILES[1] if router else "model.safetensors")
     assert max((trained[k] - base[k]).abs().max().item() for k in trained if k in base) > 1e-4
+
+
+# An inference-free SPLADE export's weights: the static query weights, the masked LM (a Router's routes)
+ROUTER_FILES = ("query_0_SparseStaticEmbedding/model.safetensors", "document_0_Transformer/model.safetensors")
 
 
 def export_weights(folder, name="model.safetensors"):

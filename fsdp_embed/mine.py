@@ -36,7 +36,8 @@ fsdp_embed/embedding_model.py (`ModelSpec`, `load_model`: the model as the train
 eval_dist.py, fsdp_utils.py and fsdp_embed/startup_checks.py (`agree_on_error`).
 Its whole copy set (what it needs, directly or through another): eval_dist.py, fsdp_utils.py,
 fsdp_embed/checkpoint_warnings.py, fsdp_embed/checkpoints.py, fsdp_embed/config.py,
-fsdp_embed/embedding_model.py, fsdp_embed/faults.py, fsdp_embed/lora.py, fsdp_embed/random_state.py,
+fsdp_embed/embedding_model.py, fsdp_embed/faults.py, fsdp_embed/inference_free.py, fsdp_embed/lora.py,
+fsdp_embed/random_state.py,
 fsdp_embed/shard_loading.py, fsdp_embed/splade.py, fsdp_embed/st_folder.py,
 fsdp_embed/startup_checks.py, fsdp_embed/training_data.py.
 """

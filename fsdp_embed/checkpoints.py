@@ -85,6 +85,8 @@ def _untied(tensors):
     pair. Loading the kept name fills the other, which is the same storage."""
     kept, tied = {}, {}
     for name, t in tensors.items():
+        if hasattr(t, "local_shards"):  # FSDP1's ShardedTensor: written as it is
+            continue
         local = getattr(t, "_local_tensor", t)  # a DTensor's shard (FSDP2)
         key = (local.untyped_storage().data_ptr(), local.storage_offset(), tuple(local.shape))
         if local.numel() and key in kept:

@@ -86,7 +86,9 @@ def main(cfg):
     model, loaded, no_decay_names, plan = build_model_and_set_allocator(plan)  # (all ranks participate)
     if plan.eval_only:
         return evaluate_only(model, loaded, plan)  # (all ranks participate) the model, evaluated
-    optimizer, scheduler, scaler = build_training(model, no_decay_names, plan, cfg.lr, cfg.weight_decay)
+    optimizer, scheduler, scaler = build_training(
+        model, no_decay_names, plan, cfg.lr, cfg.weight_decay, cfg.static_lr
+    )
     # (all ranks participate) under FSDP: a --guide-model or --teacher-model loads, sharded
     opts = step_options(plan, loaded, scaler, *guide_model.load_frozen_models(plan))
     # (all ranks participate) loading sharded state is a collective. (0, None) for a fresh run.
@@ -185,13 +187,13 @@ def build_model_and_set_allocator(plan):
     return model, loaded, no_decay_names, dataclasses.replace(plan, sharding=chosen)
 
 
-def build_training(model, no_decay_names, plan, lr, weight_decay):
+def build_training(model, no_decay_names, plan, lr, weight_decay, static_lr=None):
     """(AdamW at peak learning rate `lr`, its learning-rate schedule, the fp16 loss scaler or
     None), for the wrapped model."""
     # torch 2.13's fused AdamW rejects the ShardedGradScaler's found-inf tensor (shape [1], not
     # []): "output with shape [] doesn't match the broadcast shape [1]". fp16 + FSDP goes unfused.
     fused = not (plan.precision == "fp16" and plan.strategy == "fsdp")
-    optimizer = build_optimizer(model, no_decay_names, lr, weight_decay, fused, plan.flags["static_lr"])
+    optimizer = build_optimizer(model, no_decay_names, lr, weight_decay, fused, static_lr)
     # 0 -> lr over the warm-up, then linearly down to 0 at the last step (as the HF Trainer)
     w, t = plan.warmup_steps, plan.total_steps
     scheduler = LambdaLR(optimizer, lambda s: s / w if s < w else max(0.0, (t - s) / max(1, t - w)))
@@ -277,7 +279,7 @@ def step_options(plan, loaded, scaler, guide, teacher):
         scale_loss=scaler.scale if scaler else lambda loss: loss,
         device=plan.device,
         multi_vector=multivector.mask_settings(loaded),
-        static_queries=loaded.model.static is not None,
+        static_queries=loaded.static_queries,
         guide=guide,
         teacher=teacher,
     )
@@ -364,10 +366,9 @@ def forward_backward(model, batch, opts, sync):
 
 
 def clip_and_step(model, optimizer, scheduler, scaler, max_grad_norm):
-    """Clip the gradients and update the weights; returns (the gradient norm before clipping, the
-    learning rate this step used). Collectives under FSDP (all ranks participate): the norm of the
-    sharded gradients is all-reduced, and so are the gradients FSDP2 leaves whole. With clipping off
-    (max_grad_norm 0) it only measures the norm, which is logged."""
+    """Clip the gradients and update the weights; returns (the gradient norm before clipping: logged,
+    also with clipping off, max_grad_norm 0; the learning rate this step used). Collectives under
+    FSDP (all ranks participate): the sharded gradients' norm, the gradients FSDP2 leaves whole."""
     sharding.all_reduce_replicated(model)  # the gradients of the tables FSDP2 leaves whole
     if scaler:
         scaler.unscale_(optimizer)  # clip the true gradients, not the scaled ones
@@ -528,8 +529,7 @@ def eval_batch_loss(model, es, loaded, plan, indices):
     ids = None
     if plan.mask_duplicates and es.loss == "mnrl":
         ids = [batches.text_ids(rows[c]).to(plan.device) for c in es.text_columns]
-    pool = batches.pool_columns(features, loaded.model.static is not None)
-    settings = multivector.mask_settings(loaded)
+    pool, settings = batches.pool_columns(features, loaded.static_queries), multivector.mask_settings(loaded)
     with embedding_model.autocast(plan.strategy, plan.device, plan.precision):
         embs = embed_columns(model, pool, len(features))
     masks = multivector.scoring_masks(pool, len(features), *settings) if settings else None

@@ -402,6 +402,7 @@ class LoadedModel:
     task_lengths: dict = dataclasses.field(default_factory=dict)
     expansion: dict | None = None
     task_prompts: dict = dataclasses.field(default_factory=dict)  # {task: the folder's prompt of it}
+    static_queries: bool = False  # inference-free SPLADE: "query" texts get no special tokens
 
     def prompt_length(self, prompt):
         """The tokens of `prompt` that pooling leaves out, as sentence-transformers counts them:
@@ -452,7 +453,7 @@ class LoadedModel:
                 for t, n in zip(tasks, lengths)
             ]
             return self.expand(self.padded_ids_of_lengths(texts, lengths, L), tasks)
-        if self.model.static is not None and "query" in tasks:  # SparseStaticEmbedding's: no [CLS], [SEP]
+        if self.static_queries and "query" in tasks:  # SparseStaticEmbedding's: no [CLS], [SEP]
             return self.padded_ids_of_lengths(texts, lengths, plain=[t == "query" for t in tasks])
         if len(set(lengths)) <= 1:
             return self.tokenizer(
@@ -596,9 +597,8 @@ def load_model(spec, num_labels=0, on_meta=False):
     dense = [dense_layer(path, settings) for settings in st_config["dense"]]
     dense, multi = multi_vector_head(pooling, st_config, dense, train_config.hidden_size)  # ColBERT's
     static = inference_free.static_embedding(spec, st_config, path, tokenizer) if sparse else None
-    model = EmbeddingModel(
-        encoder, pooling, normalize or bool(multi), num_labels, dense, sparse, multi, static
-    )
+    heads = (dense, sparse, multi, static)  # after the encoder: Dense, SPLADE, ColBERT, static queries
+    model = EmbeddingModel(encoder, pooling, normalize or bool(multi), num_labels, *heads)
     model.train()  # from_pretrained returns eval mode: dropout would silently stay off
     trainable = [p for p in model.parameters() if p.requires_grad]
     loaded = LoadedModel(
@@ -614,6 +614,7 @@ def load_model(spec, num_labels=0, on_meta=False):
         column_lengths=spec.column_lengths,
         parameter_counts=(sum(p.numel() for p in model.parameters()), sum(p.numel() for p in trainable)),
         include_prompt=st_config["include_prompt"] if spec.include_prompt is None else spec.include_prompt,
+        static_queries=static is not None,
     )
     multi_vector_tokens(loaded, multi)  # ColBERT's lengths and query expansion, which tokenize applies
     if file_names is not None:

@@ -92,7 +92,7 @@ def tokenize_for_evaluation(loaded, query_column):
     """tokenize(texts, columns) for eval_dist's retrieval: the queries' (`query_column`'s texts)
     token ids as static_ids / static_mask, which EmbeddingModel.forward looks up without running
     the encoder; the corpus' as documents. A model without static queries: loaded.tokenize."""
-    if loaded.model.static is None:
+    if not loaded.static_queries:
         return loaded.tokenize
 
     def tokenize(texts, columns):

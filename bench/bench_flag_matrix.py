@@ -136,8 +136,6 @@ REFUSALS = [
         "--mask-duplicates",
         {"model": "masked_lm", "pooling": "splade", "mask_duplicates": True},
     ),
-    # a multi-vector (ColBERT) model: the losses sentence-transformers has a MultiVector form of
-    # (MNRL, MarginMSE, DistillKL); one vector a text is what CoSENT, Softmax and MSE compare
     # inference-free SPLADE (docs/sparse.md): static queries are a SPLADE model's, and GradCache
     # does not run their route
     (
@@ -150,6 +148,8 @@ REFUSALS = [
         "--cache-chunk-size",
         {"model": "masked_lm", "pooling": "splade", "inference_free_queries": True, "cache_chunk_size": 2},
     ),
+    # a multi-vector (ColBERT) model: the losses sentence-transformers has a MultiVector form of
+    # (MNRL, MarginMSE, DistillKL); one vector a text is what CoSENT, Softmax and MSE compare
     (
         lambda c: c.get("pooling") == "multivector" and c.get("loss", "mnrl") not in MULTI_VECTOR_LOSSES,
         "multi-vector",
@@ -169,6 +169,7 @@ REFUSALS = [
 ]
 MULTI_VECTOR_LOSSES = ("mnrl", "margin_mse", "distill_kl")
 SPARSE_LOSSES = ("mnrl", "margin_mse", "distill_kl")  # SpladeLoss around their Sparse forms
+# (the bench's own expectation, kept apart from model_checks' lists it checks)
 
 
 def refused(case):

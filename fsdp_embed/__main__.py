@@ -188,8 +188,8 @@ def build_model_and_set_allocator(plan):
 
 
 def build_training(model, no_decay_names, plan, lr, weight_decay, static_lr=None):
-    """(AdamW at peak learning rate `lr`, its learning-rate schedule, the fp16 loss scaler or
-    None), for the wrapped model."""
+    """(AdamW at peak learning rate `lr`, inference-free SPLADE's static weights at `static_lr`, its
+    learning-rate schedule, the fp16 loss scaler or None), for the wrapped model."""
     # torch 2.13's fused AdamW rejects the ShardedGradScaler's found-inf tensor (shape [1], not
     # []): "output with shape [] doesn't match the broadcast shape [1]". fp16 + FSDP goes unfused.
     fused = not (plan.precision == "fp16" and plan.strategy == "fsdp")

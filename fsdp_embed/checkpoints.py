@@ -82,7 +82,8 @@ def _tensor_state(model, optimizer):
 def _untied(tensors):
     """(`tensors` with each storage once, {left-out name: the name kept}): tied tensors (a SPLADE
     head's decoder is the word embeddings) share storage, and safetensors refuses to write such a
-    pair. Loading the kept name fills the other, which is the same storage."""
+    pair. Loading the kept name fills the other, which is the same storage. FSDP1's ShardedTensors
+    are passed through as they are (FSDP1 with a tied head is not tested: docs/sparse.md)."""
     kept, tied = {}, {}
     for name, t in tensors.items():
         if hasattr(t, "local_shards"):  # FSDP1's ShardedTensor: written as it is

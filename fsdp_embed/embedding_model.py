@@ -12,7 +12,7 @@ so no rank ever holds the whole model (shard_loading.load_pretrained_sharded fil
 
 Needs transformers, safetensors, and fsdp_utils.py, fsdp_embed/config.py, fsdp_embed/lora.py,
 fsdp_embed/shard_loading.py (which needs fsdp_embed/checkpoint_warnings.py), fsdp_embed/splade.py and
-inference_free.py (SPLADE), fsdp_embed/st_folder.py (`read_sentence_transformer_config`).
+fsdp_embed/inference_free.py (SPLADE), fsdp_embed/st_folder.py (`read_sentence_transformer_config`).
 """
 
 import copy

@@ -6,7 +6,8 @@
     staged file over the process group (`send_files_to_rank0`); LoRA adapters are merged into
     their layers; rank 0 alone writes;
   - `export_sentence_transformer` (one writer, no collective): a folder that
-    `SentenceTransformer(path)` (sentence-transformers 2.x to 6.x) and
+    `SentenceTransformer(path)` (sentence-transformers 2.x to 6.x; an inference-free SPLADE
+    model's Router folder: 6.x) and
     `AutoModel.from_pretrained(path)` both load, its weights in files of a bounded size, its
     sentence-transformers files from `sentence_transformer_files`;
     st_folder.read_sentence_transformer_config reads back what it writes (pooling and include_prompt,
@@ -496,7 +497,9 @@ def sparse_encoder_files(loaded, sparse):
         modules.json                      MLMTransformer (path "") -> SpladePooling
         sentence_bert_config.json         max_seq_length, do_lower_case
         1_SpladePooling/config.json       pooling_strategy, activation_function, word_embedding_dimension
-        config_sentence_transformers.json versions, model_type SparseEncoder, dot product, prompts"""
+        config_sentence_transformers.json versions, model_type SparseEncoder, dot product, prompts
+    With static queries (inference-free SPLADE) the Router layout of sentence-transformers 6
+    instead (`router_files`)."""
     strategy, activation, _ = sparse.settings
     kinds = [("", "MLMTransformer"), ("1_SpladePooling", "SpladePooling")]
     versions = {

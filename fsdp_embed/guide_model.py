@@ -24,9 +24,10 @@ to wrap one).
 Left out on purpose: a guide or teacher that trains, and a projection between a teacher and a
 student of other widths (the embeddings must be the same size: a start-up check).
 
-Needs torch, and fsdp_embed/embedding_model.py (`load_model`), shard_loading.py (`fill_sharded_weights`),
-fsdp_embed/batches.py (`with_prompt`), fsdp_embed/sharding.py (`wrap_model`) and fsdp_utils.py
-(`print0`). Its whole copy set (what it needs, directly or through another): fsdp_utils.py,
+Needs torch, and fsdp_embed/embedding_model.py (`load_model`), fsdp_embed/shard_loading.py
+(`fill_sharded_weights`), fsdp_embed/batches.py (`with_prompt`), fsdp_embed/sharding.py
+(`wrap_model`) and fsdp_utils.py (`print0`). Its whole copy set (what it needs, directly or
+through another): fsdp_utils.py,
 fsdp_embed/batches.py, fsdp_embed/checkpoint_warnings.py, fsdp_embed/config.py,
 fsdp_embed/embedding_model.py, fsdp_embed/inference_free.py, fsdp_embed/lora.py,
 fsdp_embed/shard_loading.py, fsdp_embed/sharding.py, fsdp_embed/splade.py, fsdp_embed/st_folder.py,

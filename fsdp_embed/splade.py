@@ -457,8 +457,9 @@ def splade_embed(
     masked_lm, features, pooling_strategy="max", activation_function="relu", rows_per_chunk=8, checkpoint=None
 ):
     """The sparse vectors of one batch of tokenised texts -> (B, V): the encoder runs whole, the head
-    and the pooling `rows_per_chunk` rows at a time (`splade_from_head`: max pooling without the
-    logits' backward where the head is known; `checkpoint` given: `splade_from_hidden`'s path).
+    and the pooling `rows_per_chunk` rows at a time (`splade_from_head`: the split head where the
+    head is known, max pooling by TokenMaxLogits and sum pooling by TokenSumWeights; `checkpoint`
+    given: `splade_from_hidden`'s path).
     `features`: the tokenizer's input_ids, attention_mask and, where the model takes them,
     token_type_ids."""
     inputs = {k: features[k] for k in ("input_ids", "attention_mask", "token_type_ids") if k in features}

@@ -24,7 +24,7 @@ once on its own. Each run takes 2 steps and exports, and must end in one of two 
 `--fixed` runs the suite's fixed part instead (tests/test_flag_matrix.py): pooling x precision x
 strategy, and the losses of each precision against the fp32 run on the same rows.
 
-Run (about 10 minutes on 2 CPU cores; every run is launched warm, by tests/warm_launcher.py):
+Run (about 2 minutes on 2 CPU cores; every run is launched warm, by tests/warm_launcher.py):
     python bench/bench_flag_matrix.py             # the pairwise matrix, then each refusal
     python bench/bench_flag_matrix.py --list      # the runs it would make, and their number
     python bench/bench_flag_matrix.py --fixed     # the suite's fixed part

@@ -200,9 +200,10 @@ def check(texts):
     return result
 
 
-def in_subprocess(*args):
-    """This script's --case / --check in a fresh interpreter: its JSON answer."""
-    cmd = [sys.executable, os.path.abspath(__file__), *args]
+def in_subprocess(*args, script=__file__):
+    """`script` (this one by default: its --case / --check) in a fresh interpreter with `args`: the
+    JSON of its last line that starts with RESULT, or {"error": its last line of stderr}."""
+    cmd = [sys.executable, os.path.abspath(script), *args]
     proc = subprocess.run(cmd, capture_output=True, text=True, cwd=REPO_DIR)
     lines = [line for line in proc.stdout.splitlines() if line.startswith("RESULT ")]
     if proc.returncode != 0 or not lines:

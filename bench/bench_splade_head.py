@@ -42,26 +42,16 @@ import json
 import os
 import platform
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
+
+from bench_multivector_memory import in_subprocess, memory_mib  # a --case in a fresh interpreter; RSS
 
 REPO_DIR = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 PATHS = ("checkpointed", "new")
 PHASES = ("encoder_forward", "head_forward", "loss", "head_backward", "encoder_backward", "optimizer")
 ROWS_PER_CHUNK = 8
-
-
-def memory_mib():
-    """{VmRSS, VmHWM} of this process in MiB."""
-    values = {}
-    with open("/proc/self/status") as f:
-        for line in f:
-            key = line.split(":")[0]
-            if key in ("VmRSS", "VmHWM"):
-                values[key] = int(line.split()[1]) / 1024
-    return values
 
 
 def head_function(path, pooling, masked_lm):
@@ -148,16 +138,6 @@ def case(path, pooling, rows, tokens, steps, start_dir, profile):
     return result
 
 
-def in_subprocess(*args):
-    """This script's --case in a fresh interpreter: its JSON answer."""
-    cmd = [sys.executable, os.path.abspath(__file__), *args]
-    proc = subprocess.run(cmd, capture_output=True, text=True, cwd=REPO_DIR)
-    lines = [line for line in proc.stdout.splitlines() if line.startswith("RESULT ")]
-    if proc.returncode != 0 or not lines:
-        return {"error": (proc.stderr.strip().splitlines() or ["exit code %d" % proc.returncode])[-1]}
-    return json.loads(lines[-1][len("RESULT ") :])
-
-
 def print_tables(results):
     runs = [r for r in results["runs"] if "error" not in r]
     print(f"\n{results['machine']}; {results['seconds'] / 60:.1f} min in all")
@@ -236,7 +216,9 @@ def main():
                     flags = ["--tokens", str(args.tokens), "--steps", str(args.steps)]
                     flags += ["--profile"] if args.profile else []
                     run = {"pooling": pooling, "path": path, "rows": rows, "tokens": args.tokens}
-                    run.update(in_subprocess("--case", path, pooling, str(rows), start_dir, *flags))
+                    run.update(
+                        in_subprocess("--case", path, pooling, str(rows), start_dir, *flags, script=__file__)
+                    )
                     if "error" not in run:
                         run["added_mib"] = run["peak_mib"] - run["base_mib"]
                         run["median_step_s"] = statistics.median(run["step_seconds"])

@@ -15,16 +15,8 @@ import json
 
 import pytest
 import torch
-from conftest import (
-    assert_same_training,
-    data_file,
-    load_model,
-    plan_for,
-    run_train,
-    save_tiny_masked_lm,
-    start_up,
-)
-from conftest import warm_run
+from conftest import assert_same_training, data_file, load_model, plan_for, run_train, start_up, warm_run
+from conftest import save_tiny_masked_lm
 
 import losses
 from fsdp_embed import config
